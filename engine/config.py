@@ -1,0 +1,215 @@
+"""Frozen configuration dataclasses: one for the model's architecture, one for the engine around it."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+_HF_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint describes an architecture or feature pdserve does not implement."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2/2.5)."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool = False
+    # Llama 3.x long-context rope scaling: (factor, low_freq_factor, high_freq_factor, original_max_pos).
+    rope_llama3_scaling: tuple[float, float, float, int] | None = None
+    name: str = "model"
+
+    def __post_init__(self):
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise UnsupportedModelError(
+                f"architecture {self.architecture!r} is not supported (supported: {SUPPORTED_ARCHITECTURES})"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise UnsupportedModelError(
+                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
+            )
+
+    @property
+    def group_size(self) -> int:
+        """Query heads that share one KV head."""
+        return self.num_heads // self.num_kv_heads
+
+    def padded_num_kv_heads(self, tp: int) -> int:
+        """KV heads padded up to a multiple of the TP size (dummy heads appended at the end)."""
+        return math.ceil(self.num_kv_heads / tp) * tp
+
+    def padded_num_heads(self, tp: int) -> int:
+        """Query heads padded so that every (padded) KV head keeps a full group of query heads."""
+        return self.padded_num_kv_heads(tp) * self.group_size
+
+    @classmethod
+    def from_gguf_metadata(
+        cls, meta: Mapping[str, Any], tie_word_embeddings: bool, name: str = "model"
+    ) -> ModelConfig:
+        """Builds the config from GGUF key/value metadata (`{arch}.block_count`, ...).
+
+        GGUF says nothing about tied embeddings in its metadata; the caller knows from the tensor list
+        (no `output.weight`).
+        """
+        arch = meta.get("general.architecture")
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise UnsupportedModelError(
+                f"GGUF architecture {arch!r} is not supported (supported: {SUPPORTED_ARCHITECTURES})"
+            )
+
+        def get(key, default=None):
+            value = meta.get(f"{arch}.{key}", default)
+            if value is None:
+                raise UnsupportedModelError(f"GGUF metadata lacks {arch}.{key}")
+            return value
+
+        hidden = int(get("embedding_length"))
+        num_heads = int(get("attention.head_count"))
+        vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens", ()))
+        scaling = None
+        if meta.get(f"{arch}.rope.scaling.type") not in (None, "none"):
+            raise UnsupportedModelError(f"rope scaling {meta.get(f'{arch}.rope.scaling.type')!r} unsupported")
+        return cls(
+            architecture=arch,
+            vocab_size=int(vocab),
+            hidden_size=hidden,
+            intermediate_size=int(get("feed_forward_length")),
+            num_layers=int(get("block_count")),
+            num_heads=num_heads,
+            num_kv_heads=int(get("attention.head_count_kv", num_heads)),
+            head_dim=int(meta.get(f"{arch}.attention.key_length") or hidden // num_heads),
+            rope_theta=float(get("rope.freq_base", 10000.0)),
+            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
+            max_position_embeddings=int(get("context_length")),
+            tie_word_embeddings=tie_word_embeddings,
+            qkv_bias=arch == "qwen2",
+            rope_llama3_scaling=scaling,
+            name=name,
+        )
+
+    @classmethod
+    def from_hf_config(cls, config: Mapping[str, Any] | Path, name: str = "model") -> ModelConfig:
+        """Builds the config from a Hugging Face `config.json` (a dict or its path)."""
+        if isinstance(config, Path):
+            config = json.loads(config.read_text())
+        archs = config.get("architectures") or []
+        arch = next((_HF_ARCHITECTURES[a] for a in archs if a in _HF_ARCHITECTURES), None)
+        if arch is None:
+            raise UnsupportedModelError(
+                f"config.json architectures {archs} not supported (supported: {sorted(_HF_ARCHITECTURES)})"
+            )
+        num_heads = config["num_attention_heads"]
+        scaling = None
+        rope_scaling = config.get("rope_scaling")
+        if rope_scaling:
+            kind = rope_scaling.get("rope_type") or rope_scaling.get("type")
+            if kind == "llama3":
+                scaling = (
+                    float(rope_scaling["factor"]),
+                    float(rope_scaling["low_freq_factor"]),
+                    float(rope_scaling["high_freq_factor"]),
+                    int(rope_scaling["original_max_position_embeddings"]),
+                )
+            elif kind != "default":
+                raise UnsupportedModelError(f"rope_scaling type {kind!r} is not supported")
+        return cls(
+            architecture=arch,
+            vocab_size=config["vocab_size"],
+            hidden_size=config["hidden_size"],
+            intermediate_size=config["intermediate_size"],
+            num_layers=config["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=config.get("num_key_value_heads", num_heads),
+            head_dim=config.get("head_dim") or config["hidden_size"] // num_heads,
+            rope_theta=float(config.get("rope_theta", 10000.0)),
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=config.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            qkv_bias=arch == "qwen2",
+            rope_llama3_scaling=scaling,
+            name=name,
+        )
+
+
+def _powers_of_two(start: int, stop: int) -> tuple[int, ...]:
+    """start, 2*start, ... up to and including stop (stop itself is always the last bucket)."""
+    out, value = [], start
+    while value < stop:
+        out.append(value)
+        value *= 2
+    out.append(stop)
+    return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Sizes of the paged cache, the batches and the compiled shape buckets."""
+
+    block_size: int = 16
+    num_blocks: int = 1024
+    max_num_seqs: int = 32  # running requests decoded together
+    max_model_len: int = 4096  # prompt + generated tokens of one request
+    max_prefill_tokens: int = 512  # tokens of one prefill chunk (per request row)
+    max_prefill_seqs: int = 4  # requests prefilled in one step
+    min_decode_blocks: int = 8  # smallest context bucket of the decode step, in blocks
+    tp: int = 1
+    dtype: str = "float32"
+    max_logprobs: int = 20
+
+    def __post_init__(self):
+        if self.max_model_len % self.block_size:
+            raise ValueError("max_model_len must be a multiple of block_size")
+        if self.max_prefill_tokens % self.block_size:
+            raise ValueError("max_prefill_tokens must be a multiple of block_size")
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return self.max_model_len // self.block_size
+
+    @property
+    def decode_batch_buckets(self) -> tuple[int, ...]:
+        return _powers_of_two(1, self.max_num_seqs)
+
+    @property
+    def context_block_buckets(self) -> tuple[int, ...]:
+        """Block-table widths the attention is compiled for (the whole context of the longest row)."""
+        return _powers_of_two(min(self.min_decode_blocks, self.max_blocks_per_seq), self.max_blocks_per_seq)
+
+    @property
+    def prefill_token_buckets(self) -> tuple[int, ...]:
+        return _powers_of_two(min(32, self.max_prefill_tokens), self.max_prefill_tokens)
+
+    @property
+    def prefill_batch_buckets(self) -> tuple[int, ...]:
+        return _powers_of_two(1, self.max_prefill_seqs)
+
+
+def bucket_for(value: int, buckets: tuple[int, ...]) -> int:
+    """The smallest bucket >= value; ValueError past the largest."""
+    for bucket in buckets:
+        if value <= bucket:
+            return bucket
+    raise ValueError(f"{value} exceeds the largest bucket {buckets[-1]}")

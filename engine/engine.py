@@ -1,0 +1,210 @@
+"""The colocated engine: add requests, step, stream outputs. Also the Python API (`LLM.generate`).
+
+One step reads in three calls: schedule -> run -> postprocess.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import secrets
+import time
+from collections.abc import Sequence
+
+import jax
+
+from engine.block_manager import BlockAllocator, BlockTable
+from engine.config import EngineConfig
+from engine.models import LoadedModel, load_model
+from engine.output import OutputStream, RequestOutput
+from engine.request import FinishReason, Request, Status, TokenLogprobs
+from engine.runner import ModelRunner, Row, SampleRow
+from engine.sampling_params import InvalidRequestError, SamplingParams
+from engine.scheduler import Scheduler, ScheduledStep
+from engine.sharding import make_mesh
+from engine.weights import build_weights
+
+log = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    """Continuous batching over one model on one mesh. Not thread-safe: drive it from one thread."""
+
+    def __init__(self, model: LoadedModel, config: EngineConfig, devices: Sequence[jax.Device] | None = None):
+        self.model = model
+        self.config = config
+        self.tokenizer = model.tokenizer
+        self.mesh = make_mesh(config.tp, devices)
+        weights = build_weights(model.config, model.host_weights, self.mesh, jax.numpy.dtype(config.dtype))
+        self.runner = ModelRunner(model.config, config, weights, self.mesh)
+        self.allocator = BlockAllocator(config.num_blocks)
+        self.scheduler = Scheduler(config, self.allocator)
+        self._streams: dict[str, OutputStream] = {}
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_model(
+        cls,
+        ref: str | None = None,
+        config: EngineConfig | None = None,
+        devices: Sequence[jax.Device] | None = None,
+        warmup: bool = True,
+        progress: bool = True,
+    ) -> LLMEngine:
+        """Loads a model (path or known name; None: the default) and compiles every shape."""
+        t0 = time.perf_counter()
+        engine = cls(load_model(ref), config or EngineConfig(), devices)
+        loaded = time.perf_counter()
+        if warmup:
+            engine.runner.warmup(progress=progress)
+        log.info("engine ready: load %.1f s, warmup %.1f s", loaded - t0, time.perf_counter() - loaded)
+        return engine
+
+    # ---- requests -------------------------------------------------------------------------------------
+    def make_request(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        lora: str | None = None,
+    ) -> Request:
+        """Validates and tokenizes; raises InvalidRequestError naming the bad field."""
+        vocab = self.model.config.vocab_size
+        params.validate(vocab, self.config.max_logprobs)
+        if isinstance(prompt, str):
+            prompt_ids = self.tokenizer.encode(prompt)
+        else:
+            prompt_ids = [int(t) for t in prompt]
+            if any(not 0 <= t < vocab for t in prompt_ids):
+                raise InvalidRequestError("prompt_token_ids", f"token ids must be in [0, {vocab})")
+        if not prompt_ids:
+            raise InvalidRequestError("prompt", "must not be empty")
+        if len(prompt_ids) + params.max_tokens > self.config.max_model_len:
+            raise InvalidRequestError(
+                "max_tokens",
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                f"model length {self.config.max_model_len}",
+            )
+        if lora is not None:
+            raise InvalidRequestError("lora", f"unknown adapter {lora!r}")
+        return Request(
+            request_id=request_id or f"req-{next(self._ids)}",
+            prompt_ids=prompt_ids,
+            params=params,
+            seed=params.seed if params.seed is not None else secrets.randbits(63),
+            blocks=BlockTable(self.allocator, self.config.block_size),
+        )
+
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, **kwargs) -> str:
+        request = self.make_request(prompt, params or SamplingParams(), **kwargs)
+        if request.request_id in self._streams:
+            raise InvalidRequestError("request_id", f"{request.request_id!r} is already running")
+        self._streams[request.request_id] = OutputStream(request, self.tokenizer, self.config.max_model_len)
+        self.scheduler.add(request)
+        return request.request_id
+
+    def abort(self, request_id: str) -> bool:
+        """Cancels a request and frees its blocks; False when it is not (or no longer) here."""
+        stream = self._streams.pop(request_id, None)
+        if stream is None:
+            return False
+        stream.request.finish_reason = FinishReason.ABORT
+        stream.request.status = Status.FINISHED
+        self.scheduler.remove(stream.request)
+        return True
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # ---- the loop -------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One model step for the scheduled requests; returns what each produced."""
+        step = self.scheduler.schedule()
+        if step is None:
+            return []
+        sampled = self._run(step)
+        return self._postprocess(sampled)
+
+    def _run(self, step: ScheduledStep) -> list[tuple[Request, int, TokenLogprobs | None]]:
+        if step.prefill:
+            rows = [
+                Row(c.request.all_ids[c.start : c.start + c.length], c.start, c.request.blocks.block_ids)
+                for c in step.prefill
+            ]
+            samplers = [c.request for c in step.prefill if c.samples]
+            for chunk in step.prefill:
+                chunk.request.num_computed += chunk.length
+            indices = [i for i, c in enumerate(step.prefill) if c.samples]
+        else:
+            rows = [Row([r.output_ids[-1]], r.num_computed, r.blocks.block_ids) for r in step.decode]
+            samplers = list(step.decode)
+            for request in step.decode:
+                request.num_computed += 1
+            indices = list(range(len(rows)))
+        logits = self.runner.forward(rows)
+        if not samplers:
+            return []
+        if indices != list(range(len(indices))):
+            logits = logits[jax.numpy.asarray(indices + [0] * (logits.shape[0] - len(indices)))]
+        sample_rows = [SampleRow(r.params, r.seed, r.num_tokens, r.prompt_ids, r.output_ids) for r in samplers]
+        result = self.runner.sample(logits, sample_rows)
+        out = []
+        for i, request in enumerate(samplers):
+            logprobs = None
+            if request.params.logprobs is not None:
+                n = request.params.logprobs
+                top = list(zip(result.top_ids[i, :n].tolist(), result.top_logprobs[i, :n].tolist(), strict=True))
+                logprobs = TokenLogprobs(int(result.tokens[i]), float(result.logprob[i]), top)
+            out.append((request, int(result.tokens[i]), logprobs))
+        return out
+
+    def _postprocess(self, sampled: list[tuple[Request, int, TokenLogprobs | None]]) -> list[RequestOutput]:
+        outputs = []
+        now = time.monotonic()
+        for request, token, logprobs in sampled:
+            if request.first_token_time is None:
+                request.first_token_time = now
+            if request.status is Status.WAITING:
+                self.scheduler.promote(request)
+            output = self._streams[request.request_id].on_token(token, logprobs)
+            if output.finished:
+                request.status = Status.FINISHED
+                self.scheduler.remove(request)
+                del self._streams[request.request_id]
+            outputs.append(output)
+        return outputs
+
+    # ---- the Python API -------------------------------------------------------------------------------
+    def generate(
+        self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
+    ) -> list[Completion]:
+        """Runs prompts to completion together (continuous batching); results in prompt order."""
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        done: dict[str, Completion] = {
+            rid: Completion(rid, self._streams[rid].request.prompt_ids, [], "", None) for rid in ids
+        }
+        while any(c.finish_reason is None for c in done.values()):
+            for output in self.step():
+                completion = done.get(output.request_id)
+                if completion is None:
+                    continue
+                completion.token_ids += output.new_token_ids
+                completion.text += output.text
+                completion.logprobs += output.logprobs
+                if output.finished:
+                    completion.finish_reason = output.finish_reason.value
+        return [done[rid] for rid in ids]
+
+
+@dataclasses.dataclass
+class Completion:
+    request_id: str
+    prompt_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)

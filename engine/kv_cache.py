@@ -1,0 +1,35 @@
+"""The device-side paged KV cache: one stacked array for all layers.
+
+Layout: [num_layers, num_blocks, block_size, 2 * kv_heads, head_dim], K and V interleaved on the heads
+axis (2h is K of KV head h, 2h+1 its V), sharded on that axis over the mesh axis `model`. Per layer this
+is the `[num_blocks, block_size, 2 * kv_heads, head_dim]` layout kvtransfer moves.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding
+
+from engine.config import EngineConfig, ModelConfig
+from engine.sharding import named
+
+
+def cache_sharding(mesh: Mesh) -> NamedSharding:
+    return named(mesh, "layers", "blocks", "block_slots", "kv_heads", "head_dim")
+
+
+def cache_shape(model: ModelConfig, engine: EngineConfig) -> tuple[int, ...]:
+    kv_heads = model.padded_num_kv_heads(engine.tp)
+    return (model.num_layers, engine.num_blocks, engine.block_size, 2 * kv_heads, model.head_dim)
+
+
+def allocate_cache(model: ModelConfig, engine: EngineConfig, mesh: Mesh) -> jax.Array:
+    """A zeroed cache, created directly in its sharding (no host copy)."""
+    shape, dtype = cache_shape(model, engine), jnp.dtype(engine.dtype)
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=cache_sharding(mesh))()
+
+
+def cache_bytes_per_block(model: ModelConfig, engine: EngineConfig) -> int:
+    shape = cache_shape(model, engine)
+    return shape[0] * shape[2] * shape[3] * shape[4] * jnp.dtype(engine.dtype).itemsize

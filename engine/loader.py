@@ -1,0 +1,170 @@
+"""Checkpoint loading: GGUF files (dequantized at load) and Hugging Face safetensors folders.
+
+Both produce a `ModelConfig` and host numpy arrays in math layout (`x @ W`), layers stacked on a leading
+axis, ready for `engine.weights.build_weights`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from engine.config import ModelConfig, UnsupportedModelError
+
+log = logging.getLogger(__name__)
+
+# per-layer weight name -> (GGUF tensor suffix, HF tensor suffix)
+_LAYER_TENSORS = {
+    "attn_norm": ("attn_norm.weight", "input_layernorm.weight"),
+    "wq": ("attn_q.weight", "self_attn.q_proj.weight"),
+    "wk": ("attn_k.weight", "self_attn.k_proj.weight"),
+    "wv": ("attn_v.weight", "self_attn.v_proj.weight"),
+    "bq": ("attn_q.bias", "self_attn.q_proj.bias"),
+    "bk": ("attn_k.bias", "self_attn.k_proj.bias"),
+    "bv": ("attn_v.bias", "self_attn.v_proj.bias"),
+    "wo": ("attn_output.weight", "self_attn.o_proj.weight"),
+    "mlp_norm": ("ffn_norm.weight", "post_attention_layernorm.weight"),
+    "w_gate": ("ffn_gate.weight", "mlp.gate_proj.weight"),
+    "w_up": ("ffn_up.weight", "mlp.up_proj.weight"),
+    "w_down": ("ffn_down.weight", "mlp.down_proj.weight"),
+}
+_BIASES = ("bq", "bk", "bv")
+
+
+class CheckpointError(FileNotFoundError):
+    """A checkpoint file or tensor is missing."""
+
+
+def _undo_gguf_rope_permutation(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's converter reorders each q/k head's rows from halves to interleaved pairs; undo it.
+
+    `w` is [out, ...] with out = num_heads * head_dim (a weight or a bias).
+    """
+    out = w.shape[0]
+    return w.reshape(num_heads, out // num_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _stack_layers(cfg: ModelConfig, fetch: Callable[[int, str], np.ndarray | None]) -> dict[str, np.ndarray]:
+    """Stacks per-layer tensors ([out, in] as stored) into [L, in, out] math layout."""
+    stacked = {}
+    for name in _LAYER_TENSORS:
+        per_layer = []
+        for i in range(cfg.num_layers):
+            w = fetch(i, name)
+            if w is None:
+                if name in _BIASES and not cfg.qkv_bias:
+                    out = cfg.num_heads if name == "bq" else cfg.num_kv_heads
+                    w = np.zeros(out * cfg.head_dim, np.float32)
+                else:
+                    raise CheckpointError(f"layer {i} lacks tensor {name} ({_LAYER_TENSORS[name]})")
+            per_layer.append(w.T if w.ndim == 2 else w)
+        stacked[name] = np.stack(per_layer).astype(np.float32, copy=False)
+    return stacked
+
+
+def read_gguf_metadata(reader) -> dict[str, Any]:
+    """GGUF key/value fields as plain Python values (arrays as lists)."""
+    meta = {}
+    for key, field in reader.fields.items():
+        try:
+            meta[key] = field.contents()
+        except Exception:  # noqa: BLE001 - exotic field types are irrelevant to loading
+            continue
+    return meta
+
+
+def load_gguf(path: str | Path, name: str | None = None) -> tuple[ModelConfig, dict[str, np.ndarray], dict]:
+    """Reads a GGUF file: (config, host weights, metadata). Quantized tensors are dequantized to float32."""
+    import gguf
+
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"GGUF file not found: {path}")
+    reader = gguf.GGUFReader(str(path))
+    meta = read_gguf_metadata(reader)
+    tensors = {t.name: t for t in reader.tensors}
+    cfg = ModelConfig.from_gguf_metadata(
+        meta, tie_word_embeddings="output.weight" not in tensors, name=name or path.stem
+    )
+
+    def tensor(key: str) -> np.ndarray | None:
+        t = tensors.get(key)
+        if t is None:
+            return None
+        arr = gguf.quants.dequantize(t.data, t.tensor_type)
+        return np.asarray(arr, dtype=np.float32).reshape(tuple(reversed([int(d) for d in t.shape])))
+
+    permute = cfg.architecture in ("llama", "mistral")
+
+    def fetch(i: int, weight: str) -> np.ndarray | None:
+        w = tensor(f"blk.{i}.{_LAYER_TENSORS[weight][0]}")
+        if w is not None and permute and weight in ("wq", "bq"):
+            w = _undo_gguf_rope_permutation(w, cfg.num_heads)
+        if w is not None and permute and weight in ("wk", "bk"):
+            w = _undo_gguf_rope_permutation(w, cfg.num_kv_heads)
+        return w
+
+    host = _stack_layers(cfg, fetch)
+    for key, target in (("token_embd.weight", "embed"), ("output_norm.weight", "final_norm")):
+        w = tensor(key)
+        if w is None:
+            raise CheckpointError(f"{path} lacks tensor {key}")
+        host[target] = w
+    if not cfg.tie_word_embeddings:
+        host["lm_head"] = tensor("output.weight").T
+    return cfg, host, meta
+
+
+def load_hf_folder(path: str | Path, name: str | None = None) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    """Reads a Hugging Face folder: config.json and one or several *.safetensors files."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise CheckpointError(f"{path} has no config.json")
+    cfg = ModelConfig.from_hf_config(json.loads(config_file.read_text()), name=name or path.name)
+    index_file = path / "model.safetensors.index.json"
+    if index_file.is_file():
+        files = sorted(set(json.loads(index_file.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{path} has no *.safetensors files")
+    where: dict[str, Path] = {}
+    for file in files:
+        if not (path / file).is_file():
+            raise CheckpointError(f"{path / file} (named in the index) is missing")
+        with safe_open(str(path / file), framework="flax") as f:
+            for key in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                where[key] = path / file
+
+    def tensor(key: str) -> np.ndarray | None:
+        file = where.get(key)
+        if file is None:
+            return None
+        with safe_open(str(file), framework="flax") as f:
+            return np.asarray(f.get_tensor(key), dtype=np.float32)
+
+    host = _stack_layers(cfg, lambda i, w: tensor(f"model.layers.{i}.{_LAYER_TENSORS[w][1]}"))
+    for key, target in (("model.embed_tokens.weight", "embed"), ("model.norm.weight", "final_norm")):
+        w = tensor(key)
+        if w is None:
+            raise CheckpointError(f"{path} lacks tensor {key}")
+        host[target] = w
+    lm_head = tensor("lm_head.weight")
+    if not cfg.tie_word_embeddings:
+        if lm_head is None:
+            raise CheckpointError(f"{path} lacks lm_head.weight and embeddings are not tied")
+        host["lm_head"] = lm_head.T
+    return cfg, host
+
+
+def check_architecture(cfg: ModelConfig) -> None:
+    if cfg.architecture not in ("llama", "mistral", "qwen2"):
+        raise UnsupportedModelError(cfg.architecture)

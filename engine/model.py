@@ -1,0 +1,94 @@
+"""The Llama-family forward pass as plain functions over a weights pytree and a paged KV cache.
+
+One function, `forward_step`, serves prefill chunks and decode steps alike: rows of new tokens, each
+row attending to its own past through a block table. Layers run under `lax.scan` over the stacked
+weights (fast to compile, reads each weight once). The new tokens' K/V leave the scan as its per-layer
+output and are scattered into the cache once, after the last layer; the cache is donated, so the
+scatter updates it in place.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from engine.attention import paged_attention
+from engine.config import ModelConfig
+from engine.weights import Weights
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    variance = jnp.mean(jnp.square(x), axis=-1, keepdims=True)
+    return x * jax.lax.rsqrt(variance + eps) * weight
+
+
+@functools.lru_cache(maxsize=8)
+def rope_inverse_frequencies(cfg: ModelConfig) -> np.ndarray:
+    """[head_dim // 2] inverse frequencies, with Llama 3's long-context scaling when configured."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    if cfg.rope_llama3_scaling is not None:
+        factor, low_ff, high_ff, original = cfg.rope_llama3_scaling
+        wavelen = 2 * np.pi / inv
+        low_wavelen, high_wavelen = original / low_ff, original / high_ff
+        smooth = (original / wavelen - low_ff) / (high_ff - low_ff)
+        scaled = np.where(wavelen > low_wavelen, inv / factor, inv)
+        mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+        inv = np.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
+    return inv.astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotary embedding, halves layout (HF's rotate_half). x: [B, T, ..., head_dim], positions [B, T]."""
+    angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, head_dim // 2]
+    angles = angles.reshape(*angles.shape[:2], *([1] * (x.ndim - 3)), angles.shape[-1])
+    cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def forward_step(
+    weights: Weights,
+    cache: jax.Array,  # [num_layers, num_blocks, block_size, 2 * kv_heads, head_dim]
+    tokens: jax.Array,  # [B, T] int32
+    num_past: jax.Array,  # [B] tokens of each row already in the cache
+    num_new: jax.Array,  # [B] valid tokens of each row in `tokens` (0: padding row)
+    block_tables: jax.Array,  # [B, P] blocks holding each row's past (P may be 0)
+    write_blocks: jax.Array,  # [B, T] block of each new token; num_blocks (out of range) for padding
+    write_offsets: jax.Array,  # [B, T] slot inside that block
+    *,
+    cfg: ModelConfig,
+) -> tuple[jax.Array, jax.Array]:  # logits [B, vocab] at each row's last valid token, updated cache
+    b, t = tokens.shape
+    kv_heads = cache.shape[3] // 2
+    head_dim = cfg.head_dim
+    positions = num_past[:, None] + jnp.arange(t)[None, :]
+    inv_freq = rope_inverse_frequencies(cfg)
+    x = weights.embed[tokens]  # [B, T, hidden]
+
+    def layer(x, lw):
+        w, index = lw
+        h = rms_norm(x, w.attn_norm, cfg.rms_norm_eps)
+        q = (h @ w.wq + w.bq).reshape(b, t, kv_heads, -1, head_dim)
+        k = (h @ w.wk + w.bk).reshape(b, t, kv_heads, head_dim)
+        v = (h @ w.wv + w.bv).reshape(b, t, kv_heads, head_dim)
+        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        attn = paged_attention(q, k, v, cache, index, block_tables, num_past, num_new)
+        x = x + attn.reshape(b, t, -1) @ w.wo
+        h = rms_norm(x, w.mlp_norm, cfg.rms_norm_eps)
+        x = x + (jax.nn.silu(h @ w.w_gate) * (h @ w.w_up)) @ w.w_down
+        new_kv = jnp.stack([k, v], axis=3).reshape(b, t, 2 * kv_heads, head_dim)  # K, V interleaved
+        return x, new_kv
+
+    x, new_kv = jax.lax.scan(layer, x, (weights.layers, jnp.arange(cfg.num_layers)))
+    cache = cache.at[:, write_blocks, write_offsets].set(new_kv.astype(cache.dtype), mode="drop")
+    last = x[jnp.arange(b), jnp.maximum(num_new - 1, 0)]  # [B, hidden]
+    last = rms_norm(last, weights.final_norm, cfg.rms_norm_eps)
+    if weights.lm_head is None:
+        logits = jnp.einsum("bd,vd->bv", last, weights.embed)
+    else:
+        logits = last @ weights.lm_head
+    return logits.astype(jnp.float32), cache

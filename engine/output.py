@@ -1,0 +1,63 @@
+"""Turning sampled tokens into what a client sees: text deltas, stop conditions, finish reasons."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from engine.request import FinishReason, Request, TokenLogprobs
+from engine.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    text: str  # delta
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+
+
+class OutputStream:
+    """Per-request detokenizer and stop-string matcher; decides when the request is done."""
+
+    def __init__(self, request: Request, tokenizer: Tokenizer, max_model_len: int):
+        self.request = request
+        self.detokenizer = IncrementalDetokenizer(tokenizer)
+        self.matcher = StopStringMatcher(request.params.stop)
+        self.stop_ids = set(request.params.stop_token_ids)
+        if not request.params.ignore_eos:
+            self.stop_ids |= tokenizer.eos_token_ids
+        self.max_model_len = max_model_len
+
+    def on_token(self, token: int, logprobs: TokenLogprobs | None) -> RequestOutput:
+        """Records a sampled token; sets the request's finish reason when it ends the request."""
+        r = self.request
+        r.output_ids.append(token)
+        if logprobs is not None:
+            r.logprobs.append(logprobs)
+        text = ""
+        if token in self.stop_ids:
+            r.finish_reason = FinishReason.STOP
+        else:
+            text = self.matcher.feed(self.detokenizer.add(token))
+            if self.matcher.stopped:
+                r.finish_reason = FinishReason.STOP
+            elif len(r.output_ids) >= r.params.max_tokens or r.num_tokens >= self.max_model_len:
+                r.finish_reason = FinishReason.LENGTH
+        if r.finish_reason is not None and not self.matcher.stopped:
+            text += self.matcher.feed(self.detokenizer.finish()) + self.matcher.flush()
+        return RequestOutput(
+            request_id=r.request_id,
+            new_token_ids=[token],
+            text=text,
+            finished=r.finish_reason is not None,
+            finish_reason=r.finish_reason,
+            logprobs=[logprobs] if logprobs is not None else [],
+            num_prompt_tokens=len(r.prompt_ids),
+            num_output_tokens=len(r.output_ids),
+        )

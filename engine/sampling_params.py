@@ -1,0 +1,74 @@
+"""Per-request sampling parameters, validated at the door."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+
+class InvalidRequestError(ValueError):
+    """A request field is out of range; `field` names it (the services answer INVALID_ARGUMENT)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens and when to stop. temperature == 0 is greedy."""
+
+    temperature: float = 1.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # HF style, over prompt and output tokens
+    presence_penalty: float = 0.0  # OpenAI style, over output tokens
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 256
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-n logprobs per token (0: only the sampled token's)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def needs_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def needs_sorted_logits(self) -> bool:
+        return not self.greedy and (self.top_k > 0 or self.top_p < 1.0)
+
+    def validate(self, vocab_size: int, max_logprobs: int) -> None:
+        """Raises InvalidRequestError naming the first bad field."""
+
+        def check(ok: bool, field: str, message: str):
+            if not ok:
+                raise InvalidRequestError(field, message)
+
+        check(math.isfinite(self.temperature) and self.temperature >= 0, "temperature", "must be finite, >= 0")
+        check(self.top_k >= 0, "top_k", "must be >= 0")
+        check(math.isfinite(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
+        check(math.isfinite(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
+        check(
+            math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0,
+            "repetition_penalty",
+            "must be finite, > 0",
+        )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            check(math.isfinite(value) and -2 <= value <= 2, name, "must be in [-2, 2]")
+        check(self.max_tokens >= 1, "max_tokens", "must be >= 1")
+        check(self.seed is None or 0 <= self.seed < 2**63, "seed", "must be in [0, 2**63)")
+        check(all(0 <= t < vocab_size for t in self.stop_token_ids), "stop_token_ids", "outside the vocabulary")
+        check(all(s for s in self.stop), "stop", "stop strings must be non-empty")
+        check(
+            self.logprobs is None or 0 <= self.logprobs <= max_logprobs,
+            "logprobs",
+            f"must be in [0, {max_logprobs}]",
+        )
