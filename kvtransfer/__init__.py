@@ -1,0 +1,81 @@
+"""kvtransfer: moves one request's KV cache from a prefill mesh into a decode mesh.
+
+Caches are paged: cache layers of [num_blocks, block_size, 2 * padded_kv_heads, head_dim] (K of kv head h
+at slot 2h, V at 2h+1; MLA: one latent slot), either one stacked array [num_cache_layers, ...] sharded
+P(None, None, None, "model", None) or any pytree of per-layer arrays. The block axis is -4.
+
+The API (everything else is internal):
+
+    layout = KVLayout(model, layer_specs, num_kv_heads, head_dim, dtype, block_size, tp_size=..., ...)
+    layout.fingerprint() -> str;  layout.check_compatible(peer_layout)  # raises LayoutMismatchError
+    head_map(src_layout, dst_layout) -> HeadMap       # heads "pad"/"replicate" + head_dim conversion
+
+    gather(cache, block_ids, num_tokens, *, layer_start=0, num_layers=None, token_start=0, head_map=None)
+        -> KVChunk(layer_start, token_start, num_tokens, data [layers, padded_tokens, slots, dim])
+    insert(cache, chunk, block_ids) -> cache          # cache donated, updated in place; use the result
+    insert_stream(cache, chunks, block_ids) -> cache
+    reshard(arrays, dst_sharding)                     # device_put, or pathwaysutils under JAX_PLATFORMS=proxy
+    chunk_sharding(mesh, layout), cache_sharding(mesh, layout)
+
+    FrameEncoder(request_id, layout, num_tokens).frames(chunks, block_ids) -> Iterator[Frame]
+    FrameAssembler(request_id, num_tokens, src_layout, dst_layout, sharding).add(frame) -> KVChunk; .finish()
+    serialize_frame(frame) -> bytes; deserialize_frame(bytes) -> Frame   # gRPC (de)serializers
+
+    KVTransport: send(request_id, cache, block_ids, num_tokens); receive(request_id, num_tokens) -> chunks
+      LocalTransport(src_layout, dst_layout, dst_mesh); GrpcTransport(layout, mesh=, listen=, peer=)
+    RequestRecord(request_id, prompt_ids, first_token, block_ids, num_computed_tokens,
+                  sampling_params, lora_adapter)
+
+Decode side, end to end:
+    cache = insert_stream(cache, transport.receive(request_id, num_tokens), my_block_ids)
+
+Padded tokens: a chunk's token axis is bucketed (power-of-two block counts) so that requests of any
+length compile a bounded set of kernels; KVChunk.num_tokens says how many are real, .valid() trims.
+"""
+
+from kvtransfer.codec import (
+    Frame,
+    FrameAssembler,
+    FrameEncoder,
+    FrameError,
+    deserialize_frame,
+    serialize_frame,
+)
+from kvtransfer.gather import gather, gather_request
+from kvtransfer.insert import insert, insert_stream
+from kvtransfer.layout import HeadMap, KVLayout, LayerSpec, LayoutMismatchError, SpecKind, head_map
+from kvtransfer.plan import MAX_FRAME_BYTES, KVChunk, plan_frames
+from kvtransfer.record import RequestRecord
+from kvtransfer.reshard import cache_sharding, chunk_sharding, on_pathways, reshard
+from kvtransfer.transport import GrpcTransport, KVTransport, LocalTransport, TransportError
+
+__all__ = [
+    "MAX_FRAME_BYTES",
+    "Frame",
+    "FrameAssembler",
+    "FrameEncoder",
+    "FrameError",
+    "GrpcTransport",
+    "HeadMap",
+    "KVChunk",
+    "KVLayout",
+    "KVTransport",
+    "LayerSpec",
+    "LayoutMismatchError",
+    "LocalTransport",
+    "RequestRecord",
+    "SpecKind",
+    "TransportError",
+    "cache_sharding",
+    "chunk_sharding",
+    "deserialize_frame",
+    "gather",
+    "gather_request",
+    "head_map",
+    "insert",
+    "insert_stream",
+    "on_pathways",
+    "plan_frames",
+    "reshard",
+    "serialize_frame",
+]

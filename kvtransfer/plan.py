@@ -1,0 +1,205 @@
+"""Host-side planning, free of device code: chunks, block runs, length buckets, the frame plan, cache trees.
+
+A request's KV moves as a sequence of chunks; each chunk is one frame on the wire. The plan is a pure
+function of (layout, num_tokens, max_payload_bytes), so both ends can reason about the same sequence, and
+its chunk shapes come from a small set (lengths bucketed to powers of two), which bounds compilation.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvtransfer.layout import KVLayout
+
+MAX_FRAME_BYTES = 4 << 20  # default gRPC message limit, header included
+HEADER_RESERVE_BYTES = 16 << 10  # room left in a frame for the prefix and the protobuf header
+MAX_FRAME_BLOCKS = 1024  # caps the block ids listed in one header
+
+
+@dataclass(frozen=True)
+class KVChunk:
+    """KV of cache layers [layer_start, layer_start + num_layers) for request tokens
+    [token_start, token_start + num_tokens).
+
+    data: [num_layers, padded_tokens, num_head_slots, padded_head_dim], a jax.Array or np.ndarray;
+    padded_tokens is a multiple of block_size and >= num_tokens; entries past num_tokens are padding
+    (never valid KV: insert writes the tail of the last block, which decode overwrites before reading,
+    and drops whole padding blocks). token_start is a multiple of block_size.
+    """
+
+    layer_start: int
+    token_start: int
+    num_tokens: int
+    data: Any
+
+    @property
+    def num_layers(self) -> int:
+        return self.data.shape[0]
+
+    def valid(self) -> Any:
+        """data[:, :num_tokens]: the real tokens only (free for numpy; a small compile per length for jax)."""
+        return self.data[:, : self.num_tokens]
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def bucket_blocks(num_blocks: int) -> int:
+    """Smallest power of two >= num_blocks (0 for 0): 10 buckets cover 1..512 blocks."""
+    return 0 if num_blocks <= 0 else 1 << (num_blocks - 1).bit_length()
+
+
+@dataclass(frozen=True)
+class Run:
+    index: int  # position of the run's first block in the list
+    start: int  # first block id
+    length: int
+
+
+def block_runs(block_ids: Sequence[int]) -> list[Run]:
+    """Maximal runs of consecutive block ids, in list order: [3, 4, 5, 9, 2] -> (0,3,3), (3,9,1), (4,2,1)."""
+    runs: list[Run] = []
+    for i, block in enumerate(block_ids):
+        if runs and block == runs[-1].start + runs[-1].length:
+            last = runs[-1]
+            runs[-1] = Run(last.index, last.start, last.length + 1)
+        else:
+            runs.append(Run(i, block, 1))
+    return runs
+
+
+@dataclass(frozen=True)
+class FramePlan:
+    """One chunk of the plan: cache layers [layer_start, +num_layers), request blocks [block_start,
+    +num_blocks) holding tokens [token_start, +num_tokens). bucket: the padded block count of its chunk."""
+
+    seq: int
+    layer_start: int
+    num_layers: int
+    block_start: int
+    num_blocks: int
+    token_start: int
+    num_tokens: int
+    bucket: int
+
+    @property
+    def layer_end(self) -> int:
+        return self.layer_start + self.num_layers
+
+    @property
+    def token_end(self) -> int:
+        return self.token_start + self.num_tokens
+
+
+def _layer_segments(layout: KVLayout, num_tokens: int) -> list[tuple[int, int, int]]:
+    """(first, end, first needed block) of each run of cache layers that need the same blocks."""
+    segments: list[tuple[int, int, int]] = []
+    for layer in range(layout.num_cache_layers):
+        first = layout.first_needed_block(layer, num_tokens)
+        if segments and segments[-1][2] == first:
+            segments[-1] = (segments[-1][0], layer + 1, first)
+        else:
+            segments.append((layer, layer + 1, first))
+    return segments
+
+
+def plan_frames(
+    layout: KVLayout, num_tokens: int, max_frame_bytes: int = MAX_FRAME_BYTES
+) -> tuple[FramePlan, ...]:
+    """The chunks of a request, in the order they are sent: by layer, then by token.
+
+    Each chunk's payload (bucketed) fits max_frame_bytes - HEADER_RESERVE_BYTES. Whole layers are grouped
+    while they fit; a layer too large for one frame is split into power-of-two runs of blocks. Sliding
+    window layers start at their first needed block.
+    """
+    budget = max_frame_bytes - HEADER_RESERVE_BYTES
+    block_bytes = layout.block_bytes
+    if block_bytes > budget:
+        raise ValueError(f"one block of one layer ({block_bytes} B) exceeds the frame budget ({budget} B)")
+    max_blocks = min(MAX_FRAME_BLOCKS, 1 << (budget // block_bytes).bit_length() - 1)
+    total_blocks = cdiv(num_tokens, layout.block_size)
+    pieces: list[tuple[int, int, int, int]] = []  # (layer_start, num_layers, block_start, num_blocks)
+    for layer_start, layer_end, first_block in _layer_segments(layout, num_tokens) if total_blocks else []:
+        num_blocks = total_blocks - first_block
+        if bucket_blocks(num_blocks) <= max_blocks:
+            group = max(1, budget // (bucket_blocks(num_blocks) * block_bytes))
+            for layer in range(layer_start, layer_end, group):
+                pieces.append((layer, min(group, layer_end - layer), first_block, num_blocks))
+        else:
+            for layer in range(layer_start, layer_end):
+                for block in range(first_block, total_blocks, max_blocks):
+                    pieces.append((layer, 1, block, min(max_blocks, total_blocks - block)))
+    bs = layout.block_size
+    return tuple(
+        FramePlan(
+            seq,
+            layer,
+            count,
+            block,
+            nblocks,
+            block * bs,
+            min(nblocks * bs, num_tokens - block * bs),
+            bucket_blocks(nblocks),
+        )
+        for seq, (layer, count, block, nblocks) in enumerate(pieces)
+    )
+
+
+def chunk_shapes(layout: KVLayout, max_request_blocks: int, max_frame_bytes: int = MAX_FRAME_BYTES) -> set:
+    """Distinct (num_layers, bucket) chunk shapes over requests of 1..max_request_blocks full blocks:
+    what bounds the number of compiled gather/insert variants."""
+    shapes = set()
+    for num_blocks in range(1, max_request_blocks + 1):
+        for plan in plan_frames(layout, num_blocks * layout.block_size, max_frame_bytes):
+            shapes.add((plan.num_layers, plan.bucket))
+    return shapes
+
+
+@dataclass(frozen=True)
+class Span:
+    """The part of a chunk's layers that lies in one cache leaf."""
+
+    leaf: int  # index into the flattened cache leaves
+    local_start: int  # first layer inside that leaf
+    count: int
+
+
+def leaf_layer_counts(leaves: Sequence[Any]) -> list[int]:
+    """Layers per leaf: a 5-D leaf [layers, num_blocks, block_size, slots, dim] holds shape[0], 4-D: 1."""
+    counts = []
+    for leaf in leaves:
+        if leaf.ndim not in (4, 5) or leaf.shape[-4:][1:] != leaves[0].shape[-4:][1:]:
+            raise ValueError(f"cache leaves must be [..., num_blocks, block_size, slots, dim]: {leaf.shape}")
+        counts.append(leaf.shape[0] if leaf.ndim == 5 else 1)
+    return counts
+
+
+def layer_spans(leaves: Sequence[Any], layer_start: int, num_layers: int) -> tuple[Span, ...]:
+    """Where cache layers [layer_start, layer_start + num_layers) live among the leaves, in order."""
+    counts = leaf_layer_counts(leaves)
+    if layer_start < 0 or layer_start + num_layers > sum(counts):
+        raise ValueError(
+            f"layers [{layer_start}, {layer_start + num_layers}) outside a {sum(counts)}-layer cache"
+        )
+    spans, first = [], 0
+    for leaf, count in enumerate(counts):
+        lo, hi = max(layer_start, first), min(layer_start + num_layers, first + count)
+        if lo < hi:
+            spans.append(Span(leaf, lo - first, hi - lo))
+        first += count
+    return tuple(spans)
+
+
+def check_block_ids(block_ids: Sequence[int], num_blocks: int, *, distinct: bool) -> None:
+    if any(not 0 <= b < num_blocks for b in block_ids):
+        raise ValueError(f"block ids outside [0, {num_blocks}): {list(block_ids)}")
+    if distinct and len(set(block_ids)) != len(block_ids):
+        raise ValueError(f"duplicate block ids: {list(block_ids)}")
+
+
+def frame_payload_bytes(layout: KVLayout, plan: FramePlan) -> int:
+    return plan.num_layers * plan.num_tokens * math.prod(layout.token_shape) * layout.np_dtype.itemsize
