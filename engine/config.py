@@ -117,13 +117,18 @@ class ModelConfig:
             config = json.loads(config.read_text())
         archs = config.get("architectures") or []
         arch = next((_HF_ARCHITECTURES[a] for a in archs if a in _HF_ARCHITECTURES), None)
+        if arch is None and not archs and config.get("model_type") in SUPPORTED_ARCHITECTURES:
+            arch = config["model_type"]  # folders written without `architectures`
         if arch is None:
             raise UnsupportedModelError(
                 f"config.json architectures {archs} not supported (supported: {sorted(_HF_ARCHITECTURES)})"
             )
         num_heads = config["num_attention_heads"]
         scaling = None
-        rope_scaling = config.get("rope_scaling")
+        # transformers >= 5 writes `rope_parameters` (theta inside); older configs `rope_theta` + `rope_scaling`
+        rope_parameters = config.get("rope_parameters") or {}
+        rope_theta = rope_parameters.get("rope_theta", config.get("rope_theta", 10000.0))
+        rope_scaling = config.get("rope_scaling") or rope_parameters
         if rope_scaling:
             kind = rope_scaling.get("rope_type") or rope_scaling.get("type")
             if kind == "llama3":
@@ -133,7 +138,7 @@ class ModelConfig:
                     float(rope_scaling["high_freq_factor"]),
                     int(rope_scaling["original_max_position_embeddings"]),
                 )
-            elif kind != "default":
+            elif kind not in (None, "default"):
                 raise UnsupportedModelError(f"rope_scaling type {kind!r} is not supported")
         return cls(
             architecture=arch,
@@ -144,7 +149,7 @@ class ModelConfig:
             num_heads=num_heads,
             num_kv_heads=config.get("num_key_value_heads", num_heads),
             head_dim=config.get("head_dim") or config["hidden_size"] // num_heads,
-            rope_theta=float(config.get("rope_theta", 10000.0)),
+            rope_theta=float(rope_theta),
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=config.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),

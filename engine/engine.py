@@ -13,6 +13,7 @@ import time
 from collections.abc import Sequence
 
 import jax
+import numpy as np
 
 from engine.block_manager import BlockAllocator, BlockTable
 from engine.config import EngineConfig
@@ -177,6 +178,21 @@ class LLMEngine:
         return outputs
 
     # ---- the Python API -------------------------------------------------------------------------------
+    def prompt_logits(self, prompt_ids: Sequence[int]) -> np.ndarray:
+        """float32 logits [vocab] after the prompt, prefilled in the engine's chunks; holds no blocks after.
+
+        Must not be called while requests are in flight (it runs steps of its own).
+        """
+        blocks = BlockTable(self.allocator, self.config.block_size)
+        blocks.reserve(len(prompt_ids))
+        try:
+            step = self.config.max_prefill_tokens
+            for start in range(0, len(prompt_ids), step):
+                logits = self.runner.forward([Row(list(prompt_ids[start : start + step]), start, blocks.block_ids)])
+            return np.asarray(logits[0])
+        finally:
+            blocks.release()
+
     def generate(
         self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
     ) -> list[Completion]:

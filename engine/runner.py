@@ -16,7 +16,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from engine.config import EngineConfig, ModelConfig, bucket_for
-from engine.kv_cache import allocate_cache, cache_sharding
+from engine.kv_cache import allocate_cache
 from engine.model import forward_step
 from engine.sampler import SampleResult, SamplingBatch, sample
 from engine.sampling_params import SamplingParams
@@ -24,6 +24,10 @@ from engine.sharding import named
 from engine.weights import Weights
 
 log = logging.getLogger(__name__)
+
+# One jitted step shared by every runner of the process: runners of the same model and shapes (tests,
+# the colocated `serve` shape) reuse each other's compilations. The cache keeps its input sharding.
+_jitted_step = jax.jit(forward_step, static_argnames=("cfg",), donate_argnames=("cache",))
 
 
 @dataclasses.dataclass
@@ -53,12 +57,7 @@ class ModelRunner:
         self.weights = weights
         self.mesh = mesh
         self.cache = allocate_cache(model, config, mesh)
-        replicated = named(mesh)
-        self._step = jax.jit(
-            functools.partial(forward_step, cfg=model),
-            donate_argnames=("cache",),
-            out_shardings=(replicated, cache_sharding(mesh)),
-        )
+        self._step = functools.partial(_jitted_step, cfg=model)
 
     # ---- shapes ---------------------------------------------------------------------------------------
     def step_shapes(self) -> list[tuple[int, int, int]]:

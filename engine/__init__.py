@@ -1,0 +1,1 @@
+"""The JAX model runtime shared by the prefill and decode roles."""

