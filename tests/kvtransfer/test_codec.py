@@ -1,0 +1,159 @@
+"""Wire codec: frames, (de)serializers, and the assembler's verification of damaged streams."""
+
+import numpy as np
+import pytest
+from kvtransfer_testlib import SENTINEL, check_transferred, dst_cache, make_layout, mesh, src_cache, to_host
+
+from kvtransfer import (
+    MAX_FRAME_BYTES,
+    FrameAssembler,
+    FrameEncoder,
+    FrameError,
+    chunk_sharding,
+    deserialize_frame,
+    gather,
+    gather_request,
+    insert,
+    serialize_frame,
+)
+from kvtransfer.plan import HEADER_RESERVE_BYTES
+
+SRC, DST = make_layout(dtype="bfloat16", tp=2), make_layout(dtype="bfloat16", tp=4)
+SMALL_FRAMES = HEADER_RESERVE_BYTES + 2 * SRC.block_bytes  # two blocks of one layer per frame
+SRC_BLOCKS, DST_BLOCKS, NUM_TOKENS = [3, 4, 5, 9, 1, 20, 21], [7, 2, 3, 4, 30, 11, 12], 26
+
+
+def wire_frames(max_frame_bytes=SMALL_FRAMES) -> list[bytes]:
+    src = src_cache(SRC, mesh(0, 2))
+    encoder = FrameEncoder("req", SRC, NUM_TOKENS, max_frame_bytes)
+    return [serialize_frame(f) for f in encoder.frames([gather(src, SRC_BLOCKS, NUM_TOKENS)], SRC_BLOCKS)]
+
+
+def receive(messages, num_tokens=NUM_TOKENS):
+    """Inserts a stream of wire frames into a fresh decode cache; returns (cache, FrameError or None)."""
+    m = mesh(4, 4)
+    assembler = FrameAssembler("req", num_tokens, SRC, DST, chunk_sharding(m, DST))
+    cache = dst_cache(DST, m)
+    try:
+        for message in messages:
+            cache = insert(cache, assembler.add(deserialize_frame(message)), DST_BLOCKS)
+        assembler.finish()
+    except FrameError as e:
+        return cache, e
+    return cache, None
+
+
+def test_round_trip_bfloat16_with_heads_padded_from_tp2_to_tp4():
+    messages = wire_frames()
+    assert len(messages) == 4 * 4  # 4 layers x (7 blocks in runs of 2)
+    cache, error = receive(messages)
+    assert error is None
+    check_transferred(cache, SRC, DST, SRC_BLOCKS, DST_BLOCKS, NUM_TOKENS)
+
+
+def test_header_records_ranges_blocks_shape_dtype_and_crc():
+    frame = deserialize_frame(wire_frames()[3])
+    h = frame.header
+    assert (h.seq, h.num_frames, h.layer_start, h.layer_end, h.token_start, h.token_end) == (
+        3,
+        16,
+        0,
+        1,
+        24,
+        26,
+    )
+    assert list(h.block_ids) == [21] and list(h.shape) == [1, 2, 8, 8] and h.payload_bytes == 2 * 8 * 8 * 2
+    assert h.dtype == 2  # KV_DTYPE_BFLOAT16
+    assert isinstance(frame.payload[0], memoryview) and frame.payload[0].nbytes == h.payload_bytes
+
+
+def test_deserializer_gives_zero_copy_views():
+    message = wire_frames()[0]
+    payload = deserialize_frame(message).payload[0]
+    assert payload.obj is message  # a view of the received bytes, not a copy
+
+
+def test_frames_respect_the_4_mib_default_with_headers():
+    layout = make_layout(
+        dtype="float32", head_dim_multiple=128
+    )  # 6 slots x 128 x 4 B x 4 tokens = 12 KiB/block
+    src = src_cache(layout, mesh(0, 1), num_blocks=1024)
+    blocks = list(range(0, 1024, 2))  # 512 scattered blocks = 6 MiB per layer
+    chunks = gather_request(src, layout, blocks, 512 * 4)
+    sizes = [len(serialize_frame(f)) for f in FrameEncoder("r", layout, 512 * 4).frames(chunks, blocks)]
+    assert max(sizes) <= MAX_FRAME_BYTES and max(sizes) > MAX_FRAME_BYTES // 2
+    assert sum(sizes) >= 4 * 512 * layout.block_bytes
+
+
+def _flip(message: bytes, offset: int) -> bytes:
+    damaged = bytearray(message)
+    damaged[offset] ^= 0x40
+    return bytes(damaged)
+
+
+def _assert_rejected(messages, kind, bad_index):
+    """The stream fails with `kind`, and the bad frame's blocks were never inserted."""
+    cache, error = receive(messages)
+    assert error is not None and error.kind == kind, error
+    bad = deserialize_frame(wire_frames()[bad_index]).header
+    blocks = DST_BLOCKS[bad.token_start // 4 : -(-bad.token_end // 4)]
+    assert (to_host(cache)[bad.layer_start : bad.layer_end, blocks] == SENTINEL).all()
+
+
+def test_corrupted_payload_is_detected_and_never_inserted():
+    messages = wire_frames()
+    messages[5] = _flip(messages[5], len(messages[5]) - 7)
+    _assert_rejected(messages, "corrupt", 5)
+
+
+def test_corrupted_header_is_detected():
+    messages = wire_frames()
+    with pytest.raises(FrameError, match="corrupt: header crc32c"):
+        deserialize_frame(_flip(messages[2], 12))
+
+
+def test_truncated_frame_is_detected_and_never_inserted():
+    messages = wire_frames()
+    messages[6] = messages[6][:-10]
+    _assert_rejected(messages, "truncated", 6)
+    with pytest.raises(FrameError, match="truncated"):
+        deserialize_frame(messages[6][:6])
+
+
+def test_truncated_stream_is_detected_at_the_end():
+    messages = wire_frames()
+    cache, error = receive(messages[:-1])
+    assert error is not None and error.kind == "truncated" and "15 of 16 frames" in str(error)
+    cache, error = receive([])
+    assert error is not None and error.kind == "truncated"
+
+
+def test_reordered_frames_are_detected_and_never_inserted():
+    messages = wire_frames()
+    messages[4], messages[5] = messages[5], messages[4]
+    _assert_rejected(messages, "reordered", 5)
+
+
+def test_duplicated_frame_is_detected():
+    messages = wire_frames()
+    _, error = receive(messages[:8] + [messages[7]] + messages[8:])
+    assert error is not None and error.kind == "duplicate"
+
+
+def test_frames_of_another_request_or_layout_are_refused():
+    messages = wire_frames()
+    _, error = receive(messages, num_tokens=NUM_TOKENS - 1)
+    assert error is not None and error.kind == "invalid"
+    assembler = FrameAssembler("other", NUM_TOKENS, SRC, DST)
+    with pytest.raises(FrameError, match="frame of request 'req'"):
+        assembler.add(deserialize_frame(messages[0]))
+    with pytest.raises(FrameError, match="already failed"):
+        assembler.add(deserialize_frame(messages[0]))
+
+
+def test_host_assembly_without_a_mesh_pads_tokens_to_a_bucket():
+    assembler = FrameAssembler("req", NUM_TOKENS, SRC, DST)
+    chunks = [assembler.add(deserialize_frame(m)) for m in wire_frames()[:4]]
+    chunk = chunks[3]  # tokens 24..25 of layer 0: one partly filled block
+    assert isinstance(chunk.data, np.ndarray) and chunk.data.shape == (1, 4, 8, 8) and chunk.num_tokens == 2
+    assert (chunk.data[:, 2:] == 0).all() and (chunk.data[:, :2, 6:] == 0).all()  # padding, dummy head
