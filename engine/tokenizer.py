@@ -47,7 +47,13 @@ def read_gguf_metadata(source: str | os.PathLike | Any) -> dict[str, Any]:
     import gguf
 
     reader = source if isinstance(source, gguf.GGUFReader) else gguf.GGUFReader(os.fspath(source))
-    return {name: field.contents() for name, field in reader.fields.items()}
+    metadata = {}
+    for name, field in reader.fields.items():
+        try:
+            metadata[name] = field.contents()
+        except Exception:  # noqa: BLE001 - a field type gguf cannot turn into Python says nothing about tokens
+            continue
+    return metadata
 
 
 def _byte_alphabet() -> dict[int, str]:
