@@ -69,8 +69,8 @@ class Scheduler:
         request.blocks.release()
 
     def schedule(self) -> ScheduledStep | None:
-        decode_ready = bool(self.running) and not self._last_was_prefill
-        if not decode_ready:
+        decode_turn = bool(self.running) and self._last_was_prefill
+        if not decode_turn:
             step = self._schedule_prefill()
             if step is not None:
                 self._last_was_prefill = True

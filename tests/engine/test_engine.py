@@ -1,0 +1,126 @@
+"""The colocated engine end to end on the default model: batching, TP, stops, aborts, preemption."""
+
+from __future__ import annotations
+
+import jax
+import pytest
+
+from engine.request import FinishReason
+from engine.sampling_params import InvalidRequestError, SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+PROMPTS = [
+    "The three primary colours are",
+    "def quicksort(xs):",
+    "Paris is the capital of France. Berlin is the capital of Germany. Madrid is the capital of",
+    "1, 2, 3, 4,",
+    "A" * 3,
+]
+
+
+def alone(engine, prompts, params):
+    return [engine.generate([p], params)[0].token_ids for p in prompts]
+
+
+def test_mixed_length_greedy_batch_equals_each_request_alone(make_engine):
+    engine = make_engine()
+    batched = [r.token_ids for r in engine.generate(PROMPTS, GREEDY)]
+    assert batched == alone(engine, PROMPTS, GREEDY)
+    assert engine.allocator.num_used == 0
+
+
+def test_seeded_sampling_is_independent_of_the_batch(make_engine):
+    engine = make_engine()
+    params = [SamplingParams(temperature=0.9, top_p=0.95, top_k=40, seed=100 + i, max_tokens=16) for i in range(4)]
+    batched = [r.token_ids for r in engine.generate(PROMPTS[:4], params)]
+    singles = [engine.generate([p], sp)[0].token_ids for p, sp in zip(PROMPTS[:4], params, strict=True)]
+    assert batched == singles
+    again = [r.token_ids for r in engine.generate(PROMPTS[:4], params)]
+    assert again == batched
+    other_seed = engine.generate([PROMPTS[0]], SamplingParams(temperature=0.9, seed=7, max_tokens=16))[0]
+    assert other_seed.token_ids != batched[0]
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tensor_parallel_gives_the_same_tokens(make_engine, tp):
+    reference = [r.token_ids for r in make_engine().generate(PROMPTS, GREEDY)]
+    engine = make_engine(devices=jax.devices()[:tp], tp=tp)
+    assert engine.runner.cache.sharding.spec[3] == "model"
+    assert [r.token_ids for r in engine.generate(PROMPTS, GREEDY)] == reference
+
+
+def test_stops_and_finish_reasons(make_engine):
+    engine = make_engine()
+    chat = engine.tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
+    eos = engine.generate([chat], SamplingParams(temperature=0, max_tokens=64))[0]
+    assert eos.finish_reason == "stop" and eos.text == "The capital of France is Paris."
+    assert eos.token_ids[-1] in engine.tokenizer.eos_token_ids
+    by_string = engine.generate([chat], SamplingParams(temperature=0, max_tokens=64, stop=("France is",)))[0]
+    assert by_string.finish_reason == "stop" and by_string.text == "The capital of "
+    by_token = engine.generate([chat], SamplingParams(temperature=0, max_tokens=64, stop_token_ids=(7042,)))[0]
+    assert by_token.finish_reason == "stop" and by_token.token_ids[-1] == 7042
+    by_length = engine.generate([chat], SamplingParams(temperature=0, max_tokens=3))[0]
+    assert by_length.finish_reason == "length" and len(by_length.token_ids) == 3
+    assert engine.allocator.num_used == 0
+
+
+def test_logprobs_are_reported_per_token(make_engine):
+    engine = make_engine()
+    result = engine.generate(["Hello"], SamplingParams(temperature=0, max_tokens=4, logprobs=3))[0]
+    assert len(result.logprobs) == 4
+    for token, lp in zip(result.token_ids, result.logprobs, strict=True):
+        assert lp.token_id == token and lp.logprob <= 0 and len(lp.top) == 3
+        assert lp.top[0][0] == token  # greedy picks the most likely token
+        assert lp.top[0][1] == pytest.approx(lp.logprob, abs=1e-5)
+
+
+def test_abort_frees_blocks_and_leaves_others_untouched(make_engine):
+    engine = make_engine()
+    expected = engine.generate([PROMPTS[0]], GREEDY)[0].token_ids
+    keep = engine.add_request(PROMPTS[0], GREEDY)
+    drop = engine.add_request(PROMPTS[1] * 20, GREEDY)
+    tokens = []
+    for _ in range(3):
+        tokens += [t for o in engine.step() if o.request_id == keep for t in o.new_token_ids]
+    assert engine.abort(drop) and not engine.abort(drop)
+    while engine.has_unfinished:
+        tokens += [t for o in engine.step() if o.request_id == keep for t in o.new_token_ids]
+    assert tokens == expected and engine.allocator.num_used == 0
+
+
+def test_preemption_under_block_pressure_keeps_outputs(make_engine):
+    """With too few blocks for all requests, the newest are preempted and recomputed: same tokens."""
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    roomy = [r.token_ids for r in make_engine().generate(PROMPTS, params)]
+    tight = make_engine(num_blocks=12)  # 5 requests of ~3-4 blocks each do not fit together
+    assert [r.token_ids for r in tight.generate(PROMPTS, params)] == roomy
+    assert tight.allocator.num_used == 0
+
+
+@pytest.mark.parametrize(
+    "prompt, params, field",
+    [
+        ("", SamplingParams(), "prompt"),
+        ([5, 49152], SamplingParams(), "prompt_token_ids"),
+        ("hi", SamplingParams(max_tokens=5000), "max_tokens"),
+        ("hi", SamplingParams(temperature=float("nan")), "temperature"),
+        ("hi", SamplingParams(temperature=-1), "temperature"),
+        ("hi", SamplingParams(top_p=0.0), "top_p"),
+        ("hi", SamplingParams(top_p=1.5), "top_p"),
+        ("hi", SamplingParams(logprobs=100), "logprobs"),
+    ],
+)
+def test_bad_requests_name_the_field(make_engine, prompt, params, field):
+    engine = make_engine()
+    with pytest.raises(InvalidRequestError) as err:
+        engine.add_request(prompt, params)
+    assert err.value.field == field
+    assert not engine.has_unfinished
+
+
+def test_abort_reason_is_recorded(make_engine):
+    engine = make_engine()
+    rid = engine.add_request("hello", GREEDY)
+    request = engine._streams[rid].request
+    engine.abort(rid)
+    assert request.finish_reason is FinishReason.ABORT
