@@ -147,10 +147,8 @@ class LLMEngine:
         logits = self.runner.forward(rows)
         if not samplers:
             return []
-        if indices != list(range(len(indices))):
-            logits = logits[jax.numpy.asarray(indices + [0] * (logits.shape[0] - len(indices)))]
         sample_rows = [SampleRow(r.params, r.seed, r.num_tokens, r.prompt_ids, r.output_ids) for r in samplers]
-        result = self.runner.sample(logits, sample_rows)
+        result = self.runner.sample(logits, sample_rows, indices)
         out = []
         for i, request in enumerate(samplers):
             logprobs = None
@@ -189,7 +187,7 @@ class LLMEngine:
             step = self.config.max_prefill_tokens
             for start in range(0, len(prompt_ids), step):
                 logits = self.runner.forward([Row(list(prompt_ids[start : start + step]), start, blocks.block_ids)])
-            return np.asarray(logits[0])
+            return np.asarray(logits)[0]
         finally:
             blocks.release()
 

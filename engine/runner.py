@@ -113,13 +113,14 @@ class ModelRunner:
         )
         return logits
 
-    def sample(self, logits: jax.Array, rows: list[SampleRow]) -> SampleResult:
-        """Samples the first len(rows) rows of `logits`; returns host numpy results for those rows."""
+    def sample(self, logits: jax.Array, rows: list[SampleRow], logits_rows: list[int] | None = None) -> SampleResult:
+        """Samples `rows` from rows `logits_rows` (default 0..) of `logits`; returns host numpy results."""
         params = [r.params for r in rows]
         penalties = any(p.needs_penalties for p in params)
         history = [(r.prompt_ids, r.output_ids) for r in rows] if penalties else None
         batch = SamplingBatch.build(
             params,
+            logits_rows if logits_rows is not None else list(range(len(rows))),
             [r.seed for r in rows],
             [r.position for r in rows],
             history,

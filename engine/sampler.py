@@ -23,6 +23,7 @@ _NEG_INF = -jnp.inf
 class SamplingBatch:
     """Per-row sampling inputs, host-built, padded to the batch bucket."""
 
+    logits_row: np.ndarray  # [B] int32: the row of the step's logits this row samples from
     temperature: np.ndarray  # [B] float32, 0 for greedy
     top_k: np.ndarray  # [B] int32, 0 off
     top_p: np.ndarray  # [B] float32
@@ -39,6 +40,7 @@ class SamplingBatch:
     def build(
         cls,
         params: list[SamplingParams],
+        logits_rows: list[int],
         seeds: list[int],
         positions: list[int],
         token_history: list[tuple[list[int], list[int]]] | None,
@@ -61,6 +63,7 @@ class SamplingBatch:
                 prompt_mask[row, output] = True
                 np.add.at(output_counts[row], output, 1)
         return cls(
+            logits_row=col(logits_rows, np.int32, 0),
             temperature=col((p.temperature for p in params), np.float32, 0.0),
             top_k=col((p.top_k for p in params), np.int32, 0),
             top_p=col((p.top_p for p in params), np.float32, 1.0),
@@ -123,7 +126,8 @@ def _row_keys(s: SamplingBatch) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnames=("sort", "num_logprobs"))
 def sample(logits: jax.Array, s: SamplingBatch, *, sort: bool, num_logprobs: int) -> SampleResult:
-    """Samples one token per row of `logits` [B, V]. Static flags pick the compiled variant."""
+    """Samples one token per row of `s` from `logits` [B, V]. Static flags pick the compiled variant."""
+    logits = logits[s.logits_row]
     model_logprobs = jax.nn.log_softmax(logits, axis=-1)
     if s.prompt_mask is not None:
         logits = _apply_penalties(logits, s)

@@ -1,0 +1,34 @@
+"""Counts XLA backend compilations, to show that steady-state serving compiles nothing new."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import jax
+
+_EVENT = "/jax/core/compile/backend_compile_duration"
+_lock = threading.Lock()
+_count = 0
+
+
+def _on_event(event: str, duration: float, **_) -> None:
+    global _count
+    if event == _EVENT:
+        with _lock:
+            _count += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_on_event)
+
+
+def compilations() -> int:
+    """Backend compilations in this process since the module was imported."""
+    return _count
+
+
+@contextlib.contextmanager
+def count_compilations():
+    """`with count_compilations() as counted: ...; counted()` -> compilations inside the block."""
+    start = _count
+    yield lambda: _count - start

@@ -1,0 +1,28 @@
+"""After warmup, a mixed workload compiles nothing new (every shape comes from a warmed bucket)."""
+
+from __future__ import annotations
+
+from engine.compile_watch import count_compilations
+from engine.sampling_params import SamplingParams
+
+
+def test_warmup_covers_a_mixed_workload(make_engine):
+    engine = make_engine(max_model_len=512, max_num_seqs=4, num_blocks=96, max_prefill_seqs=2)
+    with count_compilations() as counted:
+        variants = engine.runner.warmup(progress=False)
+    assert counted() > 0 and variants == len(engine.runner.step_shapes()) + len(engine.runner.sampler_shapes())
+    prompts = ["Hi", "Tell me a story about a dragon " * 3, "x " * 300, "1 2 3", "The sky is"]
+    params = [
+        SamplingParams(temperature=0, max_tokens=20),
+        SamplingParams(temperature=0.7, top_p=0.9, seed=1, max_tokens=30),
+        SamplingParams(temperature=1.0, top_k=20, repetition_penalty=1.2, seed=2, max_tokens=12, logprobs=2),
+        SamplingParams(temperature=0, presence_penalty=0.5, max_tokens=40, ignore_eos=True),
+        SamplingParams(temperature=0.5, min_p=0.1, seed=3, max_tokens=25),
+    ]
+    with count_compilations() as counted:
+        results = engine.generate(prompts, params)
+        chat = engine.tokenizer.encode_chat([{"role": "user", "content": "What is 2+2?"}])
+        results += engine.generate([chat], SamplingParams(temperature=0, max_tokens=8))
+        assert engine.prompt_logits(chat).shape == (engine.model.config.vocab_size,)
+    assert counted() == 0
+    assert all(r.finish_reason in ("stop", "length") for r in results)
