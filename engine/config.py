@@ -125,7 +125,7 @@ class ModelConfig:
             )
         num_heads = config["num_attention_heads"]
         scaling = None
-        # transformers >= 5 writes `rope_parameters` (theta inside); older configs `rope_theta` + `rope_scaling`
+        # transformers >= 5 writes `rope_parameters` (theta inside); older ones `rope_theta`, `rope_scaling`
         rope_parameters = config.get("rope_parameters") or {}
         rope_theta = rope_parameters.get("rope_theta", config.get("rope_theta", 10000.0))
         rope_scaling = config.get("rope_scaling") or rope_parameters

@@ -22,7 +22,7 @@ from engine.output import OutputStream, RequestOutput
 from engine.request import FinishReason, Request, Status, TokenLogprobs
 from engine.runner import ModelRunner, Row, SampleRow
 from engine.sampling_params import InvalidRequestError, SamplingParams
-from engine.scheduler import Scheduler, ScheduledStep
+from engine.scheduler import ScheduledStep, Scheduler
 from engine.sharding import make_mesh
 from engine.weights import build_weights
 
@@ -147,14 +147,18 @@ class LLMEngine:
         logits = self.runner.forward(rows)
         if not samplers:
             return []
-        sample_rows = [SampleRow(r.params, r.seed, r.num_tokens, r.prompt_ids, r.output_ids) for r in samplers]
+        sample_rows = [
+            SampleRow(r.params, r.seed, r.num_tokens, r.prompt_ids, r.output_ids) for r in samplers
+        ]
         result = self.runner.sample(logits, sample_rows, indices)
         out = []
         for i, request in enumerate(samplers):
             logprobs = None
             if request.params.logprobs is not None:
                 n = request.params.logprobs
-                top = list(zip(result.top_ids[i, :n].tolist(), result.top_logprobs[i, :n].tolist(), strict=True))
+                top = list(
+                    zip(result.top_ids[i, :n].tolist(), result.top_logprobs[i, :n].tolist(), strict=True)
+                )
                 logprobs = TokenLogprobs(int(result.tokens[i]), float(result.logprob[i]), top)
             out.append((request, int(result.tokens[i]), logprobs))
         return out
@@ -186,7 +190,9 @@ class LLMEngine:
         try:
             step = self.config.max_prefill_tokens
             for start in range(0, len(prompt_ids), step):
-                logits = self.runner.forward([Row(list(prompt_ids[start : start + step]), start, blocks.block_ids)])
+                logits = self.runner.forward(
+                    [Row(list(prompt_ids[start : start + step]), start, blocks.block_ids)]
+                )
             return np.asarray(logits)[0]
         finally:
             blocks.release()

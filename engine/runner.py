@@ -77,7 +77,11 @@ class ModelRunner:
         max_tokens = max(len(r.tokens) for r in rows)
         max_past = max(-(-r.num_past // c.block_size) for r in rows)
         if max_tokens == 1:  # decode
-            return bucket_for(len(rows), c.decode_batch_buckets), 1, bucket_for(max_past, c.context_block_buckets)
+            return (
+                bucket_for(len(rows), c.decode_batch_buckets),
+                1,
+                bucket_for(max_past, c.context_block_buckets),
+            )
         if max_past == 0:
             return (
                 bucket_for(len(rows), c.prefill_batch_buckets),
@@ -113,7 +117,9 @@ class ModelRunner:
         )
         return logits
 
-    def sample(self, logits: jax.Array, rows: list[SampleRow], logits_rows: list[int] | None = None) -> SampleResult:
+    def sample(
+        self, logits: jax.Array, rows: list[SampleRow], logits_rows: list[int] | None = None
+    ) -> SampleResult:
         """Samples `rows` from rows `logits_rows` (default 0..) of `logits`; returns host numpy results."""
         params = [r.params for r in rows]
         penalties = any(p.needs_penalties for p in params)
@@ -136,7 +142,9 @@ class ModelRunner:
         )
         result = jax.device_get(result)
         n = len(rows)
-        return SampleResult(result.tokens[:n], result.logprob[:n], result.top_ids[:n], result.top_logprobs[:n])
+        return SampleResult(
+            result.tokens[:n], result.logprob[:n], result.top_ids[:n], result.top_logprobs[:n]
+        )
 
     # ---- compilation ----------------------------------------------------------------------------------
     def warmup(self, progress: bool = True) -> int:
@@ -146,7 +154,9 @@ class ModelRunner:
         c = self.config
         shapes = self.step_shapes()
         sampler_shapes = self.sampler_shapes()
-        bar = tqdm(total=len(shapes) + len(sampler_shapes), desc="compiling", disable=not progress, unit="shape")
+        bar = tqdm(
+            total=len(shapes) + len(sampler_shapes), desc="compiling", disable=not progress, unit="shape"
+        )
         scratch = [0] * c.max_blocks_per_seq  # block 0: warmup writes are dropped (num_new == 0 rows only)
         for b, t, p in shapes:
             rows = [Row(tokens=[0] * t, num_past=p * c.block_size, block_ids=scratch) for _ in range(b)]

@@ -51,7 +51,9 @@ class SamplingParams:
             if not ok:
                 raise InvalidRequestError(field, message)
 
-        check(math.isfinite(self.temperature) and self.temperature >= 0, "temperature", "must be finite, >= 0")
+        check(
+            math.isfinite(self.temperature) and self.temperature >= 0, "temperature", "must be finite, >= 0"
+        )
         check(self.top_k >= 0, "top_k", "must be >= 0")
         check(math.isfinite(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
         check(math.isfinite(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
@@ -65,7 +67,9 @@ class SamplingParams:
             check(math.isfinite(value) and -2 <= value <= 2, name, "must be in [-2, 2]")
         check(self.max_tokens >= 1, "max_tokens", "must be >= 1")
         check(self.seed is None or 0 <= self.seed < 2**63, "seed", "must be in [0, 2**63)")
-        check(all(0 <= t < vocab_size for t in self.stop_token_ids), "stop_token_ids", "outside the vocabulary")
+        check(
+            all(0 <= t < vocab_size for t in self.stop_token_ids), "stop_token_ids", "outside the vocabulary"
+        )
         check(all(s for s in self.stop), "stop", "stop strings must be non-empty")
         check(
             self.logprobs is None or 0 <= self.logprobs <= max_logprobs,

@@ -72,7 +72,9 @@ def _pad_heads(w: np.ndarray, axis: int, cfg: ModelConfig, tp: int, kv: bool) ->
     if kv:
         grouped = w.reshape(*shape[:axis], cfg.num_kv_heads, cfg.head_dim, *shape[axis + 1 :])
     else:
-        grouped = w.reshape(*shape[:axis], cfg.num_kv_heads, cfg.group_size * cfg.head_dim, *shape[axis + 1 :])
+        grouped = w.reshape(
+            *shape[:axis], cfg.num_kv_heads, cfg.group_size * cfg.head_dim, *shape[axis + 1 :]
+        )
     widths = [(0, 0)] * grouped.ndim
     widths[axis] = (0, kv_pad)
     padded = np.pad(grouped, widths)
@@ -101,7 +103,9 @@ def build_weights(
         embed=jax.device_put(host["embed"].astype(dtype), named(mesh, "vocab", "embed")),
         layers=LayerWeights(**layers),
         final_norm=jax.device_put(host["final_norm"].astype(dtype), named(mesh, "embed")),
-        lm_head=None if lm_head is None else jax.device_put(lm_head.astype(dtype), named(mesh, "embed", "vocab")),
+        lm_head=None
+        if lm_head is None
+        else jax.device_put(lm_head.astype(dtype), named(mesh, "embed", "vocab")),
     )
 
 

@@ -32,7 +32,10 @@ def engine_config(args: argparse.Namespace):
     from engine.config import EngineConfig
 
     return EngineConfig(
-        tp=args.tp, max_model_len=args.max_model_len, num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs
+        tp=args.tp,
+        max_model_len=args.max_model_len,
+        num_blocks=args.num_blocks,
+        max_num_seqs=args.max_num_seqs,
     )
 
 
@@ -137,7 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     return args.func(args)
 
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import importlib.util  # noqa: E402
@@ -12,8 +14,12 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
-HAS_REFERENCE = importlib.util.find_spec("torch") is not None and importlib.util.find_spec("transformers") is not None
-requires_reference = pytest.mark.skipif(not HAS_REFERENCE, reason="needs the reference extra (torch, transformers)")
+HAS_REFERENCE = (
+    importlib.util.find_spec("torch") is not None and importlib.util.find_spec("transformers") is not None
+)
+requires_reference = pytest.mark.skipif(
+    not HAS_REFERENCE, reason="needs the reference extra (torch, transformers)"
+)
 
 
 @pytest.fixture(scope="session")
@@ -57,7 +63,9 @@ def make_engine(loaded_model, small_config):
         if key not in engines:
             engines[key] = LLMEngine(loaded_model, config, devices)
         engine = engines[key]
-        assert not engine.has_unfinished and engine.allocator.num_used == 0, "a test leaked requests or blocks"
+        assert not engine.has_unfinished and engine.allocator.num_used == 0, (
+            "a test leaked requests or blocks"
+        )
         return engine
 
     return make

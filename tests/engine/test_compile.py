@@ -10,7 +10,9 @@ def test_warmup_covers_a_mixed_workload(make_engine):
     engine = make_engine(max_model_len=512, max_num_seqs=4, num_blocks=96, max_prefill_seqs=2)
     with count_compilations() as counted:
         variants = engine.runner.warmup(progress=False)
-    assert counted() > 0 and variants == len(engine.runner.step_shapes()) + len(engine.runner.sampler_shapes())
+    assert counted() > 0 and variants == len(engine.runner.step_shapes()) + len(
+        engine.runner.sampler_shapes()
+    )
     prompts = ["Hi", "Tell me a story about a dragon " * 3, "x " * 300, "1 2 3", "The sky is"]
     params = [
         SamplingParams(temperature=0, max_tokens=20),

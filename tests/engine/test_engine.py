@@ -31,7 +31,9 @@ def test_mixed_length_greedy_batch_equals_each_request_alone(make_engine):
 
 def test_seeded_sampling_is_independent_of_the_batch(make_engine):
     engine = make_engine()
-    params = [SamplingParams(temperature=0.9, top_p=0.95, top_k=40, seed=100 + i, max_tokens=16) for i in range(4)]
+    params = [
+        SamplingParams(temperature=0.9, top_p=0.95, top_k=40, seed=100 + i, max_tokens=16) for i in range(4)
+    ]
     batched = [r.token_ids for r in engine.generate(PROMPTS[:4], params)]
     singles = [engine.generate([p], sp)[0].token_ids for p, sp in zip(PROMPTS[:4], params, strict=True)]
     assert batched == singles
@@ -57,7 +59,9 @@ def test_stops_and_finish_reasons(make_engine):
     assert eos.token_ids[-1] in engine.tokenizer.eos_token_ids
     by_string = engine.generate([chat], SamplingParams(temperature=0, max_tokens=64, stop=("France is",)))[0]
     assert by_string.finish_reason == "stop" and by_string.text == "The capital of "
-    by_token = engine.generate([chat], SamplingParams(temperature=0, max_tokens=64, stop_token_ids=(7042,)))[0]
+    by_token = engine.generate([chat], SamplingParams(temperature=0, max_tokens=64, stop_token_ids=(7042,)))[
+        0
+    ]
     assert by_token.finish_reason == "stop" and by_token.token_ids[-1] == 7042
     by_length = engine.generate([chat], SamplingParams(temperature=0, max_tokens=3))[0]
     assert by_length.finish_reason == "length" and len(by_length.token_ids) == 3

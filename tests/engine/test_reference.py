@@ -1,4 +1,4 @@
-"""The JAX model against HF transformers on the same GGUF (fixtures from scripts/make_reference_fixtures.py)."""
+"""The JAX model against HF transformers on the same GGUF (scripts/make_reference_fixtures.py)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ def load_fixtures() -> list[tuple[list[int], np.ndarray, list[int]]]:
     data = np.load(FIXTURES)
     count = len([k for k in data.files if k.startswith("prompt_")])
     return [
-        (data[f"prompt_{i}"].tolist(), data[f"logits_{i}"], data[f"greedy_{i}"].tolist()) for i in range(count)
+        (data[f"prompt_{i}"].tolist(), data[f"logits_{i}"], data[f"greedy_{i}"].tolist())
+        for i in range(count)
     ]
 
 

@@ -16,7 +16,9 @@ LOGITS = np.log(np.array([0.40, 0.25, 0.15, 0.10, 0.05, 0.03, 0.015, 0.005], np.
 def run(params, seeds=None, positions=None, logits=None, history=None, num_logprobs=0):
     n = len(params)
     logits = np.tile(LOGITS, (n, 1)) if logits is None else logits
-    batch = SamplingBatch.build(params, list(range(n)), seeds or [0] * n, positions or [0] * n, history, n, VOCAB)
+    batch = SamplingBatch.build(
+        params, list(range(n)), seeds or [0] * n, positions or [0] * n, history, n, VOCAB
+    )
     sort = any(p.needs_sorted_logits for p in params)
     return sample(jnp.asarray(logits), batch, sort=sort, num_logprobs=num_logprobs)
 
@@ -49,8 +51,11 @@ def test_temperature_sampling_follows_the_distribution():
 def test_same_seed_and_position_same_token_regardless_of_batch_neighbours():
     p = SamplingParams(temperature=1.0)
     alone = run([p], seeds=[42], positions=[9]).tokens.tolist()
-    mixed = run([SamplingParams(temperature=0.0), p, SamplingParams(temperature=2.0, top_k=3)],
-                seeds=[1, 42, 5], positions=[0, 9, 100]).tokens.tolist()
+    mixed = run(
+        [SamplingParams(temperature=0.0), p, SamplingParams(temperature=2.0, top_k=3)],
+        seeds=[1, 42, 5],
+        positions=[0, 9, 100],
+    ).tokens.tolist()
     assert mixed[1] == alone[0]
     by_position = {run([p], seeds=[42], positions=[i]).tokens.tolist()[0] for i in range(40)}
     assert len(by_position) > 1  # the position moves the key

@@ -6,8 +6,9 @@ from engine.request import Request, Status
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 
-CONFIG = EngineConfig(block_size=4, num_blocks=16, max_num_seqs=3, max_model_len=64, max_prefill_tokens=8,
-                      max_prefill_seqs=2)
+CONFIG = EngineConfig(
+    block_size=4, num_blocks=16, max_num_seqs=3, max_model_len=64, max_prefill_tokens=8, max_prefill_seqs=2
+)
 
 
 def make(alloc, rid, prompt_len, t=0.0):
@@ -44,7 +45,10 @@ def test_long_prompt_is_chunked_one_request_per_continued_step():
     sched.add(make(alloc, "long", 20))
     sched.add(make(alloc, "short", 3))
     step = sched.schedule()
-    assert [(c.request.request_id, c.start, c.length) for c in step.prefill] == [("long", 0, 8), ("short", 0, 3)]
+    assert [(c.request.request_id, c.start, c.length) for c in step.prefill] == [
+        ("long", 0, 8),
+        ("short", 0, 3),
+    ]
     assert not step.prefill[0].samples and step.prefill[1].samples
     run_prefill(sched, step)
     step = sched.schedule()

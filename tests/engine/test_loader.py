@@ -1,0 +1,138 @@
+"""Checkpoint loading: formats, clear errors, the GGUF rope permutation, head padding for TP."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from engine.config import ModelConfig, UnsupportedModelError
+from engine.loader import CheckpointError, _undo_gguf_rope_permutation, load_gguf, load_hf_folder
+from engine.models import resolve
+from engine.weights import _pad_heads
+
+HF_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 32,
+    "hidden_size": 16,
+    "intermediate_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 128,
+    "tie_word_embeddings": True,
+}
+
+
+def test_unsupported_architecture_is_named(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({**HF_CONFIG, "architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(UnsupportedModelError, match="GPT2LMHeadModel"):
+        load_hf_folder(tmp_path)
+
+
+def test_unsupported_gguf_architecture_is_named(tmp_path):
+    import gguf
+
+    path = tmp_path / "tiny.gguf"
+    writer = gguf.GGUFWriter(str(path), "gpt2")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 4), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(UnsupportedModelError, match="'gpt2'"):
+        load_gguf(path)
+
+
+def test_missing_files_are_clear_errors(tmp_path):
+    with pytest.raises(CheckpointError, match="not found"):
+        load_gguf(tmp_path / "nope.gguf")
+    with pytest.raises(CheckpointError, match="config.json"):
+        load_hf_folder(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(HF_CONFIG))
+    with pytest.raises(CheckpointError, match="safetensors"):
+        load_hf_folder(tmp_path)
+    with pytest.raises(CheckpointError, match="neither a file"):
+        resolve("no-such-model")
+
+
+def test_missing_tensor_is_named(tmp_path):
+    from safetensors.numpy import save_file
+
+    (tmp_path / "config.json").write_text(json.dumps(HF_CONFIG))
+    save_file(
+        {"model.embed_tokens.weight": np.zeros((32, 16), np.float32)}, str(tmp_path / "model.safetensors")
+    )
+    with pytest.raises(CheckpointError, match="layer 0 lacks tensor attn_norm"):
+        load_hf_folder(tmp_path)
+
+
+def test_small_hf_folder_loads_and_runs(tmp_path):
+    """A random 2-layer Llama in safetensors runs through the engine (config, stacking, tied head)."""
+    from safetensors.numpy import save_file
+
+    from engine.config import EngineConfig
+    from engine.engine import LLMEngine
+    from engine.models import LoadedModel
+
+    rng = np.random.default_rng(0)
+    tensors = {"model.embed_tokens.weight": rng.normal(size=(32, 16)), "model.norm.weight": np.ones(16)}
+    shapes = {
+        "self_attn.q_proj": (16, 16),
+        "self_attn.k_proj": (8, 16),
+        "self_attn.v_proj": (8, 16),
+        "self_attn.o_proj": (16, 16),
+        "mlp.gate_proj": (32, 16),
+        "mlp.up_proj": (32, 16),
+        "mlp.down_proj": (16, 32),
+    }
+    for i in range(2):
+        for name, shape in shapes.items():
+            tensors[f"model.layers.{i}.{name}.weight"] = rng.normal(size=shape) * 0.2
+        tensors[f"model.layers.{i}.input_layernorm.weight"] = np.ones(16)
+        tensors[f"model.layers.{i}.post_attention_layernorm.weight"] = np.ones(16)
+    save_file({k: v.astype(np.float32) for k, v in tensors.items()}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(HF_CONFIG))
+    cfg, host = load_hf_folder(tmp_path)
+    assert cfg.num_kv_heads == 2 and host["wq"].shape == (2, 16, 16) and "lm_head" not in host
+    engine = LLMEngine(
+        LoadedModel(cfg, host, tokenizer=None, path=tmp_path),
+        EngineConfig(num_blocks=8, max_model_len=64, max_num_seqs=2, max_prefill_tokens=32, block_size=16),
+    )
+    logits = engine.prompt_logits([1, 2, 3])
+    assert logits.shape == (32,) and np.all(np.isfinite(logits))
+
+
+def test_rope_permutation_round_trip():
+    """llama.cpp's permutation (halves -> interleaved pairs per head) is undone exactly."""
+    heads, head_dim, cols = 3, 8, 5
+    hf = np.arange(heads * head_dim * cols, dtype=np.float32).reshape(heads * head_dim, cols)
+    permuted = hf.reshape(heads, 2, head_dim // 2, cols).swapaxes(1, 2).reshape(hf.shape)
+    assert np.array_equal(_undo_gguf_rope_permutation(permuted, heads), hf)
+
+
+def test_head_padding_keeps_groups_with_their_kv_head():
+    cfg = ModelConfig(
+        "llama",
+        32,
+        8,
+        16,
+        1,
+        num_heads=6,
+        num_kv_heads=3,
+        head_dim=2,
+        rope_theta=1e4,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+    )
+    assert cfg.padded_num_kv_heads(2) == 4 and cfg.padded_num_heads(2) == 8
+    q = np.arange(6 * 2, dtype=np.float32)[None]  # [1, heads * head_dim]
+    padded = _pad_heads(q, -1, cfg, 2, kv=False).reshape(4, 2, 2)  # [kv heads, group, head_dim]
+    assert np.array_equal(padded[:3].reshape(-1), q[0]) and not padded[3].any()
+    kv = _pad_heads(np.ones((1, 3 * 2), np.float32), -1, cfg, 4, kv=True)
+    assert kv.shape == (1, 8) and not kv[0, 6:].any()

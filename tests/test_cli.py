@@ -1,0 +1,63 @@
+"""The `pdserve` command line, run as a real process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+
+def run_cli(*args: str, gguf_path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    return subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", *args, "--model", str(gguf_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+
+
+def test_generate_json_chat(gguf_path):
+    proc = run_cli(
+        "generate",
+        "--json",
+        "--chat",
+        "--max-tokens",
+        "32",
+        "What is the capital of France?",
+        gguf_path=gguf_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    record = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert record["text"] == "The capital of France is Paris."
+    assert record["finish_reason"] == "stop"
+    assert record["prompt_ids"][:2] == [1, 9690] and record["token_ids"][-1] == 2
+    assert record["timings"]["ttft_s"] > 0
+
+
+def test_generate_streams_text_and_rejects_bad_input(gguf_path):
+    proc = run_cli(
+        "generate",
+        "--max-tokens",
+        "5",
+        "--temperature",
+        "0.8",
+        "--seed",
+        "3",
+        "Once upon a time",
+        gguf_path=gguf_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip()
+    bad = run_cli("generate", "--top-p", "0", "hello", gguf_path=gguf_path)
+    assert bad.returncode == 2 and "top_p" in bad.stderr
+
+
+def test_models_list():
+    proc = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "models", "list"], capture_output=True, text=True
+    )
+    assert proc.returncode == 0 and "smollm2-135m-instruct" in proc.stdout
