@@ -1,0 +1,156 @@
+"""Engine speed against HF transformers and against the machine, measured in one run.
+
+    .venv/bin/python bench/bench_engine.py [--quick] [--no-hf] [--json OUT]
+
+Prints absolute figures and the ratios the serving-core issue sets targets for:
+  prefill of 512 tokens vs HF (>= 1.3x), decode batch 1 vs HF batch 1 (>= 2x), decode batch 32 tokens/s
+  vs HF batch 1 (>= 20x); prefill FLOP/s vs a large float32 matmul (aim >= 80%); decode batch-1 weight
+  bytes/s vs measured memory bandwidth (aim >= 70%); start-up time and peak memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import time
+
+import numpy as np
+
+
+def best_of(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def machine_matmul_flops(n: int = 2048, repeats: int = 5) -> float:
+    import jax
+    import jax.numpy as jnp
+
+    a = jnp.asarray(np.random.default_rng(0).standard_normal((n, n), np.float32))
+    f = jax.jit(lambda x: x @ x)
+    f(a).block_until_ready()
+    return 2 * n**3 / best_of(lambda: f(a).block_until_ready(), repeats)
+
+
+def machine_bandwidth(mib: int = 512, repeats: int = 5) -> float:
+    """Bytes moved per second (read + write) by np.copyto of `mib` MiB."""
+    src = np.ones(mib << 18, np.float32)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)
+    return 2 * src.nbytes / best_of(lambda: np.copyto(dst, src), repeats)
+
+
+def hf_figures(gguf, prompt_len: int, decode_steps: int) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+    ids = torch.randint(100, 40000, (1, prompt_len), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model(ids[:, :16])
+        prefill = best_of(lambda: model(ids), 3)
+        out = model(ids[:, :32], use_cache=True)
+        past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        t0 = time.perf_counter()
+        for _ in range(decode_steps):
+            out = model(token, past_key_values=past, use_cache=True)
+            past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        decode = (time.perf_counter() - t0) / decode_steps
+    return {"prefill_s": prefill, "decode_step_s": decode}
+
+
+def pdserve_decode_step(engine, batch: int, steps: int) -> float:
+    """Seconds per decode step with `batch` running requests (32-token prompts), sampling included."""
+    from engine.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
+    rng = np.random.default_rng(batch)
+    for _ in range(batch):
+        engine.add_request(rng.integers(100, 40000, 32).tolist(), params)
+    while engine.scheduler.waiting or engine.scheduler.prefilling:
+        engine.step()
+    engine.step()  # first decode step after the last prefill
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    elapsed = (time.perf_counter() - t0) / steps
+    for request in list(engine.scheduler.running):
+        engine.abort(request.request_id)
+    return elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="fewer steps (a smoke run)")
+    parser.add_argument("--no-hf", action="store_true")
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--batches", default="1,8,32,64")
+    args = parser.parse_args()
+    steps = 8 if args.quick else 24
+
+    from engine.config import EngineConfig
+    from engine.engine import LLMEngine
+    from engine.models import DEFAULT_MODEL, fetch
+    from engine.weights import weight_bytes
+
+    gguf = fetch(DEFAULT_MODEL, progress=False)
+    batches = [int(b) for b in args.batches.split(",")]
+    config = EngineConfig(num_blocks=1024, max_model_len=1024, max_num_seqs=max(batches), max_prefill_tokens=512)
+    t0 = time.perf_counter()
+    engine = LLMEngine.from_model(str(gguf), config, warmup=False)
+    loaded = time.perf_counter()
+    variants = engine.runner.warmup(progress=False)
+    warm = time.perf_counter()
+    result = {
+        "startup": {"load_s": loaded - t0, "warmup_s": warm - loaded, "compiled_variants": variants},
+        "machine": {"matmul_flops": machine_matmul_flops(), "bandwidth_bytes_s": machine_bandwidth()},
+    }
+    prompt = np.random.default_rng(0).integers(100, 40000, 512).tolist()
+    prefill_s = best_of(lambda: engine.prompt_logits(prompt), 3)
+    cfg = engine.model.config
+    matmul_params = cfg.num_layers * (
+        cfg.hidden_size * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+        + cfg.num_heads * cfg.head_dim * cfg.hidden_size
+        + 3 * cfg.hidden_size * cfg.intermediate_size
+    )
+    prefill_flops = 2 * matmul_params * 512 + 2 * cfg.hidden_size * cfg.vocab_size
+    decode = {b: pdserve_decode_step(engine, b, steps) for b in batches}
+    result["pdserve"] = {
+        "prefill_512_s": prefill_s,
+        "prefill_flops": prefill_flops / prefill_s,
+        "decode_step_s": {str(b): s for b, s in decode.items()},
+        "decode_tokens_s": {str(b): b / s for b, s in decode.items()},
+        "weight_bytes": weight_bytes(engine.runner.weights),
+    }
+    m, p = result["machine"], result["pdserve"]
+    ratios = {
+        "prefill_flops_vs_matmul": p["prefill_flops"] / m["matmul_flops"],
+        "decode_b1_weight_bandwidth_vs_copy": p["weight_bytes"] / decode[1] / m["bandwidth_bytes_s"]
+        if 1 in decode
+        else None,
+    }
+    if not args.no_hf:
+        hf = hf_figures(gguf, 512, steps)
+        result["hf"] = hf
+        ratios["prefill_512_speedup_vs_hf"] = hf["prefill_s"] / prefill_s
+        if 1 in decode:
+            ratios["decode_b1_speedup_vs_hf_b1"] = hf["decode_step_s"] / decode[1]
+        for b in batches:
+            ratios[f"decode_b{b}_tokens_s_vs_hf_b1"] = (b / decode[b]) / (1 / hf["decode_step_s"])
+    result["ratios"] = ratios
+    result["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    print(json.dumps(result, indent=2))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    del statistics
+
+
+if __name__ == "__main__":
+    main()
