@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import resource
-import statistics
 import time
 
 import numpy as np
@@ -101,7 +100,9 @@ def main() -> None:
 
     gguf = fetch(DEFAULT_MODEL, progress=False)
     batches = [int(b) for b in args.batches.split(",")]
-    config = EngineConfig(num_blocks=1024, max_model_len=1024, max_num_seqs=max(batches), max_prefill_tokens=512)
+    config = EngineConfig(
+        num_blocks=1024, max_model_len=1024, max_num_seqs=max(batches), max_prefill_tokens=512
+    )
     t0 = time.perf_counter()
     engine = LLMEngine.from_model(str(gguf), config, warmup=False)
     loaded = time.perf_counter()
@@ -149,7 +150,6 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
-    del statistics
 
 
 if __name__ == "__main__":
