@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvtransfer.bits import as_bits, from_bits
 from kvtransfer.layout import HeadMap, KVLayout
 from kvtransfer.plan import (
     MAX_FRAME_BYTES,
@@ -37,6 +38,7 @@ def _gather_kernel(leaves, starts, ids, *, counts, bucket, mode, head_map):
     """
     parts = []
     for leaf, start, count in zip(leaves, starts, counts, strict=True):
+        leaf = as_bits(leaf)
         x = jax.lax.dynamic_slice_in_dim(leaf, start, count, axis=0) if leaf.ndim == 5 else leaf[None]
         if mode == "slice":
             x = jax.lax.dynamic_slice_in_dim(x, ids[0], bucket, axis=1)  # [count, bucket, bs, slots, dim]
@@ -45,7 +47,8 @@ def _gather_kernel(leaves, starts, ids, *, counts, bucket, mode, head_map):
         parts.append(x)
     x = jnp.concatenate(parts, axis=0) if len(parts) > 1 else parts[0]
     x = x.reshape(x.shape[0], -1, *x.shape[3:])  # [layers, bucket * bs, slots, dim]
-    return head_map.apply_jax(x) if head_map is not None else x
+    x = head_map.apply_jax(x) if head_map is not None else x
+    return from_bits(x, leaves[0].dtype)
 
 
 def gather(

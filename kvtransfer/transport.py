@@ -131,7 +131,8 @@ class LocalTransport(KVTransport):
 
 class GrpcTransport(KVTransport):
     """Over gRPC. Prefill side: GrpcTransport(layout, listen="127.0.0.1:0") serves the KVTransfer service
-    (see .port) and send() queues requests for it. Decode side: GrpcTransport(layout, mesh=..., peer=addr)
+    (see .port; or mount .handler() on a server of your own) and send() queues requests for it.
+    Decode side: GrpcTransport(layout, mesh=..., peer=addr)
     receive()s from that server; it compares layouts (GetLayout) before the first transfer.
     """
 
@@ -183,8 +184,6 @@ class GrpcTransport(KVTransport):
         yield from encoder.frames(_drain(chunks), block_ids)
 
     def send(self, request_id, cache, block_ids, num_tokens):
-        if self._server is None:
-            raise TransportError("send() needs a transport created with listen=")
         chunks = gather_request(
             cache, self.layout, list(block_ids), num_tokens, max_frame_bytes=self.max_frame_bytes
         )

@@ -7,7 +7,7 @@ from kvtransfer_testlib import SENTINEL, check_transferred, dst_cache, make_layo
 
 from kvtransfer import gather, insert
 from kvtransfer.gather import _gather_kernel
-from kvtransfer.insert import _insert_kernel
+from kvtransfer.insert import _insert_kernel, insert_scratch_bytes
 from kvtransfer.synthetic import make_cache
 
 LAYOUT = make_layout(tp=2)
@@ -74,18 +74,25 @@ def _pointers(cache):
     ]
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("stacked", [True, False])
-@pytest.mark.parametrize("dst_blocks", [[3, 4, 5, 6], [3, 9, 1, 20]])  # run (dynamic_update_slice), scatter
-def test_insert_donates_the_cache_and_updates_it_in_place(stacked, dst_blocks):
+@pytest.mark.parametrize("dst_blocks", [[3, 4, 5, 6], [3, 9, 1, 20], [40, 41, 42, 7]])  # run, lone, mixed
+def test_insert_donates_the_cache_and_updates_it_in_place(dtype, stacked, dst_blocks):
+    layout = make_layout(dtype=dtype, tp=2)
     m = mesh(0, 2)
-    chunk = gather(src_cache(LAYOUT, m), [0, 1, 2, 3], 16)
-    cache = dst_cache(LAYOUT, m, stacked)
+    chunk = gather(src_cache(layout, m), [0, 1, 2, 3], 16)
+    cache = dst_cache(layout, m, stacked, num_blocks=128)
+    cache_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(cache))
+    # XLA's scratch for the kernel is chunk-sized: no second copy of the cache (which is 32 chunks).
+    scratch = insert_scratch_bytes(cache, chunk, dst_blocks)
+    assert scratch <= 4 * chunk.data.nbytes < cache_bytes / 4, (scratch, chunk.data.nbytes)
     before = _pointers(cache)
     new = insert(cache, chunk, dst_blocks)
     assert all(leaf.is_deleted() for leaf in jax.tree.leaves(cache)), "the old cache must be donated"
-    assert _pointers(new) == before, "a second copy of the cache was made"
+    assert _pointers(new) == before, "the cache moved"
     with pytest.raises(RuntimeError, match="deleted"):
         np.asarray(jax.tree.leaves(cache)[0])
+    check_transferred(new, layout, layout, [0, 1, 2, 3], dst_blocks, 16)
 
 
 def test_insert_rejects_bad_block_lists_and_shapes():
