@@ -72,14 +72,15 @@ def forward_step(
     def layer(x, lw):
         w, index = lw
         h = rms_norm(x, w.attn_norm, cfg.rms_norm_eps)
-        q = (h @ w.wq + w.bq).reshape(b, t, kv_heads, -1, head_dim)
-        k = (h @ w.wk + w.bk).reshape(b, t, kv_heads, head_dim)
-        v = (h @ w.wv + w.bv).reshape(b, t, kv_heads, head_dim)
+        qkv = jnp.einsum("btd,dkx->btkx", h, w.w_qkv) + w.b_qkv  # [B, T, kv_heads, (group + 2) * head_dim]
+        q = qkv[..., : -2 * head_dim].reshape(b, t, kv_heads, -1, head_dim)
+        k, v = qkv[..., -2 * head_dim : -head_dim], qkv[..., -head_dim:]
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
         attn = paged_attention(q, k, v, cache, index, block_tables, num_past, num_new)
         x = x + attn.reshape(b, t, -1) @ w.wo
         h = rms_norm(x, w.mlp_norm, cfg.rms_norm_eps)
-        x = x + (jax.nn.silu(h @ w.w_gate) * (h @ w.w_up)) @ w.w_down
+        gate_up = jnp.einsum("btd,dci->btci", h, w.w_gate_up)
+        x = x + (jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]) @ w.w_down
         new_kv = jnp.stack([k, v], axis=3).reshape(b, t, 2 * kv_heads, head_dim)  # K, V interleaved
         return x, new_kv
 

@@ -24,16 +24,13 @@ class LayerWeights:
     """One decoder layer's weights, each stacked over layers (leading axis L)."""
 
     attn_norm: jax.Array  # [L, hidden]
-    wq: jax.Array  # [L, hidden, heads * head_dim]
-    wk: jax.Array  # [L, hidden, kv_heads * head_dim]
-    wv: jax.Array  # [L, hidden, kv_heads * head_dim]
-    bq: jax.Array  # [L, heads * head_dim]  (zeros without qkv bias)
-    bk: jax.Array  # [L, kv_heads * head_dim]
-    bv: jax.Array  # [L, kv_heads * head_dim]
+    # Q, K and V fused per KV head: the last axis is (group * head_dim | head_dim | head_dim), so one
+    # matmul computes all three and a TP shard holds whole groups with their KV head.
+    w_qkv: jax.Array  # [L, hidden, kv_heads, (group + 2) * head_dim]
+    b_qkv: jax.Array  # [L, kv_heads, (group + 2) * head_dim]  (zeros without qkv bias)
     wo: jax.Array  # [L, heads * head_dim, hidden]
     mlp_norm: jax.Array  # [L, hidden]
-    w_gate: jax.Array  # [L, hidden, intermediate]
-    w_up: jax.Array  # [L, hidden, intermediate]
+    w_gate_up: jax.Array  # [L, hidden, 2, intermediate]  (gate, up)
     w_down: jax.Array  # [L, intermediate, hidden]
 
 
@@ -48,16 +45,11 @@ class Weights:
 
 _LAYER_AXES = {
     "attn_norm": ("layers", "embed"),
-    "wq": ("layers", "embed", "heads"),
-    "wk": ("layers", "embed", "kv_heads"),
-    "wv": ("layers", "embed", "kv_heads"),
-    "bq": ("layers", "heads"),
-    "bk": ("layers", "kv_heads"),
-    "bv": ("layers", "kv_heads"),
+    "w_qkv": ("layers", "embed", "kv_heads", None),
+    "b_qkv": ("layers", "kv_heads", None),
     "wo": ("layers", "heads", "embed"),
     "mlp_norm": ("layers", "embed"),
-    "w_gate": ("layers", "embed", "mlp"),
-    "w_up": ("layers", "embed", "mlp"),
+    "w_gate_up": ("layers", "embed", None, "mlp"),
     "w_down": ("layers", "mlp", "embed"),
 }
 
@@ -86,18 +78,30 @@ def build_weights(
 ) -> Weights:
     """Pads heads for the mesh's TP size and places every array with its sharding.
 
-    `host` holds numpy arrays in math layout (x @ W): `embed` [V, D], `final_norm` [D], optional
-    `lm_head` [D, V], and the per-layer names of `LayerWeights` stacked over layers.
+    `host` holds numpy arrays in math layout (x @ W), layers stacked (engine.loader's names): `embed`
+    [V, D], `final_norm` [D], optional `lm_head` [D, V], `wq` `wk` `wv` [L, D, heads * head_dim], their
+    biases `bq` `bk` `bv`, `wo`, `w_gate` `w_up` [L, D, I], `w_down`, `attn_norm`, `mlp_norm`.
     """
     tp = mesh.shape["model"]
-    layers = {}
-    for name, axes in _LAYER_AXES.items():
-        w = host[name]
-        if axes[-1] in ("heads", "kv_heads"):
-            w = _pad_heads(w, -1, cfg, tp, kv=axes[-1] == "kv_heads")
-        elif name == "wo":
-            w = _pad_heads(w, 1, cfg, tp, kv=False)
-        layers[name] = jax.device_put(w.astype(dtype), named(mesh, *axes))
+    kv_heads = cfg.padded_num_kv_heads(tp)
+
+    def per_kv_head(name: str, kv: bool) -> np.ndarray:  # [..., heads * head_dim] -> [..., kv_heads, -1]
+        w = _pad_heads(host[name], -1, cfg, tp, kv=kv)
+        return w.reshape(*w.shape[:-1], kv_heads, -1)
+
+    fused = {
+        "attn_norm": host["attn_norm"],
+        "w_qkv": np.concatenate([per_kv_head(n, kv=n != "wq") for n in ("wq", "wk", "wv")], axis=-1),
+        "b_qkv": np.concatenate([per_kv_head(n, kv=n != "bq") for n in ("bq", "bk", "bv")], axis=-1),
+        "wo": _pad_heads(host["wo"], 1, cfg, tp, kv=False),
+        "mlp_norm": host["mlp_norm"],
+        "w_gate_up": np.stack([host["w_gate"], host["w_up"]], axis=2),
+        "w_down": host["w_down"],
+    }
+    layers = {
+        name: jax.device_put(fused[name].astype(dtype), named(mesh, *axes))
+        for name, axes in _LAYER_AXES.items()
+    }
     lm_head = host.get("lm_head")
     return Weights(
         embed=jax.device_put(host["embed"].astype(dtype), named(mesh, "vocab", "embed")),
