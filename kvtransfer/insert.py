@@ -23,12 +23,12 @@ from kvtransfer.plan import KVChunk, block_runs, cdiv, check_block_ids, layer_sp
 
 
 def _write(view, piece, start, dst):
-    """view[start : start + count, dst : dst + k] = piece [count, k, bs, slots, dim], in place.
+    """view[start : start + count, dst : dst + k] = piece (raw bits [count, k, bs, slots, dim]), in place.
 
     Written as raw bits: XLA:CPU has no bfloat16 data movement and would otherwise convert (copy) the
     whole donated cache around the update.
     """
-    update = jax.lax.dynamic_update_slice(as_bits(view), as_bits(piece), (start, dst, 0, 0, 0))
+    update = jax.lax.dynamic_update_slice(as_bits(view), piece, (start, dst, 0, 0, 0))
     return from_bits(update, view.dtype)
 
 
@@ -47,7 +47,10 @@ def _insert_kernel(leaves, chunk, starts, table, counts, scatter_ids, *, layer_c
     num_blocks go through one scatter as well.
     """
     block_size = leaves[0].shape[-3]
-    blocks = chunk.reshape(chunk.shape[0], -1, block_size, *chunk.shape[2:])  # [layers, bucket, bs, s, d]
+    # As bits from the start: XLA:CPU would otherwise slice bfloat16 pieces through float32 copies.
+    blocks = as_bits(chunk).reshape(
+        chunk.shape[0], -1, block_size, *chunk.shape[2:]
+    )  # [layers, bucket, bs, s, d]
     offsets = np.cumsum((0, *layer_counts))
     parts = [blocks[a:b] for a, b in zip(offsets[:-1], offsets[1:], strict=True)]
     views = tuple(leaf if leaf.ndim == 5 else leaf[None] for leaf in leaves)
@@ -59,7 +62,8 @@ def _insert_kernel(leaves, chunk, starts, table, counts, scatter_ids, *, layer_c
             return tuple(_write(v, p, s, dst) for v, p, s in zip(views, pieces, starts, strict=True))
 
         views = jax.lax.fori_loop(0, counts[c], write_piece, views)
-    if use_scatter:
+    if use_scatter:  # only for dtypes XLA scatters natively, so the bits can go back to the dtype freely
+        parts = [from_bits(p, chunk.dtype) for p in parts]
         views = tuple(_scatter(v, p, s, scatter_ids) for v, p, s in zip(views, parts, starts, strict=True))
     return tuple(v if leaf.ndim == 5 else v[0] for v, leaf in zip(views, leaves, strict=True))
 

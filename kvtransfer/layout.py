@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import hashlib
 import json
 import math
@@ -127,7 +128,7 @@ class KVLayout:
     def spec_kinds(self) -> tuple[str, ...]:
         return tuple(spec.describe() for spec in self.layer_specs)
 
-    @property
+    @functools.cached_property
     def cache_layers(self) -> tuple[int, ...]:
         """Model layer index of each cache layer; cache arrays and frames count layers in this order."""
         return tuple(i for i, spec in enumerate(self.layer_specs) if spec.kind != SpecKind.SHARED)
