@@ -137,7 +137,7 @@ class ModelRunner:
         result = sample(
             logits,
             batch,
-            sort=any(p.needs_sorted_logits for p in params),
+            truncate=any(p.needs_truncation for p in params),
             num_logprobs=self.config.max_logprobs if wants_logprobs else 0,
         )
         result = jax.device_get(result)
@@ -163,10 +163,10 @@ class ModelRunner:
             self._compile_step(rows)
             bar.update()
         vocab = self.model.vocab_size
-        for b, penalties, sort, num_logprobs in sampler_shapes:
+        for b, penalties, truncate, num_logprobs in sampler_shapes:
             params = SamplingParams(
                 temperature=1.0,
-                top_k=5 if sort else 0,
+                top_k=5 if truncate else 0,
                 repetition_penalty=1.1 if penalties else 1.0,
                 logprobs=num_logprobs or None,
             )

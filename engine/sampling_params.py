@@ -41,8 +41,8 @@ class SamplingParams:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     @property
-    def needs_sorted_logits(self) -> bool:
-        return not self.greedy and (self.top_k > 0 or self.top_p < 1.0)
+    def needs_truncation(self) -> bool:
+        return not self.greedy and (self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0)
 
     def validate(self, vocab_size: int, max_logprobs: int) -> None:
         """Raises InvalidRequestError naming the first bad field."""

@@ -19,8 +19,8 @@ def run(params, seeds=None, positions=None, logits=None, history=None, num_logpr
     batch = SamplingBatch.build(
         params, list(range(n)), seeds or [0] * n, positions or [0] * n, history, n, VOCAB
     )
-    sort = any(p.needs_sorted_logits for p in params)
-    return sample(jnp.asarray(logits), batch, sort=sort, num_logprobs=num_logprobs)
+    truncate = any(p.needs_truncation for p in params)
+    return sample(jnp.asarray(logits), batch, truncate=truncate, num_logprobs=num_logprobs)
 
 
 def draws(params: SamplingParams, count=400) -> np.ndarray:
