@@ -179,7 +179,7 @@ class EngineConfig:
     max_model_len: int = 4096  # prompt + generated tokens of one request
     max_prefill_tokens: int = 512  # tokens of one prefill chunk (per request row)
     max_prefill_seqs: int = 4  # requests prefilled in one step
-    min_decode_blocks: int = 8  # smallest context bucket of the decode step, in blocks
+    min_decode_blocks: int = 4  # smallest context bucket of the decode step, in blocks
     tp: int = 1
     dtype: str = "float32"
     max_logprobs: int = 20

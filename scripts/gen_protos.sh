@@ -1,8 +1,23 @@
 #!/usr/bin/env bash
-# Regenerates the Python code of every proto in protos/pdserve/v1 into pdserve/v1 (checked in).
-# Idempotent: running it twice leaves the tree unchanged. CI can verify with `git diff --exit-code pdserve/v1`.
+# Regenerates the Python code of every proto in protos/pdserve/v1 into pdserve/v1 (checked in), with the
+# pinned grpcio-tools of the dev extra. `--check`: regenerate into a temporary folder and fail when the
+# checked-in code differs (CI runs this). Idempotent.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-mkdir -p pdserve/v1
-[ -f pdserve/v1/__init__.py ] || echo '"""Generated protobuf and gRPC code of the pdserve.v1 protos (scripts/gen_protos.sh)."""' > pdserve/v1/__init__.py
-.venv/bin/python -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. protos/pdserve/v1/*.proto
+out=.
+if [ "${1:-}" = "--check" ]; then
+  out=$(mktemp -d)
+  trap 'rm -rf "$out"' EXIT
+fi
+mkdir -p "$out/pdserve/v1"
+.venv/bin/python -m grpc_tools.protoc -Iprotos --python_out="$out" --pyi_out="$out" --grpc_python_out="$out" \
+  protos/pdserve/v1/*.proto
+if [ "$out" != . ]; then
+  for f in "$out"/pdserve/v1/*.py*; do
+    if ! cmp -s "$f" "pdserve/v1/$(basename "$f")"; then
+      echo "generated code is stale: pdserve/v1/$(basename "$f") (run scripts/gen_protos.sh)" >&2
+      exit 1
+    fi
+  done
+  echo "generated protobuf code is up to date"
+fi
