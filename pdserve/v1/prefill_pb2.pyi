@@ -1,0 +1,74 @@
+from pdserve.v1 import generation_pb2 as _generation_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class HandshakeRequest(_message.Message):
+    __slots__ = ("layout_json",)
+    LAYOUT_JSON_FIELD_NUMBER: _ClassVar[int]
+    layout_json: str
+    def __init__(self, layout_json: _Optional[str] = ...) -> None: ...
+
+class HandshakeResponse(_message.Message):
+    __slots__ = ("layout_json", "fingerprint")
+    LAYOUT_JSON_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    layout_json: str
+    fingerprint: str
+    def __init__(self, layout_json: _Optional[str] = ..., fingerprint: _Optional[str] = ...) -> None: ...
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_ids", "sampling", "seed", "layout_fingerprint", "lora_adapter", "stop")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _generation_pb2.SamplingParameters
+    seed: int
+    layout_fingerprint: str
+    lora_adapter: str
+    stop: _generation_pb2.StopConditions
+    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParameters, _Mapping]] = ..., seed: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., lora_adapter: _Optional[str] = ..., stop: _Optional[_Union[_generation_pb2.StopConditions, _Mapping]] = ...) -> None: ...
+
+class PrefillHeader(_message.Message):
+    __slots__ = ("request_id", "first_token", "prompt_len", "layout_json", "first_logprobs")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_JSON_FIELD_NUMBER: _ClassVar[int]
+    FIRST_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    first_token: int
+    prompt_len: int
+    layout_json: str
+    first_logprobs: _generation_pb2.TokenLogprobs
+    def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[int] = ..., prompt_len: _Optional[int] = ..., layout_json: _Optional[str] = ..., first_logprobs: _Optional[_Union[_generation_pb2.TokenLogprobs, _Mapping]] = ...) -> None: ...
+
+class PrefillTrailer(_message.Message):
+    __slots__ = ("num_frames", "num_bytes", "prefill_seconds")
+    NUM_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    num_frames: int
+    num_bytes: int
+    prefill_seconds: float
+    def __init__(self, num_frames: _Optional[int] = ..., num_bytes: _Optional[int] = ..., prefill_seconds: _Optional[float] = ...) -> None: ...
+
+class PrefillMessage(_message.Message):
+    __slots__ = ("header", "kv_frame", "trailer")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    KV_FRAME_FIELD_NUMBER: _ClassVar[int]
+    TRAILER_FIELD_NUMBER: _ClassVar[int]
+    header: PrefillHeader
+    kv_frame: bytes
+    trailer: PrefillTrailer
+    def __init__(self, header: _Optional[_Union[PrefillHeader, _Mapping]] = ..., kv_frame: _Optional[bytes] = ..., trailer: _Optional[_Union[PrefillTrailer, _Mapping]] = ...) -> None: ...
