@@ -43,6 +43,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.allocator)
         self._streams: dict[str, OutputStream] = {}
         self._ids = itertools.count()
+        self.retained: dict[str, Request] = {}  # finished requests whose blocks a transfer still reads
 
     @classmethod
     def from_model(
@@ -98,8 +99,11 @@ class LLMEngine:
         )
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, **kwargs) -> str:
-        request = self.make_request(prompt, params or SamplingParams(), **kwargs)
-        if request.request_id in self._streams:
+        return self.add_prepared_request(self.make_request(prompt, params or SamplingParams(), **kwargs))
+
+    def add_prepared_request(self, request: Request) -> str:
+        """Queues a request built by make_request (callers may set its seed or retain_kv first)."""
+        if request.request_id in self._streams or request.request_id in self.retained:
             raise InvalidRequestError("request_id", f"{request.request_id!r} is already running")
         self._streams[request.request_id] = OutputStream(request, self.tokenizer, self.config.max_model_len)
         self.scheduler.add(request)
@@ -107,6 +111,8 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> bool:
         """Cancels a request and frees its blocks; False when it is not (or no longer) here."""
+        if self.release(request_id):
+            return True
         stream = self._streams.pop(request_id, None)
         if stream is None:
             return False
@@ -174,10 +180,63 @@ class LLMEngine:
             output = self._streams[request.request_id].on_token(token, logprobs)
             if output.finished:
                 request.status = Status.FINISHED
-                self.scheduler.remove(request)
+                self.scheduler.remove(request, free_blocks=not request.retain_kv)
+                if request.retain_kv:
+                    self.retained[request.request_id] = request
                 del self._streams[request.request_id]
             outputs.append(output)
         return outputs
+
+    # ---- disaggregation hooks (the prefill and decode roles) -----------------------------------------
+    def release(self, request_id: str) -> bool:
+        """Prefill role: frees the blocks of a finished request kept for a transfer (retain_kv)."""
+        request = self.retained.pop(request_id, None)
+        if request is None:
+            return False
+        request.blocks.release()
+        return True
+
+    def reserve_for_transfer(self, request: Request) -> bool:
+        """Decode role: allocates blocks for the prompt's KV, arriving from a prefill server (check + do)."""
+        s = self.scheduler
+        if len(s.running) + len(s.prefilling) + s.num_incoming >= self.config.max_num_seqs:
+            return False
+        if not request.blocks.can_reserve(len(request.prompt_ids) + 1):
+            return False
+        request.blocks.reserve(len(request.prompt_ids) + 1)
+        s.num_incoming += 1
+        return True
+
+    def abandon_transfer(self, request: Request) -> None:
+        """Decode role: the transfer failed or was cancelled; frees the reserved blocks."""
+        self.scheduler.num_incoming -= 1
+        request.blocks.release()
+
+    def insert_kv(self, chunk, block_ids: Sequence[int]) -> None:
+        """Decode role: writes one transferred KV chunk into this engine's cache at `block_ids`."""
+        import kvtransfer
+
+        self.runner.cache = kvtransfer.insert(self.runner.cache, chunk, block_ids)
+
+    def register_prefilled(
+        self, request: Request, first_token: int, logprobs: TokenLogprobs | None
+    ) -> RequestOutput:
+        """Decode role: the prompt's KV is in `request`'s blocks; record the first token and start decoding.
+
+        Returns the output for the first token (the request may already be finished by it).
+        """
+        self.scheduler.num_incoming -= 1
+        request.num_computed = len(request.prompt_ids)
+        request.first_token_time = time.monotonic()
+        stream = OutputStream(request, self.tokenizer, self.config.max_model_len)
+        output = stream.on_token(first_token, logprobs)
+        if output.finished:
+            request.status = Status.FINISHED
+            request.blocks.release()
+        else:
+            self._streams[request.request_id] = stream
+            self.scheduler.add_running(request)
+        return output
 
     # ---- the Python API -------------------------------------------------------------------------------
     def prompt_logits(self, prompt_ids: Sequence[int]) -> np.ndarray:

@@ -44,6 +44,7 @@ class Request:
     status: Status = Status.WAITING
     finish_reason: FinishReason | None = None
     lora: str | None = None
+    retain_kv: bool = False  # prefill role: keep the blocks after finishing, until released
     arrival_time: float = dataclasses.field(default_factory=time.monotonic)
     first_token_time: float | None = None
 

@@ -45,6 +45,7 @@ class Scheduler:
         self.waiting: collections.deque[Request] = collections.deque()  # not yet admitted
         self.prefilling: list[Request] = []  # admitted, prompt partly computed
         self.running: list[Request] = []  # decoding
+        self.num_incoming = 0  # requests holding blocks while their KV arrives from a prefill server
         self._last_was_prefill = False
 
     @property
@@ -59,14 +60,15 @@ class Scheduler:
         request.status = Status.RUNNING
         self.running.append(request)
 
-    def remove(self, request: Request) -> None:
-        """Takes a request out of whichever queue holds it and frees its blocks."""
+    def remove(self, request: Request, free_blocks: bool = True) -> None:
+        """Takes a request out of whichever queue holds it and (by default) frees its blocks."""
         for queue in (self.prefilling, self.running):
             if request in queue:
                 queue.remove(request)
         if request in self.waiting:
             self.waiting.remove(request)
-        request.blocks.release()
+        if free_blocks:
+            request.blocks.release()
 
     def schedule(self) -> ScheduledStep | None:
         decode_turn = bool(self.running) and self._last_was_prefill
@@ -92,7 +94,7 @@ class Scheduler:
         chunks = [PrefillChunk(r, 0, min(r.num_uncomputed, max_chunk)) for r in self.prefilling]
         while self.waiting and len(chunks) < self.config.max_prefill_seqs:
             request = self.waiting[0]
-            active = len(self.running) + len(self.prefilling)
+            active = len(self.running) + len(self.prefilling) + self.num_incoming
             if active >= self.config.max_num_seqs or not request.blocks.can_reserve(request.num_tokens):
                 break
             self.waiting.popleft()

@@ -65,7 +65,56 @@ def sampling_params(args: argparse.Namespace):
     )
 
 
+def cmd_generate_remote(args: argparse.Namespace) -> int:
+    """`generate --server ADDR`: streams the answer of a running decode-server as it arrives."""
+    import grpc
+
+    from services.client import FINISH_NAMES, Client, build_request
+
+    client = Client(args.server)
+    request = build_request(
+        None if args.chat else args.prompt,
+        chat=[{"role": "user", "content": args.prompt}] if args.chat else None,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        seed=args.seed,
+        stop=args.stop,
+    )
+    start = time.perf_counter()
+    token_ids, text, times, finish, usage = [], [], [], None, None
+    try:
+        for response in client.stream(request):
+            now = time.perf_counter() - start
+            token_ids += response.token_ids
+            times += [now] * len(response.token_ids)
+            text.append(response.text)
+            if not args.json:
+                print(response.text, end="", flush=True)
+            if response.finish_reason:
+                finish, usage = FINISH_NAMES[response.finish_reason], response.usage
+    except grpc.RpcError as e:
+        print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 2
+    if args.json:
+        record = {
+            "prompt_tokens": usage.prompt_tokens if usage else None,
+            "token_ids": token_ids,
+            "text": "".join(text),
+            "finish_reason": finish,
+            "timings": {"ttft_s": times[0] if times else None, "token_times_s": times},
+        }
+        print(json.dumps(record))
+    else:
+        print()
+    return 0
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
+    if args.server:
+        return cmd_generate_remote(args)
     from engine.engine import LLMEngine
     from engine.sampling_params import InvalidRequestError
 
@@ -119,6 +168,12 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from services.daemon import serve_main
+
+    return serve_main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
     parser.add_argument("--log-level", default="WARNING")
@@ -128,8 +183,18 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(gen)
     add_sampling_args(gen)
     gen.add_argument("--warmup", action="store_true", help="compile every serving shape first")
+    gen.add_argument("--server", default=None, help="ADDR of a decode-server: stream from it instead")
     gen.add_argument("prompt")
     gen.set_defaults(func=cmd_generate)
+
+    serve = sub.add_parser("serve", help="prefill and decode roles in one process, disjoint devices")
+    from services.daemon import common_args, decode_args
+
+    common_args(serve)
+    decode_args(serve)
+    serve.add_argument("--prefill-devices", default="0", help="device indices of the prefill role")
+    serve.add_argument("--decode-devices", default="1", help="device indices of the decode role")
+    serve.set_defaults(func=cmd_serve)
 
     models = sub.add_parser("models", help="list or fetch known models")
     models.add_argument("action", choices=["fetch", "list"])

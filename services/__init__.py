@@ -1,0 +1,1 @@
+"""The gRPC daemons (prefill-server, decode-server) and what they share."""

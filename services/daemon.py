@@ -1,0 +1,144 @@
+"""Command lines of the daemons: `prefill-server`, `decode-server` and `pdserve serve`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+
+def use_cpu_devices(count: int) -> None:
+    """On a CPU-only host, expose `count` CPU devices (for TP or disjoint role device sets); call before
+    JAX is imported."""
+    if count > 1 and "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (
+            f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={count}"
+        )
+
+
+def common_args(parser: argparse.ArgumentParser) -> None:
+    from pdserve.cli import add_engine_args
+
+    add_engine_args(parser)
+    parser.add_argument("--port", type=int, required=True, help="0: pick a free port (printed)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--cpu-devices", type=int, default=0, help="fake CPU devices (CPU-only hosts)")
+    parser.add_argument("--no-warmup", action="store_true", help="compile shapes lazily (tests, laptops)")
+    parser.add_argument("--log-level", default="INFO")
+
+
+def build_engine(args: argparse.Namespace, devices=None):
+    from engine.engine import LLMEngine
+    from pdserve.cli import configure_jax, engine_config
+
+    configure_jax()
+    return LLMEngine.from_model(args.model, engine_config(args), devices, warmup=not args.no_warmup)
+
+
+def prefill_main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="prefill-server", description="pdserve prefill server")
+    common_args(parser)
+    args = parser.parse_args(argv)
+    use_cpu_devices(max(args.cpu_devices, args.tp))
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    from services.grpc_server import run_until_signal
+    from services.prefill.server import serve
+
+    engine = build_engine(args)
+    run_until_signal(lambda stop: serve(engine, args.port, stop, host=args.host))
+    return 0
+
+
+def decode_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--prefill",
+        default="local",
+        help="prefill servers: ADDR[,ADDR...] (host:port or dns:///name:port), or `local` (colocated)",
+    )
+    parser.add_argument("--local-prefill-below", type=int, default=0, help="prefill shorter prompts here")
+    parser.add_argument("--max-queue", type=int, default=256)
+    parser.add_argument("--no-fallback-local", action="store_true", help="UNAVAILABLE when prefill fails")
+
+
+def decode_config(args: argparse.Namespace):
+    from services.decode.server import DecodeConfig
+
+    return DecodeConfig(
+        local_prefill_below=args.local_prefill_below,
+        max_queue=args.max_queue,
+        fallback_local=not args.no_fallback_local,
+    )
+
+
+def decode_main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="decode-server", description="pdserve decode server")
+    common_args(parser)
+    decode_args(parser)
+    args = parser.parse_args(argv)
+    use_cpu_devices(max(args.cpu_devices, args.tp))
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    from services.decode.server import serve
+    from services.grpc_server import run_until_signal
+
+    engine = build_engine(args)
+    targets = None if args.prefill == "local" else [t for t in args.prefill.split(",") if t]
+    config = decode_config(args)
+    run_until_signal(
+        lambda stop: serve(engine, args.port, stop, prefill_targets=targets, config=config, host=args.host)
+    )
+    return 0
+
+
+def serve_main(args: argparse.Namespace) -> int:
+    """`pdserve serve`: both roles in one process on disjoint device sets, KV moved device to device."""
+    prefill_devices = [int(d) for d in args.prefill_devices.split(",")]
+    decode_devices = [int(d) for d in args.decode_devices.split(",")]
+    if set(prefill_devices) & set(decode_devices):
+        raise SystemExit("--prefill-devices and --decode-devices must be disjoint")
+    use_cpu_devices(max(args.cpu_devices, max(prefill_devices + decode_devices) + 1))
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    import dataclasses
+
+    import jax
+
+    from engine.engine import LLMEngine
+    from engine.models import load_model
+    from pdserve.cli import configure_jax, engine_config
+    from services.decode.prefill_pool import LocalPrefiller
+    from services.decode.server import serve
+    from services.engine_loop import EngineLoop
+    from services.grpc_server import run_until_signal
+    from services.kv import engine_layout
+
+    configure_jax()
+    devices = jax.devices()
+    model = load_model(args.model)
+    base = engine_config(args)
+    prefill_engine = LLMEngine(
+        model, dataclasses.replace(base, tp=len(prefill_devices)), [devices[i] for i in prefill_devices]
+    )
+    decode_engine = LLMEngine(
+        model, dataclasses.replace(base, tp=len(decode_devices)), [devices[i] for i in decode_devices]
+    )
+    if not args.no_warmup:
+        prefill_engine.runner.warmup()
+        decode_engine.runner.warmup()
+    prefill_loop = EngineLoop(prefill_engine, name="prefill-engine")
+    prefill_loop.start()
+    local = LocalPrefiller(prefill_loop, engine_layout(prefill_engine))
+    config = decode_config(args)
+    try:
+        run_until_signal(
+            lambda stop: serve(
+                decode_engine, args.port, stop, local_prefiller=local, config=config, host=args.host
+            )
+        )
+    finally:
+        prefill_loop.stop()
+    return 0

@@ -1,0 +1,1 @@
+"""decode-server: the client-facing Generate service."""

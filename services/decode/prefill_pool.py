@@ -1,0 +1,198 @@
+"""Where a decode server gets its prompts prefilled: remote prefill servers (gRPC) or an engine in this
+process (`pdserve serve`), behind one interface, and the pool that picks a replica.
+
+`Prefiller.prefill(request, dst_layout, dst_sharding)` yields, in order: a FirstToken, then KVChunks
+already placed on the decode mesh in the decode layout, then returns. Any failure raises PrefillError and
+nothing yielded so far may be used: the caller frees the blocks it reserved and retries elsewhere.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import dataclasses
+import logging
+import socket
+from collections.abc import AsyncIterator
+
+import grpc
+
+import kvtransfer
+from engine.request import Request, TokenLogprobs
+from kvtransfer import KVChunk, KVLayout
+from pdserve.v1 import prefill_pb2 as pb
+from services import wire
+from services.engine_loop import EngineLoop
+from services.grpc_server import channel_options
+from services.prefill.runner import prefill_on_engine
+
+log = logging.getLogger(__name__)
+
+
+class PrefillError(RuntimeError):
+    """A prefill failed (unreachable, died mid-stream, bad frame, layout mismatch)."""
+
+
+@dataclasses.dataclass
+class FirstToken:
+    token: int
+    logprobs: TokenLogprobs | None
+
+
+class Prefiller(abc.ABC):
+    name: str
+    outstanding: int = 0  # requests in flight: the pool picks the replica with the fewest
+    healthy: bool = True
+
+    @abc.abstractmethod
+    def prefill(self, request: Request, dst: KVLayout, sharding) -> AsyncIterator[FirstToken | KVChunk]: ...
+
+    async def close(self) -> None:
+        return None
+
+
+class RemotePrefiller(Prefiller):
+    """A prefill-server reached over gRPC; KV frames are verified and put on the decode mesh on arrival."""
+
+    def __init__(self, target: str, dst: KVLayout, deadline_s: float = 120.0):
+        self.name = target
+        self.dst = dst
+        self.deadline_s = deadline_s
+        self.channel = grpc.aio.insecure_channel(
+            target,
+            options=[
+                *channel_options(),
+                ("grpc.keepalive_time_ms", 10_000),
+                ("grpc.keepalive_timeout_ms", 5_000),
+            ],
+        )
+        self._prefill = self.channel.unary_stream(
+            "/pdserve.v1.Prefill/Prefill",
+            request_serializer=pb.PrefillRequest.SerializeToString,
+            response_deserializer=wire.deserialize_prefill_message,
+        )
+        self._handshake = self.channel.unary_unary(
+            "/pdserve.v1.Prefill/Handshake",
+            request_serializer=pb.HandshakeRequest.SerializeToString,
+            response_deserializer=pb.HandshakeResponse.FromString,
+        )
+        self.src: KVLayout | None = None
+
+    async def handshake(self) -> KVLayout:
+        """Compares layouts; raises PrefillError (naming the differences) when they do not fit."""
+        try:
+            reply = await self._handshake(pb.HandshakeRequest(layout_json=self.dst.to_json()), timeout=10)
+        except grpc.aio.AioRpcError as e:
+            raise PrefillError(f"{self.name}: handshake failed: {e.code().name}: {e.details()}") from e
+        self.src = KVLayout.from_json(reply.layout_json)
+        kvtransfer.head_map(self.src, self.dst)  # raises LayoutMismatchError when it cannot convert
+        return self.src
+
+    async def prefill(self, request: Request, dst: KVLayout, sharding) -> AsyncIterator[FirstToken | KVChunk]:
+        if self.src is None:
+            await self.handshake()
+        sampling, stop = wire.sampling_to_proto(request.params)
+        message = pb.PrefillRequest(
+            request_id=request.request_id,
+            prompt_ids=request.prompt_ids,
+            sampling=sampling,
+            seed=request.seed,
+            layout_fingerprint=self.dst.fingerprint(),
+            lora_adapter=request.lora or "",
+            stop=stop,
+        )
+        call = self._prefill(message, timeout=self.deadline_s)
+        assembler = None
+        try:
+            async for item in call:
+                if isinstance(item, wire.KVFrameBytes):
+                    if assembler is None:
+                        raise PrefillError(f"{self.name}: KV frame before the header")
+                    frame = kvtransfer.deserialize_frame(item.data)
+                    yield await asyncio.to_thread(assembler.add, frame)
+                elif item.HasField("header"):
+                    header = item.header
+                    src = KVLayout.from_json(header.layout_json)
+                    assembler = kvtransfer.FrameAssembler(
+                        request.request_id, header.prompt_len, src, dst, sharding=sharding
+                    )
+                    logprobs = None
+                    if header.HasField("first_logprobs"):
+                        logprobs = wire.logprobs_from_proto(header.first_logprobs)
+                    yield FirstToken(header.first_token, logprobs)
+                elif item.HasField("trailer"):
+                    if assembler is None:
+                        raise PrefillError(f"{self.name}: trailer before the header")
+                    assembler.finish()
+                    return
+            raise PrefillError(f"{self.name}: stream ended without a trailer")
+        except grpc.aio.AioRpcError as e:
+            raise PrefillError(f"{self.name}: {e.code().name}: {e.details()}") from e
+        except (kvtransfer.FrameError, kvtransfer.LayoutMismatchError, ValueError) as e:
+            raise PrefillError(f"{self.name}: bad KV stream: {e}") from e
+        finally:
+            call.cancel()
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+class LocalPrefiller(Prefiller):
+    """An engine of this process on other devices (the single-controller shape of `pdserve serve`).
+
+    The gather converts heads to the decode layout; the chunks move with jax.device_put, or Pathways'
+    reshard under JAX_PLATFORMS=proxy (kvtransfer.reshard).
+    """
+
+    def __init__(self, loop: EngineLoop, src: KVLayout):
+        self.name = "local"
+        self.loop = loop
+        self.src = src
+
+    async def prefill(self, request: Request, dst: KVLayout, sharding) -> AsyncIterator[FirstToken | KVChunk]:
+        mine = self.loop.engine.make_request(list(request.prompt_ids), request.params, request.request_id)
+        mine.seed = request.seed
+        result = await prefill_on_engine(self.loop, mine, self.src, kvtransfer.head_map(self.src, dst))
+        first = result.first
+        yield FirstToken(first.new_token_ids[0], first.logprobs[0] if first.logprobs else None)
+        for chunk in result.chunks:
+            data = kvtransfer.reshard(chunk.data, sharding)
+            yield KVChunk(chunk.layer_start, chunk.token_start, chunk.num_tokens, data)
+
+
+class PrefillPool:
+    """Prefill replicas; `pick()` returns the healthy one with the least outstanding work.
+
+    Targets are host:port, or dns:///name:port (a Kubernetes headless service): every address the name
+    resolves to becomes a replica, re-resolved by `refresh()`.
+    """
+
+    def __init__(self, targets: list[str], dst: KVLayout):
+        self.targets = targets
+        self.dst = dst
+        self.replicas: dict[str, Prefiller] = {}
+
+    @staticmethod
+    def resolve(target: str) -> list[str]:
+        if not target.startswith("dns:///"):
+            return [target]
+        host, _, port = target[len("dns:///") :].rpartition(":")
+        infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+        return sorted({f"{info[4][0]}:{port}" for info in infos})
+
+    async def refresh(self) -> None:
+        wanted = {addr for target in self.targets for addr in self.resolve(target)}
+        for addr in wanted - self.replicas.keys():
+            self.replicas[addr] = RemotePrefiller(addr, self.dst)
+        for addr in self.replicas.keys() - wanted:
+            await self.replicas.pop(addr).close()
+
+    def pick(self, exclude: set[str] = frozenset()) -> Prefiller | None:
+        candidates = [r for r in self.replicas.values() if r.healthy and r.name not in exclude]
+        if not candidates:
+            candidates = [r for r in self.replicas.values() if r.name not in exclude]
+        return min(candidates, key=lambda r: r.outstanding, default=None)
+
+    async def close(self) -> None:
+        for replica in self.replicas.values():
+            await replica.close()

@@ -1,0 +1,267 @@
+"""decode-server: the client-facing Generation service.
+
+Request lifecycle:
+ 1. Generate arrives: text, token ids or a chat; validated and tokenized (INVALID_ARGUMENT names the
+    field).
+ 2. Prompts shorter than `local_prefill_below` tokens (or all, with `--prefill local`) are prefilled by
+    this server's own engine: the colocated path.
+ 3. Otherwise admission: blocks for the prompt's KV are reserved on this engine (waiting in a bounded
+    queue while none are free; RESOURCE_EXHAUSTED when that queue is full).
+ 4. The prefill replica with the least outstanding work prefills it and streams the first token, then the
+    KV frames; each frame is verified and put on this mesh as it arrives, and inserted into the reserved
+    blocks by the engine thread while the next frame is received.
+ 5. When the trailer confirms that every frame arrived, the request is registered with its first token and
+    joins continuous batching; its tokens stream back as text deltas.
+ 6. A failed prefill (unreachable, died mid-stream, bad frame) frees the reserved blocks; the request is
+    retried on another replica, then prefilled locally (`fallback_local`), else UNAVAILABLE. A request is
+    never decoded from a partial cache.
+ 7. A client cancel or deadline aborts the request here (freeing its blocks) and cancels the prefill
+    stream, which frees them on the prefill side.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import uuid
+
+import grpc
+
+from engine.engine import LLMEngine
+from engine.output import RequestOutput
+from engine.request import Request
+from engine.sampling_params import InvalidRequestError
+from kvtransfer import KVChunk, chunk_sharding
+from pdserve.v1 import generation_pb2 as pb
+from pdserve.v1 import generation_pb2_grpc as pb_grpc
+from services import wire
+from services.decode.prefill_pool import FirstToken, Prefiller, PrefillError, PrefillPool
+from pdserve.v1 import admin_pb2_grpc
+from services.admin import SERVICE_NAME as ADMIN_SERVICE
+from services.admin import AdminService, Counters
+from services.engine_loop import EngineLoop
+from services.grpc_server import make_server, set_serving
+from services.kv import engine_layout
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "pdserve.v1.Generation"
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    local_prefill_below: int = 0  # prompts shorter than this are prefilled here (0: none; all with no pool)
+    max_queue: int = 256  # requests waiting for blocks before RESOURCE_EXHAUSTED
+    max_attempts: int = 3  # prefill replicas tried per request
+    fallback_local: bool = True  # prefill here when every replica failed
+
+
+class GenerationService(pb_grpc.GenerationServicer):
+    def __init__(
+        self,
+        loop: EngineLoop,
+        pool: PrefillPool | None,
+        config: DecodeConfig,
+        prefill_mode: str,
+        counters: Counters,
+    ):
+        self.loop = loop
+        self.counters = counters
+        self.engine: LLMEngine = loop.engine
+        self.pool = pool
+        self.config = config
+        self.prefill_mode = prefill_mode
+        self.layout = engine_layout(self.engine)
+        self.sharding = chunk_sharding(self.engine.mesh, self.layout)
+        self.draining = False
+        self.blocks_freed = asyncio.Event()
+
+    async def GetModelInfo(self, request, context) -> pb.ModelInfo:
+        cfg = self.engine.model.config
+        return pb.ModelInfo(
+            model=cfg.name,
+            vocab_size=cfg.vocab_size,
+            max_model_len=self.engine.config.max_model_len,
+            prefill_mode=self.prefill_mode,
+            num_layers=cfg.num_layers,
+            tensor_parallel=self.engine.config.tp,
+        )
+
+    async def Generate(self, request: pb.GenerateRequest, context):
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "decode server is shutting down")
+        try:
+            prompt = wire.prompt_from_proto(request, self.engine.tokenizer)
+            params = wire.sampling_from_proto(request.sampling, request.max_tokens, request.stop)
+            engine_request = self.engine.make_request(
+                prompt,
+                params,
+                request_id=request.request_id or uuid.uuid4().hex,
+                lora=request.lora_adapter or None,
+            )
+        except InvalidRequestError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        rid = engine_request.request_id
+        self.counters.num_requests_total += 1
+        outputs = self.loop.open_stream(rid)
+        try:
+            if self._prefill_locally(engine_request):
+                await self.loop.call(lambda e: e.add_prepared_request(engine_request))
+            else:
+                first = await self._remote_prefill(engine_request, context)
+                if first is None:  # every replica failed: prefill here
+                    await self.loop.call(lambda e: e.add_prepared_request(engine_request))
+                else:
+                    yield self._response(first, rid)
+                    if first.finished:
+                        return
+            while True:
+                output = await outputs.get()
+                yield self._response(output, rid)
+                if output.finished:
+                    return
+        finally:
+            self.loop.close_stream(rid)
+            self.loop.submit(lambda e: e.abort(rid))  # no-op when it finished
+
+    def _prefill_locally(self, request: Request) -> bool:
+        return self.pool is None or len(request.prompt_ids) < self.config.local_prefill_below
+
+    async def _remote_prefill(self, request: Request, context) -> RequestOutput | None:
+        """Reserves blocks, streams the KV in from a replica and registers the request.
+
+        Returns the first token's output, or None when no replica could prefill it and the request should
+        be prefilled locally.
+        """
+        await self._admit(request, context)
+        tried: set[str] = set()
+        for _ in range(self.config.max_attempts):
+            replica = self.pool.pick(exclude=tried)
+            if replica is None:
+                break
+            tried.add(replica.name)
+            try:
+                first = await self._transfer(replica, request)
+            except PrefillError as e:
+                log.warning("request %s: prefill on %s failed: %s", request.request_id, replica.name, e)
+                continue
+            except BaseException:
+                self.loop.submit(lambda e: e.abandon_transfer(request))
+                self.blocks_freed.set()
+                raise
+            return await self.loop.call(_registrar(request, first))
+        self.loop.submit(lambda e: e.abandon_transfer(request))
+        self.blocks_freed.set()
+        if self.config.fallback_local:
+            return None
+        await context.abort(
+            grpc.StatusCode.UNAVAILABLE, f"no prefill replica could serve the request (tried {sorted(tried)})"
+        )
+
+    async def _transfer(self, replica: Prefiller, request: Request) -> FirstToken:
+        """One attempt; on failure the request's blocks stay reserved (to be refilled by the next try)."""
+        replica.outstanding += 1
+        try:
+            first = None
+            num_prompt_blocks = -(-len(request.prompt_ids) // self.engine.config.block_size)
+            blocks = request.blocks.block_ids[:num_prompt_blocks]
+            async for item in replica.prefill(request, self.layout, self.sharding):
+                if isinstance(item, FirstToken):
+                    first = item
+                else:
+                    self.loop.submit(_inserter(item, blocks))
+            if first is None:
+                raise PrefillError(f"{replica.name}: no first token")
+            return first
+        finally:
+            replica.outstanding -= 1
+
+    async def _admit(self, request: Request, context) -> None:
+        """Waits for blocks (check + do on the engine thread); RESOURCE_EXHAUSTED past the queue bound."""
+        if await self.loop.call(lambda e: e.reserve_for_transfer(request)):
+            return
+        if self.counters.num_waiting >= self.config.max_queue:
+            context.set_trailing_metadata((("retry-after-ms", "500"),))
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED, f"admission queue full ({self.config.max_queue})"
+            )
+        self.counters.num_waiting += 1
+        try:
+            while not await self.loop.call(lambda e: e.reserve_for_transfer(request)):
+                self.blocks_freed.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.blocks_freed.wait(), 0.05)
+        finally:
+            self.counters.num_waiting -= 1
+
+    @staticmethod
+    def _response(output: RequestOutput, rid: str) -> pb.GenerateResponse:
+        response = pb.GenerateResponse(
+            request_id=rid,
+            token_ids=output.new_token_ids,
+            text=output.text,
+            finish_reason=wire.FINISH_REASONS[output.finish_reason],
+            logprobs=[wire.logprobs_to_proto(lp) for lp in output.logprobs],
+        )
+        if output.finished:
+            response.usage.prompt_tokens = output.num_prompt_tokens
+            response.usage.completion_tokens = output.num_output_tokens
+        return response
+
+
+def _inserter(chunk: KVChunk, blocks: list[int]):
+    return lambda engine: engine.insert_kv(chunk, blocks)
+
+
+def _registrar(request: Request, first: FirstToken):
+    return lambda engine: engine.register_prefilled(request, first.token, first.logprobs)
+
+
+async def serve(
+    engine: LLMEngine,
+    port: int,
+    stop: asyncio.Event,
+    prefill_targets: list[str] | None = None,
+    local_prefiller: Prefiller | None = None,
+    config: DecodeConfig = DecodeConfig(),
+    host: str = "127.0.0.1",
+    grace_s: float = 30.0,
+) -> None:
+    """Serves Generate until `stop` is set; then refuses new requests and lets running ones finish."""
+    loop = EngineLoop(engine, name="decode-engine")
+    loop.start()
+    layout = engine_layout(engine)
+    pool = None
+    if local_prefiller is not None:
+        pool = PrefillPool([], layout)
+        pool.replicas["local"] = local_prefiller
+        mode = "local-engine"
+    elif prefill_targets:
+        pool = PrefillPool(prefill_targets, layout)
+        await pool.refresh()
+        for replica in pool.replicas.values():
+            try:
+                await replica.handshake()
+            except PrefillError as e:  # a replica that is down now may come back; a mismatch will not
+                log.warning("%s", e)
+        mode = "remote" if not config.local_prefill_below else f"conditional:{config.local_prefill_below}"
+    else:
+        mode = "local"
+    counters = Counters()
+    service = GenerationService(loop, pool, config, mode, counters)
+    server, health_servicer = make_server([SERVICE_NAME, ADMIN_SERVICE])
+    pb_grpc.add_GenerationServicer_to_server(service, server)
+    admin_pb2_grpc.add_AdminServicer_to_server(AdminService("decode", loop, counters), server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    await server.start()
+    await set_serving(health_servicer, [SERVICE_NAME], True)
+    print(f"decode-server ready on {host}:{bound} (prefill: {mode})", flush=True)
+    await stop.wait()
+    service.draining = True
+    await set_serving(health_servicer, [SERVICE_NAME], False)
+    await server.stop(grace_s)
+    if pool is not None:
+        await pool.close()
+    loop.stop()

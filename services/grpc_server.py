@@ -1,0 +1,62 @@
+"""What both daemons share around grpc.aio: uvloop, health and reflection, message limits, SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Awaitable, Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+log = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 8 << 20  # KV frames are <= 4 MiB; anything larger is refused by gRPC itself
+
+
+def server_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.so_reuseport", 0),
+    ]
+
+
+def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+    ]
+
+
+def make_server(service_names: list[str]) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
+    """A grpc.aio server with grpc.health.v1 (all services SERVING once started) and reflection."""
+    server = grpc.aio.server(options=server_options())
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
+    )
+    return server, health_servicer
+
+
+async def set_serving(health_servicer, service_names: list[str], serving: bool) -> None:
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for name in ["", *service_names]:
+        await health_servicer.set(name, status)
+
+
+def run_until_signal(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
+    """Runs `main(stop_event)` on uvloop; SIGTERM/SIGINT set the event (main drains, then returns)."""
+    import uvloop
+
+    async def runner():
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await main(stop)
+
+    uvloop.run(runner())

@@ -1,0 +1,1 @@
+"""prefill-server: prefills prompts and streams their KV to decode servers."""

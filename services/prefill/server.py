@@ -1,0 +1,174 @@
+"""prefill-server: the internal Prefill service.
+
+Request lifecycle:
+ 1. Handshake: a decode server sends its KV layout; an incompatible one (other model, dtype, block size,
+    ...) gets FAILED_PRECONDITION naming what differs. Each Prefill request repeats the fingerprint.
+ 2. Prefill: the prompt joins the engine's queue (bounded: RESOURCE_EXHAUSTED when full) as a request of
+    one token whose blocks outlive it (retain_kv); the engine batches and chunks it with other prompts.
+ 3. The first token is sampled with the request's own parameters and resolved seed, so it is the token a
+    colocated engine would pick.
+ 4. On the engine thread the request's KV is gathered in layer groups (kvtransfer.gather_request) and its
+    blocks are freed at once: the gathered chunks are copies.
+ 5. Off the engine thread the chunks become frames (crc32c, <= 4 MiB); the stream sends a header (first
+    token), the frames in layer order, and a trailer.
+ 6. A cancelled stream (the decode side gave up or vanished: keepalive pings notice a dead peer) aborts
+    the request if it is still queued, which frees its blocks; a frame write that stalls past the lease
+    ends the stream too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import grpc
+
+import kvtransfer
+from engine.engine import LLMEngine
+from engine.sampling_params import InvalidRequestError
+from pdserve.v1 import prefill_pb2 as pb
+from pdserve.v1 import prefill_pb2_grpc as pb_grpc
+from services import wire
+from pdserve.v1 import admin_pb2_grpc
+from services.admin import SERVICE_NAME as ADMIN_SERVICE
+from services.admin import AdminService, Counters
+from services.engine_loop import EngineLoop
+from services.grpc_server import make_server, set_serving
+from services.kv import engine_layout
+from services.prefill.runner import prefill_on_engine
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "pdserve.v1.Prefill"
+
+
+class PrefillService(pb_grpc.PrefillServicer):
+    def __init__(self, loop: EngineLoop, counters: Counters, max_queue: int = 64, lease_s: float = 30.0):
+        self.loop = loop
+        self.counters = counters
+        self.engine: LLMEngine = loop.engine
+        self.layout = engine_layout(self.engine)
+        self.layout_json = self.layout.to_json()
+        self.fingerprint = self.layout.fingerprint()
+        self.max_queue = max_queue
+        self.lease_s = lease_s
+        self.num_active = 0
+        self.draining = False
+
+    async def Handshake(self, request: pb.HandshakeRequest, context) -> pb.HandshakeResponse:
+        try:
+            peer = kvtransfer.KVLayout.from_json(request.layout_json)
+            self.layout.check_compatible(peer)
+        except kvtransfer.LayoutMismatchError as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        except (ValueError, KeyError, TypeError) as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"layout_json: {e}")
+        return pb.HandshakeResponse(layout_json=self.layout_json, fingerprint=self.fingerprint)
+
+    async def Prefill(self, request: pb.PrefillRequest, context):
+        if request.layout_fingerprint != self.fingerprint:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"layout fingerprint {request.layout_fingerprint!r} differs from this server's "
+                f"{self.fingerprint!r}: call Handshake for the differences",
+            )
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "prefill server is shutting down")
+        if self.num_active >= self.max_queue:
+            context.set_trailing_metadata((("retry-after-ms", "100"),))
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"prefill queue full ({self.max_queue})")
+        self.num_active += 1
+        self.counters.num_requests_total += 1
+        try:
+            async for message in self._prefill(request, context):
+                await asyncio.wait_for(context.write(message), self.lease_s)
+        except TimeoutError:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"frame not taken within {self.lease_s} s")
+        finally:
+            self.num_active -= 1
+
+    async def _prefill(self, request: pb.PrefillRequest, context):
+        start = time.perf_counter()
+        rid = request.request_id or f"prefill-{id(request)}"
+        params = wire.sampling_from_proto(request.sampling, 1, request.stop)
+        try:
+            engine_request = self.engine.make_request(
+                list(request.prompt_ids), params, request_id=rid, lora=request.lora_adapter or None
+            )
+        except InvalidRequestError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        engine_request.seed = request.seed
+        result = await prefill_on_engine(self.loop, engine_request, self.layout)
+        output, chunks, num_tokens = result.first, result.chunks, result.num_tokens
+        header = pb.PrefillHeader(
+            request_id=rid,
+            first_token=output.new_token_ids[0],
+            prompt_len=num_tokens,
+            layout_json=self.layout_json,
+        )
+        if output.logprobs:
+            header.first_logprobs.CopyFrom(wire.logprobs_to_proto(output.logprobs[0]))
+        yield pb.PrefillMessage(header=header)
+        encoder = kvtransfer.FrameEncoder(rid, self.layout, num_tokens)
+        frames = encoder.frames(chunks)
+        num_frames = num_bytes = 0
+        while True:
+            message = await asyncio.to_thread(_next_encoded, frames)
+            if message is None:
+                break
+            num_frames += 1
+            num_bytes += len(message)
+            yield message
+        yield pb.PrefillMessage(
+            trailer=pb.PrefillTrailer(
+                num_frames=num_frames, num_bytes=num_bytes, prefill_seconds=time.perf_counter() - start
+            )
+        )
+
+
+def _next_encoded(frames) -> bytes | None:
+    frame = next(frames, None)
+    return None if frame is None else wire.encode_kv_frame(kvtransfer.serialize_frame(frame))
+
+
+def add_to_server(server: grpc.aio.Server, service: PrefillService) -> None:
+    handler = grpc.method_handlers_generic_handler(
+        SERVICE_NAME,
+        {
+            "Handshake": grpc.unary_unary_rpc_method_handler(
+                service.Handshake,
+                request_deserializer=pb.HandshakeRequest.FromString,
+                response_serializer=pb.HandshakeResponse.SerializeToString,
+            ),
+            "Prefill": grpc.unary_stream_rpc_method_handler(
+                service.Prefill,
+                request_deserializer=pb.PrefillRequest.FromString,
+                response_serializer=wire.serialize_prefill_message,
+            ),
+        },
+    )
+    server.add_generic_rpc_handlers((handler,))
+
+
+async def serve(
+    engine: LLMEngine, port: int, stop: asyncio.Event, host: str = "127.0.0.1", grace_s: float = 30.0
+):
+    """Serves until `stop` is set, then drains: refuses new prefills, finishes running ones."""
+    loop = EngineLoop(engine, name="prefill-engine")
+    loop.start()
+    counters = Counters()
+    service = PrefillService(loop, counters)
+    server, health_servicer = make_server([SERVICE_NAME, ADMIN_SERVICE])
+    add_to_server(server, service)
+    admin_pb2_grpc.add_AdminServicer_to_server(AdminService("prefill", loop, counters), server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    await server.start()
+    await set_serving(health_servicer, [SERVICE_NAME], True)
+    log.info("prefill-server listening on %s:%d", host, bound)
+    print(f"prefill-server ready on {host}:{bound}", flush=True)
+    await stop.wait()
+    service.draining = True
+    await set_serving(health_servicer, [SERVICE_NAME], False)
+    await server.stop(grace_s)
+    loop.stop()

@@ -1,0 +1,139 @@
+"""Conversions between protos and engine types, and the hand-rolled codec of Prefill stream messages.
+
+A `PrefillMessage` carrying a KV frame is a protobuf message with one `bytes` field (kv_frame = 2). The
+python protobuf runtime copies such fields on parse and serialize, which halves loopback throughput; here
+the field is written as tag + varint length + the frame, and read back as a memoryview into the received
+message, while header and trailer messages go through protobuf as usual. The bytes on the wire are
+valid protobuf either way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from engine.request import FinishReason, TokenLogprobs
+from engine.sampling_params import InvalidRequestError, SamplingParams
+from pdserve.v1 import generation_pb2 as gen_pb
+from pdserve.v1 import prefill_pb2 as prefill_pb
+
+_KV_FRAME_TAG = b"\x12"  # field 2, wire type 2 (length-delimited)
+DEFAULT_MAX_TOKENS = 256
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, value = value & 0x7F, value >> 7
+        out.append(byte | (0x80 if value else 0))
+        if not value:
+            return bytes(out)
+
+
+def encode_kv_frame(frame: bytes) -> bytes:
+    return b"".join((_KV_FRAME_TAG, _varint(len(frame)), frame))
+
+
+def serialize_prefill_message(message: prefill_pb.PrefillMessage | bytes) -> bytes:
+    """Already-encoded KV frame messages (bytes) pass through; protobuf messages are serialized."""
+    return message if isinstance(message, bytes) else message.SerializeToString()
+
+
+@dataclasses.dataclass
+class KVFrameBytes:
+    """A received KV frame: a zero-copy view into the gRPC message."""
+
+    data: memoryview
+
+
+def deserialize_prefill_message(data: bytes) -> prefill_pb.PrefillMessage | KVFrameBytes:
+    if data[:1] == _KV_FRAME_TAG:
+        view = memoryview(data)
+        length, shift, pos = 0, 0, 1
+        while True:
+            byte = view[pos]
+            length |= (byte & 0x7F) << shift
+            pos += 1
+            if not byte & 0x80:
+                break
+            shift += 7
+        if pos + length != len(view):
+            raise ValueError(f"kv_frame field of {length} bytes in a message of {len(view)}")
+        return KVFrameBytes(view[pos:])
+    return prefill_pb.PrefillMessage.FromString(data)
+
+
+# ---- sampling parameters -------------------------------------------------------------------------------
+def sampling_from_proto(
+    sampling: gen_pb.SamplingParameters, max_tokens: int, stop: gen_pb.StopConditions
+) -> SamplingParams:
+    """Builds SamplingParams; range checks happen in SamplingParams.validate (INVALID_ARGUMENT)."""
+    return SamplingParams(
+        temperature=sampling.temperature,
+        top_p=sampling.top_p if sampling.HasField("top_p") else 1.0,
+        top_k=sampling.top_k,
+        min_p=sampling.min_p,
+        repetition_penalty=sampling.repetition_penalty if sampling.HasField("repetition_penalty") else 1.0,
+        presence_penalty=sampling.presence_penalty,
+        frequency_penalty=sampling.frequency_penalty,
+        seed=sampling.seed if sampling.HasField("seed") else None,
+        logprobs=sampling.logprobs if sampling.HasField("logprobs") else None,
+        max_tokens=max_tokens or DEFAULT_MAX_TOKENS,
+        stop=tuple(stop.stop),
+        stop_token_ids=tuple(stop.stop_token_ids),
+        ignore_eos=stop.ignore_eos,
+    )
+
+
+def sampling_to_proto(params: SamplingParams) -> tuple[gen_pb.SamplingParameters, gen_pb.StopConditions]:
+    sampling = gen_pb.SamplingParameters(
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        min_p=params.min_p,
+        repetition_penalty=params.repetition_penalty,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+    )
+    if params.seed is not None:
+        sampling.seed = params.seed
+    if params.logprobs is not None:
+        sampling.logprobs = params.logprobs
+    stop = gen_pb.StopConditions(
+        stop=list(params.stop), stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos
+    )
+    return sampling, stop
+
+
+def prompt_from_proto(request: gen_pb.GenerateRequest, tokenizer) -> str | list[int]:
+    kind = request.WhichOneof("prompt")
+    if kind == "text":
+        return request.text
+    if kind == "token_ids":
+        return list(request.token_ids.ids)
+    if kind == "chat":
+        messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+        if not messages:
+            raise InvalidRequestError("chat", "must have at least one message")
+        return tokenizer.encode_chat(messages)
+    raise InvalidRequestError("prompt", "one of text, token_ids or chat is required")
+
+
+# ---- outputs -------------------------------------------------------------------------------------------
+FINISH_REASONS = {
+    None: gen_pb.FINISH_REASON_UNSPECIFIED,
+    FinishReason.STOP: gen_pb.FINISH_REASON_STOP,
+    FinishReason.LENGTH: gen_pb.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: gen_pb.FINISH_REASON_ABORT,
+}
+
+
+def logprobs_to_proto(lp: TokenLogprobs) -> gen_pb.TokenLogprobs:
+    return gen_pb.TokenLogprobs(
+        token_id=lp.token_id,
+        logprob=lp.logprob,
+        top=[gen_pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
+    )
+
+
+def logprobs_from_proto(lp: gen_pb.TokenLogprobs) -> TokenLogprobs:
+    return TokenLogprobs(lp.token_id, lp.logprob, [(t.token_id, t.logprob) for t in lp.top])
