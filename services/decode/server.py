@@ -34,13 +34,13 @@ from engine.output import RequestOutput
 from engine.request import Request
 from engine.sampling_params import InvalidRequestError
 from kvtransfer import KVChunk, chunk_sharding
+from pdserve.v1 import admin_pb2_grpc
 from pdserve.v1 import generation_pb2 as pb
 from pdserve.v1 import generation_pb2_grpc as pb_grpc
 from services import wire
-from services.decode.prefill_pool import FirstToken, Prefiller, PrefillError, PrefillPool
-from pdserve.v1 import admin_pb2_grpc
 from services.admin import SERVICE_NAME as ADMIN_SERVICE
 from services.admin import AdminService, Counters
+from services.decode.prefill_pool import FirstToken, Prefiller, PrefillError, PrefillPool
 from services.engine_loop import EngineLoop
 from services.grpc_server import make_server, set_serving
 from services.kv import engine_layout

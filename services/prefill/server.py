@@ -27,10 +27,10 @@ import grpc
 import kvtransfer
 from engine.engine import LLMEngine
 from engine.sampling_params import InvalidRequestError
+from pdserve.v1 import admin_pb2_grpc
 from pdserve.v1 import prefill_pb2 as pb
 from pdserve.v1 import prefill_pb2_grpc as pb_grpc
 from services import wire
-from pdserve.v1 import admin_pb2_grpc
 from services.admin import SERVICE_NAME as ADMIN_SERVICE
 from services.admin import AdminService, Counters
 from services.engine_loop import EngineLoop
