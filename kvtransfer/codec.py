@@ -54,8 +54,11 @@ class Frame:
     payload: tuple
 
 
-def serialize_frame(frame: Frame) -> bytes:
-    """gRPC serializer: one copy of the payload into the message bytes."""
+def serialize_frame(frame: Frame | bytes) -> bytes:
+    """gRPC serializer: one copy of the payload into the message bytes (already serialized bytes, e.g. from
+    a prefetching sender, pass through)."""
+    if isinstance(frame, bytes):
+        return frame
     header = frame.header.SerializeToString()
     return b"".join((_PREFIX.pack(len(header), google_crc32c.value(header)), header, *frame.payload))
 
@@ -126,6 +129,7 @@ class FrameEncoder:
                 dtype=_DTYPE_TO_PB[self.layout.dtype],
                 payload_bytes=sum(p.nbytes for p in parts),
                 payload_crc32c=crc32c(parts),
+                bucket_blocks=plan.bucket,
             )
             if header.ByteSize() + _PREFIX.size > HEADER_RESERVE_BYTES:
                 raise ValueError(f"frame header of {header.ByteSize()} B exceeds the reserve")
@@ -191,6 +195,8 @@ class FrameAssembler:
             )
         if h.token_end % bs and h.token_end != self.num_tokens:
             self._fail("invalid", f"token_end {h.token_end} ends inside a block")
+        if h.bucket_blocks and not cdiv(nt, bs) <= h.bucket_blocks <= bucket_blocks(cdiv(nt, bs)):
+            self._fail("invalid", f"bucket of {h.bucket_blocks} blocks for {nt} tokens")
         area = (slice(h.layer_start, h.layer_end), slice(h.token_start // bs, cdiv(h.token_end, bs)))
         if self._covered[area].any():
             self._fail("duplicate", f"frame {h.seq} repeats blocks already received")
@@ -218,7 +224,7 @@ class FrameAssembler:
         nl, nt = h.shape[0], h.shape[1]
         buf = payload[0] if len(payload) == 1 else b"".join(payload)
         src = np.frombuffer(buf, self.src.np_dtype).reshape(tuple(h.shape))
-        padded = bucket_blocks(cdiv(nt, self.dst.block_size)) * self.dst.block_size
+        padded = (h.bucket_blocks or bucket_blocks(cdiv(nt, self.dst.block_size))) * self.dst.block_size
         if padded == nt and self.map.is_identity:
             data = src  # read-only view of the message; device_put copies it
         else:

@@ -60,13 +60,15 @@ def gather(
     num_layers: int | None = None,
     token_start: int = 0,
     head_map: HeadMap | None = None,
+    bucket: int | None = None,
 ) -> KVChunk:
     """Reads tokens [token_start, token_start + num_tokens) of a request from `cache`.
 
     block_ids: the blocks holding exactly those tokens, in token order (len == ceil(num_tokens /
     block_size); the last may be partly filled). Layers [layer_start, +num_layers) of the cache (default:
-    all). A contiguous run is read with a slice, anything else with a gather; the block count is bucketed
-    to a power of two, so requests of 1..512 blocks compile at most 10 variants per layer count.
+    all). A contiguous run is read with a slice, anything else with a gather; the token axis is padded to
+    `bucket` blocks (default: the next power of two, so requests of 1..512 blocks compile at most 10
+    variants per layer count; gather_request passes the frame plan's fixed chunk sizes).
     head_map, if given, converts the heads axis to another physical layout in the same pass.
     The cache is only read; dispatch is asynchronous.
     """
@@ -84,7 +86,10 @@ def gather(
     if not block_ids:
         slots, dim = head_map.dst_token_shape if head_map else leaves[0].shape[-2:]
         return KVChunk(layer_start, token_start, 0, jnp.zeros((layers, 0, slots, dim), leaves[0].dtype))
-    bucket = bucket_blocks(len(block_ids))
+    if bucket is None:
+        bucket = bucket_blocks(len(block_ids))
+    elif bucket < len(block_ids):
+        raise ValueError(f"bucket {bucket} is smaller than {len(block_ids)} blocks")
     runs = block_runs(block_ids)
     if len(runs) == 1 and runs[0].start + bucket <= num_cache_blocks:
         mode, ids = "slice", np.array([runs[0].start], np.int32)
@@ -128,6 +133,7 @@ def gather_request(
             num_layers=p.num_layers,
             token_start=p.token_start,
             head_map=head_map,
+            bucket=p.bucket,
         )
         for p in plan_frames(layout, num_tokens, max_frame_bytes)
     ]

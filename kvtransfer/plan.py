@@ -2,7 +2,8 @@
 
 A request's KV moves as a sequence of chunks; each chunk is one frame on the wire. The plan is a pure
 function of (layout, num_tokens, max_payload_bytes), so both ends can reason about the same sequence, and
-its chunk shapes come from a small set (lengths bucketed to powers of two), which bounds compilation.
+its chunk shapes come from a small set (full chunks of a fixed size, the last one of a layer group
+bucketed to a power of two), which bounds compilation.
 """
 
 from __future__ import annotations
@@ -48,9 +49,11 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def bucket_blocks(num_blocks: int) -> int:
-    """Smallest power of two >= num_blocks (0 for 0): 10 buckets cover 1..512 blocks."""
-    return 0 if num_blocks <= 0 else 1 << (num_blocks - 1).bit_length()
+def bucket_blocks(num_blocks: int, cap: int | None = None) -> int:
+    """Smallest power of two >= num_blocks (0 for 0), or `cap` if that is smaller (cap >= num_blocks):
+    10 buckets cover 1..512 blocks."""
+    bucket = 0 if num_blocks <= 0 else 1 << (num_blocks - 1).bit_length()
+    return bucket if cap is None else min(bucket, max(cap, num_blocks))
 
 
 @dataclass(frozen=True)
@@ -107,46 +110,53 @@ def _layer_segments(layout: KVLayout, num_tokens: int) -> list[tuple[int, int, i
     return segments
 
 
+def chunk_geometry(layout: KVLayout, num_layers: int, budget: int) -> tuple[int, int]:
+    """(layers, blocks) of a full chunk of a run of num_layers cache layers that need the same blocks:
+    all of them and as many blocks as fit the budget if one block of all of them fits, else as many layers
+    as fit with one block."""
+    block_bytes = layout.block_bytes
+    if num_layers * block_bytes <= budget:
+        return num_layers, min(MAX_FRAME_BLOCKS, budget // (num_layers * block_bytes))
+    return budget // block_bytes, 1
+
+
 def plan_frames(
     layout: KVLayout, num_tokens: int, max_frame_bytes: int = MAX_FRAME_BYTES
 ) -> tuple[FramePlan, ...]:
-    """The chunks of a request, in the order they are sent: by layer, then by token.
+    """The chunks of a request, in the order they are sent: by layer group, then by token.
 
-    Each chunk's payload (bucketed) fits max_frame_bytes - HEADER_RESERVE_BYTES. Whole layers are grouped
-    while they fit; a layer too large for one frame is split into power-of-two runs of blocks. Sliding
-    window layers start at their first needed block.
+    Fixed geometry (chunk_geometry): every chunk of a layer group holds the same number of blocks (as many
+    as fit the budget) except the group's last, whose bucket is the next power of two capped at that
+    number, so each stage copies (almost) only real bytes and a model compiles a handful of chunk shapes
+    whatever the request length. Each chunk's payload (bucketed) fits max_frame_bytes -
+    HEADER_RESERVE_BYTES. Sliding window layers start at their first needed block.
     """
     budget = max_frame_bytes - HEADER_RESERVE_BYTES
-    block_bytes = layout.block_bytes
-    if block_bytes > budget:
-        raise ValueError(f"one block of one layer ({block_bytes} B) exceeds the frame budget ({budget} B)")
-    max_blocks = min(MAX_FRAME_BLOCKS, 1 << (budget // block_bytes).bit_length() - 1)
-    total_blocks = cdiv(num_tokens, layout.block_size)
-    pieces: list[tuple[int, int, int, int]] = []  # (layer_start, num_layers, block_start, num_blocks)
-    for layer_start, layer_end, first_block in _layer_segments(layout, num_tokens) if total_blocks else []:
-        num_blocks = total_blocks - first_block
-        if bucket_blocks(num_blocks) <= max_blocks:
-            group = max(1, budget // (bucket_blocks(num_blocks) * block_bytes))
-            for layer in range(layer_start, layer_end, group):
-                pieces.append((layer, min(group, layer_end - layer), first_block, num_blocks))
-        else:
-            for layer in range(layer_start, layer_end):
-                for block in range(first_block, total_blocks, max_blocks):
-                    pieces.append((layer, 1, block, min(max_blocks, total_blocks - block)))
-    bs = layout.block_size
-    return tuple(
-        FramePlan(
-            seq,
-            layer,
-            count,
-            block,
-            nblocks,
-            block * bs,
-            min(nblocks * bs, num_tokens - block * bs),
-            bucket_blocks(nblocks),
+    if layout.block_bytes > budget:
+        raise ValueError(
+            f"one block of one layer ({layout.block_bytes} B) exceeds the frame budget ({budget} B)"
         )
-        for seq, (layer, count, block, nblocks) in enumerate(pieces)
-    )
+    total_blocks = cdiv(num_tokens, layout.block_size)
+    bs = layout.block_size
+    plans: list[FramePlan] = []
+    for layer_start, layer_end, first_block in _layer_segments(layout, num_tokens) if total_blocks else []:
+        group, full = chunk_geometry(layout, layer_end - layer_start, budget)
+        for layer in range(layer_start, layer_end, group):
+            for block in range(first_block, total_blocks, full):
+                nblocks = min(full, total_blocks - block)
+                plans.append(
+                    FramePlan(
+                        len(plans),
+                        layer,
+                        min(group, layer_end - layer),
+                        block,
+                        nblocks,
+                        block * bs,
+                        min(nblocks * bs, num_tokens - block * bs),
+                        bucket_blocks(nblocks, full),
+                    )
+                )
+    return tuple(plans)
 
 
 def chunk_shapes(layout: KVLayout, max_request_blocks: int, max_frame_bytes: int = MAX_FRAME_BYTES) -> set:

@@ -19,7 +19,7 @@ KV_DTYPE_BFLOAT16: KVDType
 KV_DTYPE_FLOAT16: KVDType
 
 class KVFrameHeader(_message.Message):
-    __slots__ = ("request_id", "seq", "num_frames", "request_num_tokens", "layout_fingerprint", "layer_start", "layer_end", "token_start", "token_end", "block_ids", "shape", "dtype", "payload_bytes", "payload_crc32c")
+    __slots__ = ("request_id", "seq", "num_frames", "request_num_tokens", "layout_fingerprint", "layer_start", "layer_end", "token_start", "token_end", "block_ids", "shape", "dtype", "payload_bytes", "payload_crc32c", "bucket_blocks")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     NUM_FRAMES_FIELD_NUMBER: _ClassVar[int]
@@ -34,6 +34,7 @@ class KVFrameHeader(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_CRC32C_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     seq: int
     num_frames: int
@@ -48,4 +49,5 @@ class KVFrameHeader(_message.Message):
     dtype: KVDType
     payload_bytes: int
     payload_crc32c: int
-    def __init__(self, request_id: _Optional[str] = ..., seq: _Optional[int] = ..., num_frames: _Optional[int] = ..., request_num_tokens: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., token_start: _Optional[int] = ..., token_end: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[KVDType, str]] = ..., payload_bytes: _Optional[int] = ..., payload_crc32c: _Optional[int] = ...) -> None: ...
+    bucket_blocks: int
+    def __init__(self, request_id: _Optional[str] = ..., seq: _Optional[int] = ..., num_frames: _Optional[int] = ..., request_num_tokens: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., token_start: _Optional[int] = ..., token_end: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[KVDType, str]] = ..., payload_bytes: _Optional[int] = ..., payload_crc32c: _Optional[int] = ..., bucket_blocks: _Optional[int] = ...) -> None: ...

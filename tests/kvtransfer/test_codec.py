@@ -19,7 +19,7 @@ from kvtransfer import (
 from kvtransfer.plan import HEADER_RESERVE_BYTES
 
 SRC, DST = make_layout(dtype="bfloat16", tp=2), make_layout(dtype="bfloat16", tp=4)
-SMALL_FRAMES = HEADER_RESERVE_BYTES + 2 * SRC.block_bytes  # two blocks of one layer per frame
+SMALL_FRAMES = HEADER_RESERVE_BYTES + 2 * SRC.block_bytes  # two layers of one block per frame
 SRC_BLOCKS, DST_BLOCKS, NUM_TOKENS = [3, 4, 5, 9, 1, 20, 21], [7, 2, 3, 4, 30, 11, 12], 26
 
 
@@ -45,7 +45,7 @@ def receive(messages, num_tokens=NUM_TOKENS):
 
 def test_round_trip_bfloat16_with_heads_padded_from_tp2_to_tp4():
     messages = wire_frames()
-    assert len(messages) == 4 * 4  # 4 layers x (7 blocks in runs of 2)
+    assert len(messages) == 2 * 7  # 2 groups of 2 layers x 7 blocks
     cache, error = receive(messages)
     assert error is None
     check_transferred(cache, SRC, DST, SRC_BLOCKS, DST_BLOCKS, NUM_TOKENS)
@@ -56,13 +56,14 @@ def test_header_records_ranges_blocks_shape_dtype_and_crc():
     h = frame.header
     assert (h.seq, h.num_frames, h.layer_start, h.layer_end, h.token_start, h.token_end) == (
         3,
-        16,
+        14,
         0,
-        1,
-        24,
-        26,
+        2,
+        12,
+        16,
     )
-    assert list(h.block_ids) == [21] and list(h.shape) == [1, 2, 8, 8] and h.payload_bytes == 2 * 8 * 8 * 2
+    assert list(h.block_ids) == [9] and list(h.shape) == [2, 4, 8, 8] and h.payload_bytes == 2 * 4 * 8 * 8 * 2
+    assert h.bucket_blocks == 1
     assert h.dtype == 2  # KV_DTYPE_BFLOAT16
     assert isinstance(frame.payload[0], memoryview) and frame.payload[0].nbytes == h.payload_bytes
 
@@ -123,7 +124,7 @@ def test_truncated_frame_is_detected_and_never_inserted():
 def test_truncated_stream_is_detected_at_the_end():
     messages = wire_frames()
     cache, error = receive(messages[:-1])
-    assert error is not None and error.kind == "truncated" and "15 of 16 frames" in str(error)
+    assert error is not None and error.kind == "truncated" and "13 of 14 frames" in str(error)
     cache, error = receive([])
     assert error is not None and error.kind == "truncated"
 
@@ -153,7 +154,7 @@ def test_frames_of_another_request_or_layout_are_refused():
 
 def test_host_assembly_without_a_mesh_pads_tokens_to_a_bucket():
     assembler = FrameAssembler("req", NUM_TOKENS, SRC, DST)
-    chunks = [assembler.add(deserialize_frame(m)) for m in wire_frames()[:4]]
-    chunk = chunks[3]  # tokens 24..25 of layer 0: one partly filled block
-    assert isinstance(chunk.data, np.ndarray) and chunk.data.shape == (1, 4, 8, 8) and chunk.num_tokens == 2
+    chunks = [assembler.add(deserialize_frame(m)) for m in wire_frames()[:7]]
+    chunk = chunks[6]  # tokens 24..25 of layers 0-1: one partly filled block
+    assert isinstance(chunk.data, np.ndarray) and chunk.data.shape == (2, 4, 8, 8) and chunk.num_tokens == 2
     assert (chunk.data[:, 2:] == 0).all() and (chunk.data[:, :2, 6:] == 0).all()  # padding, dummy head

@@ -125,3 +125,13 @@ def test_compiled_variants_stay_bounded_over_request_lengths():
         cache = insert(cache, chunk, list(range(64 - num_blocks, 64)))
     assert _gather_kernel._cache_size() - gathers <= 2 * 7
     assert _insert_kernel._cache_size() - inserts <= 2 * 7
+
+
+def test_gather_pads_to_a_given_bucket_and_insert_takes_it():
+    m = mesh(0, 2)
+    chunk = gather(src_cache(LAYOUT, m), [3, 4, 5, 9, 1], 18, bucket=6)  # not a power of two
+    assert chunk.data.shape[1] == 6 * 4 and chunk.num_tokens == 18
+    cache = insert(dst_cache(LAYOUT, m), chunk, [7, 8, 9, 2, 30])
+    check_transferred(cache, LAYOUT, LAYOUT, [3, 4, 5, 9, 1], [7, 8, 9, 2, 30], 18)
+    with pytest.raises(ValueError, match="bucket 4 is smaller than 5 blocks"):
+        gather(src_cache(LAYOUT, m), [3, 4, 5, 9, 1], 18, bucket=4)

@@ -23,6 +23,7 @@ from kvtransfer.plan import (
 def test_buckets_are_powers_of_two_and_ten_cover_1_to_512():
     assert [bucket_blocks(n) for n in (0, 1, 2, 3, 5, 8, 9, 512)] == [0, 1, 2, 4, 8, 8, 16, 512]
     assert len({bucket_blocks(n) for n in range(1, 513)}) == 10
+    assert [bucket_blocks(n, 5) for n in (1, 2, 3, 4, 5)] == [1, 2, 4, 4, 5]  # capped at a full chunk
 
 
 def test_block_runs_split_mixed_lists():
@@ -54,7 +55,9 @@ def test_plan_tiles_exactly_the_needed_blocks_in_order_within_the_budget(
     for seq, p in enumerate(plan):
         assert p.seq == seq and p.token_start == p.block_start * bs
         assert p.num_tokens == min(p.num_blocks * bs, num_tokens - p.token_start) > 0
-        assert p.bucket == bucket_blocks(p.num_blocks)
+        assert p.num_blocks <= p.bucket <= bucket_blocks(p.num_blocks)
+        last_of_group = seq + 1 == len(plan) or plan[seq + 1].layer_start != p.layer_start
+        assert last_of_group or p.num_blocks == p.bucket  # only a group's last chunk is padded
         assert p.num_layers * p.bucket * layout.block_bytes <= max_frame_bytes - HEADER_RESERVE_BYTES
         assert frame_payload_bytes(layout, p) <= max_frame_bytes - HEADER_RESERVE_BYTES
         covered[p.layer_start : p.layer_end, p.block_start : p.block_start + p.num_blocks] += 1
@@ -66,16 +69,22 @@ def test_plan_tiles_exactly_the_needed_blocks_in_order_within_the_budget(
     assert order == sorted(order)
 
 
-def test_big_layers_split_into_power_of_two_token_runs():
-    layout = make_layout()  # 768 B per block and layer
-    plan = plan_frames(layout, 4 * 100, HEADER_RESERVE_BYTES + 768 * 40)  # 100 blocks, 32 per frame max
-    assert [(p.layer_start, p.num_blocks, p.bucket) for p in plan[:4]] == [
-        (0, 32, 32),
-        (0, 32, 32),
-        (0, 32, 32),
-        (0, 4, 4),
+def test_full_chunks_of_all_layers_and_one_padded_last_chunk():
+    layout = make_layout()  # 4 layers, 768 B per block and layer
+    plan = plan_frames(layout, 4 * 103, HEADER_RESERVE_BYTES + 768 * 40)  # 103 blocks, 10 per frame
+    assert [(p.layer_start, p.num_layers, p.num_blocks, p.bucket) for p in plan] == [(0, 4, 10, 10)] * 10 + [
+        (0, 4, 3, 4)
     ]
-    assert len(plan) == 16
+    plan = plan_frames(layout, 4 * 9, HEADER_RESERVE_BYTES + 768 * 40)
+    assert [(p.num_blocks, p.bucket) for p in plan] == [(9, 10)]  # capped at the full size, not 16
+
+
+def test_layers_too_big_for_one_block_per_frame_go_in_groups_of_one_block():
+    layout = make_layout()  # 4 layers, 768 B per block and layer: 3 layers of a block fit
+    plan = plan_frames(layout, 4 * 5, HEADER_RESERVE_BYTES + 768 * 3)
+    assert [(p.layer_start, p.num_layers, p.block_start, p.bucket) for p in plan] == [
+        (0, 3, b, 1) for b in range(5)
+    ] + [(3, 1, b, 1) for b in range(5)]
 
 
 def test_chunk_shapes_stay_few_for_1_to_512_blocks():
@@ -83,9 +92,10 @@ def test_chunk_shapes_stay_few_for_1_to_512_blocks():
     from kvtransfer import KVLayout, LayerSpec
 
     layout = KVLayout("smollm2", (LayerSpec(),) * 30, 3, 64, "bfloat16", 16, tp_size=1)
-    shapes = chunk_shapes(layout, 512)
-    assert len(shapes) <= 3 * 10, shapes
-    assert {bucket for _, bucket in shapes} <= {1 << i for i in range(10)}
+    assert chunk_shapes(layout, 512) == {(30, 1), (30, 2), (30, 4), (30, 8), (30, 11)}
+    assert chunk_shapes(layout.with_physical(), 512) == chunk_shapes(layout, 512)
+    f32 = KVLayout("smollm2", (LayerSpec(),) * 30, 3, 64, "float32", 16, tp_size=1)
+    assert chunk_shapes(f32, 512) == {(30, 1), (30, 2), (30, 4), (30, 5)}  # 5 blocks: 3.5 MiB
 
 
 class _Leaf:
