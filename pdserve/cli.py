@@ -26,6 +26,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--num-blocks", type=int, default=1024)
     parser.add_argument("--max-num-seqs", type=int, default=32)
+    parser.add_argument("--max-prefill-tokens", type=int, default=512, help="tokens of one prefill chunk")
 
 
 def engine_config(args: argparse.Namespace):

@@ -142,3 +142,18 @@ def serve_main(args: argparse.Namespace) -> int:
     finally:
         prefill_loop.stop()
     return 0
+
+
+def run_cli(argv: list[str] | None = None) -> int:
+    """`python -c ...run_cli() NAME ARGS`: dispatches to prefill-server, decode-server or pdserve."""
+    import sys
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    name, rest = argv[0], argv[1:]
+    if name == "prefill-server":
+        return prefill_main(rest)
+    if name == "decode-server":
+        return decode_main(rest)
+    from pdserve.cli import main
+
+    return main(argv)

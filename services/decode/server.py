@@ -26,6 +26,7 @@ import contextlib
 import dataclasses
 import logging
 import uuid
+from collections.abc import Callable
 
 import grpc
 
@@ -228,6 +229,7 @@ async def serve(
     config: DecodeConfig = DecodeConfig(),
     host: str = "127.0.0.1",
     grace_s: float = 30.0,
+    on_ready: Callable[[str], None] | None = None,
 ) -> None:
     """Serves Generate until `stop` is set; then refuses new requests and lets running ones finish."""
     loop = EngineLoop(engine, name="decode-engine")
@@ -258,6 +260,8 @@ async def serve(
     await server.start()
     await set_serving(health_servicer, [SERVICE_NAME], True)
     print(f"decode-server ready on {host}:{bound} (prefill: {mode})", flush=True)
+    if on_ready is not None:
+        on_ready(f"{host}:{bound}")
     await stop.wait()
     service.draining = True
     await set_serving(health_servicer, [SERVICE_NAME], False)

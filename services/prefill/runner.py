@@ -25,7 +25,12 @@ class PrefillResult:
 async def prefill_on_engine(
     loop: EngineLoop, request: Request, layout: KVLayout, head_map: HeadMap | None = None
 ) -> PrefillResult:
-    """`request` comes from engine.make_request with the caller's seed. Cancelling frees its blocks."""
+    """`request` comes from engine.make_request with the caller's seed. Cancelling frees its blocks.
+
+    The request is cut to one token (its stop conditions are the decode side's business) and keeps its
+    blocks past its end until they are gathered.
+    """
+    request.params = dataclasses.replace(request.params, max_tokens=1)
     request.retain_kv = True
     rid = request.request_id
     outputs = loop.open_stream(rid)

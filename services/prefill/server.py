@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 import grpc
 
@@ -152,7 +153,12 @@ def add_to_server(server: grpc.aio.Server, service: PrefillService) -> None:
 
 
 async def serve(
-    engine: LLMEngine, port: int, stop: asyncio.Event, host: str = "127.0.0.1", grace_s: float = 30.0
+    engine: LLMEngine,
+    port: int,
+    stop: asyncio.Event,
+    host: str = "127.0.0.1",
+    grace_s: float = 30.0,
+    on_ready: Callable[[str], None] | None = None,
 ):
     """Serves until `stop` is set, then drains: refuses new prefills, finishes running ones."""
     loop = EngineLoop(engine, name="prefill-engine")
@@ -167,6 +173,8 @@ async def serve(
     await set_serving(health_servicer, [SERVICE_NAME], True)
     log.info("prefill-server listening on %s:%d", host, bound)
     print(f"prefill-server ready on {host}:{bound}", flush=True)
+    if on_ready is not None:
+        on_ready(f"{host}:{bound}")
     await stop.wait()
     service.draining = True
     await set_serving(health_servicer, [SERVICE_NAME], False)

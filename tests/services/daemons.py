@@ -1,0 +1,134 @@
+"""Test helpers: daemons as real processes on loopback ports, and in-process servers on a thread."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+# Small engines, the same sizes as tests/conftest.py's small_config (colocated reference engine).
+ENGINE_ARGS = [
+    "--max-model-len",
+    "1024",
+    "--num-blocks",
+    "192",
+    "--max-num-seqs",
+    "8",
+    "--max-prefill-tokens",
+    "256",
+]
+_READY = re.compile(r"ready on ([0-9.]+):(\d+)")
+
+
+class Daemon:
+    """A daemon process (`prefill-server`, `decode-server` or `pdserve serve`) started on port 0."""
+
+    def __init__(self, argv: list[str], name: str, log_dir: Path, timeout: float = 240.0):
+        env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
+        env.pop("XLA_FLAGS", None)  # daemons choose their CPU device count themselves (--cpu-devices)
+        self.name = name
+        self.log_path = log_dir / f"{name}.log"
+        self.log = self.log_path.open("w")
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                "import sys; from services.daemon import run_cli; sys.exit(run_cli())",
+                *argv,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+            env=env,
+        )
+        self.address = self._wait_ready(timeout)
+
+    def _wait_ready(self, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(
+                        f"{self.name} exited {self.proc.returncode}: {self.log_path.read_text()[-3000:]}"
+                    )
+                continue
+            match = _READY.search(line)
+            if match:
+                threading.Thread(target=self._drain, daemon=True).start()
+                return f"{match.group(1)}:{match.group(2)}"
+        raise TimeoutError(f"{self.name} not ready after {timeout} s")
+
+    def _drain(self) -> None:
+        for _ in self.proc.stdout:
+            pass
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+    def terminate(self, timeout: float = 60.0) -> int:
+        """SIGTERM; returns the exit code (0 after a clean drain)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+                raise
+        self.log.close()
+        return self.proc.returncode
+
+
+def prefill_server(gguf: Path, log_dir: Path, name: str = "prefill", extra: list[str] = ()) -> Daemon:
+    return Daemon(
+        ["prefill-server", "--model", str(gguf), "--port", "0", "--no-warmup", *ENGINE_ARGS, *extra],
+        name,
+        log_dir,
+    )
+
+
+def decode_server(
+    gguf: Path, prefill: str, log_dir: Path, name: str = "decode", extra: list[str] = ()
+) -> Daemon:
+    argv = ["decode-server", "--model", str(gguf), "--port", "0", "--no-warmup", "--prefill", prefill]
+    return Daemon([*argv, *ENGINE_ARGS, *extra], name, log_dir)
+
+
+class ServerThread:
+    """Runs `serve(..., stop)`-style coroutines on their own event loop thread (in-process servers)."""
+
+    def __init__(self, make_coro):
+        self.loop = asyncio.new_event_loop()
+        self.stop_event: asyncio.Event | None = None
+        self.ready = threading.Event()
+        self.error: BaseException | None = None
+
+        async def main():
+            self.stop_event = asyncio.Event()
+            self.ready.set()
+            await make_coro(self.stop_event)
+
+        def run():
+            try:
+                self.loop.run_until_complete(main())
+            except BaseException as e:  # noqa: BLE001 - reported by stop()
+                self.error = e
+                self.ready.set()
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+        self.ready.wait()
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.stop_event.set)
+        self.thread.join(60)
+        if self.error:
+            raise self.error
