@@ -15,6 +15,10 @@ SERVICE_NAME = "pdserve.v1.Admin"
 class Counters:
     num_requests_total: int = 0
     num_waiting: int = 0
+    num_transfers_total: int = 0
+    kv_transfer_seconds_total: float = 0.0
+    kv_transfer_bytes_total: int = 0
+    num_transfer_failures_total: int = 0
 
 
 class AdminService(pb_grpc.AdminServicer):
@@ -32,6 +36,10 @@ class AdminService(pb_grpc.AdminServicer):
                 num_waiting=len(s.waiting) + self.counters.num_waiting,
                 num_requests_total=self.counters.num_requests_total,
                 num_incoming=s.num_incoming,
+                num_transfers_total=self.counters.num_transfers_total,
+                kv_transfer_seconds_total=self.counters.kv_transfer_seconds_total,
+                kv_transfer_bytes_total=self.counters.kv_transfer_bytes_total,
+                num_transfer_failures_total=self.counters.num_transfer_failures_total,
             )
 
         return await self.loop.call(snapshot)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16pdserve/v1/admin.proto\x12\npdserve.v1\"\x11\n\x0fGetStatsRequest\"\xa4\x01\n\x0bServerStats\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\r\x12\x13\n\x0bnum_running\x18\x04 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\r\x12\x1a\n\x12num_requests_total\x18\x06 \x01(\x04\x12\x14\n\x0cnum_incoming\x18\x07 \x01(\r2I\n\x05\x41\x64min\x12@\n\x08GetStats\x12\x1b.pdserve.v1.GetStatsRequest\x1a\x17.pdserve.v1.ServerStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16pdserve/v1/admin.proto\x12\npdserve.v1\"\x11\n\x0fGetStatsRequest\"\xaa\x02\n\x0bServerStats\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\r\x12\x13\n\x0bnum_running\x18\x04 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\r\x12\x1a\n\x12num_requests_total\x18\x06 \x01(\x04\x12\x14\n\x0cnum_incoming\x18\x07 \x01(\r\x12\x1b\n\x13num_transfers_total\x18\x08 \x01(\x04\x12!\n\x19kv_transfer_seconds_total\x18\t \x01(\x01\x12\x1f\n\x17kv_transfer_bytes_total\x18\n \x01(\x04\x12#\n\x1bnum_transfer_failures_total\x18\x0b \x01(\x04\x32I\n\x05\x41\x64min\x12@\n\x08GetStats\x12\x1b.pdserve.v1.GetStatsRequest\x1a\x17.pdserve.v1.ServerStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,7 +34,7 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETSTATSREQUEST']._serialized_start=38
   _globals['_GETSTATSREQUEST']._serialized_end=55
   _globals['_SERVERSTATS']._serialized_start=58
-  _globals['_SERVERSTATS']._serialized_end=222
-  _globals['_ADMIN']._serialized_start=224
-  _globals['_ADMIN']._serialized_end=297
+  _globals['_SERVERSTATS']._serialized_end=356
+  _globals['_ADMIN']._serialized_start=358
+  _globals['_ADMIN']._serialized_end=431
 # @@protoc_insertion_point(module_scope)

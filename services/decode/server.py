@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import time
 import uuid
 from collections.abc import Callable
 
@@ -146,6 +147,7 @@ class GenerationService(pb_grpc.GenerationServicer):
             try:
                 first = await self._transfer(replica, request)
             except PrefillError as e:
+                self.counters.num_transfer_failures_total += 1
                 log.warning("request %s: prefill on %s failed: %s", request.request_id, replica.name, e)
                 continue
             except BaseException:
@@ -165,16 +167,20 @@ class GenerationService(pb_grpc.GenerationServicer):
         """One attempt; on failure the request's blocks stay reserved (to be refilled by the next try)."""
         replica.outstanding += 1
         try:
-            first = None
+            first, started, nbytes = None, 0.0, 0
             num_prompt_blocks = -(-len(request.prompt_ids) // self.engine.config.block_size)
             blocks = request.blocks.block_ids[:num_prompt_blocks]
             async for item in replica.prefill(request, self.layout, self.sharding):
                 if isinstance(item, FirstToken):
-                    first = item
+                    first, started = item, time.perf_counter()
                 else:
+                    nbytes += item.data.nbytes
                     self.loop.submit(_inserter(item, blocks))
             if first is None:
                 raise PrefillError(f"{replica.name}: no first token")
+            self.counters.num_transfers_total += 1
+            self.counters.kv_transfer_seconds_total += time.perf_counter() - started
+            self.counters.kv_transfer_bytes_total += nbytes
             return first
         finally:
             replica.outstanding -= 1
