@@ -13,7 +13,7 @@ import pytest
 from engine.sampling_params import SamplingParams
 from pdserve.v1 import admin_pb2, admin_pb2_grpc
 from services.client import Client, build_request
-from tests.services.daemons import Daemon, ServerThread, decode_server, prefill_server
+from services.launch import Daemon, ServerThread, decode_server, prefill_server
 
 LONG = " ".join(f"Item {i}: a lantern, {i % 7} maps and a compass." for i in range(48))
 
@@ -154,7 +154,7 @@ def test_scattered_decode_blocks(prefill, loaded_model, small_config, make_engin
 @pytest.mark.parametrize("decode_devices", ["2,3", "4,5,6,7"])
 def test_heterogeneous_tp_in_serve_shape(gguf_path, log_dir, decode_devices, make_engine, loaded_model):
     """Prefill TP 1 on device 0 -> decode TP 2 or 4 on other devices, one process, KV moved by device_put."""
-    from tests.services.daemons import ENGINE_ARGS
+    from services.launch import ENGINE_ARGS
 
     daemon = Daemon(
         [

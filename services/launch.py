@@ -1,4 +1,5 @@
-"""Test helpers: daemons as real processes on loopback ports, and in-process servers on a thread."""
+"""Daemons as real processes on loopback ports, and in-process servers on a thread: used by the tests and
+the benchmarks to run the real thing."""
 
 from __future__ import annotations
 
@@ -29,7 +30,9 @@ _READY = re.compile(r"ready on ([0-9.]+):(\d+)")
 class Daemon:
     """A daemon process (`prefill-server`, `decode-server` or `pdserve serve`) started on port 0."""
 
-    def __init__(self, argv: list[str], name: str, log_dir: Path, timeout: float = 240.0):
+    def __init__(
+        self, argv: list[str], name: str, log_dir: Path, timeout: float = 240.0, cpus: str | None = None
+    ):
         env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
         env.pop("XLA_FLAGS", None)  # daemons choose their CPU device count themselves (--cpu-devices)
         self.name = name

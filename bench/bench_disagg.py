@@ -1,0 +1,166 @@
+"""Disaggregated vs colocated serving, measured in one run on this machine with real daemons.
+
+    .venv/bin/python bench/bench_disagg.py [--quick] [--json OUT]
+
+1. TTFT for prompts of 128, 512 and 2048 tokens: decode-server -> prefill-server (disaggregated) against a
+   decode-server prefilling locally (colocated), both sharing the machine's cores; median of the runs.
+   KV transfer time (first token's arrival to the last frame, from the decode server's admin stats) as a
+   fraction of the disaggregated TTFT. Targets: <= 1.10x at 2048, <= 1.25x at 128.
+2. Interference: TPOT p50/p99 of running requests (8 streams of 96 tokens) while 1024-token prompts
+   arrive as a Poisson stream; colocated on both cores vs disaggregated with each role pinned to its
+   own core (taskset).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from engine.models import DEFAULT_MODEL, fetch
+from pdserve.v1 import admin_pb2, admin_pb2_grpc
+from services.client import Client
+from services.launch import decode_server, prefill_server
+
+ENGINE_ARGS = ["--max-model-len", "4096", "--num-blocks", "640", "--max-num-seqs", "16"]
+
+
+def stats(address: str) -> admin_pb2.ServerStats:
+    with grpc.insecure_channel(address) as channel:
+        return admin_pb2_grpc.AdminStub(channel).GetStats(admin_pb2.GetStatsRequest())
+
+
+def prompt(length: int, salt: int) -> list[int]:
+    return np.random.default_rng(salt).integers(100, 40000, length).tolist()
+
+
+def ttft_study(gguf: Path, logs: Path, lengths: list[int], runs: int) -> dict:
+    pf = prefill_server(gguf, logs, engine_args=ENGINE_ARGS)
+    disagg = decode_server(gguf, pf.address, logs, name="decode-remote", engine_args=ENGINE_ARGS)
+    coloc = decode_server(gguf, "local", logs, name="decode-local", engine_args=ENGINE_ARGS)
+    try:
+        remote, local = Client(disagg.address), Client(coloc.address)
+        for length in lengths:  # compile every shape once on both sides
+            for client in (remote, local):
+                client.generate(prompt(length, 0), max_tokens=2, ignore_eos=True)
+        results = {}
+        for length in lengths:
+            ttft = {"disaggregated": [], "colocated": []}
+            transfer = []
+            for run in range(runs):
+                before = stats(disagg.address)
+                ttft["disaggregated"].append(remote.generate(prompt(length, run + 1), max_tokens=1).ttft_s)
+                after = stats(disagg.address)
+                transfer.append(after.kv_transfer_seconds_total - before.kv_transfer_seconds_total)
+                ttft["colocated"].append(local.generate(prompt(length, run + 1), max_tokens=1).ttft_s)
+            d, c = statistics.median(ttft["disaggregated"]), statistics.median(ttft["colocated"])
+            results[length] = {
+                "ttft_disaggregated_s": d,
+                "ttft_colocated_s": c,
+                "ratio": d / c,
+                "kv_transfer_s": statistics.median(transfer),
+                "kv_transfer_fraction_of_ttft": statistics.median(transfer) / d,
+            }
+            print(json.dumps({"prompt_tokens": length, **results[length]}), flush=True)
+        return results
+    finally:
+        for daemon in (disagg, coloc, pf):
+            daemon.terminate()
+
+
+def interference_run(client: Client, duration_s: float, rate: float, long_len: int) -> dict:
+    """8 running streams; Poisson arrivals of long prompts meanwhile; returns TPOT percentiles."""
+    gaps: list[float] = []
+    lock = threading.Lock()
+    stop = threading.Event()
+
+    def runner(i: int):
+        while not stop.is_set():
+            result = client.generate(prompt(24, 1000 + i), max_tokens=96, ignore_eos=True)
+            times = result.token_times_s
+            with lock:
+                gaps.extend(np.diff(times).tolist())
+
+    def arrivals():
+        rng = np.random.default_rng(7)
+        pool = concurrent.futures.ThreadPoolExecutor(8)
+        deadline = time.monotonic() + duration_s
+        n = 0
+        while time.monotonic() < deadline:
+            time.sleep(rng.exponential(1 / rate))
+            pool.submit(client.generate, prompt(long_len, 5000 + n), max_tokens=1)
+            n += 1
+        pool.shutdown(wait=True)
+        return n
+
+    threads = [threading.Thread(target=runner, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    time.sleep(3)  # running requests first
+    with lock:
+        gaps.clear()
+    num_long = arrivals()
+    stop.set()
+    for t in threads:
+        t.join()
+    return {
+        "tpot_p50_ms": float(np.percentile(gaps, 50) * 1e3),
+        "tpot_p99_ms": float(np.percentile(gaps, 99) * 1e3),
+        "tokens": len(gaps),
+        "long_prompts": num_long,
+    }
+
+
+def interference_study(gguf: Path, logs: Path, duration_s: float, rate: float, long_len: int) -> dict:
+    out = {}
+    coloc = decode_server(gguf, "local", logs, name="coloc-2cores", engine_args=ENGINE_ARGS, cpus="0,1")
+    try:
+        client = Client(coloc.address)
+        client.generate(prompt(long_len, 0), max_tokens=2)
+        client.generate(prompt(24, 0), max_tokens=4)
+        out["colocated_2_cores"] = interference_run(client, duration_s, rate, long_len)
+    finally:
+        coloc.terminate()
+    pf = prefill_server(gguf, logs, name="prefill-core0", engine_args=ENGINE_ARGS, cpus="0")
+    dc = decode_server(gguf, pf.address, logs, name="decode-core1", engine_args=ENGINE_ARGS, cpus="1")
+    try:
+        client = Client(dc.address)
+        client.generate(prompt(long_len, 0), max_tokens=2)
+        client.generate(prompt(24, 0), max_tokens=4)
+        out["disaggregated_1_core_each"] = interference_run(client, duration_s, rate, long_len)
+    finally:
+        dc.terminate()
+        pf.terminate()
+    print(json.dumps(out), flush=True)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--skip-ttft", action="store_true")
+    parser.add_argument("--skip-interference", action="store_true")
+    args = parser.parse_args()
+    gguf = fetch(DEFAULT_MODEL, progress=False)
+    logs = Path(tempfile.mkdtemp(prefix="bench-disagg-"))
+    result = {}
+    if not args.skip_ttft:
+        result["ttft"] = ttft_study(gguf, logs, [128, 512, 2048], 2 if args.quick else 5)
+    if not args.skip_interference:
+        result["interference"] = interference_study(gguf, logs, 15 if args.quick else 40, 0.5, 1024)
+    print(json.dumps(result, indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
