@@ -56,7 +56,8 @@ from kvtransfer.insert import _insert_kernel, insert_scratch_bytes  # noqa: E402
 from kvtransfer.plan import MAX_FRAME_BYTES, chunk_shapes, plan_frames  # noqa: E402
 from kvtransfer.synthetic import make_cache  # noqa: E402
 
-LAYOUT = KVLayout("SmolLM2-135M-Instruct", (LayerSpec(),) * 30, 3, 64, "bfloat16", 16)
+DTYPE = os.environ.get("KVBENCH_DTYPE", "float32")
+LAYOUT = KVLayout("SmolLM2-135M-Instruct", (LayerSpec(),) * 30, 3, 64, DTYPE, 16)
 TOKEN_BYTES = LAYOUT.num_cache_layers * LAYOUT.block_bytes // LAYOUT.block_size
 NUM_BLOCKS = 1024  # 360 MiB per cache
 RAW_CHUNK = MAX_FRAME_BYTES - 64

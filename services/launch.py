@@ -38,8 +38,10 @@ class Daemon:
         self.name = name
         self.log_path = log_dir / f"{name}.log"
         self.log = self.log_path.open("w")
+        pin = ["taskset", "-c", cpus] if cpus else []  # e.g. "0": one role per core
         self.proc = subprocess.Popen(
             [
+                *pin,
                 sys.executable,
                 "-c",
                 "import sys; from services.daemon import run_cli; sys.exit(run_cli())",
@@ -90,19 +92,23 @@ class Daemon:
         return self.proc.returncode
 
 
-def prefill_server(gguf: Path, log_dir: Path, name: str = "prefill", extra: list[str] = ()) -> Daemon:
-    return Daemon(
-        ["prefill-server", "--model", str(gguf), "--port", "0", "--no-warmup", *ENGINE_ARGS, *extra],
-        name,
-        log_dir,
-    )
+def prefill_server(
+    gguf: Path,
+    log_dir: Path,
+    name: str = "prefill",
+    extra=(),
+    engine_args=ENGINE_ARGS,
+    cpus: str | None = None,
+) -> Daemon:
+    argv = ["prefill-server", "--model", str(gguf), "--port", "0", "--no-warmup", *engine_args, *extra]
+    return Daemon(argv, name, log_dir, cpus=cpus)
 
 
 def decode_server(
-    gguf: Path, prefill: str, log_dir: Path, name: str = "decode", extra: list[str] = ()
+    gguf: Path, prefill: str, log_dir: Path, name="decode", extra=(), engine_args=ENGINE_ARGS, cpus=None
 ) -> Daemon:
     argv = ["decode-server", "--model", str(gguf), "--port", "0", "--no-warmup", "--prefill", prefill]
-    return Daemon([*argv, *ENGINE_ARGS, *extra], name, log_dir)
+    return Daemon([*argv, *engine_args, *extra], name, log_dir, cpus=cpus)
 
 
 class ServerThread:
