@@ -1,0 +1,121 @@
+"""Daemon surface: health and reflection, model info, layout handshake, conditional disaggregation, bad
+input answered with INVALID_ARGUMENT (and the daemon keeps serving)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from pdserve.v1 import admin_pb2, admin_pb2_grpc, prefill_pb2
+from services.client import Client, build_request
+from services.launch import decode_server, prefill_server
+
+
+@pytest.fixture(scope="module")
+def log_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("daemons")
+
+
+@pytest.fixture(scope="module")
+def prefill(gguf_path, log_dir):
+    daemon = prefill_server(gguf_path, log_dir)
+    yield daemon
+    assert daemon.terminate() == 0
+
+
+@pytest.fixture(scope="module")
+def conditional(gguf_path, prefill, log_dir):
+    daemon = decode_server(
+        gguf_path, prefill.address, log_dir, name="conditional", extra=["--local-prefill-below", "16"]
+    )
+    yield daemon
+    assert daemon.terminate() == 0
+
+
+def requests_served(address: str) -> int:
+    with grpc.insecure_channel(address) as channel:
+        return admin_pb2_grpc.AdminStub(channel).GetStats(admin_pb2.GetStatsRequest()).num_requests_total
+
+
+def test_health_and_reflection(prefill, conditional):
+    for address, service in (
+        (prefill.address, "pdserve.v1.Prefill"),
+        (conditional.address, "pdserve.v1.Generation"),
+    ):
+        with grpc.insecure_channel(address) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            for name in ("", service):
+                status = health.Check(health_pb2.HealthCheckRequest(service=name)).status
+                assert status == health_pb2.HealthCheckResponse.SERVING
+            stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+            reply = next(
+                stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+            )
+            names = {s.name for s in reply.list_services_response.service}
+            assert {service, "pdserve.v1.Admin", "grpc.health.v1.Health"} <= names
+
+
+def test_model_info(conditional):
+    info = Client(conditional.address).model_info()
+    assert info.vocab_size == 49152 and info.max_model_len == 1024 and info.num_layers == 30
+    assert info.prefill_mode == "conditional:16"
+
+
+def test_short_prompts_are_prefilled_locally(prefill, conditional, loaded_model):
+    client = Client(conditional.address)
+    before = requests_served(prefill.address)
+    short = client.generate("Hi there", max_tokens=4, ignore_eos=True)
+    assert requests_served(prefill.address) == before and len(short.token_ids) == 4
+    long_prompt = "The quick brown fox jumps over the lazy dog. " * 4
+    assert len(loaded_model.tokenizer.encode(long_prompt)) >= 16
+    client.generate(long_prompt, max_tokens=4)
+    assert requests_served(prefill.address) == before + 1
+
+
+def test_layout_mismatch_is_failed_precondition_naming_the_field(
+    prefill, gguf_path, loaded_model, small_config
+):
+    from engine.engine import LLMEngine
+    from services.kv import engine_layout
+
+    layout = engine_layout(LLMEngine(loaded_model, small_config))
+    other = dataclasses.replace(layout, dtype="bfloat16", block_size=32)
+    with grpc.insecure_channel(prefill.address) as channel:
+        handshake = channel.unary_unary(
+            "/pdserve.v1.Prefill/Handshake",
+            request_serializer=prefill_pb2.HandshakeRequest.SerializeToString,
+            response_deserializer=prefill_pb2.HandshakeResponse.FromString,
+        )
+        reply = handshake(prefill_pb2.HandshakeRequest(layout_json=layout.to_json()))
+        assert json.loads(reply.layout_json)["model"] == layout.model
+        with pytest.raises(grpc.RpcError) as err:
+            handshake(prefill_pb2.HandshakeRequest(layout_json=other.to_json()))
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "dtype" in err.value.details() and "block_size" in err.value.details()
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(prompt=""), "prompt"),
+        (dict(prompt=[1, 2, 10**6]), "prompt_token_ids"),
+        (dict(prompt="hi", temperature=-1.0), "temperature"),
+        (dict(prompt="hi", temperature=float("nan")), "temperature"),
+        (dict(prompt="hi", top_p=1.5), "top_p"),
+        (dict(prompt="hi", max_tokens=5000), "max_tokens"),
+        (dict(prompt="hi", lora_adapter="nope"), "lora"),
+        (dict(prompt=None), "prompt"),
+    ],
+)
+def test_bad_input_is_invalid_argument(conditional, kwargs, field):
+    client = Client(conditional.address)
+    prompt = kwargs.pop("prompt")
+    with pytest.raises(grpc.RpcError) as err:
+        list(client.stream(build_request(prompt, **kwargs)))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in err.value.details()
+    assert client.generate("Still serving", max_tokens=2).completion_tokens == 2
