@@ -13,6 +13,7 @@ import asyncio
 import dataclasses
 import logging
 import socket
+import time
 from collections.abc import AsyncIterator
 
 import grpc
@@ -42,7 +43,14 @@ class FirstToken:
 class Prefiller(abc.ABC):
     name: str
     outstanding: int = 0  # requests in flight: the pool picks the replica with the fewest
-    healthy: bool = True
+    down_until: float = 0.0  # after a failure the replica is avoided until then (monotonic seconds)
+
+    @property
+    def healthy(self) -> bool:
+        return time.monotonic() >= self.down_until
+
+    def mark_failed(self, backoff_s: float = 2.0) -> None:
+        self.down_until = time.monotonic() + backoff_s
 
     @abc.abstractmethod
     def prefill(self, request: Request, dst: KVLayout, sharding) -> AsyncIterator[FirstToken | KVChunk]: ...
@@ -84,9 +92,13 @@ class RemotePrefiller(Prefiller):
             reply = await self._handshake(pb.HandshakeRequest(layout_json=self.dst.to_json()), timeout=10)
         except grpc.aio.AioRpcError as e:
             raise PrefillError(f"{self.name}: handshake failed: {e.code().name}: {e.details()}") from e
-        self.src = KVLayout.from_json(reply.layout_json)
-        kvtransfer.head_map(self.src, self.dst)  # raises LayoutMismatchError when it cannot convert
-        return self.src
+        src = KVLayout.from_json(reply.layout_json)
+        try:
+            kvtransfer.head_map(src, self.dst)  # raises LayoutMismatchError when it cannot convert
+        except kvtransfer.LayoutMismatchError as e:
+            raise PrefillError(f"{self.name}: {e}") from e
+        self.src = src
+        return src
 
     async def prefill(self, request: Request, dst: KVLayout, sharding) -> AsyncIterator[FirstToken | KVChunk]:
         if self.src is None:
@@ -178,7 +190,8 @@ class PrefillPool:
             return [target]
         host, _, port = target[len("dns:///") :].rpartition(":")
         infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
-        return sorted({f"{info[4][0]}:{port}" for info in infos})
+        addresses = {info[4][0] for info in infos}
+        return sorted(f"[{a}]:{port}" if ":" in a else f"{a}:{port}" for a in addresses)
 
     async def refresh(self) -> None:
         wanted = {addr for target in self.targets for addr in self.resolve(target)}

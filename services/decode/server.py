@@ -147,6 +147,7 @@ class GenerationService(pb_grpc.GenerationServicer):
             try:
                 first = await self._transfer(replica, request)
             except PrefillError as e:
+                replica.mark_failed()
                 self.counters.num_transfer_failures_total += 1
                 log.warning("request %s: prefill on %s failed: %s", request.request_id, replica.name, e)
                 continue
@@ -218,6 +219,17 @@ class GenerationService(pb_grpc.GenerationServicer):
         return response
 
 
+async def _refresh_pool(pool: PrefillPool, stop: asyncio.Event, every_s: float = 30.0) -> None:
+    """Re-resolves dns:/// targets, so prefill replicas that a headless service adds or drops are seen."""
+    while not stop.is_set():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), every_s)
+        try:
+            await pool.refresh()
+        except OSError as e:
+            log.warning("prefill pool refresh failed: %s", e)
+
+
 def _inserter(chunk: KVChunk, blocks: list[int]):
     return lambda engine: engine.insert_kv(chunk, blocks)
 
@@ -268,7 +280,10 @@ async def serve(
     print(f"decode-server ready on {host}:{bound} (prefill: {mode})", flush=True)
     if on_ready is not None:
         on_ready(f"{host}:{bound}")
+    refresher = asyncio.create_task(_refresh_pool(pool, stop)) if prefill_targets else None
     await stop.wait()
+    if refresher is not None:
+        refresher.cancel()
     service.draining = True
     await set_serving(health_servicer, [SERVICE_NAME], False)
     await server.stop(grace_s)

@@ -119,3 +119,11 @@ def test_bad_input_is_invalid_argument(conditional, kwargs, field):
         list(client.stream(build_request(prompt, **kwargs)))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in err.value.details()
     assert client.generate("Still serving", max_tokens=2).completion_tokens == 2
+
+
+def test_dns_targets_resolve_to_every_address():
+    from services.decode.prefill_pool import PrefillPool
+
+    assert PrefillPool.resolve("10.0.0.1:50051") == ["10.0.0.1:50051"]
+    resolved = PrefillPool.resolve("dns:///localhost:50051")
+    assert "127.0.0.1:50051" in resolved and all(r.endswith(":50051") for r in resolved)
