@@ -14,17 +14,26 @@ from collections.abc import Iterator, Sequence
 from concurrent import futures
 
 import grpc
+import jax
+import numpy as np
 from jax.sharding import Mesh
 
 from kvtransfer.codec import FrameAssembler, FrameEncoder, deserialize_frame, serialize_frame
 from kvtransfer.gather import gather_request
 from kvtransfer.layout import KVLayout, head_map
+from kvtransfer.pipeline import prefetch
 from kvtransfer.plan import MAX_FRAME_BYTES, KVChunk
-from kvtransfer.reshard import chunk_sharding, reshard
+from kvtransfer.reshard import chunk_sharding, on_pathways, reshard
 
 SERVICE = "pdserve.v1.KVTransfer"
 PULL_METHOD = f"/{SERVICE}/Pull"  # unary_stream: utf-8 request id -> KV frames
 LAYOUT_METHOD = f"/{SERVICE}/GetLayout"  # unary_unary: b"" -> KVLayout JSON
+
+
+def grpc_options(max_frame_bytes: int) -> list[tuple[str, int]]:
+    """Channel/server options: messages a little above the frame size (gRPC's default is 4 MiB)."""
+    limit = max(max_frame_bytes, 4 << 20) + (64 << 10)
+    return [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
 
 
 class TransportError(RuntimeError):
@@ -97,11 +106,24 @@ class KVTransport(abc.ABC):
         self.close()
 
 
+LOCAL_CHUNK_BYTES = 64 << 20  # no wire: chunks as large as this, so a request is a few kernels
+
+
+def _to_mesh(data, sharding):
+    """A chunk onto the destination sharding. Between CPU devices of one process the bytes are already
+    in host memory: the destination array aliases the chunk (no copy) where XLA allows it."""
+    cpu = all(d.platform == "cpu" for d in (*data.devices(), *sharding.device_set))
+    if cpu and not on_pathways():
+        return jax.device_put(np.asarray(data), sharding, may_alias=True)
+    return reshard(data, sharding)
+
+
 class LocalTransport(KVTransport):
-    """Within one process: source cache laid out as `layout`, destination as dst_layout on dst_mesh."""
+    """Within one process: source cache laid out as `layout`, destination as dst_layout on dst_mesh.
+    No wire, so chunks are up to max_frame_bytes = LOCAL_CHUNK_BYTES (a few per request)."""
 
     def __init__(
-        self, layout: KVLayout, dst_layout: KVLayout, dst_mesh: Mesh, max_frame_bytes=MAX_FRAME_BYTES
+        self, layout: KVLayout, dst_layout: KVLayout, dst_mesh: Mesh, max_frame_bytes=LOCAL_CHUNK_BYTES
     ):
         super().__init__(layout, max_frame_bytes)
         self.dst_layout = dst_layout
@@ -125,7 +147,7 @@ class LocalTransport(KVTransport):
             raise TransportError(f"request {request_id!r} sent {sent_tokens} tokens, expected {num_tokens}")
         for chunk in _drain(chunks):
             yield KVChunk(
-                chunk.layer_start, chunk.token_start, chunk.num_tokens, reshard(chunk.data, self._sharding)
+                chunk.layer_start, chunk.token_start, chunk.num_tokens, _to_mesh(chunk.data, self._sharding)
             )
 
 
@@ -145,17 +167,20 @@ class GrpcTransport(KVTransport):
         peer: str | None = None,
         max_frame_bytes: int = MAX_FRAME_BYTES,
         max_workers: int = 4,
+        prefetch_depth: int = 1,
     ):
         super().__init__(layout, max_frame_bytes)
         self._sharding = chunk_sharding(mesh, layout) if mesh is not None else None
         self._server, self.port, self._channel, self._peer_layout = None, None, None, None
+        self.prefetch_depth = prefetch_depth
+        options = grpc_options(max_frame_bytes)
         if listen is not None:
-            self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers))
+            self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=options)
             self._server.add_generic_rpc_handlers((self.handler(),))
             self.port = self._server.add_insecure_port(listen)
             self._server.start()
         if peer is not None:
-            self._channel = grpc.insecure_channel(peer)
+            self._channel = grpc.insecure_channel(peer, options=options)
             self._pull = self._channel.unary_stream(PULL_METHOD)  # raw bytes: deserialize_frame below
             self._get_layout = self._channel.unary_unary(LAYOUT_METHOD)
 
@@ -181,7 +206,9 @@ class GrpcTransport(KVTransport):
         except TransportError as e:
             context.abort(grpc.StatusCode.NOT_FOUND, str(e))
         encoder = FrameEncoder(request_id, self.layout, num_tokens, self.max_frame_bytes)
-        yield from encoder.frames(_drain(chunks), block_ids)
+        # The next frame is copied to host, checksummed and serialized while gRPC sends this one.
+        frames = map(serialize_frame, encoder.frames(_drain(chunks), block_ids))
+        yield from prefetch(frames, self.prefetch_depth)
 
     def send(self, request_id, cache, block_ids, num_tokens):
         chunks = gather_request(
@@ -202,13 +229,20 @@ class GrpcTransport(KVTransport):
             raise TransportError("receive() needs a transport created with peer=")
         assembler = FrameAssembler(request_id, num_tokens, self.peer_layout(), self.layout, self._sharding)
         call = self._pull(request_id.encode(), timeout=timeout)
+        # gRPC receives the next frame on a thread while this one is verified, put on the mesh and
+        # inserted; at most prefetch_depth frames wait (bounded memory).
+        messages = prefetch(call, self.prefetch_depth, on_close=call.cancel)
         try:
-            for message in call:
-                yield assembler.add(deserialize_frame(message))
+            for message in messages:
+                chunk = assembler.add(deserialize_frame(message))
+                del message  # the chunk is on the mesh (a copy): release the received bytes first
+                yield chunk
+                del chunk
             assembler.finish()
         except grpc.RpcError as e:
             raise TransportError(f"Pull {request_id!r} failed: {e.code()} {e.details()}") from e
         finally:
+            messages.close()
             call.cancel()
 
     def close(self) -> None:

@@ -83,9 +83,9 @@ def test_insert_donates_the_cache_and_updates_it_in_place(dtype, stacked, dst_bl
     chunk = gather(src_cache(layout, m), [0, 1, 2, 3], 16)
     cache = dst_cache(layout, m, stacked, num_blocks=128)
     cache_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(cache))
-    # XLA's scratch for the kernel is chunk-sized: no second copy of the cache (which is 32 chunks).
+    # XLA's scratch for the kernel is at most the chunk: no second copy of the cache (32 chunks).
     scratch = insert_scratch_bytes(cache, chunk, dst_blocks)
-    assert scratch <= 4 * chunk.data.nbytes < cache_bytes / 4, (scratch, chunk.data.nbytes)
+    assert scratch <= chunk.data.nbytes < cache_bytes / 4, (scratch, chunk.data.nbytes)
     before = _pointers(cache)
     new = insert(cache, chunk, dst_blocks)
     assert all(leaf.is_deleted() for leaf in jax.tree.leaves(cache)), "the old cache must be donated"
@@ -111,8 +111,8 @@ def test_insert_rejects_bad_block_lists_and_shapes():
 
 
 def test_compiled_variants_stay_bounded_over_request_lengths():
-    """Requests of 1..40 blocks compile at most two gather (slice, take) and two insert (run, scatter)
-    variants per bucket: 7 buckets (1..64) here, not 40 lengths."""
+    """Requests of 1..40 blocks compile at most two gather (slice, take) variants and one insert variant
+    per bucket: 7 buckets (1..64) here, not 40 lengths."""
     m = mesh(0, 2)
     src, cache = src_cache(LAYOUT, m, num_blocks=64), dst_cache(LAYOUT, m, num_blocks=64)
     gathers, inserts = _gather_kernel._cache_size(), _insert_kernel._cache_size()
@@ -124,7 +124,7 @@ def test_compiled_variants_stay_bounded_over_request_lengths():
         chunk = gather(src, blocks, num_blocks * 4)
         cache = insert(cache, chunk, list(range(64 - num_blocks, 64)))
     assert _gather_kernel._cache_size() - gathers <= 2 * 7
-    assert _insert_kernel._cache_size() - inserts <= 2 * 7
+    assert _insert_kernel._cache_size() - inserts <= 7
 
 
 def test_gather_pads_to_a_given_bucket_and_insert_takes_it():
