@@ -136,3 +136,19 @@ def test_reshard_uses_pathways_only_under_proxy(monkeypatch):
 def test_importing_kvtransfer_does_not_import_pathwaysutils():
     code = "import kvtransfer, sys; assert 'pathwaysutils' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, env={"JAX_PLATFORMS": "cpu"})
+
+
+@pytest.mark.parametrize("depth", [1, 3])
+def test_grpc_receive_pipeline_any_depth_and_early_close(depth):
+    frame = HEADER_RESERVE_BYTES + 2 * SRC.block_bytes  # 14 frames: the receive thread runs ahead
+    with GrpcTransport(SRC, listen="127.0.0.1:0", max_frame_bytes=frame, prefetch_depth=depth) as prefill:
+        src = src_cache(SRC, mesh(0, 2))
+        prefill.send("a", src, SRC_BLOCKS, NUM_TOKENS)
+        prefill.send("b", src, SRC_BLOCKS, NUM_TOKENS)
+        peer = f"127.0.0.1:{prefill.port}"
+        with GrpcTransport(DST, mesh=mesh(4, 4), peer=peer, prefetch_depth=depth) as decode:
+            cache = insert_stream(dst_cache(DST, mesh(4, 4)), decode.receive("a", NUM_TOKENS), DST_BLOCKS)
+            check_transferred(cache, SRC, DST, SRC_BLOCKS, DST_BLOCKS, NUM_TOKENS)
+            chunks = decode.receive("b", NUM_TOKENS)
+            next(chunks)
+            chunks.close()  # a cancelled request: the receive thread stops, the call is cancelled
