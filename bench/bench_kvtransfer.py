@@ -15,12 +15,13 @@ reshard (host -> destination mesh), insert (donated cache). End to end:
 - local: LocalTransport between two meshes of this process (gather, move to the destination mesh,
   insert; chunks of up to 64 MiB). Reference: a numpy copy of the same bytes.
 Peak extra memory during receive+insert is the rise of this process's peak RSS (VmHWM) over its RSS
-before, read from /proc after resetting the peak (clear_refs 5).
+before, read from /proc after returning free heap pages (malloc_trim) and resetting the peak (clear_refs 5).
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import subprocess
@@ -150,6 +151,7 @@ def rss_bytes(field: str) -> int:
 
 def peak_extra(fn) -> int:
     """Rise of peak RSS over the RSS before fn() (the kernel's peak counter is reset first)."""
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # free heap pages out of RSS, so that reusing them counts
     Path("/proc/self/clear_refs").write_text("5")
     before = rss_bytes("VmRSS")
     fn()

@@ -22,15 +22,17 @@ The API (everything else is internal):
     serialize_frame(frame) -> bytes; deserialize_frame(bytes) -> Frame   # gRPC (de)serializers
 
     KVTransport: send(request_id, cache, block_ids, num_tokens); receive(request_id, num_tokens) -> chunks
-      LocalTransport(src_layout, dst_layout, dst_mesh); GrpcTransport(layout, mesh=, listen=, peer=)
+      LocalTransport(src_layout, dst_layout, dst_mesh); GrpcTransport(layout, mesh=, listen=, peer=,
+      prefetch_depth=1)
     RequestRecord(request_id, prompt_ids, first_token, block_ids, num_computed_tokens,
                   sampling_params, lora_adapter)
 
 Decode side, end to end:
     cache = insert_stream(cache, transport.receive(request_id, num_tokens), my_block_ids)
 
-Padded tokens: a chunk's token axis is bucketed (power-of-two block counts) so that requests of any
-length compile a bounded set of kernels; KVChunk.num_tokens says how many are real, .valid() trims.
+Padded tokens: chunks have a fixed number of blocks (as many as fit a frame), the last one of a layer
+group padded to a power of two capped at that number, so that requests of any length compile a bounded
+set of kernels; KVChunk.num_tokens says how many are real, .valid() trims.
 """
 
 from kvtransfer.codec import (

@@ -28,6 +28,8 @@ def _write(view, piece, start, dst):
     Written as raw bits: XLA:CPU has no bfloat16 data movement and would otherwise convert (copy) the
     whole donated cache around the update.
     """
+    if view.dtype.itemsize >= 4:  # moved natively (a bitcast of the chunk would cost a copy of it)
+        return jax.lax.dynamic_update_slice(view, piece, (start, dst, 0, 0, 0))
     update = jax.lax.dynamic_update_slice(as_bits(view), piece, (start, dst, 0, 0, 0))
     return from_bits(update, view.dtype)
 
@@ -42,7 +44,8 @@ def _insert_kernel(leaves, chunk, starts, dst_ids, num_blocks, *, layer_counts):
     """
     block_size = leaves[0].shape[-3]
     # As bits from the start: XLA:CPU would otherwise slice bfloat16 pieces through float32 copies.
-    blocks = as_bits(chunk).reshape(chunk.shape[0], -1, block_size, *chunk.shape[2:])  # [l, bucket, ...]
+    bits = as_bits(chunk) if chunk.dtype.itemsize < 4 else chunk
+    blocks = bits.reshape(chunk.shape[0], -1, block_size, *chunk.shape[2:])  # [layers, bucket, bs, s, d]
     offsets = np.cumsum((0, *layer_counts))
     parts = [blocks[a:b] for a, b in zip(offsets[:-1], offsets[1:], strict=True)]
     views = tuple(leaf if leaf.ndim == 5 else leaf[None] for leaf in leaves)
