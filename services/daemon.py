@@ -16,6 +16,14 @@ def use_cpu_devices(count: int) -> None:
         )
 
 
+def prepare_process(args: argparse.Namespace, num_cpu_devices: int) -> None:
+    """Before JAX is imported: CPU devices and logging."""
+    use_cpu_devices(num_cpu_devices)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+
+
 def common_args(parser: argparse.ArgumentParser) -> None:
     from pdserve.cli import add_engine_args
 
@@ -39,10 +47,7 @@ def prefill_main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="prefill-server", description="pdserve prefill server")
     common_args(parser)
     args = parser.parse_args(argv)
-    use_cpu_devices(max(args.cpu_devices, args.tp))
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    prepare_process(args, max(args.cpu_devices, args.tp))
     from services.grpc_server import run_until_signal
     from services.prefill.server import serve
 
@@ -77,10 +82,7 @@ def decode_main(argv: list[str] | None = None) -> int:
     common_args(parser)
     decode_args(parser)
     args = parser.parse_args(argv)
-    use_cpu_devices(max(args.cpu_devices, args.tp))
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    prepare_process(args, max(args.cpu_devices, args.tp))
     from services.decode.server import serve
     from services.grpc_server import run_until_signal
 
@@ -99,10 +101,7 @@ def serve_main(args: argparse.Namespace) -> int:
     decode_devices = [int(d) for d in args.decode_devices.split(",")]
     if set(prefill_devices) & set(decode_devices):
         raise SystemExit("--prefill-devices and --decode-devices must be disjoint")
-    use_cpu_devices(max(args.cpu_devices, max(prefill_devices + decode_devices) + 1))
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    prepare_process(args, max(args.cpu_devices, max(prefill_devices + decode_devices) + 1))
     import dataclasses
 
     import jax

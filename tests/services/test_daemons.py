@@ -13,19 +13,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from pdserve.v1 import admin_pb2, admin_pb2_grpc, prefill_pb2
 from services.client import Client, build_request
-from services.launch import decode_server, prefill_server
-
-
-@pytest.fixture(scope="module")
-def log_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("daemons")
-
-
-@pytest.fixture(scope="module")
-def prefill(gguf_path, log_dir):
-    daemon = prefill_server(gguf_path, log_dir)
-    yield daemon
-    assert daemon.terminate() == 0
+from services.launch import decode_server
 
 
 @pytest.fixture(scope="module")

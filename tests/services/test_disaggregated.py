@@ -59,18 +59,6 @@ def assert_all_blocks_free(*addresses: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def log_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("daemons")
-
-
-@pytest.fixture(scope="module")
-def prefill(gguf_path, log_dir):
-    daemon = prefill_server(gguf_path, log_dir)
-    yield daemon
-    assert daemon.terminate() == 0
-
-
-@pytest.fixture(scope="module")
 def decode(gguf_path, prefill, log_dir):
     daemon = decode_server(gguf_path, prefill.address, log_dir, extra=["--max-num-seqs", "32"])
     yield daemon
