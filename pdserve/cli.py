@@ -71,8 +71,17 @@ def cmd_generate_remote(args: argparse.Namespace) -> int:
     import grpc
 
     from services.client import FINISH_NAMES, Client, build_request
+    from services.security import channel_credentials, read_tokens
 
-    client = Client(args.server)
+    try:
+        credentials = None
+        if args.tls or args.tls_ca or args.tls_cert or args.tls_key:
+            credentials = channel_credentials(args.tls_ca, args.tls_cert, args.tls_key)
+        token = read_tokens(args.token_file)[0] if args.token_file else None
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    client = Client(args.server, credentials=credentials, token=token)
     request = build_request(
         None if args.chat else args.prompt,
         chat=[{"role": "user", "content": args.prompt}] if args.chat else None,
@@ -185,6 +194,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(gen)
     gen.add_argument("--warmup", action="store_true", help="compile every serving shape first")
     gen.add_argument("--server", default=None, help="ADDR of a decode-server: stream from it instead")
+    tls = gen.add_argument_group("with --server: TLS and auth (default: plaintext, no token)")
+    tls.add_argument("--tls", action="store_true", help="TLS, server verified against the system roots")
+    tls.add_argument("--tls-ca", metavar="PEM", help="TLS, server verified against this CA")
+    tls.add_argument("--tls-cert", metavar="PEM", help="client certificate (mutual TLS)")
+    tls.add_argument("--tls-key", metavar="PEM", help="its private key")
+    tls.add_argument("--token-file", metavar="FILE", help="bearer token (the file's first token)")
     gen.add_argument("prompt")
     gen.set_defaults(func=cmd_generate)
 

@@ -11,6 +11,7 @@ import grpc
 from pdserve.v1 import generation_pb2 as pb
 from pdserve.v1 import generation_pb2_grpc as pb_grpc
 from services.grpc_server import channel_options
+from services.security import ChannelSecurity, bearer_metadata
 
 
 @dataclasses.dataclass
@@ -67,20 +68,23 @@ def build_request(
 
 
 class Client:
-    """Blocking client; thread-safe (one channel, many concurrent calls)."""
+    """Blocking client; thread-safe (one channel, many concurrent calls).
 
-    def __init__(self, target: str, credentials: grpc.ChannelCredentials | None = None):
-        options = channel_options()
-        if credentials is None:
-            self.channel = grpc.insecure_channel(target, options=options)
-        else:
-            self.channel = grpc.secure_channel(target, credentials, options=options)
+    `credentials`: TLS (services.security.channel_credentials; None: plaintext); `token`: a bearer token
+    sent with every call.
+    """
+
+    def __init__(
+        self, target: str, credentials: grpc.ChannelCredentials | None = None, token: str | None = None
+    ):
+        self.channel = ChannelSecurity(credentials).open(target, channel_options())
+        self.metadata = bearer_metadata(token)
         self.stub = pb_grpc.GenerationStub(self.channel)
 
     def stream(
         self, request: pb.GenerateRequest, timeout: float | None = None
     ) -> Iterator[pb.GenerateResponse]:
-        return self.stub.Generate(request, timeout=timeout)
+        return self.stub.Generate(request, timeout=timeout, metadata=self.metadata)
 
     def generate(self, *args, timeout: float | None = None, **kwargs) -> Completion:
         """Runs one request to completion (see build_request for the arguments)."""
@@ -105,7 +109,7 @@ class Client:
         )
 
     def model_info(self) -> pb.ModelInfo:
-        return self.stub.GetModelInfo(pb.GetModelInfoRequest())
+        return self.stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=self.metadata)
 
     def close(self) -> None:
         self.channel.close()

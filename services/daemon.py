@@ -33,6 +33,29 @@ def common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cpu-devices", type=int, default=0, help="fake CPU devices (CPU-only hosts)")
     parser.add_argument("--no-warmup", action="store_true", help="compile shapes lazily (tests, laptops)")
     parser.add_argument("--log-level", default="INFO")
+    tls = parser.add_argument_group("TLS of the listening port (default: plaintext)")
+    tls.add_argument("--tls-cert", metavar="PEM", help="server certificate chain")
+    tls.add_argument("--tls-key", metavar="PEM", help="server private key")
+    tls.add_argument("--tls-client-ca", metavar="PEM", help="CA of client certificates (mutual TLS)")
+    tls.add_argument("--require-client-cert", action="store_true", help="refuse clients without one")
+
+
+def server_security(args: argparse.Namespace, allowed_peers=()):
+    """The listening port's ServerSecurity from the flags (exits naming what is inconsistent)."""
+    from services.security import ServerSecurity, read_tokens
+
+    token_file = getattr(args, "auth_token_file", None)
+    try:
+        return ServerSecurity(
+            cert=args.tls_cert,
+            key=args.tls_key,
+            client_ca=args.tls_client_ca,
+            require_client_cert=args.require_client_cert,
+            tokens=read_tokens(token_file) if token_file else (),
+            allowed_peers=tuple(allowed_peers) if args.tls_client_ca else (),
+        )
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"error: {e}") from e
 
 
 def build_engine(args: argparse.Namespace, devices=None):
@@ -46,13 +69,20 @@ def build_engine(args: argparse.Namespace, devices=None):
 def prefill_main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="prefill-server", description="pdserve prefill server")
     common_args(parser)
+    parser.add_argument(
+        "--allowed-peer-names",
+        default="decode",
+        help="with --tls-client-ca: client certificate names (CN or SAN) allowed, comma-separated",
+    )
     args = parser.parse_args(argv)
+    allowed = [n for n in args.allowed_peer_names.split(",") if n]
+    security = server_security(args, allowed)
     prepare_process(args, max(args.cpu_devices, args.tp))
     from services.grpc_server import run_until_signal
     from services.prefill.server import serve
 
     engine = build_engine(args)
-    run_until_signal(lambda stop: serve(engine, args.port, stop, host=args.host))
+    run_until_signal(lambda stop: serve(engine, args.port, stop, host=args.host, security=security))
     return 0
 
 
@@ -65,6 +95,11 @@ def decode_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--local-prefill-below", type=int, default=0, help="prefill shorter prompts here")
     parser.add_argument("--max-queue", type=int, default=256)
     parser.add_argument("--no-fallback-local", action="store_true", help="UNAVAILABLE when prefill fails")
+    parser.add_argument(
+        "--auth-token-file",
+        metavar="FILE",
+        help="bearer tokens (one a line) that Generation and Admin calls must present",
+    )
 
 
 def decode_config(args: argparse.Namespace):
@@ -77,11 +112,31 @@ def decode_config(args: argparse.Namespace):
     )
 
 
+def prefill_channel_security(args: argparse.Namespace):
+    """How decode-server reaches prefill servers: TLS when any --prefill-tls-* flag is given."""
+    from services.security import PLAINTEXT, ChannelSecurity, channel_credentials
+
+    if not (args.prefill_tls_ca or args.prefill_tls_cert or args.prefill_tls_key):
+        return PLAINTEXT
+    try:
+        credentials = channel_credentials(args.prefill_tls_ca, args.prefill_tls_cert, args.prefill_tls_key)
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"error: {e}") from e
+    return ChannelSecurity(credentials, args.prefill_tls_server_name)
+
+
 def decode_main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="decode-server", description="pdserve decode server")
     common_args(parser)
     decode_args(parser)
+    tls = parser.add_argument_group("TLS to the prefill servers (default: plaintext)")
+    tls.add_argument("--prefill-tls-ca", metavar="PEM", help="CA of the prefill servers' certificates")
+    tls.add_argument("--prefill-tls-cert", metavar="PEM", help="this server's client certificate (mTLS)")
+    tls.add_argument("--prefill-tls-key", metavar="PEM", help="its private key")
+    tls.add_argument("--prefill-tls-server-name", help="name to check their certificates against")
     args = parser.parse_args(argv)
+    security = server_security(args)
+    prefill_security = prefill_channel_security(args)
     prepare_process(args, max(args.cpu_devices, args.tp))
     from services.decode.server import serve
     from services.grpc_server import run_until_signal
@@ -90,7 +145,16 @@ def decode_main(argv: list[str] | None = None) -> int:
     targets = None if args.prefill == "local" else [t for t in args.prefill.split(",") if t]
     config = decode_config(args)
     run_until_signal(
-        lambda stop: serve(engine, args.port, stop, prefill_targets=targets, config=config, host=args.host)
+        lambda stop: serve(
+            engine,
+            args.port,
+            stop,
+            prefill_targets=targets,
+            config=config,
+            host=args.host,
+            security=security,
+            prefill_security=prefill_security,
+        )
     )
     return 0
 
@@ -101,6 +165,7 @@ def serve_main(args: argparse.Namespace) -> int:
     decode_devices = [int(d) for d in args.decode_devices.split(",")]
     if set(prefill_devices) & set(decode_devices):
         raise SystemExit("--prefill-devices and --decode-devices must be disjoint")
+    security = server_security(args)
     prepare_process(args, max(args.cpu_devices, max(prefill_devices + decode_devices) + 1))
     import dataclasses
 
@@ -135,7 +200,13 @@ def serve_main(args: argparse.Namespace) -> int:
     try:
         run_until_signal(
             lambda stop: serve(
-                decode_engine, args.port, stop, local_prefiller=local, config=config, host=args.host
+                decode_engine,
+                args.port,
+                stop,
+                local_prefiller=local,
+                config=config,
+                host=args.host,
+                security=security,
             )
         )
     finally:

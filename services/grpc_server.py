@@ -1,4 +1,5 @@
-"""What both daemons share around grpc.aio: uvloop, health and reflection, message limits, SIGTERM."""
+"""What both daemons share around grpc.aio: uvloop, health and reflection, message limits, ports (plaintext or
+TLS), SIGTERM."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from collections.abc import Awaitable, Callable
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+from services.security import ServerSecurity
 
 log = logging.getLogger(__name__)
 
@@ -31,15 +34,27 @@ def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[st
     ]
 
 
-def make_server(service_names: list[str]) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
-    """A grpc.aio server with grpc.health.v1 (all services SERVING once started) and reflection."""
-    server = grpc.aio.server(options=server_options())
+def make_server(
+    service_names: list[str], security: ServerSecurity | None = None
+) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
+    """A grpc.aio server with grpc.health.v1 (all services SERVING once started) and reflection; with
+    `security`, its token and peer checks on every service but health."""
+    interceptors = security.interceptors() if security is not None else []
+    server = grpc.aio.server(options=server_options(), interceptors=interceptors)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
     )
     return server, health_servicer
+
+
+def add_port(server: grpc.aio.Server, host: str, port: int, security: ServerSecurity | None = None) -> int:
+    """Binds `host:port` with TLS when `security` has a certificate, else plaintext; returns the port."""
+    credentials = security.credentials() if security is not None else None
+    if credentials is None:
+        return server.add_insecure_port(f"{host}:{port}")
+    return server.add_secure_port(f"{host}:{port}", credentials)
 
 
 async def set_serving(health_servicer, service_names: list[str], serving: bool) -> None:

@@ -26,6 +26,7 @@ from services import wire
 from services.engine_loop import EngineLoop
 from services.grpc_server import channel_options
 from services.prefill.runner import prefill_on_engine
+from services.security import PLAINTEXT, ChannelSecurity
 
 log = logging.getLogger(__name__)
 
@@ -62,17 +63,24 @@ class Prefiller(abc.ABC):
 class RemotePrefiller(Prefiller):
     """A prefill-server reached over gRPC; KV frames are verified and put on the decode mesh on arrival."""
 
-    def __init__(self, target: str, dst: KVLayout, deadline_s: float = 120.0):
+    def __init__(
+        self,
+        target: str,
+        dst: KVLayout,
+        deadline_s: float = 120.0,
+        security: ChannelSecurity = PLAINTEXT,
+    ):
         self.name = target
         self.dst = dst
         self.deadline_s = deadline_s
-        self.channel = grpc.aio.insecure_channel(
+        self.channel = security.open(
             target,
             options=[
                 *channel_options(),
                 ("grpc.keepalive_time_ms", 10_000),
                 ("grpc.keepalive_timeout_ms", 5_000),
             ],
+            aio=True,
         )
         self._prefill = self.channel.unary_stream(
             "/pdserve.v1.Prefill/Prefill",
@@ -176,12 +184,13 @@ class PrefillPool:
     """Prefill replicas; `pick()` returns the healthy one with the least outstanding work.
 
     Targets are host:port, or dns:///name:port (a Kubernetes headless service): every address the name
-    resolves to becomes a replica, re-resolved by `refresh()`.
+    resolves to becomes a replica, re-resolved by `refresh()`. `security`: TLS / mutual TLS to the replicas.
     """
 
-    def __init__(self, targets: list[str], dst: KVLayout):
+    def __init__(self, targets: list[str], dst: KVLayout, security: ChannelSecurity = PLAINTEXT):
         self.targets = targets
         self.dst = dst
+        self.security = security
         self.replicas: dict[str, Prefiller] = {}
 
     @staticmethod
@@ -196,7 +205,7 @@ class PrefillPool:
     async def refresh(self) -> None:
         wanted = {addr for target in self.targets for addr in self.resolve(target)}
         for addr in wanted - self.replicas.keys():
-            self.replicas[addr] = RemotePrefiller(addr, self.dst)
+            self.replicas[addr] = RemotePrefiller(addr, self.dst, security=self.security)
         for addr in self.replicas.keys() - wanted:
             await self.replicas.pop(addr).close()
 

@@ -44,8 +44,9 @@ from services.admin import SERVICE_NAME as ADMIN_SERVICE
 from services.admin import AdminService, Counters
 from services.decode.prefill_pool import FirstToken, Prefiller, PrefillError, PrefillPool
 from services.engine_loop import EngineLoop
-from services.grpc_server import make_server, set_serving
+from services.grpc_server import add_port, make_server, set_serving
 from services.kv import engine_layout
+from services.security import PLAINTEXT, ChannelSecurity, ServerSecurity
 
 log = logging.getLogger(__name__)
 
@@ -248,8 +249,13 @@ async def serve(
     host: str = "127.0.0.1",
     grace_s: float = 30.0,
     on_ready: Callable[[str], None] | None = None,
+    security: ServerSecurity | None = None,
+    prefill_security: ChannelSecurity = PLAINTEXT,
 ) -> None:
-    """Serves Generate until `stop` is set; then refuses new requests and lets running ones finish."""
+    """Serves Generate until `stop` is set; then refuses new requests and lets running ones finish.
+
+    `security`: TLS / mutual TLS and bearer tokens of the public port; `prefill_security`: how the
+    prefill servers are reached (their CA, this server's client certificate). Default: plaintext, open."""
     loop = EngineLoop(engine, name="decode-engine")
     loop.start()
     layout = engine_layout(engine)
@@ -259,7 +265,7 @@ async def serve(
         pool.replicas["local"] = local_prefiller
         mode = "local-engine"
     elif prefill_targets:
-        pool = PrefillPool(prefill_targets, layout)
+        pool = PrefillPool(prefill_targets, layout, prefill_security)
         await pool.refresh()
         for replica in pool.replicas.values():
             try:
@@ -271,10 +277,10 @@ async def serve(
         mode = "local"
     counters = Counters()
     service = GenerationService(loop, pool, config, mode, counters)
-    server, health_servicer = make_server([SERVICE_NAME, ADMIN_SERVICE])
+    server, health_servicer = make_server([SERVICE_NAME, ADMIN_SERVICE], security)
     pb_grpc.add_GenerationServicer_to_server(service, server)
     admin_pb2_grpc.add_AdminServicer_to_server(AdminService("decode", loop, counters), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = add_port(server, host, port, security)
     await server.start()
     await set_serving(health_servicer, [SERVICE_NAME], True)
     print(f"decode-server ready on {host}:{bound} (prefill: {mode})", flush=True)

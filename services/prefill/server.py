@@ -35,9 +35,10 @@ from services import wire
 from services.admin import SERVICE_NAME as ADMIN_SERVICE
 from services.admin import AdminService, Counters
 from services.engine_loop import EngineLoop
-from services.grpc_server import make_server, set_serving
+from services.grpc_server import add_port, make_server, set_serving
 from services.kv import engine_layout
 from services.prefill.runner import prefill_on_engine
+from services.security import ServerSecurity
 
 log = logging.getLogger(__name__)
 
@@ -159,16 +160,19 @@ async def serve(
     host: str = "127.0.0.1",
     grace_s: float = 30.0,
     on_ready: Callable[[str], None] | None = None,
+    security: ServerSecurity | None = None,
 ):
-    """Serves until `stop` is set, then drains: refuses new prefills, finishes running ones."""
+    """Serves until `stop` is set, then drains: refuses new prefills, finishes running ones.
+
+    `security`: TLS / mutual TLS of the port and the client names allowed (default: plaintext, open)."""
     loop = EngineLoop(engine, name="prefill-engine")
     loop.start()
     counters = Counters()
     service = PrefillService(loop, counters)
-    server, health_servicer = make_server([SERVICE_NAME, ADMIN_SERVICE])
+    server, health_servicer = make_server([SERVICE_NAME, ADMIN_SERVICE], security)
     add_to_server(server, service)
     admin_pb2_grpc.add_AdminServicer_to_server(AdminService("prefill", loop, counters), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = add_port(server, host, port, security)
     await server.start()
     await set_serving(health_servicer, [SERVICE_NAME], True)
     log.info("prefill-server listening on %s:%d", host, bound)

@@ -1,0 +1,316 @@
+"""Transport security with real daemons on loopback: a prefill-server that requires mutual TLS with a
+`decode` client certificate, and a decode-server with TLS and bearer tokens on its public port that
+reaches the prefill-server over mutual TLS. Plaintext and untrusted clients are refused, tokens are
+checked, the rogue certificate is denied, oversized requests are refused, and neither the prompt nor the
+token reaches the logs. Certificates are made here with `cryptography`."""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+from pathlib import Path
+
+import grpc
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pdserve.v1 import admin_pb2, admin_pb2_grpc, prefill_pb2
+from services.client import Client, build_request
+from services.launch import ServerThread, decode_server, prefill_server
+from services.security import ChannelSecurity, ServerSecurity, bearer_metadata, channel_credentials
+
+TOKEN = "tok-7f3a9c1e5b2d48e6a0c4"
+OTHER_TOKEN = "tok-second-b81d"
+WRONG_TOKEN = "tok-wrong-55aa3e"
+SECRET_PROMPT = "Quixotic marmoset 48213 recites the zebra ledger:"
+GREEDY = dict(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+# --- certificates ---------------------------------------------------------------------------------
+
+
+def _name(cn: str) -> x509.Name:
+    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+
+def _issue(cn, issuer_key=None, issuer_cn=None, *, ca=False, sans=(), usage=ExtendedKeyUsageOID.CLIENT_AUTH):
+    """A key and a certificate for `cn`, signed by the issuer (self-signed without one)."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    issuer_key = issuer_key or key
+    now = datetime.datetime.now(datetime.UTC)
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(_name(cn))
+        .issuer_name(_name(issuer_cn or cn))
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(hours=1))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .add_extension(
+            x509.AuthorityKeyIdentifier.from_issuer_public_key(issuer_key.public_key()), critical=False
+        )
+    )
+    if ca:
+        builder = builder.add_extension(
+            x509.KeyUsage(False, False, False, False, False, True, True, False, False), critical=True
+        )
+    else:
+        builder = builder.add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+    if sans:
+        builder = builder.add_extension(x509.SubjectAlternativeName(list(sans)), critical=False)
+    return key, builder.sign(issuer_key, hashes.SHA256())
+
+
+def _write(directory: Path, name: str, key, cert) -> tuple[str, str]:
+    cert_path, key_path = directory / f"{name}.pem", directory / f"{name}.key"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+    )
+    return str(cert_path), str(key_path)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory) -> dict[str, tuple[str, str]]:
+    """name -> (cert PEM path, key PEM path): ca, server, decode, intruder (same CA), untrusted
+    (self-signed, CN=decode)."""
+    directory = tmp_path_factory.mktemp("pki")
+    ca_key, ca_cert = _issue("pdserve test CA", ca=True)
+    sans = [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]
+    return {
+        "ca": _write(directory, "ca", ca_key, ca_cert),
+        "server": _write(
+            directory,
+            "server",
+            *_issue(
+                "pdserve-server", ca_key, "pdserve test CA", sans=sans, usage=ExtendedKeyUsageOID.SERVER_AUTH
+            ),
+        ),
+        "decode": _write(directory, "decode", *_issue("decode", ca_key, "pdserve test CA")),
+        "intruder": _write(directory, "intruder", *_issue("intruder", ca_key, "pdserve test CA")),
+        "untrusted": _write(directory, "untrusted", *_issue("decode", sans=sans)),
+    }
+
+
+def creds(pki, root="ca", client=None) -> grpc.ChannelCredentials:
+    cert, key = pki[client] if client else (None, None)
+    return channel_credentials(pki[root][0], cert, key)
+
+
+# --- daemons ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def secure_prefill(gguf_path, log_dir, pki):
+    cert, key = pki["server"]
+    tls = ["--tls-cert", cert, "--tls-key", key, "--tls-client-ca", pki["ca"][0], "--require-client-cert"]
+    daemon = prefill_server(gguf_path, log_dir, name="prefill-mtls", extra=tls)
+    yield daemon
+    assert daemon.terminate() == 0
+
+
+@pytest.fixture(scope="module")
+def secure_decode(gguf_path, log_dir, pki, secure_prefill, tmp_path_factory):
+    tokens = tmp_path_factory.mktemp("auth") / "tokens"
+    tokens.write_text(f"# tokens of the test clients\n{TOKEN}\n\n{OTHER_TOKEN}\n")
+    cert, key = pki["server"]
+    decode_cert, decode_key = pki["decode"]
+    extra = [
+        *("--tls-cert", cert, "--tls-key", key, "--auth-token-file", str(tokens)),
+        *(
+            "--prefill-tls-ca",
+            pki["ca"][0],
+            "--prefill-tls-cert",
+            decode_cert,
+            "--prefill-tls-key",
+            decode_key,
+        ),
+    ]
+    daemon = decode_server(gguf_path, secure_prefill.address, log_dir, name="decode-tls", extra=extra)
+    yield daemon
+    assert daemon.terminate() == 0
+
+
+def health_status(address: str, security: ChannelSecurity) -> int:
+    with security.open(address) as channel:
+        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=30).status
+
+
+def code_of(call) -> grpc.StatusCode:
+    with pytest.raises(grpc.RpcError) as err:
+        call()
+    return err.value.code()
+
+
+def prefill_stats(address: str, pki, client="decode") -> admin_pb2.ServerStats:
+    with ChannelSecurity(creds(pki, client=client)).open(address) as channel:
+        return admin_pb2_grpc.AdminStub(channel).GetStats(admin_pb2.GetStatsRequest(), timeout=30)
+
+
+# --- tests -----------------------------------------------------------------------------------------
+
+
+def test_plaintext_and_untrusted_clients_are_refused(secure_prefill, secure_decode, pki):
+    plaintext = ChannelSecurity()
+    for address in (secure_prefill.address, secure_decode.address):
+        assert code_of(lambda a=address: health_status(a, plaintext)) == grpc.StatusCode.UNAVAILABLE
+    # the client does not trust the server's CA
+    client = Client(secure_decode.address, credentials=creds(pki, root="untrusted"), token=TOKEN)
+    assert code_of(lambda: client.generate("Hi", max_tokens=2)) == grpc.StatusCode.UNAVAILABLE
+    untrusting = ChannelSecurity(creds(pki, root="untrusted", client="decode"))
+    assert code_of(lambda: health_status(secure_prefill.address, untrusting)) == grpc.StatusCode.UNAVAILABLE
+    # the server does not trust the client's (self-signed) certificate, nor a client without one
+    for client_cert in ("untrusted", None):
+        security = ChannelSecurity(creds(pki, client=client_cert))
+        code = code_of(lambda s=security: health_status(secure_prefill.address, s))
+        assert code == grpc.StatusCode.UNAVAILABLE, client_cert
+
+
+def test_health_is_open_without_token(secure_prefill, secure_decode, pki):
+    serving = health_pb2.HealthCheckResponse.SERVING
+    assert health_status(secure_decode.address, ChannelSecurity(creds(pki))) == serving
+    intruder = ChannelSecurity(creds(pki, client="intruder"))  # probes need no particular identity
+    assert health_status(secure_prefill.address, intruder) == serving
+
+
+def test_missing_or_wrong_token_is_unauthenticated(secure_decode, pki):
+    unauthenticated = grpc.StatusCode.UNAUTHENTICATED
+    for token in (None, WRONG_TOKEN, TOKEN[:-1], TOKEN + "x"):
+        client = Client(secure_decode.address, credentials=creds(pki), token=token)
+        assert code_of(lambda c=client: c.generate("Hi", max_tokens=2)) == unauthenticated, token
+        assert code_of(client.model_info) == unauthenticated
+    with ChannelSecurity(creds(pki)).open(secure_decode.address) as channel:
+        stub = admin_pb2_grpc.AdminStub(channel)
+        get_stats = stub.GetStats
+        assert code_of(lambda: get_stats(admin_pb2.GetStatsRequest())) == unauthenticated
+        basic = (("authorization", f"Basic {TOKEN}"),)
+        assert code_of(lambda: get_stats(admin_pb2.GetStatsRequest(), metadata=basic)) == unauthenticated
+        stats = get_stats(admin_pb2.GetStatsRequest(), metadata=bearer_metadata(OTHER_TOKEN))
+        assert stats.role == "decode"
+
+
+def test_right_token_is_served_over_mtls_end_to_end(secure_prefill, secure_decode, pki, make_engine):
+    from engine.sampling_params import SamplingParams
+
+    before = prefill_stats(secure_prefill.address, pki).num_requests_total
+    client = Client(secure_decode.address, credentials=creds(pki), token=TOKEN)
+    assert client.model_info().prefill_mode == "remote"
+    got = client.generate("The capital of France is", **GREEDY)
+    engine = make_engine()
+    ids = engine.tokenizer.encode("The capital of France is")
+    expected = engine.generate([ids], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0]
+    assert got.token_ids == expected.token_ids and got.finish_reason == "length"
+    assert prefill_stats(secure_prefill.address, pki).num_requests_total == before + 1  # went remote
+    second = Client(secure_decode.address, credentials=creds(pki), token=OTHER_TOKEN)
+    assert second.generate("The capital of France is", **GREEDY).token_ids == got.token_ids
+
+
+def test_prefill_refuses_rogue_certificate(secure_prefill, pki):
+    with ChannelSecurity(creds(pki, client="intruder")).open(secure_prefill.address) as channel:
+        handshake = channel.unary_unary(
+            "/pdserve.v1.Prefill/Handshake",
+            request_serializer=prefill_pb2.HandshakeRequest.SerializeToString,
+        )
+        prefill = channel.unary_stream(
+            "/pdserve.v1.Prefill/Prefill", request_serializer=prefill_pb2.PrefillRequest.SerializeToString
+        )
+        denied = grpc.StatusCode.PERMISSION_DENIED
+        assert code_of(lambda: handshake(prefill_pb2.HandshakeRequest(layout_json="{}"))) == denied
+        assert code_of(lambda: list(prefill(prefill_pb2.PrefillRequest(prompt_ids=[1, 2])))) == denied
+    assert code_of(lambda: prefill_stats(secure_prefill.address, pki, client="intruder")) == denied
+    assert prefill_stats(secure_prefill.address, pki).role == "prefill"  # the decode certificate is let in
+
+
+def test_oversized_request_is_refused_and_daemon_keeps_serving(secure_decode, pki):
+    request = build_request("word " * (2 << 20), max_tokens=2)  # 10 MiB > the 8 MiB limit
+    options = [("grpc.max_send_message_length", 64 << 20)]  # so that the server, not this client, refuses
+    with ChannelSecurity(creds(pki)).open(secure_decode.address, options) as channel:
+        generate = channel.unary_stream(
+            "/pdserve.v1.Generation/Generate", request_serializer=type(request).SerializeToString
+        )
+        code = code_of(lambda: list(generate(request, metadata=bearer_metadata(TOKEN))))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    client = Client(secure_decode.address, credentials=creds(pki), token=TOKEN)
+    assert client.generate("Still serving", max_tokens=2, ignore_eos=True).completion_tokens == 2
+
+
+def test_logs_hold_no_prompt_or_token(secure_prefill, secure_decode, pki):
+    client = Client(secure_decode.address, credentials=creds(pki), token=TOKEN)
+    assert client.generate(SECRET_PROMPT, max_tokens=4, ignore_eos=True).completion_tokens == 4
+    wrong = Client(secure_decode.address, credentials=creds(pki), token=WRONG_TOKEN)
+    assert code_of(lambda: wrong.generate(SECRET_PROMPT, max_tokens=2)) == grpc.StatusCode.UNAUTHENTICATED
+    for daemon in (secure_prefill, secure_decode):
+        text = daemon.log_path.read_text()
+        for secret in ("marmoset", "zebra ledger", TOKEN, OTHER_TOKEN, WRONG_TOKEN):
+            assert secret not in text, (daemon.name, secret)
+
+
+def test_peer_names_are_checked_in_process(pki):
+    """The peer-name check on its own (an in-process server, no engine): the decode certificate is let in,
+    another certificate of the same CA is denied, a client without one cannot complete the handshake."""
+    import asyncio
+    import queue
+
+    from services.grpc_server import add_port, make_server
+
+    cert, key = pki["server"]
+    security = ServerSecurity(
+        cert=cert, key=key, client_ca=pki["ca"][0], require_client_cert=True, allowed_peers=("decode",)
+    )
+    ready: queue.Queue[str] = queue.Queue()
+
+    async def serve(stop: asyncio.Event):
+        server, _ = make_server(["pdserve.v1.Admin"], security)
+
+        async def get_stats(request, context):
+            return admin_pb2.ServerStats(role="test")
+
+        admin = grpc.method_handlers_generic_handler(
+            "pdserve.v1.Admin",
+            {
+                "GetStats": grpc.unary_unary_rpc_method_handler(
+                    get_stats,
+                    request_deserializer=admin_pb2.GetStatsRequest.FromString,
+                    response_serializer=admin_pb2.ServerStats.SerializeToString,
+                )
+            },
+        )
+        server.add_generic_rpc_handlers((admin,))
+        port = add_port(server, "127.0.0.1", 0, security)
+        await server.start()
+        ready.put(f"127.0.0.1:{port}")
+        await stop.wait()
+        await server.stop(1)
+
+    thread = ServerThread(serve)
+    try:
+        address = ready.get(timeout=30)
+        denied = code_of(lambda: prefill_stats(address, pki, client="intruder"))
+        assert denied == grpc.StatusCode.PERMISSION_DENIED
+        assert code_of(lambda: prefill_stats(address, pki, client=None)) == grpc.StatusCode.UNAVAILABLE
+        assert prefill_stats(address, pki).role == "test"
+    finally:
+        thread.stop()
+
+
+def test_security_config_is_checked(tmp_path):
+    from services.security import read_tokens
+
+    with pytest.raises(ValueError):
+        ServerSecurity(cert="server.pem")  # no key
+    with pytest.raises(ValueError):
+        ServerSecurity(require_client_cert=True)
+    with pytest.raises(ValueError, match="optional client certificate"):
+        ServerSecurity(cert="server.pem", key="server.key", client_ca="ca.pem")  # not required
+    empty = tmp_path / "tokens"
+    empty.write_text("# nothing\n\n")
+    with pytest.raises(ValueError):
+        read_tokens(empty)
