@@ -37,7 +37,11 @@ def common_args(parser: argparse.ArgumentParser) -> None:
     tls.add_argument("--tls-cert", metavar="PEM", help="server certificate chain")
     tls.add_argument("--tls-key", metavar="PEM", help="server private key")
     tls.add_argument("--tls-client-ca", metavar="PEM", help="CA of client certificates (mutual TLS)")
-    tls.add_argument("--require-client-cert", action="store_true", help="refuse clients without one")
+    tls.add_argument(
+        "--require-client-cert",
+        action="store_true",
+        help="refuse clients without one (needed with --tls-client-ca: gRPC Python has no optional ones)",
+    )
 
 
 def server_security(args: argparse.Namespace, allowed_peers=()):
@@ -46,7 +50,7 @@ def server_security(args: argparse.Namespace, allowed_peers=()):
 
     token_file = getattr(args, "auth_token_file", None)
     try:
-        return ServerSecurity(
+        security = ServerSecurity(
             cert=args.tls_cert,
             key=args.tls_key,
             client_ca=args.tls_client_ca,
@@ -54,6 +58,8 @@ def server_security(args: argparse.Namespace, allowed_peers=()):
             tokens=read_tokens(token_file) if token_file else (),
             allowed_peers=tuple(allowed_peers) if args.tls_client_ca else (),
         )
+        security.credentials()  # reads the PEM files now: a wrong path fails before the engine loads
+        return security
     except (ValueError, OSError) as e:
         raise SystemExit(f"error: {e}") from e
 

@@ -118,9 +118,14 @@ def secure_prefill(gguf_path, log_dir, pki):
 
 
 @pytest.fixture(scope="module")
-def secure_decode(gguf_path, log_dir, pki, secure_prefill, tmp_path_factory):
-    tokens = tmp_path_factory.mktemp("auth") / "tokens"
-    tokens.write_text(f"# tokens of the test clients\n{TOKEN}\n\n{OTHER_TOKEN}\n")
+def tokens(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("auth") / "tokens"
+    path.write_text(f"# tokens of the test clients\n{TOKEN}\n\n{OTHER_TOKEN}\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def secure_decode(gguf_path, log_dir, pki, secure_prefill, tokens):
     cert, key = pki["server"]
     decode_cert, decode_key = pki["decode"]
     extra = [
@@ -213,6 +218,17 @@ def test_right_token_is_served_over_mtls_end_to_end(secure_prefill, secure_decod
     assert second.generate("The capital of France is", **GREEDY).token_ids == got.token_ids
 
 
+def test_cli_generate_with_tls_ca_and_token_file(secure_decode, pki, tokens, capsys):
+    from pdserve.cli import main
+
+    argv = ["generate", "--server", secure_decode.address, "--tls-ca", pki["ca"][0], "--json"]
+    argv += ["--max-tokens", "3", "Hello"]
+    assert main([*argv, "--token-file", str(tokens)]) == 0
+    assert '"finish_reason": "length"' in capsys.readouterr().out
+    assert main(argv) == 2  # no token
+    assert "UNAUTHENTICATED" in capsys.readouterr().err
+
+
 def test_prefill_refuses_rogue_certificate(secure_prefill, pki):
     with ChannelSecurity(creds(pki, client="intruder")).open(secure_prefill.address) as channel:
         handshake = channel.unary_unary(
@@ -301,8 +317,16 @@ def test_peer_names_are_checked_in_process(pki):
         thread.stop()
 
 
-def test_security_config_is_checked(tmp_path):
+def test_security_config_is_checked(tmp_path, pki):
+    from services.daemon import prefill_main
     from services.security import read_tokens
+
+    cert, key = pki["server"]
+    base = ["--model", "unused", "--port", "0", "--tls-cert", cert, "--tls-key", key]
+    with pytest.raises(SystemExit, match="optional client certificate"):  # before any engine is built
+        prefill_main([*base, "--tls-client-ca", pki["ca"][0]])
+    with pytest.raises(SystemExit, match="No such file"):
+        prefill_main([*base[:-1], str(tmp_path / "missing.key")])
 
     with pytest.raises(ValueError):
         ServerSecurity(cert="server.pem")  # no key
