@@ -8,6 +8,7 @@ in one interceptor that leaves grpc.health.v1 open for probes. Clients open chan
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hmac
 import inspect
@@ -173,8 +174,9 @@ def _guarded(handler: grpc.RpcMethodHandler, check) -> grpc.RpcMethodHandler:
 
         async def wrapped(request, context):
             await check(context)
-            async for response in behavior(request, context):
-                yield response
+            async with contextlib.aclosing(behavior(request, context)) as responses:  # its cleanup runs now
+                async for response in responses:
+                    yield response
 
     else:
 

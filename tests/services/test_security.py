@@ -218,6 +218,24 @@ def test_right_token_is_served_over_mtls_end_to_end(secure_prefill, secure_decod
     assert second.generate("The capital of France is", **GREEDY).token_ids == got.token_ids
 
 
+def test_cancelled_stream_through_the_token_check_frees_its_blocks(secure_decode, pki):
+    import time
+
+    client = Client(secure_decode.address, credentials=creds(pki), token=TOKEN)
+    stream = client.stream(build_request("Count to a thousand:", max_tokens=500, ignore_eos=True))
+    assert next(stream).token_ids
+    stream.cancel()
+    with ChannelSecurity(creds(pki)).open(secure_decode.address) as channel:
+        admin = admin_pb2_grpc.AdminStub(channel)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # the abort reaches the engine thread asynchronously
+            stats = admin.GetStats(admin_pb2.GetStatsRequest(), metadata=bearer_metadata(TOKEN))
+            if stats.num_running == 0 and stats.num_free_blocks == stats.num_blocks:
+                break
+            time.sleep(0.1)
+    assert stats.num_running == 0 and stats.num_free_blocks == stats.num_blocks, stats
+
+
 def test_cli_generate_with_tls_ca_and_token_file(secure_decode, pki, tokens, capsys):
     from pdserve.cli import main
 
