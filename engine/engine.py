@@ -205,12 +205,24 @@ class LLMEngine:
             return False
         request.blocks.reserve(len(request.prompt_ids) + 1)
         s.num_incoming += 1
+        request.incoming = True
         return True
 
     def abandon_transfer(self, request: Request) -> None:
-        """Decode role: the transfer failed or was cancelled; frees the reserved blocks."""
-        self.scheduler.num_incoming -= 1
-        request.blocks.release()
+        """Decode role: the transfer failed or was cancelled; frees the reserved blocks (idempotent)."""
+        if request.incoming:
+            request.incoming = False
+            self.scheduler.num_incoming -= 1
+            request.blocks.release()
+
+    def discard(self, request: Request) -> None:
+        """Frees whatever `request` holds, wherever it is (queued, decoding, receiving KV, retained).
+
+        Idempotent; run it after any cancel or failure. On the engine thread it runs after every command
+        submitted before it, so a reservation still in flight when its caller was cancelled is undone too.
+        """
+        self.abandon_transfer(request)
+        self.abort(request.request_id)
 
     def insert_kv(self, chunk, block_ids: Sequence[int]) -> None:
         """Decode role: writes one transferred KV chunk into this engine's cache at `block_ids`."""
@@ -226,6 +238,7 @@ class LLMEngine:
         Returns the output for the first token (the request may already be finished by it).
         """
         self.scheduler.num_incoming -= 1
+        request.incoming = False
         request.num_computed = len(request.prompt_ids)
         request.first_token_time = time.monotonic()
         stream = OutputStream(request, self.tokenizer, self.config.max_model_len)

@@ -45,6 +45,7 @@ class Request:
     finish_reason: FinishReason | None = None
     lora: str | None = None
     retain_kv: bool = False  # prefill role: keep the blocks after finishing, until released
+    incoming: bool = False  # decode role: holds blocks while its KV arrives from a prefill server
     arrival_time: float = dataclasses.field(default_factory=time.monotonic)
     first_token_time: float | None = None
 

@@ -24,6 +24,12 @@ def server_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.so_reuseport", 0),
+        # Peers that vanish (a killed decode server mid-transfer) are noticed by keepalive pings, which
+        # breaks their streams: the handlers' cleanup then frees the requests' blocks.
+        ("grpc.keepalive_time_ms", 10_000),
+        ("grpc.keepalive_timeout_ms", 5_000),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+        ("grpc.keepalive_permit_without_calls", 1),
     ]
 
 

@@ -31,8 +31,15 @@ class Daemon:
     """A daemon process (`prefill-server`, `decode-server` or `pdserve serve`) started on port 0."""
 
     def __init__(
-        self, argv: list[str], name: str, log_dir: Path, timeout: float = 240.0, cpus: str | None = None
+        self,
+        argv: list[str],
+        name: str,
+        log_dir: Path,
+        timeout: float = 240.0,
+        cpus: str | None = None,
+        entry: str = "services.daemon:run_cli",  # module:function taking sys.argv[1:]
     ):
+        module, function = entry.split(":")
         env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
         env.pop("XLA_FLAGS", None)  # daemons choose their CPU device count themselves (--cpu-devices)
         self.name = name
@@ -44,7 +51,7 @@ class Daemon:
                 *pin,
                 sys.executable,
                 "-c",
-                "import sys; from services.daemon import run_cli; sys.exit(run_cli())",
+                f"import sys; from {module} import {function}; sys.exit({function}())",
                 *argv,
             ],
             stdout=subprocess.PIPE,

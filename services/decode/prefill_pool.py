@@ -54,7 +54,10 @@ class Prefiller(abc.ABC):
         self.down_until = time.monotonic() + backoff_s
 
     @abc.abstractmethod
-    def prefill(self, request: Request, dst: KVLayout, sharding) -> AsyncIterator[FirstToken | KVChunk]: ...
+    def prefill(
+        self, request: Request, dst: KVLayout, sharding, timeout: float | None = None
+    ) -> AsyncIterator[FirstToken | KVChunk]:
+        """`timeout`: seconds left of the client's deadline (None: none)."""
 
     async def close(self) -> None:
         return None
@@ -79,6 +82,10 @@ class RemotePrefiller(Prefiller):
                 *channel_options(),
                 ("grpc.keepalive_time_ms", 10_000),
                 ("grpc.keepalive_timeout_ms", 5_000),
+                # a replica that restarts is reconnected within seconds, not gRPC's default 2 minutes
+                ("grpc.initial_reconnect_backoff_ms", 500),
+                ("grpc.min_reconnect_backoff_ms", 500),
+                ("grpc.max_reconnect_backoff_ms", 3_000),
             ],
             aio=True,
         )
@@ -108,7 +115,9 @@ class RemotePrefiller(Prefiller):
         self.src = src
         return src
 
-    async def prefill(self, request: Request, dst: KVLayout, sharding) -> AsyncIterator[FirstToken | KVChunk]:
+    async def prefill(
+        self, request: Request, dst: KVLayout, sharding, timeout: float | None = None
+    ) -> AsyncIterator[FirstToken | KVChunk]:
         if self.src is None:
             await self.handshake()
         sampling, stop = wire.sampling_to_proto(request.params)
@@ -121,10 +130,12 @@ class RemotePrefiller(Prefiller):
             lora_adapter=request.lora or "",
             stop=stop,
         )
-        call = self._prefill(message, timeout=self.deadline_s)
+        call = self._prefill(message, timeout=min(self.deadline_s, timeout or self.deadline_s))
         assembler = None
         try:
             async for item in call:
+                if item is None:  # grpc.aio hands out None when the deserializer failed
+                    raise PrefillError(f"{self.name}: undecodable Prefill message")
                 if isinstance(item, wire.KVFrameBytes):
                     if assembler is None:
                         raise PrefillError(f"{self.name}: KV frame before the header")
@@ -148,8 +159,10 @@ class RemotePrefiller(Prefiller):
             raise PrefillError(f"{self.name}: stream ended without a trailer")
         except grpc.aio.AioRpcError as e:
             raise PrefillError(f"{self.name}: {e.code().name}: {e.details()}") from e
-        except (kvtransfer.FrameError, kvtransfer.LayoutMismatchError, ValueError) as e:
-            raise PrefillError(f"{self.name}: bad KV stream: {e}") from e
+        except PrefillError:
+            raise
+        except Exception as e:  # noqa: BLE001 - anything wrong with a stream makes it unusable, never fatal
+            raise PrefillError(f"{self.name}: bad KV stream: {type(e).__name__}: {e}") from e
         finally:
             call.cancel()
 
@@ -169,7 +182,9 @@ class LocalPrefiller(Prefiller):
         self.loop = loop
         self.src = src
 
-    async def prefill(self, request: Request, dst: KVLayout, sharding) -> AsyncIterator[FirstToken | KVChunk]:
+    async def prefill(
+        self, request: Request, dst: KVLayout, sharding, timeout: float | None = None
+    ) -> AsyncIterator[FirstToken | KVChunk]:
         mine = self.loop.engine.make_request(list(request.prompt_ids), request.params, request.request_id)
         mine.seed = request.seed
         result = await prefill_on_engine(self.loop, mine, self.src, kvtransfer.head_map(self.src, dst))

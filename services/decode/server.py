@@ -125,9 +125,10 @@ class GenerationService(pb_grpc.GenerationServicer):
                 yield self._response(output, rid)
                 if output.finished:
                     return
-        finally:
+        finally:  # finished, cancelled, deadline, failed: free whatever the request still holds
             self.loop.close_stream(rid)
-            self.loop.submit(lambda e: e.abort(rid))  # no-op when it finished
+            self.loop.submit(lambda e: e.discard(engine_request))
+            self.blocks_freed.set()
 
     def _prefill_locally(self, request: Request) -> bool:
         return self.pool is None or len(request.prompt_ids) < self.config.local_prefill_below
@@ -146,16 +147,12 @@ class GenerationService(pb_grpc.GenerationServicer):
                 break
             tried.add(replica.name)
             try:
-                first = await self._transfer(replica, request)
+                first = await self._transfer(replica, request, context.time_remaining())
             except PrefillError as e:
                 replica.mark_failed()
                 self.counters.num_transfer_failures_total += 1
                 log.warning("request %s: prefill on %s failed: %s", request.request_id, replica.name, e)
                 continue
-            except BaseException:
-                self.loop.submit(lambda e: e.abandon_transfer(request))
-                self.blocks_freed.set()
-                raise
             return await self.loop.call(_registrar(request, first))
         self.loop.submit(lambda e: e.abandon_transfer(request))
         self.blocks_freed.set()
@@ -165,19 +162,25 @@ class GenerationService(pb_grpc.GenerationServicer):
             grpc.StatusCode.UNAVAILABLE, f"no prefill replica could serve the request (tried {sorted(tried)})"
         )
 
-    async def _transfer(self, replica: Prefiller, request: Request) -> FirstToken:
-        """One attempt; on failure the request's blocks stay reserved (to be refilled by the next try)."""
+    async def _transfer(self, replica: Prefiller, request: Request, timeout: float | None) -> FirstToken:
+        """One attempt; on failure the request's blocks stay reserved (to be refilled by the next try).
+
+        Closing the prefill stream (aclosing) cancels it at once when this request is cancelled.
+        """
         replica.outstanding += 1
         try:
             first, started, nbytes = None, 0.0, 0
             num_prompt_blocks = -(-len(request.prompt_ids) // self.engine.config.block_size)
             blocks = request.blocks.block_ids[:num_prompt_blocks]
-            async for item in replica.prefill(request, self.layout, self.sharding):
-                if isinstance(item, FirstToken):
-                    first, started = item, time.perf_counter()
-                else:
-                    nbytes += item.data.nbytes
-                    self.loop.submit(_inserter(item, blocks))
+            async with contextlib.aclosing(
+                replica.prefill(request, self.layout, self.sharding, timeout)
+            ) as items:
+                async for item in items:
+                    if isinstance(item, FirstToken):
+                        first, started = item, time.perf_counter()
+                    else:
+                        nbytes += item.data.nbytes
+                        self.loop.submit(_inserter(item, blocks))
             if first is None:
                 raise PrefillError(f"{replica.name}: no first token")
             self.counters.num_transfers_total += 1

@@ -1,0 +1,58 @@
+"""A prefill-server that misbehaves on purpose, for the fault-injection tests.
+
+It is the real prefill-server (same engine, same service) whose Prefill stream is altered per request,
+cycling through FAULTS by request count: a corrupted payload byte, a frame cut short, a frame sent twice,
+the trailer dropped, a stream that dies after the first frame, and one healthy stream. A request whose id
+reads `fuzz:<offset>:<xor>:<cut>` instead gets exactly that damage on its first frame (hypothesis drives it).
+Run: python -c "from tests.services.faulty_prefill import main; main()" prefill-server ARGS...
+"""
+
+from __future__ import annotations
+
+import sys
+
+from services.prefill import server as prefill_server
+
+FAULTS = ("corrupt", "truncate", "duplicate", "no_trailer", "die", "ok")
+
+
+class FaultyPrefillService(prefill_server.PrefillService):
+    async def _prefill(self, request, context):
+        fault = FAULTS[(self.counters.num_requests_total - 1) % len(FAULTS)]
+        if request.request_id.startswith("fuzz:"):
+            async for message in self._fuzzed(request, context):
+                yield message
+            return
+        frames = 0
+        async for message in super()._prefill(request, context):
+            if isinstance(message, bytes):  # an encoded KV frame
+                frames += 1
+                if frames == 1 and fault == "corrupt":
+                    message = message[:-10] + bytes([message[-10] ^ 0xFF]) + message[-9:]
+                elif frames == 1 and fault == "truncate":
+                    message = message[: len(message) // 2]
+                elif frames == 1 and fault == "duplicate":
+                    yield message
+                elif frames == 2 and fault == "die":
+                    raise RuntimeError("injected: prefill died mid-stream")
+            elif message.HasField("trailer") and fault == "no_trailer":
+                return
+            yield message
+
+    async def _fuzzed(self, request, context):
+        _, offset, xor, cut = request.request_id.split(":")
+        first = True
+        async for message in super()._prefill(request, context):
+            if isinstance(message, bytes) and first:
+                first = False
+                data = bytearray(message)
+                data[int(offset) % len(data)] ^= int(xor)
+                message = bytes(data[: max(1, len(data) - int(cut))])
+            yield message
+
+
+def main() -> int:
+    from services.daemon import run_cli
+
+    prefill_server.PrefillService = FaultyPrefillService  # serve() builds the service from this name
+    return run_cli(sys.argv[1:])
