@@ -62,6 +62,27 @@ def deserialize_prefill_message(data: bytes) -> prefill_pb.PrefillMessage | KVFr
     return prefill_pb.PrefillMessage.FromString(data)
 
 
+# ---- requests that do not parse ------------------------------------------------------------------------
+@dataclasses.dataclass
+class Unparsable:
+    """What a lenient deserializer returns for bytes that are not a valid message (e.g. bad UTF-8)."""
+
+    error: str
+
+
+def lenient(parse):
+    """A gRPC request deserializer that never raises: the handler answers INVALID_ARGUMENT itself
+    (a raising deserializer makes grpc answer UNKNOWN)."""
+
+    def deserialize(data: bytes):
+        try:
+            return parse(data)
+        except Exception as e:  # noqa: BLE001 - protobuf's DecodeError and friends
+            return Unparsable(str(e))
+
+    return deserialize
+
+
 # ---- sampling parameters -------------------------------------------------------------------------------
 def sampling_from_proto(
     sampling: gen_pb.SamplingParameters, max_tokens: int, stop: gen_pb.StopConditions

@@ -93,6 +93,8 @@ class GenerationService(pb_grpc.GenerationServicer):
         )
 
     async def Generate(self, request: pb.GenerateRequest, context):
+        if isinstance(request, wire.Unparsable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request: {request.error}")
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "decode server is shutting down")
         try:
@@ -223,6 +225,26 @@ class GenerationService(pb_grpc.GenerationServicer):
         return response
 
 
+def add_to_server(server: grpc.aio.Server, service: GenerationService) -> None:
+    """Registers Generation with a lenient request parser (bad UTF-8 etc. -> INVALID_ARGUMENT)."""
+    handler = grpc.method_handlers_generic_handler(
+        SERVICE_NAME,
+        {
+            "Generate": grpc.unary_stream_rpc_method_handler(
+                service.Generate,
+                request_deserializer=wire.lenient(pb.GenerateRequest.FromString),
+                response_serializer=pb.GenerateResponse.SerializeToString,
+            ),
+            "GetModelInfo": grpc.unary_unary_rpc_method_handler(
+                service.GetModelInfo,
+                request_deserializer=wire.lenient(pb.GetModelInfoRequest.FromString),
+                response_serializer=pb.ModelInfo.SerializeToString,
+            ),
+        },
+    )
+    server.add_generic_rpc_handlers((handler,))
+
+
 async def _refresh_pool(pool: PrefillPool, stop: asyncio.Event, every_s: float = 30.0) -> None:
     """Re-resolves dns:/// targets, so prefill replicas that a headless service adds or drops are seen."""
     while not stop.is_set():
@@ -281,7 +303,7 @@ async def serve(
     counters = Counters()
     service = GenerationService(loop, pool, config, mode, counters)
     server, health_servicer = make_server([SERVICE_NAME, ADMIN_SERVICE], security)
-    pb_grpc.add_GenerationServicer_to_server(service, server)
+    add_to_server(server, service)
     admin_pb2_grpc.add_AdminServicer_to_server(AdminService("decode", loop, counters), server)
     bound = add_port(server, host, port, security)
     await server.start()

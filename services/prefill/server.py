@@ -69,6 +69,8 @@ class PrefillService(pb_grpc.PrefillServicer):
         return pb.HandshakeResponse(layout_json=self.layout_json, fingerprint=self.fingerprint)
 
     async def Prefill(self, request: pb.PrefillRequest, context):
+        if isinstance(request, wire.Unparsable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request: {request.error}")
         if request.layout_fingerprint != self.fingerprint:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -145,7 +147,7 @@ def add_to_server(server: grpc.aio.Server, service: PrefillService) -> None:
             ),
             "Prefill": grpc.unary_stream_rpc_method_handler(
                 service.Prefill,
-                request_deserializer=pb.PrefillRequest.FromString,
+                request_deserializer=wire.lenient(pb.PrefillRequest.FromString),
                 response_serializer=wire.serialize_prefill_message,
             ),
         },

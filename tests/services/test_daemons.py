@@ -98,6 +98,7 @@ def test_layout_mismatch_is_failed_precondition_naming_the_field(
         (dict(prompt="hi", max_tokens=5000), "max_tokens"),
         (dict(prompt="hi", lora_adapter="nope"), "lora"),
         (dict(prompt=None), "prompt"),
+        (dict(prompt="x" * 20_000), "prompt"),
     ],
 )
 def test_bad_input_is_invalid_argument(conditional, kwargs, field):
@@ -115,3 +116,14 @@ def test_dns_targets_resolve_to_every_address():
     assert PrefillPool.resolve("10.0.0.1:50051") == ["10.0.0.1:50051"]
     resolved = PrefillPool.resolve("dns:///localhost:50051")
     assert "127.0.0.1:50051" in resolved and all(r.endswith(":50051") for r in resolved)
+
+
+def test_invalid_utf8_is_invalid_argument(conditional):
+    """A string field that is not UTF-8 (hand-encoded: field 2 `text`) is refused, naming the problem."""
+    with grpc.insecure_channel(conditional.address) as channel:
+        generate = channel.unary_stream("/pdserve.v1.Generation/Generate", request_serializer=None)
+        raw = b"\x12\x03\xff\xfe\xfd"  # GenerateRequest.text = b"\xff\xfe\xfd"
+        with pytest.raises(grpc.RpcError) as err:
+            list(generate(raw, timeout=30))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "UTF-8" in err.value.details()
+    assert Client(conditional.address).generate("ok", max_tokens=1).completion_tokens == 1
