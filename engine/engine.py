@@ -76,7 +76,9 @@ class LLMEngine:
         params.validate(vocab, self.config.max_logprobs)
         if isinstance(prompt, str):
             if len(prompt) > 16 * self.config.max_model_len:  # refuse before spending CPU on tokenizing it
-                raise InvalidRequestError("prompt", f"longer than {16 * self.config.max_model_len} characters")
+                raise InvalidRequestError(
+                    "prompt", f"longer than {16 * self.config.max_model_len} characters"
+                )
             prompt_ids = self.tokenizer.encode(prompt)
         else:
             prompt_ids = [int(t) for t in prompt]
