@@ -19,6 +19,11 @@ class Counters:
     kv_transfer_seconds_total: float = 0.0
     kv_transfer_bytes_total: int = 0
     num_transfer_failures_total: int = 0
+    num_local_fallbacks_total: int = 0  # decode: prefilled here after every replica failed
+    outcomes: dict[str, int] = dataclasses.field(default_factory=dict)  # finish reason / error -> count
+
+    def count_outcome(self, outcome: str) -> None:
+        self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
 
 
 class AdminService(pb_grpc.AdminServicer):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 
 
@@ -19,9 +18,9 @@ def use_cpu_devices(count: int) -> None:
 def prepare_process(args: argparse.Namespace, num_cpu_devices: int) -> None:
     """Before JAX is imported: CPU devices and logging."""
     use_cpu_devices(num_cpu_devices)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    from services.logs import configure_logging
+
+    configure_logging(args.log_level, args.log_format)
 
 
 def common_args(parser: argparse.ArgumentParser) -> None:
@@ -33,6 +32,12 @@ def common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cpu-devices", type=int, default=0, help="fake CPU devices (CPU-only hosts)")
     parser.add_argument("--no-warmup", action="store_true", help="compile shapes lazily (tests, laptops)")
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument(
+        "--log-format", choices=["text", "json"], default="text", help="json: one object a line"
+    )
+    parser.add_argument(
+        "--metrics-port", type=int, default=None, help="Prometheus /metrics HTTP port (0: any)"
+    )
     tls = parser.add_argument_group("TLS of the listening port (default: plaintext)")
     tls.add_argument("--tls-cert", metavar="PEM", help="server certificate chain")
     tls.add_argument("--tls-key", metavar="PEM", help="server private key")
@@ -88,7 +93,11 @@ def prefill_main(argv: list[str] | None = None) -> int:
     from services.prefill.server import serve
 
     engine = build_engine(args)
-    run_until_signal(lambda stop: serve(engine, args.port, stop, host=args.host, security=security))
+    run_until_signal(
+        lambda stop: serve(
+            engine, args.port, stop, host=args.host, security=security, metrics_port=args.metrics_port
+        )
+    )
     return 0
 
 
@@ -101,6 +110,9 @@ def decode_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--local-prefill-below", type=int, default=0, help="prefill shorter prompts here")
     parser.add_argument("--max-queue", type=int, default=256)
     parser.add_argument("--no-fallback-local", action="store_true", help="UNAVAILABLE when prefill fails")
+    parser.add_argument(
+        "--http-port", type=int, default=None, help="OpenAI-compatible HTTP API port (0: any)"
+    )
     parser.add_argument(
         "--auth-token-file",
         metavar="FILE",
@@ -160,6 +172,8 @@ def decode_main(argv: list[str] | None = None) -> int:
             host=args.host,
             security=security,
             prefill_security=prefill_security,
+            metrics_port=args.metrics_port,
+            http_port=args.http_port,
         )
     )
     return 0
@@ -213,6 +227,8 @@ def serve_main(args: argparse.Namespace) -> int:
                 config=config,
                 host=args.host,
                 security=security,
+                metrics_port=args.metrics_port,
+                http_port=args.http_port,
             )
         )
     finally:

@@ -25,6 +25,7 @@ ENGINE_ARGS = [
     "256",
 ]
 _READY = re.compile(r"ready on ([0-9.]+):(\d+)")
+_EXTRA_PORT = re.compile(r"^(metrics|http) on ([0-9.]+):(\d+)")  # printed before "ready on"
 
 
 class Daemon:
@@ -62,6 +63,7 @@ class Daemon:
         self.address = self._wait_ready(timeout)
 
     def _wait_ready(self, timeout: float) -> str:
+        self.addresses: dict[str, str] = {}  # "metrics" / "http" -> host:port, when the daemon serves them
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             line = self.proc.stdout.readline()
@@ -71,6 +73,9 @@ class Daemon:
                         f"{self.name} exited {self.proc.returncode}: {self.log_path.read_text()[-3000:]}"
                     )
                 continue
+            extra = _EXTRA_PORT.search(line)
+            if extra:
+                self.addresses[extra.group(1)] = f"{extra.group(2)}:{extra.group(3)}"
             match = _READY.search(line)
             if match:
                 threading.Thread(target=self._drain, daemon=True).start()

@@ -46,6 +46,7 @@ from services.decode.prefill_pool import FirstToken, Prefiller, PrefillError, Pr
 from services.engine_loop import EngineLoop
 from services.grpc_server import add_port, make_server, set_serving
 from services.kv import engine_layout
+from services.metrics import Metrics
 from services.security import PLAINTEXT, ChannelSecurity, ServerSecurity
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,14 @@ class DecodeConfig:
     fallback_local: bool = True  # prefill here when every replica failed
 
 
+class ServiceError(Exception):
+    """A request the service cannot take now: a gRPC status (HTTP front: 429 / 503) and a message."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, retry_after_ms: int | None = None):
+        super().__init__(message)
+        self.code, self.message, self.retry_after_ms = code, message, retry_after_ms
+
+
 class GenerationService(pb_grpc.GenerationServicer):
     def __init__(
         self,
@@ -69,9 +78,11 @@ class GenerationService(pb_grpc.GenerationServicer):
         config: DecodeConfig,
         prefill_mode: str,
         counters: Counters,
+        metrics: Metrics | None = None,
     ):
         self.loop = loop
         self.counters = counters
+        self.metrics = metrics
         self.engine: LLMEngine = loop.engine
         self.pool = pool
         self.config = config
@@ -95,53 +106,89 @@ class GenerationService(pb_grpc.GenerationServicer):
     async def Generate(self, request: pb.GenerateRequest, context):
         if isinstance(request, wire.Unparsable):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request: {request.error}")
-        if self.draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "decode server is shutting down")
         try:
             prompt = wire.prompt_from_proto(request, self.engine.tokenizer)
             params = wire.sampling_from_proto(request.sampling, request.max_tokens, request.stop)
-            engine_request = self.engine.make_request(
-                prompt,
-                params,
-                request_id=request.request_id or uuid.uuid4().hex,
-                lora=request.lora_adapter or None,
-            )
+            engine_request = self.make_request(prompt, params, request.request_id, request.lora_adapter)
+            async for output in self.stream(engine_request, context.time_remaining()):
+                yield self._response(output, engine_request.request_id)
         except InvalidRequestError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except ServiceError as e:
+            if e.retry_after_ms is not None:
+                context.set_trailing_metadata((("retry-after-ms", str(e.retry_after_ms)),))
+            await context.abort(e.code, e.message)
+
+    # ---- the core shared by the gRPC and the HTTP front ends -----------------------------------------
+    def make_request(self, prompt, params, request_id: str = "", lora: str = "") -> Request:
+        """Validates and tokenizes (InvalidRequestError names the field); refuses while draining."""
+        if self.draining:
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, "decode server is shutting down")
+        try:
+            return self.engine.make_request(
+                prompt, params, request_id=request_id or uuid.uuid4().hex, lora=lora or None
+            )
+        except InvalidRequestError:
+            self.counters.count_outcome("invalid")
+            raise
+
+    async def stream(self, engine_request: Request, time_remaining: float | None = None):
+        """Runs one request: prefill (remote or here), decode; yields its RequestOutputs.
+
+        Raises ServiceError (RESOURCE_EXHAUSTED, UNAVAILABLE); cancelling the consumer frees everything.
+        """
         rid = engine_request.request_id
         self.counters.num_requests_total += 1
+        start, token_times, outcome = time.monotonic(), [], "abort"
         outputs = self.loop.open_stream(rid)
+        pending = []  # the first token of a remote prefill: ahead of anything the engine queued since
         try:
             if self._prefill_locally(engine_request):
                 await self.loop.call(lambda e: e.add_prepared_request(engine_request))
             else:
-                first = await self._remote_prefill(engine_request, context)
+                first = await self._remote_prefill(engine_request, time_remaining)
                 if first is None:  # every replica failed: prefill here
+                    self.counters.num_local_fallbacks_total += 1
                     await self.loop.call(lambda e: e.add_prepared_request(engine_request))
                 else:
-                    yield self._response(first, rid)
-                    if first.finished:
-                        return
+                    pending.append(first)
             while True:
-                output = await outputs.get()
-                yield self._response(output, rid)
+                output = pending.pop() if pending else await outputs.get()
+                token_times += [time.monotonic()] * len(output.new_token_ids)
+                yield output
                 if output.finished:
+                    outcome = output.finish_reason.value
                     return
+        except ServiceError as e:
+            outcome = e.code.name.lower()
+            raise
         finally:  # finished, cancelled, deadline, failed: free whatever the request still holds
             self.loop.close_stream(rid)
             self.loop.submit(lambda e: e.discard(engine_request))
             self.blocks_freed.set()
+            self.counters.count_outcome(outcome)
+            log.info(
+                "request ended",
+                extra={
+                    "request_id": rid,
+                    "outcome": outcome,
+                    "prompt_tokens": len(engine_request.prompt_ids),
+                    "output_tokens": len(token_times),
+                },
+            )
+            if self.metrics is not None and outcome in ("stop", "length"):
+                self.metrics.observe_request(token_times, start)
 
     def _prefill_locally(self, request: Request) -> bool:
         return self.pool is None or len(request.prompt_ids) < self.config.local_prefill_below
 
-    async def _remote_prefill(self, request: Request, context) -> RequestOutput | None:
+    async def _remote_prefill(self, request: Request, time_remaining: float | None) -> RequestOutput | None:
         """Reserves blocks, streams the KV in from a replica and registers the request.
 
         Returns the first token's output, or None when no replica could prefill it and the request should
         be prefilled locally.
         """
-        await self._admit(request, context)
+        await self._admit(request)
         tried: set[str] = set()
         for _ in range(self.config.max_attempts):
             replica = self.pool.pick(exclude=tried)
@@ -149,18 +196,20 @@ class GenerationService(pb_grpc.GenerationServicer):
                 break
             tried.add(replica.name)
             try:
-                first = await self._transfer(replica, request, context.time_remaining())
+                first = await self._transfer(replica, request, time_remaining)
             except PrefillError as e:
                 replica.mark_failed()
                 self.counters.num_transfer_failures_total += 1
-                log.warning("request %s: prefill on %s failed: %s", request.request_id, replica.name, e)
+                log.warning(
+                    "prefill failed: %s", e, extra={"request_id": request.request_id, "replica": replica.name}
+                )
                 continue
             return await self.loop.call(_registrar(request, first))
         self.loop.submit(lambda e: e.abandon_transfer(request))
         self.blocks_freed.set()
         if self.config.fallback_local:
             return None
-        await context.abort(
+        raise ServiceError(
             grpc.StatusCode.UNAVAILABLE, f"no prefill replica could serve the request (tried {sorted(tried)})"
         )
 
@@ -192,14 +241,15 @@ class GenerationService(pb_grpc.GenerationServicer):
         finally:
             replica.outstanding -= 1
 
-    async def _admit(self, request: Request, context) -> None:
+    async def _admit(self, request: Request) -> None:
         """Waits for blocks (check + do on the engine thread); RESOURCE_EXHAUSTED past the queue bound."""
         if await self.loop.call(lambda e: e.reserve_for_transfer(request)):
             return
         if self.counters.num_waiting >= self.config.max_queue:
-            context.set_trailing_metadata((("retry-after-ms", "500"),))
-            await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED, f"admission queue full ({self.config.max_queue})"
+            raise ServiceError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"admission queue full ({self.config.max_queue})",
+                retry_after_ms=500,
             )
         self.counters.num_waiting += 1
         try:
@@ -276,6 +326,8 @@ async def serve(
     on_ready: Callable[[str], None] | None = None,
     security: ServerSecurity | None = None,
     prefill_security: ChannelSecurity = PLAINTEXT,
+    metrics_port: int | None = None,
+    http_port: int | None = None,
 ) -> None:
     """Serves Generate until `stop` is set; then refuses new requests and lets running ones finish.
 
@@ -301,7 +353,16 @@ async def serve(
     else:
         mode = "local"
     counters = Counters()
-    service = GenerationService(loop, pool, config, mode, counters)
+    metrics = Metrics("decode", loop, counters)
+    service = GenerationService(loop, pool, config, mode, counters, metrics)
+    if metrics_port is not None:
+        print(f"metrics on {host}:{metrics.serve(metrics_port, host)}", flush=True)
+    http = None
+    if http_port is not None:
+        from services.decode.openai_api import OpenAIFrontend
+
+        http = OpenAIFrontend(service)
+        print(f"http on {host}:{await http.start(host, http_port)}", flush=True)
     server, health_servicer = make_server([SERVICE_NAME, ADMIN_SERVICE], security)
     add_to_server(server, service)
     admin_pb2_grpc.add_AdminServicer_to_server(AdminService("decode", loop, counters), server)
@@ -318,6 +379,8 @@ async def serve(
     service.draining = True
     await set_serving(health_servicer, [SERVICE_NAME], False)
     await server.stop(grace_s)
+    if http is not None:
+        await http.stop()
     if pool is not None:
         await pool.close()
     loop.stop()

@@ -37,6 +37,7 @@ from services.admin import AdminService, Counters
 from services.engine_loop import EngineLoop
 from services.grpc_server import add_port, make_server, set_serving
 from services.kv import engine_layout
+from services.metrics import Metrics
 from services.prefill.runner import prefill_on_engine
 from services.security import ServerSecurity
 
@@ -56,6 +57,7 @@ class PrefillService(pb_grpc.PrefillServicer):
         self.max_queue = max_queue
         self.lease_s = lease_s
         self.num_active = 0
+        self.metrics: Metrics | None = None
         self.draining = False
 
     async def Handshake(self, request: pb.HandshakeRequest, context) -> pb.HandshakeResponse:
@@ -84,13 +86,19 @@ class PrefillService(pb_grpc.PrefillServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"prefill queue full ({self.max_queue})")
         self.num_active += 1
         self.counters.num_requests_total += 1
+        self.counters.num_waiting += 1  # in flight: the prefill queue depth
+        outcome = "cancelled"
         try:
             async for message in self._prefill(request, context):
                 await asyncio.wait_for(context.write(message), self.lease_s)
+            outcome = "ok"
         except TimeoutError:
+            outcome = "lease_expired"
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"frame not taken within {self.lease_s} s")
         finally:
             self.num_active -= 1
+            self.counters.num_waiting -= 1
+            self.counters.count_outcome(outcome)
 
     async def _prefill(self, request: pb.PrefillRequest, context):
         start = time.perf_counter()
@@ -104,6 +112,8 @@ class PrefillService(pb_grpc.PrefillServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         engine_request.seed = request.seed
         result = await prefill_on_engine(self.loop, engine_request, self.layout)
+        if self.metrics is not None:
+            self.metrics.prefill.observe(time.perf_counter() - start)
         output, chunks, num_tokens = result.first, result.chunks, result.num_tokens
         header = pb.PrefillHeader(
             request_id=rid,
@@ -124,6 +134,7 @@ class PrefillService(pb_grpc.PrefillServicer):
             num_frames += 1
             num_bytes += len(message)
             yield message
+        log.info("prefilled", extra={"request_id": rid, "prompt_tokens": num_tokens, "frames": num_frames})
         yield pb.PrefillMessage(
             trailer=pb.PrefillTrailer(
                 num_frames=num_frames, num_bytes=num_bytes, prefill_seconds=time.perf_counter() - start
@@ -162,6 +173,7 @@ async def serve(
     host: str = "127.0.0.1",
     grace_s: float = 30.0,
     on_ready: Callable[[str], None] | None = None,
+    metrics_port: int | None = None,
     security: ServerSecurity | None = None,
 ):
     """Serves until `stop` is set, then drains: refuses new prefills, finishes running ones.
@@ -171,6 +183,9 @@ async def serve(
     loop.start()
     counters = Counters()
     service = PrefillService(loop, counters)
+    service.metrics = Metrics("prefill", loop, counters)
+    if metrics_port is not None:
+        print(f"metrics on {host}:{service.metrics.serve(metrics_port, host)}", flush=True)
     server, health_servicer = make_server([SERVICE_NAME, ADMIN_SERVICE], security)
     add_to_server(server, service)
     admin_pb2_grpc.add_AdminServicer_to_server(AdminService("prefill", loop, counters), server)

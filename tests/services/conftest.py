@@ -14,6 +14,6 @@ def log_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def prefill(gguf_path, log_dir):
-    daemon = prefill_server(gguf_path, log_dir)
+    daemon = prefill_server(gguf_path, log_dir, extra=["--metrics-port", "0"])
     yield daemon
     assert daemon.terminate() == 0

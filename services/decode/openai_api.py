@@ -1,0 +1,241 @@
+"""An OpenAI-compatible HTTP API on decode-server (`--http-port`): /v1/models, /v1/completions and
+/v1/chat/completions, streamed as server-sent events or not. It runs on the same event loop as the gRPC
+server and goes through the same core (GenerationService.make_request / stream), so validation,
+admission, disaggregated prefill and cleanup are identical.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+import grpc
+from aiohttp import web
+
+from engine.sampling_params import InvalidRequestError, SamplingParams
+from services.decode.server import GenerationService, ServiceError
+
+_HTTP_STATUS = {grpc.StatusCode.RESOURCE_EXHAUSTED: 429, grpc.StatusCode.UNAVAILABLE: 503}
+
+
+def _error(status: int, message: str, kind: str, param: str | None = None) -> web.Response:
+    body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
+    return web.json_response(body, status=status)
+
+
+def _params(body: dict, default_max_tokens: int) -> SamplingParams:
+    """OpenAI fields -> SamplingParams; type errors become InvalidRequestError naming the field."""
+
+    def get(name, kind, default):
+        value = body.get(name, default)
+        if value is None:
+            return default
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
+            raise InvalidRequestError(name, f"must be a {kind.__name__}")
+        return value
+
+    stop = body.get("stop") or ()
+    stop = (stop,) if isinstance(stop, str) else tuple(stop)
+    if not all(isinstance(s, str) for s in stop):
+        raise InvalidRequestError("stop", "must be a string or a list of strings")
+    if get("n", int, 1) != 1:
+        raise InvalidRequestError("n", "only n=1 is supported")
+    logprobs = body.get("logprobs")
+    if body.get("top_logprobs") is not None:  # chat: logprobs is a bool, top_logprobs the count
+        logprobs = get("top_logprobs", int, 0) if logprobs else None
+    elif isinstance(logprobs, bool):
+        logprobs = 0 if logprobs else None
+    elif logprobs is not None and not isinstance(logprobs, int):
+        raise InvalidRequestError("logprobs", "must be an integer")
+    return SamplingParams(
+        temperature=get("temperature", float, 1.0),
+        top_p=get("top_p", float, 1.0),
+        top_k=get("top_k", int, 0),
+        min_p=get("min_p", float, 0.0),
+        presence_penalty=get("presence_penalty", float, 0.0),
+        frequency_penalty=get("frequency_penalty", float, 0.0),
+        repetition_penalty=get("repetition_penalty", float, 1.0),
+        seed=body.get("seed"),
+        max_tokens=get("max_tokens", int, 0) or get("max_completion_tokens", int, 0) or default_max_tokens,
+        stop=stop,
+        logprobs=logprobs,
+    )
+
+
+class OpenAIFrontend:
+    def __init__(self, service: GenerationService):
+        self.service = service
+        self.model = service.engine.model.config.name
+        self.app = web.Application(client_max_size=8 << 20)
+        self.app.add_routes(
+            [
+                web.get("/v1/models", self.models),
+                web.post("/v1/completions", self.completions),
+                web.post("/v1/chat/completions", self.chat_completions),
+            ]
+        )
+        self._runner: web.AppRunner | None = None
+
+    async def start(self, host: str, port: int) -> int:
+        self._runner = web.AppRunner(self.app)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port)
+        await site.start()
+        return site._server.sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [{"id": self.model, "object": "model", "created": 0, "owned_by": "pdserve"}],
+            }
+        )
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, chat=True)
+
+    async def _handle(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        try:
+            body = await request.json()
+            if not isinstance(body, dict):
+                raise ValueError("the body must be a JSON object")
+        except ValueError as e:
+            return _error(400, f"invalid JSON: {e}", "invalid_request_error")
+        tokenizer = self.service.engine.tokenizer
+        try:
+            if chat:
+                messages = body.get("messages")
+                if (
+                    not isinstance(messages, list)
+                    or not messages
+                    or not all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages)
+                ):
+                    raise InvalidRequestError("messages", "must be a non-empty list of {role, content}")
+                prompt = tokenizer.encode_chat(
+                    [{"role": m.get("role", "user"), "content": m["content"]} for m in messages]
+                )
+            else:
+                prompt = body.get("prompt")
+                if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+                    prompt = prompt[0]
+                if not isinstance(prompt, str) and not (
+                    isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)
+                ):
+                    raise InvalidRequestError("prompt", "must be a string or a list of token ids")
+            params = _params(body, default_max_tokens=16 if not chat else 256)
+            engine_request = self.service.make_request(prompt, params, lora=body.get("lora_adapter") or "")
+        except InvalidRequestError as e:
+            return _error(400, str(e), "invalid_request_error", e.field)
+        except ServiceError as e:
+            return _error(_HTTP_STATUS.get(e.code, 500), e.message, "server_error")
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        outputs = self.service.stream(engine_request)
+        if body.get("stream"):
+            return await self._stream(request, outputs, rid, chat, body)
+        return await self._complete(outputs, rid, chat)
+
+    async def _complete(self, outputs, rid: str, chat: bool) -> web.Response:
+        text, finish, usage, logprobs = [], None, (0, 0), []
+        try:
+            async for output in outputs:
+                text.append(output.text)
+                logprobs += output.logprobs
+                if output.finished:
+                    finish, usage = (
+                        output.finish_reason.value,
+                        (output.num_prompt_tokens, output.num_output_tokens),
+                    )
+        except ServiceError as e:
+            return _error(_HTTP_STATUS.get(e.code, 500), e.message, "server_error")
+        choice = {"index": 0, "finish_reason": finish, "logprobs": self._logprobs(logprobs, chat)}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": "".join(text)}
+        else:
+            choice["text"] = "".join(text)
+        return web.json_response(
+            {
+                "id": rid,
+                "object": "chat.completion" if chat else "text_completion",
+                "created": int(time.time()),
+                "model": self.model,
+                "choices": [choice],
+                "usage": {
+                    "prompt_tokens": usage[0],
+                    "completion_tokens": usage[1],
+                    "total_tokens": sum(usage),
+                },
+            }
+        )
+
+    async def _stream(self, request, outputs, rid: str, chat: bool, body: dict) -> web.StreamResponse:
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        await response.prepare(request)
+        created, kind = int(time.time()), "chat.completion.chunk" if chat else "text_completion"
+
+        async def send(choice: dict, usage=None):
+            chunk = {"id": rid, "object": kind, "created": created, "model": self.model, "choices": [choice]}
+            if usage is not None:
+                chunk["usage"] = usage
+            await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+
+        if chat:
+            await send({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None})
+        try:
+            async for output in outputs:
+                choice = {
+                    "index": 0,
+                    "finish_reason": output.finish_reason.value if output.finished else None,
+                }
+                choice["logprobs"] = self._logprobs(output.logprobs, chat)
+                if chat:
+                    choice["delta"] = {"content": output.text} if output.text else {}
+                else:
+                    choice["text"] = output.text
+                usage = None
+                if output.finished and (body.get("stream_options") or {}).get("include_usage"):
+                    usage = {
+                        "prompt_tokens": output.num_prompt_tokens,
+                        "completion_tokens": output.num_output_tokens,
+                        "total_tokens": output.num_prompt_tokens + output.num_output_tokens,
+                    }
+                await send(choice, usage)
+        except ServiceError as e:
+            await response.write(
+                f"data: {json.dumps({'error': {'message': e.message, 'type': 'server_error'}})}\n\n".encode()
+            )
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    def _logprobs(self, logprobs, chat: bool):
+        if not logprobs:
+            return None
+        decode = self.service.engine.tokenizer.decode
+        if chat:
+            return {
+                "content": [
+                    {
+                        "token": decode([lp.token_id]),
+                        "logprob": lp.logprob,
+                        "top_logprobs": [{"token": decode([t]), "logprob": v} for t, v in lp.top],
+                    }
+                    for lp in logprobs
+                ]
+            }
+        return {
+            "tokens": [decode([lp.token_id]) for lp in logprobs],
+            "token_logprobs": [lp.logprob for lp in logprobs],
+            "top_logprobs": [{decode([t]): v for t, v in lp.top} for lp in logprobs],
+        }

@@ -1,0 +1,104 @@
+"""Prometheus metrics of a daemon, served on their own HTTP port (`--metrics-port`).
+
+Latency histograms are observed by the request handlers; everything else (blocks, queues, counters that
+the Admin service also reports) is read from the engine and the daemon's Counters when scraped, so there
+is one source for each number.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from services.admin import Counters
+from services.engine_loop import EngineLoop
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2, 5, 10, 30, 60, 120)
+
+
+class _StateCollector:
+    """Gauges and counters read at scrape time (engine state is read without locks: plain int reads)."""
+
+    def __init__(self, role: str, loop: EngineLoop, counters: Counters):
+        self.role, self.loop, self.counters = role, loop, counters
+
+    def collect(self):
+        engine, c, role = self.loop.engine, self.counters, self.role
+        s = engine.scheduler
+
+        def gauge(name, doc, value):
+            family = GaugeMetricFamily(name, doc, labels=["role"])
+            family.add_metric([role], value)
+            return family
+
+        def counter(name, doc, value):
+            family = CounterMetricFamily(name, doc, labels=["role"])
+            family.add_metric([role], value)
+            return family
+
+        yield gauge("pdserve_kv_blocks_used", "KV cache blocks in use", engine.allocator.num_used)
+        yield gauge("pdserve_kv_blocks_free", "KV cache blocks free", engine.allocator.num_free)
+        yield gauge(
+            "pdserve_running_requests",
+            "requests decoding or being prefilled",
+            len(s.running) + len(s.prefilling),
+        )
+        yield gauge(
+            f"pdserve_{role}_queue_depth",
+            "requests waiting for blocks or a prefill slot",
+            len(s.waiting) + c.num_waiting,
+        )
+        yield gauge("pdserve_incoming_transfers", "requests whose KV is being received", s.num_incoming)
+        yield counter(
+            "pdserve_kv_transfer_bytes", "KV bytes received from prefill servers", c.kv_transfer_bytes_total
+        )
+        yield counter(
+            "pdserve_kv_transfer_seconds", "seconds spent receiving KV", c.kv_transfer_seconds_total
+        )
+        yield counter("pdserve_kv_transfers", "KV transfers completed", c.num_transfers_total)
+        yield counter(
+            "pdserve_kv_transfer_failures",
+            "prefill attempts that failed and were retried",
+            c.num_transfer_failures_total,
+        )
+        yield counter(
+            "pdserve_prefill_local_fallbacks",
+            "requests prefilled locally after every replica failed",
+            c.num_local_fallbacks_total,
+        )
+        outcomes = CounterMetricFamily(
+            "pdserve_requests", "finished requests by outcome", labels=["role", "outcome"]
+        )
+        for outcome, count in sorted(c.outcomes.items()):
+            outcomes.add_metric([role, outcome], count)
+        yield outcomes
+
+
+class Metrics:
+    """The registry of one daemon; `observe_*` are called from request handlers."""
+
+    def __init__(self, role: str, loop: EngineLoop, counters: Counters):
+        self.registry = CollectorRegistry()
+        self.registry.register(_StateCollector(role, loop, counters))
+        hist = lambda name, doc: Histogram(name, doc, buckets=_LATENCY_BUCKETS, registry=self.registry)  # noqa: E731
+        self.ttft = hist("pdserve_time_to_first_token_seconds", "request arrival to its first token")
+        self.tpot = hist("pdserve_time_per_output_token_seconds", "mean gap between a request's tokens")
+        self.itl = hist("pdserve_inter_token_latency_seconds", "every gap between consecutive tokens")
+        self.e2e = hist("pdserve_request_duration_seconds", "request arrival to its last token")
+        self.prefill = hist("pdserve_prefill_duration_seconds", "prefill server: arrival to KV gathered")
+
+    def observe_request(self, token_times: list[float], start: float) -> None:
+        """`token_times`: monotonic arrival time of each token of a finished request."""
+        if not token_times:
+            return
+        self.ttft.observe(token_times[0] - start)
+        self.e2e.observe(token_times[-1] - start)
+        for a, b in zip(token_times, token_times[1:], strict=False):
+            self.itl.observe(b - a)
+        if len(token_times) > 1:
+            self.tpot.observe((token_times[-1] - token_times[0]) / (len(token_times) - 1))
+
+    def serve(self, port: int, host: str = "127.0.0.1") -> int:
+        """Starts the /metrics HTTP endpoint on a thread; returns the bound port."""
+        server, _ = start_http_server(port, addr=host, registry=self.registry)
+        return server.server_port

@@ -1,0 +1,154 @@
+"""Operating the daemons: Prometheus metrics that move under load, the OpenAI-compatible HTTP API driven
+by the official `openai` client, and JSON logs carrying request ids from the client to the prefill side."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import threading
+import time
+import urllib.request
+
+import pytest
+
+from engine.sampling_params import SamplingParams
+from services.client import Client
+from services.launch import decode_server
+
+openai = pytest.importorskip("openai")
+
+
+@pytest.fixture(scope="module")
+def decode(gguf_path, prefill, log_dir):
+    daemon = decode_server(
+        gguf_path,
+        prefill.address,
+        log_dir,
+        name="decode-ops",
+        extra=["--metrics-port", "0", "--http-port", "0", "--log-format", "json"],
+    )
+    yield daemon
+    assert daemon.terminate() == 0
+
+
+def scrape(address: str) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    return values
+
+
+def test_metrics_move_under_load(decode, prefill):
+    client = Client(decode.address)
+    address = decode.addresses["metrics"]
+    seen_used, stop = [], threading.Event()
+
+    def watch():
+        while not stop.is_set():
+            seen_used.append(scrape(address)['pdserve_kv_blocks_used{role="decode"}'])
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        list(
+            pool.map(
+                lambda i: client.generate(f"Tell me about number {i}. " * 8, max_tokens=24, ignore_eos=True),
+                range(6),
+            )
+        )
+    stop.set()
+    watcher.join()
+    assert max(seen_used) > 0  # the gauge rose under load
+    deadline = time.monotonic() + 10
+    while scrape(address)['pdserve_kv_blocks_used{role="decode"}'] != 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert scrape(address)['pdserve_kv_blocks_used{role="decode"}'] == 0  # and fell back
+    m = scrape(address)
+    assert m['pdserve_requests_total{outcome="length",role="decode"}'] >= 6
+    assert (
+        m['pdserve_kv_transfer_bytes_total{role="decode"}'] > 0
+        and m['pdserve_kv_transfers_total{role="decode"}'] >= 6
+    )
+    assert (
+        m["pdserve_time_to_first_token_seconds_count"] >= 6
+        and m["pdserve_inter_token_latency_seconds_count"] >= 6 * 23
+    )
+    assert (
+        m["pdserve_time_per_output_token_seconds_count"] >= 6
+        and m["pdserve_request_duration_seconds_sum"] > 0
+    )
+    assert m['pdserve_kv_blocks_free{role="decode"}'] > 0 and 'pdserve_decode_queue_depth{role="decode"}' in m
+    p = scrape(prefill.addresses["metrics"]) if "metrics" in prefill.addresses else None
+    if p is not None:
+        assert p["pdserve_prefill_duration_seconds_count"] >= 6
+
+
+def test_openai_client_completions_and_chat(decode, make_engine, loaded_model):
+    client = openai.OpenAI(base_url=f"http://{decode.addresses['http']}/v1", api_key="unused")
+    models = client.models.list()
+    assert [m.id for m in models.data] == [loaded_model.config.name]
+    model = models.data[0].id
+
+    chat = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        temperature=0,
+        max_tokens=32,
+    )
+    assert chat.choices[0].message.content == "The capital of France is Paris."
+    assert chat.choices[0].finish_reason == "stop" and chat.usage.completion_tokens == 8
+
+    completion = client.completions.create(
+        model=model, prompt="Once upon a time", max_tokens=12, temperature=0
+    )
+    ids = loaded_model.tokenizer.encode("Once upon a time")
+    expected = make_engine().generate([ids], SamplingParams(temperature=0, max_tokens=12))[0]
+    assert completion.choices[0].text == expected.text and completion.usage.prompt_tokens == len(ids)
+
+    streamed = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        temperature=0,
+        max_tokens=32,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(streamed)
+    assert (
+        "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        == "The capital of France is Paris."
+    )
+    assert chunks[-1].usage.completion_tokens == 8
+
+    text_stream = client.completions.create(
+        model=model, prompt="Once upon a time", max_tokens=12, temperature=0, stream=True
+    )
+    parts = list(text_stream)
+    assert (
+        "".join(p.choices[0].text for p in parts) == expected.text
+        and parts[-1].choices[0].finish_reason == "length"
+    )
+
+    with_logprobs = client.completions.create(
+        model=model, prompt="Hello", max_tokens=3, temperature=0, logprobs=2
+    )
+    assert len(with_logprobs.choices[0].logprobs.token_logprobs) == 3
+
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=model, prompt="Hello", max_tokens=3, top_p=2.0)
+    assert "top_p" in str(err.value)
+
+
+def test_json_logs_carry_request_ids_to_the_prefill_side(decode, prefill):
+    Client(decode.address).generate("Hello there, tracing!", max_tokens=2, request_id="trace-4242")
+    time.sleep(0.5)
+    decode_lines = [
+        json.loads(line) for line in decode.log_path.read_text().splitlines() if line.startswith("{")
+    ]
+    assert any(e.get("request_id") == "trace-4242" and e["message"] == "request ended" for e in decode_lines)
+    assert "trace-4242" in prefill.log_path.read_text()  # the prefill server logged the same id
+    assert "Hello there, tracing!" not in decode.log_path.read_text() + prefill.log_path.read_text()
