@@ -13,6 +13,7 @@ import dataclasses
 import hmac
 import inspect
 import logging
+import ssl
 from pathlib import Path
 
 import grpc
@@ -112,6 +113,17 @@ class ServerSecurity:
             require_client_auth=self.require_client_cert,
         )
 
+    def ssl_context(self) -> ssl.SSLContext | None:
+        """The same TLS / mutual TLS for an HTTP port (the OpenAI API), or None for plaintext."""
+        if self.cert is None:
+            return None
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(self.cert, self.key)
+        if self.client_ca:
+            context.load_verify_locations(self.client_ca)
+            context.verify_mode = ssl.CERT_REQUIRED
+        return context
+
     def interceptors(self) -> list[grpc.aio.ServerInterceptor]:
         """The interceptor that enforces tokens and peer names (none when neither is configured)."""
         if self.tokens and self.cert is None:
@@ -120,7 +132,7 @@ class ServerSecurity:
 
     async def check(self, context: grpc.aio.ServicerContext) -> None:
         """Aborts the call (UNAUTHENTICATED, PERMISSION_DENIED) unless it passes this policy."""
-        if self.tokens and not _token_ok(context.invocation_metadata(), self.tokens):
+        if self.tokens and not token_ok(context.invocation_metadata(), self.tokens):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token")
         if self.allowed_peers and not peer_names(context) & set(self.allowed_peers):
             await context.abort(
@@ -136,7 +148,8 @@ def peer_names(context: grpc.aio.ServicerContext) -> set[str]:
     return {v.decode() if isinstance(v, bytes) else v for v in values}
 
 
-def _token_ok(metadata, tokens: tuple[str, ...]) -> bool:
+def token_ok(metadata, tokens: tuple[str, ...]) -> bool:
+    """Whether (key, value) pairs carry `authorization: Bearer <one of tokens>` (constant-time compare)."""
     header = next((value for key, value in metadata or () if key == "authorization"), "")
     scheme, _, presented = header.partition(" ")
     if scheme.lower() != "bearer" or not presented:

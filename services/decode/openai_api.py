@@ -15,6 +15,7 @@ from aiohttp import web
 
 from engine.sampling_params import InvalidRequestError, SamplingParams
 from services.decode.server import GenerationService, ServiceError
+from services.security import ServerSecurity, token_ok
 
 _HTTP_STATUS = {grpc.StatusCode.RESOURCE_EXHAUSTED: 429, grpc.StatusCode.UNAVAILABLE: 503}
 
@@ -66,10 +67,14 @@ def _params(body: dict, default_max_tokens: int) -> SamplingParams:
 
 
 class OpenAIFrontend:
-    def __init__(self, service: GenerationService):
+    """`security`: the public port's settings; its bearer tokens and TLS apply here too."""
+
+    def __init__(self, service: GenerationService, security: ServerSecurity | None = None):
         self.service = service
+        self.security = security
         self.model = service.engine.model.config.name
-        self.app = web.Application(client_max_size=8 << 20)
+        middlewares = [self._authorize] if security is not None and security.tokens else []
+        self.app = web.Application(client_max_size=8 << 20, middlewares=middlewares)
         self.app.add_routes(
             [
                 web.get("/v1/models", self.models),
@@ -82,13 +87,20 @@ class OpenAIFrontend:
     async def start(self, host: str, port: int) -> int:
         self._runner = web.AppRunner(self.app)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port)
+        ssl_context = self.security.ssl_context() if self.security is not None else None
+        site = web.TCPSite(self._runner, host, port, ssl_context=ssl_context)
         await site.start()
         return site._server.sockets[0].getsockname()[1]
 
     async def stop(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
+
+    @web.middleware
+    async def _authorize(self, request: web.Request, handler):
+        if not token_ok([("authorization", request.headers.get("Authorization", ""))], self.security.tokens):
+            return _error(401, "missing or invalid bearer token", "authentication_error")
+        return await handler(request)
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response(

@@ -361,7 +361,7 @@ async def serve(
     if http_port is not None:
         from services.decode.openai_api import OpenAIFrontend
 
-        http = OpenAIFrontend(service)
+        http = OpenAIFrontend(service, security)
         print(f"http on {host}:{await http.start(host, http_port)}", flush=True)
     server, health_servicer = make_server([SERVICE_NAME, ADMIN_SERVICE], security)
     add_to_server(server, service)
