@@ -81,3 +81,32 @@ def run_until_signal(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
         await main(stop)
 
     uvloop.run(runner())
+
+
+class RunningServer:
+    """A started daemon port: gRPC services + Admin + health + reflection, SERVING until `stop()`."""
+
+    def __init__(self, server: grpc.aio.Server, health_servicer, service_names: list[str], port: int):
+        self.server, self.health, self.service_names, self.port = server, health_servicer, service_names, port
+
+    @classmethod
+    async def start(
+        cls,
+        service_names: list[str],
+        register: Callable[[grpc.aio.Server], None],
+        host: str,
+        port: int,
+        security: ServerSecurity | None = None,
+    ) -> RunningServer:
+        """`register(server)` adds the services; then the port is bound, started and marked SERVING."""
+        server, health_servicer = make_server(service_names, security)
+        register(server)
+        bound = add_port(server, host, port, security)
+        await server.start()
+        await set_serving(health_servicer, service_names, True)
+        return cls(server, health_servicer, service_names, bound)
+
+    async def stop(self, grace_s: float) -> None:
+        """Drain: NOT_SERVING for probes, then running calls get `grace_s` to finish."""
+        await set_serving(self.health, self.service_names, False)
+        await self.server.stop(grace_s)

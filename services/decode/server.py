@@ -44,7 +44,7 @@ from services.admin import SERVICE_NAME as ADMIN_SERVICE
 from services.admin import AdminService, Counters
 from services.decode.prefill_pool import FirstToken, Prefiller, PrefillError, PrefillPool
 from services.engine_loop import EngineLoop
-from services.grpc_server import add_port, make_server, set_serving
+from services.grpc_server import RunningServer
 from services.kv import engine_layout
 from services.metrics import Metrics
 from services.security import PLAINTEXT, ChannelSecurity, ServerSecurity
@@ -363,12 +363,14 @@ async def serve(
 
         http = OpenAIFrontend(service, security)
         print(f"http on {host}:{await http.start(host, http_port)}", flush=True)
-    server, health_servicer = make_server([SERVICE_NAME, ADMIN_SERVICE], security)
-    add_to_server(server, service)
-    admin_pb2_grpc.add_AdminServicer_to_server(AdminService("decode", loop, counters), server)
-    bound = add_port(server, host, port, security)
-    await server.start()
-    await set_serving(health_servicer, [SERVICE_NAME], True)
+    admin = AdminService("decode", loop, counters)
+
+    def register(server: grpc.aio.Server) -> None:
+        add_to_server(server, service)
+        admin_pb2_grpc.add_AdminServicer_to_server(admin, server)
+
+    running = await RunningServer.start([SERVICE_NAME, ADMIN_SERVICE], register, host, port, security)
+    bound = running.port
     print(f"decode-server ready on {host}:{bound} (prefill: {mode})", flush=True)
     if on_ready is not None:
         on_ready(f"{host}:{bound}")
@@ -377,8 +379,7 @@ async def serve(
     if refresher is not None:
         refresher.cancel()
     service.draining = True
-    await set_serving(health_servicer, [SERVICE_NAME], False)
-    await server.stop(grace_s)
+    await running.stop(grace_s)
     if http is not None:
         await http.stop()
     if pool is not None:

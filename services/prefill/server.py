@@ -35,7 +35,7 @@ from services import wire
 from services.admin import SERVICE_NAME as ADMIN_SERVICE
 from services.admin import AdminService, Counters
 from services.engine_loop import EngineLoop
-from services.grpc_server import add_port, make_server, set_serving
+from services.grpc_server import RunningServer
 from services.kv import engine_layout
 from services.metrics import Metrics
 from services.prefill.runner import prefill_on_engine
@@ -186,18 +186,19 @@ async def serve(
     service.metrics = Metrics("prefill", loop, counters)
     if metrics_port is not None:
         print(f"metrics on {host}:{service.metrics.serve(metrics_port, host)}", flush=True)
-    server, health_servicer = make_server([SERVICE_NAME, ADMIN_SERVICE], security)
-    add_to_server(server, service)
-    admin_pb2_grpc.add_AdminServicer_to_server(AdminService("prefill", loop, counters), server)
-    bound = add_port(server, host, port, security)
-    await server.start()
-    await set_serving(health_servicer, [SERVICE_NAME], True)
+    admin = AdminService("prefill", loop, counters)
+
+    def register(server: grpc.aio.Server) -> None:
+        add_to_server(server, service)
+        admin_pb2_grpc.add_AdminServicer_to_server(admin, server)
+
+    running = await RunningServer.start([SERVICE_NAME, ADMIN_SERVICE], register, host, port, security)
+    bound = running.port
     log.info("prefill-server listening on %s:%d", host, bound)
     print(f"prefill-server ready on {host}:{bound}", flush=True)
     if on_ready is not None:
         on_ready(f"{host}:{bound}")
     await stop.wait()
     service.draining = True
-    await set_serving(health_servicer, [SERVICE_NAME], False)
-    await server.stop(grace_s)
+    await running.stop(grace_s)
     loop.stop()
