@@ -1,4 +1,4 @@
-"""The `pdserve` command line: `generate` (colocated engine) and `models fetch`."""
+"""The `pdserve` command line: `generate`, `serve`, `bench` (load generator) and `models`."""
 
 from __future__ import annotations
 
@@ -211,6 +211,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--prefill-devices", default="0", help="device indices of the prefill role")
     serve.add_argument("--decode-devices", default="1", help="device indices of the decode role")
     serve.set_defaults(func=cmd_serve)
+
+    bench = sub.add_parser("bench", help="load generator against a decode-server's Generation API")
+    from pdserve.loadgen import add_bench_args, cmd_bench
+
+    add_bench_args(bench)
+    bench.set_defaults(func=cmd_bench)
 
     models = sub.add_parser("models", help="list or fetch known models")
     models.add_argument("action", choices=["fetch", "list"])
