@@ -2,7 +2,7 @@
 # Quick start, command 2: set up with the dev and reference extras, lint, check generated code, run all tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh dev,reference
+bash scripts/setup.sh dev,reference,plots
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 bash scripts/gen_protos.sh --check
