@@ -119,23 +119,29 @@ def interference_run(client: Client, duration_s: float, rate: float, long_len: i
     }
 
 
+def warmed(address: str, long_len: int) -> Client:
+    """A client of a daemon that has compiled the shapes of the interference run."""
+    client = Client(address)
+    client.generate(prompt(long_len, 0), max_tokens=2)
+    client.generate(prompt(24, 0), max_tokens=4)
+    return client
+
+
 def interference_study(gguf: Path, logs: Path, duration_s: float, rate: float, long_len: int) -> dict:
     out = {}
     coloc = decode_server(gguf, "local", logs, name="coloc-2cores", engine_args=ENGINE_ARGS, cpus="0,1")
     try:
-        client = Client(coloc.address)
-        client.generate(prompt(long_len, 0), max_tokens=2)
-        client.generate(prompt(24, 0), max_tokens=4)
-        out["colocated_2_cores"] = interference_run(client, duration_s, rate, long_len)
+        out["colocated_2_cores"] = interference_run(
+            warmed(coloc.address, long_len), duration_s, rate, long_len
+        )
     finally:
         coloc.terminate()
     pf = prefill_server(gguf, logs, name="prefill-core0", engine_args=ENGINE_ARGS, cpus="0")
     dc = decode_server(gguf, pf.address, logs, name="decode-core1", engine_args=ENGINE_ARGS, cpus="1")
     try:
-        client = Client(dc.address)
-        client.generate(prompt(long_len, 0), max_tokens=2)
-        client.generate(prompt(24, 0), max_tokens=4)
-        out["disaggregated_1_core_each"] = interference_run(client, duration_s, rate, long_len)
+        out["disaggregated_1_core_each"] = interference_run(
+            warmed(dc.address, long_len), duration_s, rate, long_len
+        )
     finally:
         dc.terminate()
         pf.terminate()

@@ -395,6 +395,10 @@ def plot_latency_cdfs(runs: dict[str, Sequence[RequestRecord]], path: str | Path
         ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)
     axes.flat[0].legend(fontsize=8)
+    return _save(plt, fig, path, title)
+
+
+def _save(plt, fig, path: str | Path, title: str) -> Path:
     if title:
         fig.suptitle(title)
     fig.tight_layout()
@@ -419,12 +423,7 @@ def plot_throughput(
     for ax in (top, bottom):
         ax.grid(alpha=0.3)
     top.legend(fontsize=8)
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return Path(path)
+    return _save(plt, fig, path, title)
 
 
 # --------------------------------------------------------------------------------------------------------
