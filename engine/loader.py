@@ -10,11 +10,11 @@ import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from engine.config import ModelConfig, UnsupportedModelError
+from engine.tokenizer import read_gguf_metadata
 
 log = logging.getLogger(__name__)
 
@@ -65,17 +65,6 @@ def _stack_layers(cfg: ModelConfig, fetch: Callable[[int, str], np.ndarray | Non
             per_layer.append(w.T if w.ndim == 2 else w)
         stacked[name] = np.stack(per_layer).astype(np.float32, copy=False)
     return stacked
-
-
-def read_gguf_metadata(reader) -> dict[str, Any]:
-    """GGUF key/value fields as plain Python values (arrays as lists)."""
-    meta = {}
-    for key, field in reader.fields.items():
-        try:
-            meta[key] = field.contents()
-        except Exception:  # noqa: BLE001 - exotic field types are irrelevant to loading
-            continue
-    return meta
 
 
 def load_gguf(path: str | Path, name: str | None = None) -> tuple[ModelConfig, dict[str, np.ndarray], dict]:
