@@ -28,8 +28,3 @@ def allocate_cache(model: ModelConfig, engine: EngineConfig, mesh: Mesh) -> jax.
     """A zeroed cache, created directly in its sharding (no host copy)."""
     shape, dtype = cache_shape(model, engine), jnp.dtype(engine.dtype)
     return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=cache_sharding(mesh))()
-
-
-def cache_bytes_per_block(model: ModelConfig, engine: EngineConfig) -> int:
-    shape = cache_shape(model, engine)
-    return shape[0] * shape[2] * shape[3] * shape[4] * jnp.dtype(engine.dtype).itemsize

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.config import ModelConfig, UnsupportedModelError
+from engine.config import ModelConfig
 from engine.tokenizer import read_gguf_metadata
 
 log = logging.getLogger(__name__)
@@ -152,8 +152,3 @@ def load_hf_folder(path: str | Path, name: str | None = None) -> tuple[ModelConf
             raise CheckpointError(f"{path} lacks lm_head.weight and embeddings are not tied")
         host["lm_head"] = lm_head.T
     return cfg, host
-
-
-def check_architecture(cfg: ModelConfig) -> None:
-    if cfg.architecture not in ("llama", "mistral", "qwen2"):
-        raise UnsupportedModelError(cfg.architecture)
