@@ -183,12 +183,16 @@ class EngineConfig:
     tp: int = 1
     dtype: str = "float32"
     max_logprobs: int = 20
+    max_loras: int = 0  # LoRA adapter slots in device memory (0: LoRA off)
+    max_lora_rank: int = 16  # adapters of lower rank are zero-padded to it
 
     def __post_init__(self):
         if self.max_model_len % self.block_size:
             raise ValueError("max_model_len must be a multiple of block_size")
         if self.max_prefill_tokens % self.block_size:
             raise ValueError("max_prefill_tokens must be a multiple of block_size")
+        if self.max_loras < 0 or self.max_lora_rank < 1:
+            raise ValueError("max_loras must be >= 0 and max_lora_rank >= 1")
 
     @property
     def max_blocks_per_seq(self) -> int:

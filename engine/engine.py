@@ -17,6 +17,15 @@ import numpy as np
 
 from engine.block_manager import BlockAllocator, BlockTable
 from engine.config import EngineConfig
+from engine.lora import (
+    AdapterExistsError,
+    AdapterMismatchError,
+    LoraAdapter,
+    LoraLoadError,
+    LoraSlots,
+    UnknownAdapterError,
+    load_peft_adapter,
+)
 from engine.models import LoadedModel, load_model
 from engine.output import OutputStream, RequestOutput
 from engine.request import FinishReason, Request, Status, TokenLogprobs
@@ -37,10 +46,17 @@ class LLMEngine:
         self.config = config
         self.tokenizer = model.tokenizer
         self.mesh = make_mesh(config.tp, devices)
-        weights = build_weights(model.config, model.host_weights, self.mesh, jax.numpy.dtype(config.dtype))
-        self.runner = ModelRunner(model.config, config, weights, self.mesh)
+        dtype = jax.numpy.dtype(config.dtype)
+        weights = build_weights(model.config, model.host_weights, self.mesh, dtype)
+        self.lora_slots = None
+        if config.max_loras:
+            self.lora_slots = LoraSlots(
+                model.config, config.max_loras, config.max_lora_rank, self.mesh, dtype
+            )
+        self.adapters: dict[str, LoraAdapter] = {}  # loaded adapters by name (host memory)
+        self.runner = ModelRunner(model.config, config, weights, self.mesh, self.lora_slots)
         self.allocator = BlockAllocator(config.num_blocks)
-        self.scheduler = Scheduler(config, self.allocator)
+        self.scheduler = Scheduler(config, self.allocator, self.lora_slots)
         self._streams: dict[str, OutputStream] = {}
         self._ids = itertools.count()
         self.retained: dict[str, Request] = {}  # finished requests whose blocks a transfer still reads
@@ -70,8 +86,13 @@ class LLMEngine:
         params: SamplingParams,
         request_id: str | None = None,
         lora: str | None = None,
+        lora_fingerprint: str | None = None,
     ) -> Request:
-        """Validates and tokenizes; raises InvalidRequestError naming the bad field."""
+        """Validates and tokenizes; raises InvalidRequestError naming the bad field.
+
+        `lora`: the adapter's name (None: the base model); with `lora_fingerprint` (a peer's copy of the
+        adapter) the adapter loaded here must have the same weights (AdapterMismatchError otherwise).
+        """
         vocab = self.model.config.vocab_size
         params.validate(vocab, self.config.max_logprobs)
         if isinstance(prompt, str):
@@ -92,15 +113,55 @@ class LLMEngine:
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                 f"model length {self.config.max_model_len}",
             )
-        if lora is not None:
-            raise InvalidRequestError("lora", f"unknown adapter {lora!r}")
         return Request(
             request_id=request_id or f"req-{next(self._ids)}",
             prompt_ids=prompt_ids,
             params=params,
             seed=params.seed if params.seed is not None else secrets.randbits(63),
             blocks=BlockTable(self.allocator, self.config.block_size),
+            lora=None if lora is None else self._adapter(lora, lora_fingerprint),
         )
+
+    # ---- LoRA adapters --------------------------------------------------------------------------------
+    def _adapter(self, name: str, fingerprint: str | None) -> LoraAdapter:
+        adapter = self.adapters.get(name)
+        if adapter is None:
+            loaded = ", ".join(sorted(self.adapters)) or "none"
+            raise UnknownAdapterError(
+                "lora_adapter", f"adapter {name!r} is not loaded here (loaded: {loaded})"
+            )
+        if fingerprint and fingerprint != adapter.fingerprint:
+            raise AdapterMismatchError(
+                "lora_adapter",
+                f"adapter {name!r} here has fingerprint {adapter.fingerprint}, the request's {fingerprint}",
+            )
+        return adapter
+
+    def read_lora(self, name: str, path: str) -> LoraAdapter:
+        """Reads and checks a PEFT adapter folder (slow: file I/O; safe off the engine thread)."""
+        if self.lora_slots is None:
+            raise LoraLoadError("LoRA is off: start the engine with max_loras > 0 (--max-loras)")
+        return load_peft_adapter(name, path, self.model.config, self.config.max_lora_rank)
+
+    def add_lora(self, adapter: LoraAdapter) -> LoraAdapter:
+        """Makes an adapter available to new requests; it enters a device slot when a request needs it.
+
+        Adding the same files again under the same name is a no-op; other files under a loaded name raise
+        AdapterExistsError (unload it first)."""
+        current = self.adapters.get(adapter.name)
+        if current is not None and current.fingerprint != adapter.fingerprint:
+            raise AdapterExistsError(
+                f"adapter {adapter.name!r} is loaded with other weights: unload it first"
+            )
+        self.adapters.setdefault(adapter.name, adapter)
+        return self.adapters[adapter.name]
+
+    def load_lora(self, name: str, path: str) -> LoraAdapter:
+        return self.add_lora(self.read_lora(name, path))
+
+    def remove_lora(self, name: str) -> bool:
+        """New requests can no longer use the adapter; requests already holding it finish with it."""
+        return self.adapters.pop(name, None) is not None
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, **kwargs) -> str:
         return self.add_prepared_request(self.make_request(prompt, params or SamplingParams(), **kwargs))
@@ -141,7 +202,12 @@ class LLMEngine:
     def _run(self, step: ScheduledStep) -> list[tuple[Request, int, TokenLogprobs | None]]:
         if step.prefill:
             rows = [
-                Row(c.request.all_ids[c.start : c.start + c.length], c.start, c.request.blocks.block_ids)
+                Row(
+                    c.request.all_ids[c.start : c.start + c.length],
+                    c.start,
+                    c.request.blocks.block_ids,
+                    _slot(c.request),
+                )
                 for c in step.prefill
             ]
             samplers = [c.request for c in step.prefill if c.samples]
@@ -149,7 +215,9 @@ class LLMEngine:
                 chunk.request.num_computed += chunk.length
             indices = [i for i, c in enumerate(step.prefill) if c.samples]
         else:
-            rows = [Row([r.output_ids[-1]], r.num_computed, r.blocks.block_ids) for r in step.decode]
+            rows = [
+                Row([r.output_ids[-1]], r.num_computed, r.blocks.block_ids, _slot(r)) for r in step.decode
+            ]
             samplers = list(step.decode)
             for request in step.decode:
                 request.num_computed += 1
@@ -207,6 +275,8 @@ class LLMEngine:
             return False
         if not request.blocks.can_reserve(len(request.prompt_ids) + 1):
             return False
+        if not s.pin_adapter(request):  # every adapter slot is pinned by other adapters' requests
+            return False
         request.blocks.reserve(len(request.prompt_ids) + 1)
         s.num_incoming += 1
         request.incoming = True
@@ -218,6 +288,7 @@ class LLMEngine:
             request.incoming = False
             self.scheduler.num_incoming -= 1
             request.blocks.release()
+            self.scheduler.unpin_adapter(request)
 
     def discard(self, request: Request) -> None:
         """Frees whatever `request` holds, wherever it is (queued, decoding, receiving KV, retained).
@@ -250,36 +321,46 @@ class LLMEngine:
         if output.finished:
             request.status = Status.FINISHED
             request.blocks.release()
+            self.scheduler.unpin_adapter(request)
         else:
             self._streams[request.request_id] = stream
             self.scheduler.add_running(request)
         return output
 
     # ---- the Python API -------------------------------------------------------------------------------
-    def prompt_logits(self, prompt_ids: Sequence[int]) -> np.ndarray:
+    def prompt_logits(self, prompt_ids: Sequence[int], lora: str | None = None) -> np.ndarray:
         """float32 logits [vocab] after the prompt, prefilled in the engine's chunks; holds no blocks after.
 
         Must not be called while requests are in flight (it runs steps of its own).
         """
-        blocks = BlockTable(self.allocator, self.config.block_size)
-        blocks.reserve(len(prompt_ids))
+        request = self.make_request(list(prompt_ids), SamplingParams(max_tokens=1), lora=lora)
+        request.blocks.reserve(len(prompt_ids))
         try:
+            if not self.scheduler.pin_adapter(request):
+                raise RuntimeError("every adapter slot is pinned")
             step = self.config.max_prefill_tokens
             for start in range(0, len(prompt_ids), step):
-                logits = self.runner.forward(
-                    [Row(list(prompt_ids[start : start + step]), start, blocks.block_ids)]
-                )
+                chunk = list(prompt_ids[start : start + step])
+                logits = self.runner.forward([Row(chunk, start, request.blocks.block_ids, _slot(request))])
             return np.asarray(logits)[0]
         finally:
-            blocks.release()
+            request.blocks.release()
+            self.scheduler.unpin_adapter(request)
 
     def generate(
-        self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams],
+        lora: str | Sequence[str | None] | None = None,
     ) -> list[Completion]:
-        """Runs prompts to completion together (continuous batching); results in prompt order."""
+        """Runs prompts to completion together (continuous batching); results in prompt order.
+
+        `lora`: one adapter name for all prompts, or one per prompt (None: the base model)."""
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        if lora is None or isinstance(lora, str):
+            lora = [lora] * len(prompts)
+        ids = [self.add_request(p, sp, lora=name) for p, sp, name in zip(prompts, params, lora, strict=True)]
         done: dict[str, Completion] = {
             rid: Completion(rid, self._streams[rid].request.prompt_ids, [], "", None) for rid in ids
         }
@@ -294,6 +375,10 @@ class LLMEngine:
                 if output.finished:
                     completion.finish_reason = output.finish_reason.value
         return [done[rid] for rid in ids]
+
+
+def _slot(request: Request) -> int:
+    return -1 if request.lora_slot is None else request.lora_slot
 
 
 @dataclasses.dataclass

@@ -17,6 +17,8 @@ import numpy as np
 
 from engine.attention import paged_attention
 from engine.config import ModelConfig
+from engine.lora import apply as lora_ops
+from engine.lora.slots import LoraWeights
 from engine.weights import Weights
 
 
@@ -52,6 +54,7 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
 
 def forward_step(
     weights: Weights,
+    lora: LoraWeights | None,  # resident adapters (None: LoRA off, nothing added)
     cache: jax.Array,  # [num_layers, num_blocks, block_size, 2 * kv_heads, head_dim]
     tokens: jax.Array,  # [B, T] int32
     num_past: jax.Array,  # [B] tokens of each row already in the cache
@@ -59,6 +62,7 @@ def forward_step(
     block_tables: jax.Array,  # [B, P] blocks holding each row's past (P may be 0)
     write_blocks: jax.Array,  # [B, T] block of each new token; num_blocks (out of range) for padding
     write_offsets: jax.Array,  # [B, T] slot inside that block
+    lora_slots: jax.Array,  # [B] adapter slot of each row, -1: the base model
     *,
     cfg: ModelConfig,
 ) -> tuple[jax.Array, jax.Array]:  # logits [B, vocab] at each row's last valid token, updated cache
@@ -68,23 +72,36 @@ def forward_step(
     positions = num_past[:, None] + jnp.arange(t)[None, :]
     inv_freq = rope_inverse_frequencies(cfg)
     x = weights.embed[tokens]  # [B, T, hidden]
+    mask = None if lora is None else lora_ops.slot_mask(lora_slots, lora.qkv_a.shape[1], x.dtype)
 
     def layer(x, lw):
-        w, index = lw
+        w, lo, index = lw
         h = rms_norm(x, w.attn_norm, cfg.rms_norm_eps)
         qkv = jnp.einsum("btd,dkx->btkx", h, w.w_qkv) + w.b_qkv  # [B, T, kv_heads, (group + 2) * head_dim]
+        if lo is not None:
+            qkv = qkv + lora_ops.qkv_delta(h, lo, mask)
         q = qkv[..., : -2 * head_dim].reshape(b, t, kv_heads, -1, head_dim)
         k, v = qkv[..., -2 * head_dim : -head_dim], qkv[..., -head_dim:]
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
         attn = paged_attention(q, k, v, cache, index, block_tables, num_past, num_new)
-        x = x + attn.reshape(b, t, -1) @ w.wo
+        attn = attn.reshape(b, t, -1)
+        out = attn @ w.wo
+        if lo is not None:
+            out = out + lora_ops.linear_delta(attn, lo.o_a, lo.o_b, mask)
+        x = x + out
         h = rms_norm(x, w.mlp_norm, cfg.rms_norm_eps)
         gate_up = jnp.einsum("btd,dci->btci", h, w.w_gate_up)
-        x = x + (jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]) @ w.w_down
+        if lo is not None:
+            gate_up = gate_up + lora_ops.gate_up_delta(h, lo, mask)
+        act = jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]
+        out = act @ w.w_down
+        if lo is not None:
+            out = out + lora_ops.linear_delta(act, lo.down_a, lo.down_b, mask)
+        x = x + out
         new_kv = jnp.stack([k, v], axis=3).reshape(b, t, 2 * kv_heads, head_dim)  # K, V interleaved
         return x, new_kv
 
-    x, new_kv = jax.lax.scan(layer, x, (weights.layers, jnp.arange(cfg.num_layers)))
+    x, new_kv = jax.lax.scan(layer, x, (weights.layers, lora, jnp.arange(cfg.num_layers)))
     cache = cache.at[:, write_blocks, write_offsets].set(new_kv.astype(cache.dtype), mode="drop")
     last = x[jnp.arange(b), jnp.maximum(num_new - 1, 0)]  # [B, hidden]
     last = rms_norm(last, weights.final_norm, cfg.rms_norm_eps)

@@ -7,6 +7,7 @@ import enum
 import time
 
 from engine.block_manager import BlockTable
+from engine.lora.adapter import LoraAdapter
 from engine.sampling_params import SamplingParams
 
 
@@ -43,7 +44,8 @@ class Request:
     num_computed: int = 0
     status: Status = Status.WAITING
     finish_reason: FinishReason | None = None
-    lora: str | None = None
+    lora: LoraAdapter | None = None  # None: the base model
+    lora_slot: int | None = None  # device slot pinned for `lora` from admission to the end
     retain_kv: bool = False  # prefill role: keep the blocks after finishing, until released
     incoming: bool = False  # decode role: holds blocks while its KV arrives from a prefill server
     arrival_time: float = dataclasses.field(default_factory=time.monotonic)

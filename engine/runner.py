@@ -17,6 +17,7 @@ from jax.sharding import Mesh
 
 from engine.config import EngineConfig, ModelConfig, bucket_for
 from engine.kv_cache import allocate_cache
+from engine.lora import LoraSlots, LoraWeights
 from engine.model import forward_step
 from engine.sampler import SampleResult, SamplingBatch, sample
 from engine.sampling_params import SamplingParams
@@ -37,6 +38,7 @@ class Row:
     tokens: list[int]
     num_past: int
     block_ids: list[int]
+    lora_slot: int = -1  # adapter slot (engine.lora.LoraSlots); -1: the base model
 
 
 @dataclasses.dataclass
@@ -51,11 +53,19 @@ class SampleRow:
 class ModelRunner:
     """Owns the weights, the KV cache and the compiled steps of one engine on one mesh."""
 
-    def __init__(self, model: ModelConfig, config: EngineConfig, weights: Weights, mesh: Mesh):
+    def __init__(
+        self,
+        model: ModelConfig,
+        config: EngineConfig,
+        weights: Weights,
+        mesh: Mesh,
+        lora: LoraSlots | None = None,
+    ):
         self.model = model
         self.config = config
         self.weights = weights
         self.mesh = mesh
+        self.lora = lora  # resident adapters; None: LoRA off (max_loras == 0)
         self.cache = allocate_cache(model, config, mesh)
         self._step = functools.partial(_jitted_step, cfg=model)
 
@@ -103,6 +113,7 @@ class ModelRunner:
         block_tables = np.zeros((b, p), np.int32)
         write_blocks = np.full((b, t), c.num_blocks, np.int32)  # out of range: dropped
         write_offsets = np.zeros((b, t), np.int32)
+        lora_slots = np.full(b, rows[-1].lora_slot, np.int32)  # padding rows: the last request's adapter
         for i, row in enumerate(rows):
             n = len(row.tokens)
             tokens[i, :n] = row.tokens
@@ -112,10 +123,24 @@ class ModelRunner:
             positions = np.arange(row.num_past, row.num_past + n)
             write_blocks[i, :n] = np.asarray(row.block_ids, np.int32)[positions // c.block_size]
             write_offsets[i, :n] = positions % c.block_size
+            lora_slots[i] = row.lora_slot
         logits, self.cache = self._step(
-            self.weights, self.cache, tokens, num_past, num_new, block_tables, write_blocks, write_offsets
+            self.weights,
+            self.lora_weights,
+            self.cache,
+            tokens,
+            num_past,
+            num_new,
+            block_tables,
+            write_blocks,
+            write_offsets,
+            lora_slots,
         )
         return logits
+
+    @property
+    def lora_weights(self) -> LoraWeights | None:
+        return None if self.lora is None else self.lora.weights
 
     def sample(
         self, logits: jax.Array, rows: list[SampleRow], logits_rows: list[int] | None = None
@@ -183,6 +208,7 @@ class ModelRunner:
         zeros = np.zeros
         _, self.cache = self._step(
             self.weights,
+            self.lora_weights,
             self.cache,
             zeros((b, t), np.int32),
             np.full(b, p * c.block_size, np.int32),
@@ -190,4 +216,5 @@ class ModelRunner:
             zeros((b, p), np.int32),
             np.full((b, t), c.num_blocks, np.int32),
             zeros((b, t), np.int32),
+            np.full(b, -1, np.int32),
         )

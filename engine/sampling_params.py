@@ -7,7 +7,11 @@ import math
 
 
 class InvalidRequestError(ValueError):
-    """A request field is out of range; `field` names it (the services answer INVALID_ARGUMENT)."""
+    """A request field is out of range; `field` names it.
+
+    `status` is the gRPC status name the services answer with (subclasses refine it)."""
+
+    status = "INVALID_ARGUMENT"
 
     def __init__(self, field: str, message: str):
         super().__init__(f"{field}: {message}")

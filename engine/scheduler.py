@@ -14,10 +14,14 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from typing import TYPE_CHECKING
 
 from engine.block_manager import BlockAllocator
 from engine.config import EngineConfig
 from engine.request import Request, Status
+
+if TYPE_CHECKING:
+    from engine.lora import LoraSlots
 
 
 @dataclasses.dataclass
@@ -39,9 +43,10 @@ class ScheduledStep:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, allocator: BlockAllocator):
+    def __init__(self, config: EngineConfig, allocator: BlockAllocator, lora: LoraSlots | None = None):
         self.config = config
         self.allocator = allocator
+        self.lora = lora
         self.waiting: collections.deque[Request] = collections.deque()  # not yet admitted
         self.prefilling: list[Request] = []  # admitted, prompt partly computed
         self.running: list[Request] = []  # decoding
@@ -69,6 +74,20 @@ class Scheduler:
             self.waiting.remove(request)
         if free_blocks:
             request.blocks.release()
+        self.unpin_adapter(request)
+
+    def pin_adapter(self, request: Request) -> bool:
+        """Pins the request's adapter in a device slot (loading it); False when every slot is pinned by
+        other adapters. Idempotent; True for base-model requests."""
+        if request.lora is None or request.lora_slot is not None:
+            return True
+        request.lora_slot = self.lora.acquire(request.lora)
+        return request.lora_slot is not None
+
+    def unpin_adapter(self, request: Request) -> None:
+        if request.lora_slot is not None:
+            self.lora.release(request.lora)
+            request.lora_slot = None
 
     def schedule(self) -> ScheduledStep | None:
         decode_turn = bool(self.running) and self._last_was_prefill
@@ -92,15 +111,20 @@ class Scheduler:
             length = min(request.num_uncomputed, max_chunk)
             return ScheduledStep(prefill=[PrefillChunk(request, request.num_computed, length)])
         chunks = [PrefillChunk(r, 0, min(r.num_uncomputed, max_chunk)) for r in self.prefilling]
+        passed = []  # their adapter has no free slot: later requests go first, these keep their place
         while self.waiting and len(chunks) < self.config.max_prefill_seqs:
             request = self.waiting[0]
             active = len(self.running) + len(self.prefilling) + self.num_incoming
             if active >= self.config.max_num_seqs or not request.blocks.can_reserve(request.num_tokens):
                 break
             self.waiting.popleft()
+            if not self.pin_adapter(request):
+                passed.append(request)
+                continue
             request.blocks.reserve(request.num_tokens)
             self.prefilling.append(request)
             chunks.append(PrefillChunk(request, request.num_computed, min(request.num_uncomputed, max_chunk)))
+        self.waiting.extendleft(reversed(passed))
         return ScheduledStep(prefill=chunks) if chunks else None
 
     def _reserve_decode_slots(self) -> list[Request]:

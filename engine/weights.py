@@ -54,7 +54,7 @@ _LAYER_AXES = {
 }
 
 
-def _pad_heads(w: np.ndarray, axis: int, cfg: ModelConfig, tp: int, kv: bool) -> np.ndarray:
+def pad_heads(w: np.ndarray, axis: int, cfg: ModelConfig, tp: int, kv: bool) -> np.ndarray:
     """Pads a fused (heads * head_dim) axis: KV heads appended, query heads appended per KV group."""
     kv_pad = cfg.padded_num_kv_heads(tp) - cfg.num_kv_heads
     if kv_pad == 0:
@@ -86,14 +86,14 @@ def build_weights(
     kv_heads = cfg.padded_num_kv_heads(tp)
 
     def per_kv_head(name: str, kv: bool) -> np.ndarray:  # [..., heads * head_dim] -> [..., kv_heads, -1]
-        w = _pad_heads(host[name], -1, cfg, tp, kv=kv)
+        w = pad_heads(host[name], -1, cfg, tp, kv=kv)
         return w.reshape(*w.shape[:-1], kv_heads, -1)
 
     fused = {
         "attn_norm": host["attn_norm"],
         "w_qkv": np.concatenate([per_kv_head(n, kv=n != "wq") for n in ("wq", "wk", "wv")], axis=-1),
         "b_qkv": np.concatenate([per_kv_head(n, kv=n != "bq") for n in ("bq", "bk", "bv")], axis=-1),
-        "wo": _pad_heads(host["wo"], 1, cfg, tp, kv=False),
+        "wo": pad_heads(host["wo"], 1, cfg, tp, kv=False),
         "mlp_norm": host["mlp_norm"],
         "w_gate_up": np.stack([host["w_gate"], host["w_up"]], axis=2),
         "w_down": host["w_down"],

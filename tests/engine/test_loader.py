@@ -10,7 +10,7 @@ import pytest
 from engine.config import ModelConfig, UnsupportedModelError
 from engine.loader import CheckpointError, _undo_gguf_rope_permutation, load_gguf, load_hf_folder
 from engine.models import resolve
-from engine.weights import _pad_heads
+from engine.weights import pad_heads
 
 HF_CONFIG = {
     "architectures": ["LlamaForCausalLM"],
@@ -132,7 +132,7 @@ def test_head_padding_keeps_groups_with_their_kv_head():
     )
     assert cfg.padded_num_kv_heads(2) == 4 and cfg.padded_num_heads(2) == 8
     q = np.arange(6 * 2, dtype=np.float32)[None]  # [1, heads * head_dim]
-    padded = _pad_heads(q, -1, cfg, 2, kv=False).reshape(4, 2, 2)  # [kv heads, group, head_dim]
+    padded = pad_heads(q, -1, cfg, 2, kv=False).reshape(4, 2, 2)  # [kv heads, group, head_dim]
     assert np.array_equal(padded[:3].reshape(-1), q[0]) and not padded[3].any()
-    kv = _pad_heads(np.ones((1, 3 * 2), np.float32), -1, cfg, 4, kv=True)
+    kv = pad_heads(np.ones((1, 3 * 2), np.float32), -1, cfg, 4, kv=True)
     assert kv.shape == (1, 8) and not kv[0, 6:].any()

@@ -1,0 +1,160 @@
+"""Device slots holding the adapters in use: a fixed number, least recently used evicted first.
+
+All slots live in one LoraWeights pytree, stacked [layers, slots, ...] (slot axis 1), laid out for the
+fused projections of engine.weights: Q/K/V per (padded) KV head, gate and up side by side, heads padded
+for tensor parallelism exactly like the base weights. A slot of zeros adds nothing.
+
+A request pins its adapter's slot from admission to its end, so a slot is only rewritten once no
+running request reads it; when every slot is pinned by another adapter, the request waits.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from engine.config import ModelConfig
+from engine.lora.adapter import LoraAdapter
+from engine.sharding import named
+from engine.weights import pad_heads
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class LoraWeights:
+    """A (rank R), B (R, scaling folded in) of every slot S, layers stacked (L)."""
+
+    qkv_a: jax.Array  # [L, S, hidden, 3, R]  (q, k, v)
+    q_b: jax.Array  # [L, S, R, kv_heads, group * head_dim]
+    kv_b: jax.Array  # [L, S, 2, R, kv_heads, head_dim]  (k, v)
+    o_a: jax.Array  # [L, S, heads * head_dim, R]
+    o_b: jax.Array  # [L, S, R, hidden]
+    gate_up_a: jax.Array  # [L, S, hidden, 2, R]  (gate, up)
+    gate_up_b: jax.Array  # [L, S, 2, R, intermediate]
+    down_a: jax.Array  # [L, S, intermediate, R]
+    down_b: jax.Array  # [L, S, R, hidden]
+
+
+_AXES = {
+    "qkv_a": ("layers", None, "embed", None, None),
+    "q_b": ("layers", None, None, "kv_heads", None),
+    "kv_b": ("layers", None, None, None, "kv_heads", None),
+    "o_a": ("layers", None, "heads", None),
+    "o_b": ("layers", None, None, "embed"),
+    "gate_up_a": ("layers", None, "embed", None, None),
+    "gate_up_b": ("layers", None, None, None, "mlp"),
+    "down_a": ("layers", None, "mlp", None),
+    "down_b": ("layers", None, None, "embed"),
+}
+
+
+def slot_shapes(cfg: ModelConfig, max_rank: int, tp: int) -> dict[str, tuple[int, ...]]:
+    """Shape of one slot of each array (without the layer and slot axes)."""
+    kv_heads, hd, r = cfg.padded_num_kv_heads(tp), cfg.head_dim, max_rank
+    d, i = cfg.hidden_size, cfg.intermediate_size
+    return {
+        "qkv_a": (d, 3, r),
+        "q_b": (r, kv_heads, cfg.group_size * hd),
+        "kv_b": (2, r, kv_heads, hd),
+        "o_a": (cfg.padded_num_heads(tp) * hd, r),
+        "o_b": (r, d),
+        "gate_up_a": (d, 2, r),
+        "gate_up_b": (2, r, i),
+        "down_a": (i, r),
+        "down_b": (r, d),
+    }
+
+
+def slot_arrays(adapter: LoraAdapter, cfg: ModelConfig, max_rank: int, tp: int) -> dict[str, np.ndarray]:
+    """One adapter in the slot layout (without the slot axis), rank zero-padded to `max_rank`."""
+    kv_heads = cfg.padded_num_kv_heads(tp)
+    pad = max_rank - adapter.rank
+    a = {m: np.pad(x, ((0, 0), (0, 0), (0, pad))) for m, x in adapter.a.items()}  # [L, in, R]
+    b = {m: np.pad(x, ((0, 0), (0, pad), (0, 0))) for m, x in adapter.b.items()}  # [L, R, out]
+    layers = cfg.num_layers
+
+    def per_kv_head(module: str, kv: bool) -> np.ndarray:  # [L, R, heads * head_dim] -> [L, R, kv_heads, -1]
+        return pad_heads(b[module], -1, cfg, tp, kv=kv).reshape(layers, max_rank, kv_heads, -1)
+
+    return {
+        "qkv_a": np.stack([a["q_proj"], a["k_proj"], a["v_proj"]], axis=2),
+        "q_b": per_kv_head("q_proj", kv=False),
+        "kv_b": np.stack([per_kv_head("k_proj", kv=True), per_kv_head("v_proj", kv=True)], axis=1),
+        "o_a": pad_heads(a["o_proj"], 1, cfg, tp, kv=False),
+        "o_b": b["o_proj"],
+        "gate_up_a": np.stack([a["gate_proj"], a["up_proj"]], axis=2),
+        "gate_up_b": np.stack([b["gate_proj"], b["up_proj"]], axis=1),
+        "down_a": a["down_proj"],
+        "down_b": b["down_proj"],
+    }
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _write_slot(weights: LoraWeights, values: dict[str, jax.Array], slot: jax.Array) -> LoraWeights:
+    return LoraWeights(**{name: getattr(weights, name).at[:, slot].set(values[name]) for name in _AXES})
+
+
+class LoraSlots:
+    """`num_slots` adapters resident on the mesh; `acquire` pins one (loading it), `release` unpins."""
+
+    def __init__(self, cfg: ModelConfig, num_slots: int, max_rank: int, mesh: Mesh, dtype: jnp.dtype):
+        self.cfg, self.num_slots, self.max_rank, self.mesh, self.dtype = cfg, num_slots, max_rank, mesh, dtype
+        self.tp = mesh.shape["model"]
+        shapes = slot_shapes(cfg, max_rank, self.tp)
+        self.weights = LoraWeights(
+            **{
+                name: jnp.zeros((cfg.num_layers, num_slots, *shape), dtype, device=named(mesh, *_AXES[name]))
+                for name, shape in shapes.items()
+            }
+        )
+        self._resident: collections.OrderedDict[str, int] = (
+            collections.OrderedDict()
+        )  # key -> slot, LRU first
+        self._pins: collections.Counter[str] = collections.Counter()
+        self.num_loads = 0  # adapters written into a slot since start
+
+    @property
+    def resident(self) -> list[str]:
+        """Keys (name@fingerprint) of the adapters in a slot, least recently used first."""
+        return list(self._resident)
+
+    def acquire(self, adapter: LoraAdapter) -> int | None:
+        """Pins `adapter` in a slot and returns the slot; None when every slot is pinned by others."""
+        key = adapter.key
+        slot = self._resident.get(key)
+        if slot is None:
+            slot = self._free_slot()
+            if slot is None:
+                return None
+            self._load(adapter, slot)
+            self._resident[key] = slot
+        self._resident.move_to_end(key)
+        self._pins[key] += 1
+        return slot
+
+    def release(self, adapter: LoraAdapter) -> None:
+        self._pins[adapter.key] -= 1
+        if self._pins[adapter.key] <= 0:
+            del self._pins[adapter.key]
+
+    def _free_slot(self) -> int | None:
+        used = set(self._resident.values())
+        free = [s for s in range(self.num_slots) if s not in used]
+        if free:
+            return free[0]
+        victim = next((key for key in self._resident if not self._pins[key]), None)
+        return None if victim is None else self._resident.pop(victim)
+
+    def _load(self, adapter: LoraAdapter, slot: int) -> None:
+        values = {
+            name: jax.device_put(x.astype(self.dtype), named(self.mesh, *_AXES[name][:1], *_AXES[name][2:]))
+            for name, x in slot_arrays(adapter, self.cfg, self.max_rank, self.tp).items()
+        }
+        self.weights = _write_slot(self.weights, values, jnp.int32(slot))
+        self.num_loads += 1
