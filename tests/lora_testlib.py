@@ -20,7 +20,7 @@ def write_random_adapter(
     seed: int = 0,
     targets: tuple[str, ...] = TARGET_MODULES,
     alpha: float = 16.0,
-    scale: float = 0.05,
+    scale: float = 0.15,
     **config_overrides,
 ) -> Path:
     """An adapter whose deltas are large enough to change greedy tokens (PEFT's zero-init B would not)."""

@@ -132,7 +132,7 @@ def _fingerprint(*files: Path) -> str:
 
 def load_peft_adapter(name: str, path: str | Path, cfg: ModelConfig, max_rank: int) -> LoraAdapter:
     """Reads and checks a PEFT adapter folder against the base model; raises LoraLoadError."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     folder = Path(path)
     if not folder.is_dir():
@@ -174,7 +174,7 @@ def load_peft_adapter(name: str, path: str | Path, cfg: ModelConfig, max_rank: i
                 else:
                     b[module][layer] = tensor.T * scaling
                 seen.add((layer, module, which))
-    except (OSError, ValueError) as e:  # safetensors raises these on damaged files
+    except (OSError, ValueError, SafetensorError) as e:  # damaged or truncated files
         if isinstance(e, LoraLoadError):
             raise
         raise LoraLoadError(f"{weights_file}: {e}") from e

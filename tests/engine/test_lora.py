@@ -1,0 +1,227 @@
+"""Multi-LoRA in the engine: PEFT loading and its refusals, HF transformers + peft parity, batches mixing
+adapters, slots with LRU eviction, tensor parallelism, zero compilations after warmup."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from engine.compile_watch import count_compilations
+from engine.lora import (
+    AdapterExistsError,
+    AdapterMismatchError,
+    LoraLoadError,
+    UnknownAdapterError,
+    load_peft_adapter,
+)
+from engine.sampling_params import SamplingParams
+from tests.conftest import requires_reference
+from tests.lora_testlib import write_random_adapter
+
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+PROMPTS = ["The capital of France is", "Write a poem about the sea.", "Hello, my name is", "1, 2, 3, 4,"]
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory, loaded_model):
+    """Three random adapters: rank 8 on every module, rank 4 on attention only, rank 16 on the MLP only."""
+    root = tmp_path_factory.mktemp("adapters")
+    cfg = loaded_model.config
+    return {
+        "all8": write_random_adapter(root / "all8", cfg, rank=8, seed=1),
+        "attn4": write_random_adapter(
+            root / "attn4", cfg, rank=4, seed=2, targets=("q_proj", "k_proj", "v_proj", "o_proj")
+        ),
+        "mlp16": write_random_adapter(
+            root / "mlp16", cfg, rank=16, seed=3, targets=("gate_proj", "up_proj", "down_proj"), alpha=48
+        ),
+    }
+
+
+@pytest.fixture
+def lora_engine(make_engine, adapters):
+    def make(**overrides):
+        engine = make_engine(**{"max_loras": 2, **overrides})
+        for name, path in adapters.items():
+            engine.load_lora(name, str(path))
+        return engine
+
+    return make
+
+
+def alone(engine, prompts, lora, params=GREEDY):
+    return [
+        engine.generate([p], params, lora=name)[0].token_ids for p, name in zip(prompts, lora, strict=True)
+    ]
+
+
+def test_adapters_change_tokens_and_batch_mixing_matches_alone(lora_engine):
+    """Base, three adapters (one more than there are slots) and a chunked long prompt in one batch."""
+    engine = lora_engine()
+    prompts = [*PROMPTS, "Summarize: " + "the quick brown fox jumps over the lazy dog " * 40]
+    lora = [None, "all8", "attn4", "mlp16", "all8"]
+    expected = alone(engine, prompts, lora)
+    base = alone(engine, prompts, [None] * len(prompts))
+    assert expected[0] == base[0]
+    assert all(expected[i] != base[i] for i in range(1, len(prompts)))  # every adapter changes the output
+    mixed = [c.token_ids for c in engine.generate(prompts, GREEDY, lora=lora)]
+    assert mixed == expected
+    sampled = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=12)
+    assert [c.token_ids for c in engine.generate(prompts, sampled, lora=lora)] == alone(
+        engine, prompts, lora, sampled
+    )
+    assert not engine.lora_slots._pins  # every pin released
+
+
+def test_slots_are_reused_least_recently_used_first(lora_engine):
+    engine = lora_engine()
+    slots = engine.lora_slots
+    engine.generate(PROMPTS[:1], GREEDY, lora="all8")
+    engine.generate(PROMPTS[:1], GREEDY, lora="attn4")
+    loads = slots.num_loads
+    engine.generate(PROMPTS[:1], GREEDY, lora="all8")  # resident: no load; all8 becomes most recent
+    assert slots.num_loads == loads
+    engine.generate(PROMPTS[:1], GREEDY, lora="mlp16")  # evicts attn4, the least recently used
+    assert slots.num_loads == loads + 1
+    assert [key.split("@")[0] for key in slots.resident] == ["all8", "mlp16"]
+
+
+def test_request_waits_while_every_slot_is_pinned(lora_engine):
+    engine = lora_engine(max_loras=1)
+    first = engine.add_request(PROMPTS[0], GREEDY, lora="all8")
+    second = engine.add_request(PROMPTS[1], GREEDY, lora="attn4")
+    base = engine.add_request(PROMPTS[2], GREEDY)
+    engine.step()  # prefill: all8 pinned in the only slot; attn4 must wait, the base request passes it
+    assert [r.request_id for r in engine.scheduler.prefilling + engine.scheduler.running] == [first, base]
+    assert [r.request_id for r in engine.scheduler.waiting] == [second]
+    while engine.has_unfinished:
+        engine.step()
+    assert engine.lora_slots.resident[0].startswith("attn4@")
+
+
+def test_tensor_parallel_lora_matches_tp1(lora_engine):
+    import jax
+
+    lora = [None, "all8", "attn4", "mlp16"]
+    expected = [c.token_ids for c in lora_engine().generate(PROMPTS, GREEDY, lora=lora)]
+    tp2 = lora_engine(tp=2, max_loras=3)
+    assert tp2.config.tp == 2 and len(jax.devices()) >= 2
+    assert [c.token_ids for c in tp2.generate(PROMPTS, GREEDY, lora=lora)] == expected
+
+
+def test_rslora_scaling(lora_engine, loaded_model, tmp_path):
+    """use_rslora scales by alpha / sqrt(r): the same weights with alpha' = alpha * sqrt(r) without it."""
+    engine = lora_engine()
+    cfg = loaded_model.config
+    write_random_adapter(tmp_path / "rs", cfg, rank=4, seed=9, alpha=3.0, use_rslora=True)
+    write_random_adapter(tmp_path / "plain", cfg, rank=4, seed=9, alpha=3.0 * 2)
+    rs = load_peft_adapter("rs", tmp_path / "rs", cfg, 16)
+    plain = load_peft_adapter("plain", tmp_path / "plain", cfg, 16)
+    assert rs.scaling == pytest.approx(1.5) and plain.scaling == pytest.approx(1.5)
+    np.testing.assert_array_equal(rs.b["q_proj"], plain.b["q_proj"])
+    engine.load_lora("rs", str(tmp_path / "rs"))
+    engine.load_lora("plain", str(tmp_path / "plain"))
+    ids = engine.tokenizer.encode(PROMPTS[0])
+    np.testing.assert_allclose(engine.prompt_logits(ids, "rs"), engine.prompt_logits(ids, "plain"), atol=1e-5)
+    engine.remove_lora("rs")
+    engine.remove_lora("plain")
+
+
+def test_refusals(lora_engine, make_engine, loaded_model, tmp_path, adapters):
+    engine = lora_engine()
+    cfg = loaded_model.config
+    with pytest.raises(UnknownAdapterError, match="'nope' is not loaded here") as e:
+        engine.make_request("hi", GREEDY, lora="nope")
+    assert e.value.status == "NOT_FOUND" and e.value.field == "lora_adapter"
+    with pytest.raises(AdapterMismatchError, match="fingerprint"):
+        engine.make_request("hi", GREEDY, lora="all8", lora_fingerprint="0" * 16)
+    other = write_random_adapter(tmp_path / "other", cfg, rank=8, seed=99)
+    with pytest.raises(AdapterExistsError, match="unload it first"):
+        engine.load_lora("all8", str(other))
+    assert engine.load_lora("all8", str(adapters["all8"])) is engine.adapters["all8"]  # same files: no-op
+
+    def refused(match, **kwargs):
+        folder = write_random_adapter(tmp_path / match[:8].replace(" ", "_"), cfg, rank=4, **kwargs)
+        with pytest.raises(LoraLoadError, match=match):
+            load_peft_adapter("x", folder, cfg, max_rank=16)
+        return folder
+
+    big = write_random_adapter(tmp_path / "big", cfg, rank=32)
+    with pytest.raises(LoraLoadError, match="rank 32 is outside 1..16"):
+        load_peft_adapter("x", big, cfg, max_rank=16)
+    refused("use_dora", use_dora=True)
+    refused("modules_to_save", modules_to_save=["lm_head"])
+    folder = refused("peft_type", peft_type="PREFIX_TUNING")
+    (folder / "adapter_config.json").unlink()
+    with pytest.raises(LoraLoadError, match="no adapter_config.json"):
+        load_peft_adapter("x", folder, cfg, 16)
+    with pytest.raises(LoraLoadError, match="not a directory"):
+        load_peft_adapter("x", tmp_path / "missing", cfg, 16)
+    wrong = write_random_adapter(tmp_path / "wrong", cfg, rank=4)
+    config = json.loads((wrong / "adapter_config.json").read_text())
+    (wrong / "adapter_config.json").write_text(json.dumps({**config, "r": 8}))  # says 8, tensors are 4
+    with pytest.raises(LoraLoadError, match="has shape"):
+        load_peft_adapter("x", wrong, cfg, 16)
+    (wrong / "adapter_model.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(LoraLoadError, match="adapter_model.safetensors"):
+        load_peft_adapter("x", wrong, cfg, 16)
+    with pytest.raises(LoraLoadError, match="LoRA is off"):
+        make_engine().load_lora("x", str(adapters["all8"]))
+
+
+def test_removed_adapter_finishes_running_requests(lora_engine):
+    engine = lora_engine()
+    expected = engine.generate(PROMPTS[:1], GREEDY, lora="attn4")[0].token_ids
+    rid = engine.add_request(PROMPTS[0], GREEDY, lora="attn4")
+    assert engine.remove_lora("attn4")
+    with pytest.raises(UnknownAdapterError):
+        engine.make_request("hi", GREEDY, lora="attn4")
+    tokens = []
+    while engine.has_unfinished:
+        tokens += [t for o in engine.step() if o.request_id == rid for t in o.new_token_ids]
+    assert tokens == expected
+
+
+def test_warmup_covers_lora_steps(lora_engine):
+    engine = lora_engine(max_model_len=512, max_num_seqs=4, num_blocks=96, max_prefill_seqs=2)
+    engine.runner.warmup(progress=False)
+    with count_compilations() as counted:
+        engine.generate(PROMPTS, GREEDY, lora=[None, "all8", "mlp16", "attn4"])
+    assert counted() == 0
+
+
+@requires_reference
+def test_matches_transformers_with_peft(gguf_path, lora_engine, tmp_path):
+    """peft writes a random adapter onto the HF model; pdserve loads the saved folder and matches it."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+    config = LoraConfig(
+        r=8,
+        lora_alpha=32,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        init_lora_weights=False,  # random B: the adapter changes the model
+    )
+    model = get_peft_model(hf, config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.mul_(0.1)
+    model.save_pretrained(tmp_path / "peft")
+    engine = lora_engine()
+    engine.load_lora("peft", str(tmp_path / "peft"))
+    ids = engine.tokenizer.encode("Disaggregated serving splits prefill and decode because")
+    with torch.no_grad():
+        expected = model(torch.tensor([ids])).logits[0, -1].numpy()
+        generated = model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)[0, len(ids) :]
+    logits = engine.prompt_logits(ids, "peft")
+    assert np.max(np.abs(logits - expected)) <= 2e-3
+    assert np.max(np.abs(engine.prompt_logits(ids) - expected)) > 0.1  # the adapter matters
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    assert engine.generate([ids], params, lora="peft")[0].token_ids == generated.tolist()
+    engine.remove_lora("peft")
