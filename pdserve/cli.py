@@ -27,16 +27,56 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-blocks", type=int, default=1024)
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--max-prefill-tokens", type=int, default=512, help="tokens of one prefill chunk")
+    lora = parser.add_argument_group(
+        "LoRA adapters (PEFT folders: adapter_config.json + adapter_model.safetensors)"
+    )
+    lora.add_argument(
+        "--lora",
+        action="append",
+        default=[],
+        type=lora_spec,
+        metavar="NAME=PATH",
+        help="load at start (repeatable)",
+    )
+    lora.add_argument(
+        "--max-loras",
+        type=int,
+        default=None,
+        help="adapter slots in device memory (default: 4 with --lora, else 0: off)",
+    )
+    lora.add_argument("--max-lora-rank", type=int, default=16, help="highest adapter rank served")
+
+
+def lora_spec(value: str) -> tuple[str, str]:
+    name, sep, path = value.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"{value!r}: expected NAME=PATH")
+    return name, path
+
+
+def load_adapters(engine, specs: list[tuple[str, str]]) -> None:
+    """Loads the --lora adapters into `engine`; exits naming the one that cannot be served."""
+    from engine.lora import LoraLoadError
+
+    for name, path in specs:
+        try:
+            engine.load_lora(name, path)
+        except LoraLoadError as e:
+            raise SystemExit(f"error: --lora {name}: {e}") from e
 
 
 def engine_config(args: argparse.Namespace):
     from engine.config import EngineConfig
 
+    max_loras = args.max_loras if args.max_loras is not None else (4 if args.lora else 0)
     return EngineConfig(
         tp=args.tp,
         max_model_len=args.max_model_len,
         num_blocks=args.num_blocks,
         max_num_seqs=args.max_num_seqs,
+        max_prefill_tokens=args.max_prefill_tokens,
+        max_loras=max_loras,
+        max_lora_rank=args.max_lora_rank,
     )
 
 
@@ -92,6 +132,7 @@ def cmd_generate_remote(args: argparse.Namespace) -> int:
         min_p=args.min_p,
         seed=args.seed,
         stop=args.stop,
+        lora_adapter=args.adapter or "",
     )
     start = time.perf_counter()
     token_ids, text, times, finish, usage = [], [], [], None, None
@@ -131,10 +172,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     configure_jax()
     t0 = time.perf_counter()
     engine = LLMEngine.from_model(args.model, engine_config(args), warmup=args.warmup, progress=not args.json)
+    load_adapters(engine, args.lora)
     tokenizer = engine.tokenizer
     prompt = tokenizer.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
     try:
-        request_id = engine.add_request(prompt, sampling_params(args))
+        request_id = engine.add_request(prompt, sampling_params(args), lora=args.adapter)
     except InvalidRequestError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -194,6 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(gen)
     gen.add_argument("--warmup", action="store_true", help="compile every serving shape first")
     gen.add_argument("--server", default=None, help="ADDR of a decode-server: stream from it instead")
+    gen.add_argument("--adapter", default=None, metavar="NAME", help="LoRA adapter to generate with")
     tls = gen.add_argument_group("with --server: TLS and auth (default: plaintext, no token)")
     tls.add_argument("--tls", action="store_true", help="TLS, server verified against the system roots")
     tls.add_argument("--tls-ca", metavar="PEM", help="TLS, server verified against this CA")

@@ -1,9 +1,16 @@
-"""The Admin service: blocks used and free, queue depths, requests served."""
+"""The Admin service: blocks, queue depths, requests served; LoRA adapters loaded at run time."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+from collections.abc import Sequence
+from pathlib import Path
 
+import grpc
+
+from engine.engine import LLMEngine
+from engine.lora import LoraAdapter, LoraLoadError
 from pdserve.v1 import admin_pb2 as pb
 from pdserve.v1 import admin_pb2_grpc as pb_grpc
 from services.engine_loop import EngineLoop
@@ -27,8 +34,58 @@ class Counters:
 
 
 class AdminService(pb_grpc.AdminServicer):
-    def __init__(self, role: str, loop: EngineLoop, counters: Counters):
+    """`lora_root`: when set, LoadLoraAdapter reads only folders inside it (PERMISSION_DENIED otherwise).
+    `mirrors`: engines of the same process that load and unload the same adapters (`pdserve serve`)."""
+
+    def __init__(
+        self,
+        role: str,
+        loop: EngineLoop,
+        counters: Counters,
+        lora_root: str | None = None,
+        mirrors: Sequence[EngineLoop] = (),
+    ):
         self.role, self.loop, self.counters = role, loop, counters
+        self.lora_root = Path(lora_root).resolve() if lora_root else None
+        self.mirrors = list(mirrors)
+
+    async def LoadLoraAdapter(self, request: pb.LoadLoraAdapterRequest, context) -> pb.LoraAdapterInfo:
+        if not request.name or not request.path:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "name and path are required")
+        path = Path(request.path).resolve()
+        if self.lora_root is not None and not path.is_relative_to(self.lora_root):
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED, f"path: adapters load from {self.lora_root} only"
+            )
+        engine: LLMEngine = self.loop.engine
+        try:
+            adapter = await asyncio.to_thread(engine.read_lora, request.name, str(path))
+            for mirror in self.mirrors:
+                await mirror.call(lambda e: e.add_lora(adapter))
+            adapter = await self.loop.call(lambda e: e.add_lora(adapter))
+        except LoraLoadError as e:
+            off = engine.lora_slots is None
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION if off else grpc.StatusCode[e.status], str(e)
+            )
+        return await self.loop.call(lambda e: adapter_info(e, adapter))
+
+    async def UnloadLoraAdapter(self, request: pb.UnloadLoraAdapterRequest, context):
+        for mirror in self.mirrors:
+            await mirror.call(lambda e: e.remove_lora(request.name))
+        if not await self.loop.call(lambda e: e.remove_lora(request.name)):
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"adapter {request.name!r} is not loaded")
+        return pb.UnloadLoraAdapterResponse()
+
+    async def ListLoraAdapters(self, request, context) -> pb.LoraAdapterList:
+        def snapshot(engine: LLMEngine) -> pb.LoraAdapterList:
+            return pb.LoraAdapterList(
+                adapters=[adapter_info(engine, a) for _, a in sorted(engine.adapters.items())],
+                num_slots=engine.config.max_loras,
+                max_rank=engine.config.max_lora_rank,
+            )
+
+        return await self.loop.call(snapshot)
 
     async def GetStats(self, request, context) -> pb.ServerStats:
         def snapshot(engine):
@@ -48,3 +105,14 @@ class AdminService(pb_grpc.AdminServicer):
             )
 
         return await self.loop.call(snapshot)
+
+
+def adapter_info(engine: LLMEngine, adapter: LoraAdapter) -> pb.LoraAdapterInfo:
+    return pb.LoraAdapterInfo(
+        name=adapter.name,
+        path=adapter.path,
+        rank=adapter.rank,
+        target_modules=adapter.targets,
+        fingerprint=adapter.fingerprint,
+        resident=engine.lora_slots is not None and adapter.key in engine.lora_slots.resident,
+    )

@@ -38,6 +38,11 @@ def common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--metrics-port", type=int, default=None, help="Prometheus /metrics HTTP port (0: any)"
     )
+    parser.add_argument(
+        "--lora-root",
+        metavar="DIR",
+        help="Admin.LoadLoraAdapter reads adapters inside DIR only (default: any)",
+    )
     tls = parser.add_argument_group("TLS of the listening port (default: plaintext)")
     tls.add_argument("--tls-cert", metavar="PEM", help="server certificate chain")
     tls.add_argument("--tls-key", metavar="PEM", help="server private key")
@@ -70,11 +75,14 @@ def server_security(args: argparse.Namespace, allowed_peers=()):
 
 
 def build_engine(args: argparse.Namespace, devices=None):
+    """The engine of a daemon, compiled (unless --no-warmup), with the --lora adapters loaded."""
     from engine.engine import LLMEngine
-    from pdserve.cli import configure_jax, engine_config
+    from pdserve.cli import configure_jax, engine_config, load_adapters
 
     configure_jax()
-    return LLMEngine.from_model(args.model, engine_config(args), devices, warmup=not args.no_warmup)
+    engine = LLMEngine.from_model(args.model, engine_config(args), devices, warmup=not args.no_warmup)
+    load_adapters(engine, args.lora)
+    return engine
 
 
 def prefill_main(argv: list[str] | None = None) -> int:
@@ -95,7 +103,13 @@ def prefill_main(argv: list[str] | None = None) -> int:
     engine = build_engine(args)
     run_until_signal(
         lambda stop: serve(
-            engine, args.port, stop, host=args.host, security=security, metrics_port=args.metrics_port
+            engine,
+            args.port,
+            stop,
+            host=args.host,
+            security=security,
+            metrics_port=args.metrics_port,
+            lora_root=args.lora_root,
         )
     )
     return 0
@@ -174,6 +188,7 @@ def decode_main(argv: list[str] | None = None) -> int:
             prefill_security=prefill_security,
             metrics_port=args.metrics_port,
             http_port=args.http_port,
+            lora_root=args.lora_root,
         )
     )
     return 0
@@ -193,7 +208,7 @@ def serve_main(args: argparse.Namespace) -> int:
 
     from engine.engine import LLMEngine
     from engine.models import load_model
-    from pdserve.cli import configure_jax, engine_config
+    from pdserve.cli import configure_jax, engine_config, load_adapters
     from services.decode.prefill_pool import LocalPrefiller
     from services.decode.server import serve
     from services.engine_loop import EngineLoop
@@ -213,6 +228,8 @@ def serve_main(args: argparse.Namespace) -> int:
     if not args.no_warmup:
         prefill_engine.runner.warmup()
         decode_engine.runner.warmup()
+    for engine in (prefill_engine, decode_engine):
+        load_adapters(engine, args.lora)
     prefill_loop = EngineLoop(prefill_engine, name="prefill-engine")
     prefill_loop.start()
     local = LocalPrefiller(prefill_loop, engine_layout(prefill_engine))
@@ -229,6 +246,7 @@ def serve_main(args: argparse.Namespace) -> int:
                 security=security,
                 metrics_port=args.metrics_port,
                 http_port=args.http_port,
+                lora_root=args.lora_root,
             )
         )
     finally:

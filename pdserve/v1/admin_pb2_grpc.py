@@ -39,12 +39,50 @@ class AdminStub:
                 request_serializer=pdserve_dot_v1_dot_admin__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_admin__pb2.ServerStats.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/pdserve.v1.Admin/LoadLoraAdapter',
+                request_serializer=pdserve_dot_v1_dot_admin__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_admin__pb2.LoraAdapterInfo.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/pdserve.v1.Admin/UnloadLoraAdapter',
+                request_serializer=pdserve_dot_v1_dot_admin__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_admin__pb2.UnloadLoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.ListLoraAdapters = channel.unary_unary(
+                '/pdserve.v1.Admin/ListLoraAdapters',
+                request_serializer=pdserve_dot_v1_dot_admin__pb2.ListLoraAdaptersRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_admin__pb2.LoraAdapterList.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
     """Missing associated documentation comment in .proto file."""
 
     def GetStats(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LoadLoraAdapter(self, request, context):
+        """Reads a PEFT LoRA adapter folder (adapter_config.json + adapter_model.safetensors) on the daemon's
+        filesystem and makes it available to requests. INVALID_ARGUMENT: not a servable adapter (the message
+        says why); ALREADY_EXISTS: the name is loaded with other files; FAILED_PRECONDITION: LoRA is off.
+        Loading the same files again under the same name is a no-op.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """New requests can no longer name the adapter; running ones finish with it. NOT_FOUND when not loaded.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListLoraAdapters(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -57,6 +95,21 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=pdserve_dot_v1_dot_admin__pb2.GetStatsRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_admin__pb2.ServerStats.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=pdserve_dot_v1_dot_admin__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_admin__pb2.LoraAdapterInfo.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=pdserve_dot_v1_dot_admin__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_admin__pb2.UnloadLoraAdapterResponse.SerializeToString,
+            ),
+            'ListLoraAdapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListLoraAdapters,
+                    request_deserializer=pdserve_dot_v1_dot_admin__pb2.ListLoraAdaptersRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_admin__pb2.LoraAdapterList.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -86,6 +139,87 @@ class Admin:
             '/pdserve.v1.Admin/GetStats',
             pdserve_dot_v1_dot_admin__pb2.GetStatsRequest.SerializeToString,
             pdserve_dot_v1_dot_admin__pb2.ServerStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Admin/LoadLoraAdapter',
+            pdserve_dot_v1_dot_admin__pb2.LoadLoraAdapterRequest.SerializeToString,
+            pdserve_dot_v1_dot_admin__pb2.LoraAdapterInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Admin/UnloadLoraAdapter',
+            pdserve_dot_v1_dot_admin__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            pdserve_dot_v1_dot_admin__pb2.UnloadLoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListLoraAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Admin/ListLoraAdapters',
+            pdserve_dot_v1_dot_admin__pb2.ListLoraAdaptersRequest.SerializeToString,
+            pdserve_dot_v1_dot_admin__pb2.LoraAdapterList.FromString,
             options,
             channel_credentials,
             insecure,

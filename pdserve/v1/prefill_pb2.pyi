@@ -22,7 +22,7 @@ class HandshakeResponse(_message.Message):
     def __init__(self, layout_json: _Optional[str] = ..., fingerprint: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_ids", "sampling", "seed", "layout_fingerprint", "lora_adapter", "stop")
+    __slots__ = ("request_id", "prompt_ids", "sampling", "seed", "layout_fingerprint", "lora_adapter", "stop", "lora_fingerprint")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +30,7 @@ class PrefillRequest(_message.Message):
     LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     LORA_ADAPTER_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
+    LORA_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _generation_pb2.SamplingParameters
@@ -37,21 +38,26 @@ class PrefillRequest(_message.Message):
     layout_fingerprint: str
     lora_adapter: str
     stop: _generation_pb2.StopConditions
-    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParameters, _Mapping]] = ..., seed: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., lora_adapter: _Optional[str] = ..., stop: _Optional[_Union[_generation_pb2.StopConditions, _Mapping]] = ...) -> None: ...
+    lora_fingerprint: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParameters, _Mapping]] = ..., seed: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., lora_adapter: _Optional[str] = ..., stop: _Optional[_Union[_generation_pb2.StopConditions, _Mapping]] = ..., lora_fingerprint: _Optional[str] = ...) -> None: ...
 
 class PrefillHeader(_message.Message):
-    __slots__ = ("request_id", "first_token", "prompt_len", "layout_json", "first_logprobs")
+    __slots__ = ("request_id", "first_token", "prompt_len", "layout_json", "first_logprobs", "lora_adapter", "lora_fingerprint")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_JSON_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    LORA_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_token: int
     prompt_len: int
     layout_json: str
     first_logprobs: _generation_pb2.TokenLogprobs
-    def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[int] = ..., prompt_len: _Optional[int] = ..., layout_json: _Optional[str] = ..., first_logprobs: _Optional[_Union[_generation_pb2.TokenLogprobs, _Mapping]] = ...) -> None: ...
+    lora_adapter: str
+    lora_fingerprint: str
+    def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[int] = ..., prompt_len: _Optional[int] = ..., layout_json: _Optional[str] = ..., first_logprobs: _Optional[_Union[_generation_pb2.TokenLogprobs, _Mapping]] = ..., lora_adapter: _Optional[str] = ..., lora_fingerprint: _Optional[str] = ...) -> None: ...
 
 class PrefillTrailer(_message.Message):
     __slots__ = ("num_frames", "num_bytes", "prefill_seconds")

@@ -103,12 +103,12 @@ class OpenAIFrontend:
         return await handler(request)
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response(
-            {
-                "object": "list",
-                "data": [{"id": self.model, "object": "model", "created": 0, "owned_by": "pdserve"}],
-            }
-        )
+        """The base model, then every loaded LoRA adapter (usable as `model`, with the base as parent)."""
+        base = {"id": self.model, "object": "model", "created": 0, "owned_by": "pdserve"}
+        adapters = [
+            {**base, "id": name, "parent": self.model} for name in sorted(self.service.engine.adapters)
+        ]
+        return web.json_response({"object": "list", "data": [base, *adapters]})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._handle(request, chat=False)
@@ -145,9 +145,10 @@ class OpenAIFrontend:
                 ):
                     raise InvalidRequestError("prompt", "must be a string or a list of token ids")
             params = _params(body, default_max_tokens=16 if not chat else 256)
-            engine_request = self.service.make_request(prompt, params, lora=body.get("lora_adapter") or "")
+            engine_request = self.service.make_request(prompt, params, lora=self._adapter(body))
         except InvalidRequestError as e:
-            return _error(400, str(e), "invalid_request_error", e.field)
+            status = 404 if e.status == "NOT_FOUND" else 400
+            return _error(status, str(e), "invalid_request_error", e.field)
         except ServiceError as e:
             return _error(_HTTP_STATUS.get(e.code, 500), e.message, "server_error")
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
@@ -155,6 +156,16 @@ class OpenAIFrontend:
         if body.get("stream"):
             return await self._stream(request, outputs, rid, chat, body)
         return await self._complete(outputs, rid, chat)
+
+    def _adapter(self, body: dict) -> str:
+        """`lora_adapter`, else `model` when it names a loaded adapter (vLLM's convention); "": the base."""
+        name = body.get("lora_adapter") or ""
+        model = body.get("model")
+        if not name and isinstance(model, str) and model in self.service.engine.adapters:
+            name = model
+        if not isinstance(name, str):
+            raise InvalidRequestError("lora_adapter", "must be a string")
+        return name
 
     async def _complete(self, outputs, rid: str, chat: bool) -> web.Response:
         text, finish, usage, logprobs = [], None, (0, 0), []

@@ -20,6 +20,7 @@ import grpc
 
 import kvtransfer
 from engine.request import Request, TokenLogprobs
+from engine.sampling_params import InvalidRequestError
 from kvtransfer import KVChunk, KVLayout
 from pdserve.v1 import prefill_pb2 as pb
 from services import wire
@@ -32,7 +33,17 @@ log = logging.getLogger(__name__)
 
 
 class PrefillError(RuntimeError):
-    """A prefill failed (unreachable, died mid-stream, bad frame, layout mismatch)."""
+    """A prefill failed (unreachable, died mid-stream, bad frame, layout mismatch, adapter not there).
+
+    `replica_down`: the replica itself failed (avoid it for a while), rather than refused this request."""
+
+    def __init__(self, message: str, replica_down: bool = True):
+        super().__init__(message)
+        self.replica_down = replica_down
+
+
+# Refusals of one request (its adapter is missing or differs there), not a sign of a broken replica.
+_REQUEST_REFUSALS = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION)
 
 
 @dataclasses.dataclass
@@ -127,7 +138,8 @@ class RemotePrefiller(Prefiller):
             sampling=sampling,
             seed=request.seed,
             layout_fingerprint=self.dst.fingerprint(),
-            lora_adapter=request.lora or "",
+            lora_adapter=request.lora.name if request.lora else "",
+            lora_fingerprint=request.lora.fingerprint if request.lora else "",
             stop=stop,
         )
         call = self._prefill(message, timeout=min(self.deadline_s, timeout or self.deadline_s))
@@ -143,6 +155,7 @@ class RemotePrefiller(Prefiller):
                     yield await asyncio.to_thread(assembler.add, frame)
                 elif item.HasField("header"):
                     header = item.header
+                    _check_adapter(request, header.lora_adapter, header.lora_fingerprint, self.name)
                     src = KVLayout.from_json(header.layout_json)
                     assembler = kvtransfer.FrameAssembler(
                         request.request_id, header.prompt_len, src, dst, sharding=sharding
@@ -158,7 +171,8 @@ class RemotePrefiller(Prefiller):
                     return
             raise PrefillError(f"{self.name}: stream ended without a trailer")
         except grpc.aio.AioRpcError as e:
-            raise PrefillError(f"{self.name}: {e.code().name}: {e.details()}") from e
+            down = e.code() not in _REQUEST_REFUSALS
+            raise PrefillError(f"{self.name}: {e.code().name}: {e.details()}", replica_down=down) from e
         except PrefillError:
             raise
         except Exception as e:  # noqa: BLE001 - anything wrong with a stream makes it unusable, never fatal
@@ -185,7 +199,17 @@ class LocalPrefiller(Prefiller):
     async def prefill(
         self, request: Request, dst: KVLayout, sharding, timeout: float | None = None
     ) -> AsyncIterator[FirstToken | KVChunk]:
-        mine = self.loop.engine.make_request(list(request.prompt_ids), request.params, request.request_id)
+        lora = request.lora
+        try:
+            mine = self.loop.engine.make_request(
+                list(request.prompt_ids),
+                request.params,
+                request.request_id,
+                lora=lora.name if lora else None,
+                lora_fingerprint=lora.fingerprint if lora else None,
+            )
+        except InvalidRequestError as e:
+            raise PrefillError(f"{self.name}: {e}", replica_down=False) from e
         mine.seed = request.seed
         result = await prefill_on_engine(self.loop, mine, self.src, kvtransfer.head_map(self.src, dst))
         first = result.first
@@ -193,6 +217,15 @@ class LocalPrefiller(Prefiller):
         for chunk in result.chunks:
             data = kvtransfer.reshard(chunk.data, sharding)
             yield KVChunk(chunk.layer_start, chunk.token_start, chunk.num_tokens, data)
+
+
+def _check_adapter(request: Request, name: str, fingerprint: str, replica: str) -> None:
+    """The KV must come from the request's own adapter (or the base model for a base request)."""
+    want = (request.lora.name, request.lora.fingerprint) if request.lora else ("", "")
+    if (name, fingerprint) != want:
+        raise PrefillError(
+            f"{replica}: KV computed with adapter {name or 'none'!r}, the request uses {want[0] or 'none'!r}"
+        )
 
 
 class PrefillPool:

@@ -42,7 +42,7 @@ from pdserve.v1 import generation_pb2_grpc as pb_grpc
 from services import wire
 from services.admin import SERVICE_NAME as ADMIN_SERVICE
 from services.admin import AdminService, Counters
-from services.decode.prefill_pool import FirstToken, Prefiller, PrefillError, PrefillPool
+from services.decode.prefill_pool import FirstToken, LocalPrefiller, Prefiller, PrefillError, PrefillPool
 from services.engine_loop import EngineLoop
 from services.grpc_server import RunningServer
 from services.kv import engine_layout
@@ -101,6 +101,7 @@ class GenerationService(pb_grpc.GenerationServicer):
             prefill_mode=self.prefill_mode,
             num_layers=cfg.num_layers,
             tensor_parallel=self.engine.config.tp,
+            lora_adapters=sorted(self.engine.adapters),
         )
 
     async def Generate(self, request: pb.GenerateRequest, context):
@@ -112,8 +113,8 @@ class GenerationService(pb_grpc.GenerationServicer):
             engine_request = self.make_request(prompt, params, request.request_id, request.lora_adapter)
             async for output in self.stream(engine_request, context.time_remaining()):
                 yield self._response(output, engine_request.request_id)
-        except InvalidRequestError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except InvalidRequestError as e:  # INVALID_ARGUMENT; NOT_FOUND for an adapter not loaded here
+            await context.abort(grpc.StatusCode[e.status], str(e))
         except ServiceError as e:
             if e.retry_after_ms is not None:
                 context.set_trailing_metadata((("retry-after-ms", str(e.retry_after_ms)),))
@@ -198,7 +199,8 @@ class GenerationService(pb_grpc.GenerationServicer):
             try:
                 first = await self._transfer(replica, request, time_remaining)
             except PrefillError as e:
-                replica.mark_failed()
+                if e.replica_down:
+                    replica.mark_failed()
                 self.counters.num_transfer_failures_total += 1
                 log.warning(
                     "prefill failed: %s", e, extra={"request_id": request.request_id, "replica": replica.name}
@@ -328,6 +330,7 @@ async def serve(
     prefill_security: ChannelSecurity = PLAINTEXT,
     metrics_port: int | None = None,
     http_port: int | None = None,
+    lora_root: str | None = None,
 ) -> None:
     """Serves Generate until `stop` is set; then refuses new requests and lets running ones finish.
 
@@ -363,7 +366,9 @@ async def serve(
 
         http = OpenAIFrontend(service, security)
         print(f"http on {host}:{await http.start(host, http_port)}", flush=True)
-    admin = AdminService("decode", loop, counters)
+    # `pdserve serve`: adapters loaded at run time go into the local prefill engine too
+    mirrors = [local_prefiller.loop] if isinstance(local_prefiller, LocalPrefiller) else []
+    admin = AdminService("decode", loop, counters, lora_root=lora_root, mirrors=mirrors)
 
     def register(server: grpc.aio.Server) -> None:
         add_to_server(server, service)

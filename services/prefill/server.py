@@ -6,7 +6,8 @@ Request lifecycle:
  2. Prefill: the prompt joins the engine's queue (bounded: RESOURCE_EXHAUSTED when full) as a request of
     one token whose blocks outlive it (retain_kv); the engine batches and chunks it with other prompts.
  3. The first token is sampled with the request's own parameters and resolved seed, so it is the token a
-    colocated engine would pick.
+    colocated engine would pick. A LoRA request runs with its adapter, which must be loaded here with the
+    decode side's fingerprint (NOT_FOUND / FAILED_PRECONDITION otherwise); the header names it.
  4. On the engine thread the request's KV is gathered in layer groups (kvtransfer.gather_request) and its
     blocks are freed at once: the gathered chunks are copies.
  5. Off the engine thread the chunks become frames (crc32c, <= 4 MiB); the stream sends a header (first
@@ -106,10 +107,14 @@ class PrefillService(pb_grpc.PrefillServicer):
         params = wire.sampling_from_proto(request.sampling, 1, request.stop)
         try:
             engine_request = self.engine.make_request(
-                list(request.prompt_ids), params, request_id=rid, lora=request.lora_adapter or None
+                list(request.prompt_ids),
+                params,
+                request_id=rid,
+                lora=request.lora_adapter or None,
+                lora_fingerprint=request.lora_fingerprint or None,
             )
-        except InvalidRequestError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except InvalidRequestError as e:  # NOT_FOUND / FAILED_PRECONDITION: the adapter is not here as asked
+            await context.abort(grpc.StatusCode[e.status], str(e))
         engine_request.seed = request.seed
         result = await prefill_on_engine(self.loop, engine_request, self.layout)
         if self.metrics is not None:
@@ -120,6 +125,8 @@ class PrefillService(pb_grpc.PrefillServicer):
             first_token=output.new_token_ids[0],
             prompt_len=num_tokens,
             layout_json=self.layout_json,
+            lora_adapter=request.lora_adapter,
+            lora_fingerprint=engine_request.lora.fingerprint if engine_request.lora else "",
         )
         if output.logprobs:
             header.first_logprobs.CopyFrom(wire.logprobs_to_proto(output.logprobs[0]))
@@ -175,6 +182,7 @@ async def serve(
     on_ready: Callable[[str], None] | None = None,
     metrics_port: int | None = None,
     security: ServerSecurity | None = None,
+    lora_root: str | None = None,
 ):
     """Serves until `stop` is set, then drains: refuses new prefills, finishes running ones.
 
@@ -186,7 +194,7 @@ async def serve(
     service.metrics = Metrics("prefill", loop, counters)
     if metrics_port is not None:
         print(f"metrics on {host}:{service.metrics.serve(metrics_port, host)}", flush=True)
-    admin = AdminService("prefill", loop, counters)
+    admin = AdminService("prefill", loop, counters, lora_root=lora_root)
 
     def register(server: grpc.aio.Server) -> None:
         add_to_server(server, service)

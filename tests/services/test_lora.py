@@ -1,0 +1,219 @@
+"""Multi-LoRA across the daemons: adapters named in Generate follow their request to the prefill server
+and back; disaggregated equals colocated with adapters; adapters loaded at run time through Admin; a
+prefill server without the adapter (or with other weights, or ignoring it) never makes decode use a KV
+computed with other weights; `pdserve serve` with adapters."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import queue
+
+import grpc
+import pytest
+
+from engine.sampling_params import SamplingParams
+from pdserve.v1 import admin_pb2, admin_pb2_grpc
+from services.client import Client
+from services.launch import ENGINE_ARGS, Daemon, ServerThread, decode_server, prefill_server
+from tests.lora_testlib import write_random_adapter
+
+GREEDY = dict(max_tokens=12, temperature=0.0, ignore_eos=True)
+SEEDED = dict(max_tokens=12, temperature=0.9, top_p=0.9, seed=5, ignore_eos=True)
+TEXTS = ["The capital of France is", "Write a haiku about rain.", "Hello, my name is", "List three colors:"]
+LORA_ARGS = ["--max-loras", "2"]
+
+
+@pytest.fixture(scope="module")
+def adapter_dir(tmp_path_factory, loaded_model):
+    root = tmp_path_factory.mktemp("lora")
+    cfg = loaded_model.config
+    write_random_adapter(root / "alpha", cfg, rank=8, seed=21)
+    write_random_adapter(root / "beta", cfg, rank=4, seed=22, targets=("q_proj", "v_proj", "down_proj"))
+    write_random_adapter(root / "gamma", cfg, rank=8, seed=23)
+    write_random_adapter(root / "gamma-other", cfg, rank=8, seed=24)
+    return root
+
+
+@pytest.fixture(scope="module")
+def lora_prefill(gguf_path, log_dir, adapter_dir):
+    daemon = prefill_server(
+        gguf_path,
+        log_dir,
+        name="prefill-lora",
+        extra=[*LORA_ARGS, "--lora", f"alpha={adapter_dir / 'alpha'}"],
+    )
+    yield daemon
+    assert daemon.terminate() == 0
+
+
+@pytest.fixture(scope="module")
+def lora_decode(gguf_path, lora_prefill, log_dir, adapter_dir):
+    extra = [*LORA_ARGS, "--lora", f"alpha={adapter_dir / 'alpha'}", "--lora-root", str(adapter_dir)]
+    daemon = decode_server(gguf_path, lora_prefill.address, log_dir, name="decode-lora", extra=extra)
+    yield daemon
+    assert daemon.terminate() == 0
+
+
+@pytest.fixture(scope="module")
+def colocated(make_engine, adapter_dir):
+    """The colocated reference engine, with the same adapters."""
+    engine = make_engine(max_loras=2)
+    for name in ("alpha", "beta", "gamma"):
+        engine.load_lora(name, str(adapter_dir / name))
+
+    def generate(text: str, lora: str | None, kw: dict) -> list[int]:
+        params = SamplingParams(**kw)
+        return engine.generate([text], params, lora=lora)[0].token_ids
+
+    return generate
+
+
+def admin(address: str) -> admin_pb2_grpc.AdminStub:
+    return admin_pb2_grpc.AdminStub(grpc.insecure_channel(address))
+
+
+def load(address: str, name: str, path) -> admin_pb2.LoraAdapterInfo:
+    return admin(address).LoadLoraAdapter(admin_pb2.LoadLoraAdapterRequest(name=name, path=str(path)))
+
+
+def rpc_error(call) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as e:
+        call()
+    return e.value
+
+
+def test_disaggregated_equals_colocated_with_adapters(lora_decode, lora_prefill, adapter_dir, colocated):
+    """alpha from start-up flags, beta loaded at run time on both daemons; base, alpha and beta mixed."""
+    for address in (lora_prefill.address, lora_decode.address):
+        info = load(address, "beta", adapter_dir / "beta")
+        assert info.rank == 4 and list(info.target_modules) == ["q_proj", "v_proj", "down_proj"]
+    client = Client(lora_decode.address)
+    assert list(client.model_info().lora_adapters) == ["alpha", "beta"]
+    failures = admin(lora_decode.address).GetStats(admin_pb2.GetStatsRequest()).num_transfer_failures_total
+    jobs = [(text, lora, kw) for text in TEXTS for lora in (None, "alpha", "beta") for kw in (GREEDY, SEEDED)]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        results = list(
+            pool.map(lambda j: client.generate(j[0], lora_adapter=j[1] or "", **j[2]).token_ids, jobs)
+        )
+    for (text, lora, kw), tokens in zip(jobs, results, strict=True):
+        assert tokens == colocated(text, lora, kw), (text, lora, kw)
+    assert results[0] != results[2] != results[4]  # base, alpha, beta differ
+    stats = admin(lora_decode.address).GetStats(admin_pb2.GetStatsRequest())
+    assert stats.num_transfer_failures_total == failures  # every one prefilled remotely, with its adapter
+    assert stats.num_free_blocks == stats.num_blocks
+    listed = admin(lora_decode.address).ListLoraAdapters(admin_pb2.ListLoraAdaptersRequest())
+    assert listed.num_slots == 2 and [a.name for a in listed.adapters] == ["alpha", "beta"]
+    assert all(a.resident for a in listed.adapters)
+
+
+def test_prefill_without_the_adapter_or_with_other_weights(lora_decode, lora_prefill, adapter_dir, colocated):
+    """gamma: missing on the prefill server, then loaded there from other files. The decode server falls
+    back to prefilling here both times (the replica stays in use for other requests)."""
+    load(lora_decode.address, "gamma", adapter_dir / "gamma")
+    client = Client(lora_decode.address)
+    stub = admin(lora_decode.address)
+    before = stub.GetStats(admin_pb2.GetStatsRequest()).num_transfer_failures_total
+    assert client.generate(TEXTS[0], lora_adapter="gamma", **GREEDY).token_ids == colocated(
+        TEXTS[0], "gamma", GREEDY
+    )
+    load(lora_prefill.address, "gamma", adapter_dir / "gamma-other")
+    assert client.generate(TEXTS[1], lora_adapter="gamma", **GREEDY).token_ids == colocated(
+        TEXTS[1], "gamma", GREEDY
+    )
+    assert stub.GetStats(admin_pb2.GetStatsRequest()).num_transfer_failures_total == before + 2
+    served = admin(lora_prefill.address).GetStats(admin_pb2.GetStatsRequest()).num_requests_total
+    assert client.generate(TEXTS[2], lora_adapter="alpha", **GREEDY).token_ids == colocated(
+        TEXTS[2], "alpha", GREEDY
+    )
+    assert admin(lora_prefill.address).GetStats(admin_pb2.GetStatsRequest()).num_requests_total == served + 1
+    admin(lora_prefill.address).UnloadLoraAdapter(admin_pb2.UnloadLoraAdapterRequest(name="gamma"))
+
+
+def test_adapter_errors(lora_decode, adapter_dir, tmp_path, loaded_model):
+    client = Client(lora_decode.address)
+    error = rpc_error(lambda: client.generate("hi", lora_adapter="nope", max_tokens=2))
+    assert error.code() == grpc.StatusCode.NOT_FOUND and "'nope' is not loaded" in error.details()
+    stub = admin(lora_decode.address)
+    error = rpc_error(lambda: load(lora_decode.address, "alpha", adapter_dir / "gamma"))
+    assert error.code() == grpc.StatusCode.ALREADY_EXISTS
+    error = rpc_error(lambda: load(lora_decode.address, "x", adapter_dir / "missing"))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "not a directory" in error.details()
+    outside = write_random_adapter(tmp_path / "outside", loaded_model.config, rank=2)
+    error = rpc_error(lambda: load(lora_decode.address, "x", outside))
+    assert error.code() == grpc.StatusCode.PERMISSION_DENIED
+    error = rpc_error(lambda: stub.UnloadLoraAdapter(admin_pb2.UnloadLoraAdapterRequest(name="nope")))
+    assert error.code() == grpc.StatusCode.NOT_FOUND
+    load(lora_decode.address, "delta", adapter_dir / "beta")
+    stub.UnloadLoraAdapter(admin_pb2.UnloadLoraAdapterRequest(name="delta"))
+    error = rpc_error(lambda: client.generate("hi", lora_adapter="delta", max_tokens=2))
+    assert error.code() == grpc.StatusCode.NOT_FOUND
+    stats = stub.GetStats(admin_pb2.GetStatsRequest())
+    assert stats.num_free_blocks == stats.num_blocks and stats.num_running == 0
+
+
+def test_prefill_ignoring_the_adapter_is_never_used(gguf_path, log_dir, adapter_dir, make_engine, colocated):
+    """A prefill server that ignores lora_adapter (an older build) prefills with the base weights; its
+    header says so, and the decode server prefills the request here instead."""
+    from services.prefill import server as prefill_module
+
+    class AdapterBlind(prefill_module.PrefillService):
+        async def _prefill(self, request, context):
+            request.ClearField("lora_adapter")
+            request.ClearField("lora_fingerprint")
+            async for message in super()._prefill(request, context):
+                yield message
+
+    engine = make_engine()
+    ready: queue.Queue[str] = queue.Queue()
+    original, prefill_module.PrefillService = prefill_module.PrefillService, AdapterBlind
+    try:
+        server = ServerThread(lambda stop: prefill_module.serve(engine, 0, stop, on_ready=ready.put))
+        address = ready.get(timeout=60)
+    finally:
+        prefill_module.PrefillService = original
+    extra = [*LORA_ARGS, "--lora", f"alpha={adapter_dir / 'alpha'}"]
+    decode = decode_server(gguf_path, address, log_dir, name="decode-blind", extra=extra)
+    try:
+        client = Client(decode.address)
+        assert client.generate(TEXTS[3], lora_adapter="alpha", **GREEDY).token_ids == colocated(
+            TEXTS[3], "alpha", GREEDY
+        )
+        stats = admin(decode.address).GetStats(admin_pb2.GetStatsRequest())
+        assert stats.num_transfer_failures_total >= 1
+        assert client.generate(TEXTS[3], **GREEDY).token_ids == colocated(TEXTS[3], None, GREEDY)
+    finally:
+        assert decode.terminate() == 0
+        server.stop()
+
+
+def test_serve_shape_with_adapters(gguf_path, log_dir, adapter_dir, colocated):
+    """`pdserve serve`: the local prefill engine has the --lora adapters and those loaded through Admin."""
+    daemon = Daemon(
+        [
+            "serve",
+            "--model",
+            str(gguf_path),
+            "--port",
+            "0",
+            "--no-warmup",
+            "--cpu-devices",
+            "2",
+            *ENGINE_ARGS,
+            *LORA_ARGS,
+            "--lora",
+            f"alpha={adapter_dir / 'alpha'}",
+        ],
+        "serve-lora",
+        log_dir,
+    )
+    try:
+        client = Client(daemon.address)
+        load(daemon.address, "beta", adapter_dir / "beta")
+        assert list(client.model_info().lora_adapters) == ["alpha", "beta"]
+        for lora in ("alpha", "beta"):
+            got = client.generate(TEXTS[0], lora_adapter=lora, **SEEDED).token_ids
+            assert got == colocated(TEXTS[0], lora, SEEDED), lora
+        stats = admin(daemon.address).GetStats(admin_pb2.GetStatsRequest())
+        assert stats.num_transfer_failures_total == 0
+    finally:
+        assert daemon.terminate() == 0
