@@ -64,14 +64,18 @@ def hf_figures(gguf, prompt_len: int, decode_steps: int) -> dict:
     return {"prefill_s": prefill, "decode_step_s": decode}
 
 
-def pdserve_decode_step(engine, batch: int, steps: int) -> float:
-    """Seconds per decode step with `batch` running requests (32-token prompts), sampling included."""
+def pdserve_decode_step(engine, batch: int, steps: int, lora: list[str | None] | None = None) -> float:
+    """Seconds per decode step with `batch` running requests (32-token prompts), sampling included.
+
+    `lora`: the adapter of each request, cycled (default: the base model for all)."""
     from engine.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
     rng = np.random.default_rng(batch)
-    for _ in range(batch):
-        engine.add_request(rng.integers(100, 40000, 32).tolist(), params)
+    for i in range(batch):
+        engine.add_request(
+            rng.integers(100, 40000, 32).tolist(), params, lora=lora[i % len(lora)] if lora else None
+        )
     while engine.scheduler.waiting or engine.scheduler.prefilling:
         engine.step()
     engine.step()  # first decode step after the last prefill

@@ -96,7 +96,6 @@ def test_layout_mismatch_is_failed_precondition_naming_the_field(
         (dict(prompt="hi", temperature=float("nan")), "temperature"),
         (dict(prompt="hi", top_p=1.5), "top_p"),
         (dict(prompt="hi", max_tokens=5000), "max_tokens"),
-        (dict(prompt="hi", lora_adapter="nope"), "lora"),
         (dict(prompt=None), "prompt"),
         (dict(prompt="x" * 20_000), "prompt"),
     ],
