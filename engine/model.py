@@ -52,6 +52,11 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
+def _pair(lo: LoraWeights | None, name: str) -> tuple:
+    """(A, B) of one plain projection of a layer's adapters (o, down); () without LoRA."""
+    return () if lo is None else (getattr(lo, f"{name}_a"), getattr(lo, f"{name}_b"))
+
+
 def forward_step(
     weights: Weights,
     lora: LoraWeights | None,  # resident adapters (None: LoRA off, nothing added)
@@ -72,32 +77,34 @@ def forward_step(
     positions = num_past[:, None] + jnp.arange(t)[None, :]
     inv_freq = rope_inverse_frequencies(cfg)
     x = weights.embed[tokens]  # [B, T, hidden]
-    mask = None if lora is None else lora_ops.slot_mask(lora_slots, lora.qkv_a.shape[1], x.dtype)
+    per_row = t > 1  # prefill: gather each row's adapter; decode: all slots, masked (engine.lora.apply)
+    mask = None if lora is None else lora_ops.selection(lora_slots, lora.qkv_a.shape[1], per_row, x.dtype)
+    any_lora = jnp.any(lora_slots >= 0)
 
     def layer(x, lw):
         w, lo, index = lw
+        if lo is not None and per_row:
+            lo = lora_ops.rows_of(lo, lora_slots)
+
+        def plus_lora(y, delta, *args):  # y + delta(*args); skipped at run time when no row has an adapter
+            if lo is None:
+                return y
+            return jax.lax.cond(any_lora, lambda: y + delta(*args, mask), lambda: y)
+
         h = rms_norm(x, w.attn_norm, cfg.rms_norm_eps)
         qkv = jnp.einsum("btd,dkx->btkx", h, w.w_qkv) + w.b_qkv  # [B, T, kv_heads, (group + 2) * head_dim]
-        if lo is not None:
-            qkv = qkv + lora_ops.qkv_delta(h, lo, mask)
+        qkv = plus_lora(qkv, lora_ops.qkv_delta, h, lo)
         q = qkv[..., : -2 * head_dim].reshape(b, t, kv_heads, -1, head_dim)
         k, v = qkv[..., -2 * head_dim : -head_dim], qkv[..., -head_dim:]
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
         attn = paged_attention(q, k, v, cache, index, block_tables, num_past, num_new)
         attn = attn.reshape(b, t, -1)
-        out = attn @ w.wo
-        if lo is not None:
-            out = out + lora_ops.linear_delta(attn, lo.o_a, lo.o_b, mask)
-        x = x + out
+        x = x + plus_lora(attn @ w.wo, lora_ops.linear_delta, attn, *_pair(lo, "o"))
         h = rms_norm(x, w.mlp_norm, cfg.rms_norm_eps)
         gate_up = jnp.einsum("btd,dci->btci", h, w.w_gate_up)
-        if lo is not None:
-            gate_up = gate_up + lora_ops.gate_up_delta(h, lo, mask)
+        gate_up = plus_lora(gate_up, lora_ops.gate_up_delta, h, lo)
         act = jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]
-        out = act @ w.w_down
-        if lo is not None:
-            out = out + lora_ops.linear_delta(act, lo.down_a, lo.down_b, mask)
-        x = x + out
+        x = x + plus_lora(act @ w.w_down, lora_ops.linear_delta, act, *_pair(lo, "down"))
         new_kv = jnp.stack([k, v], axis=3).reshape(b, t, 2 * kv_heads, head_dim)  # K, V interleaved
         return x, new_kv
 

@@ -49,6 +49,14 @@ class _StateCollector:
             len(s.waiting) + c.num_waiting,
         )
         yield gauge("pdserve_incoming_transfers", "requests whose KV is being received", s.num_incoming)
+        yield gauge("pdserve_lora_adapters_loaded", "LoRA adapters requests may name", len(engine.adapters))
+        slots = engine.lora_slots
+        yield gauge(
+            "pdserve_lora_slots_used", "adapter slots holding an adapter", len(slots.resident) if slots else 0
+        )
+        yield counter(
+            "pdserve_lora_slot_loads", "adapters written into a device slot", slots.num_loads if slots else 0
+        )
         yield counter(
             "pdserve_kv_transfer_bytes", "KV bytes received from prefill servers", c.kv_transfer_bytes_total
         )

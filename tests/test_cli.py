@@ -61,3 +61,22 @@ def test_models_list():
         [sys.executable, "-m", "pdserve.cli", "models", "list"], capture_output=True, text=True
     )
     assert proc.returncode == 0 and "smollm2-135m-instruct" in proc.stdout
+
+
+def test_generate_with_a_lora_adapter(gguf_path, loaded_model, make_engine, tmp_path):
+    from engine.sampling_params import SamplingParams
+    from tests.lora_testlib import write_random_adapter
+
+    folder = write_random_adapter(tmp_path / "sql", loaded_model.config, rank=4, seed=5)
+    args = ("generate", "--json", "--max-tokens", "8", "--lora", f"sql={folder}", "--adapter", "sql", "Hello")
+    proc = run_cli(*args, gguf_path=gguf_path)
+    assert proc.returncode == 0, proc.stderr
+    engine = make_engine(max_loras=4)
+    engine.load_lora("sql", str(folder))
+    expected = engine.generate(["Hello"], SamplingParams(temperature=0, max_tokens=8), lora="sql")[0]
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["token_ids"] == expected.token_ids
+    engine.remove_lora("sql")
+    bad = run_cli("generate", "--lora", "no-equals-sign", "hi", gguf_path=gguf_path)
+    assert bad.returncode == 2 and "expected NAME=PATH" in bad.stderr
+    missing = run_cli("generate", "--lora", f"x={tmp_path / 'none'}", "hi", gguf_path=gguf_path)
+    assert missing.returncode != 0 and "--lora x" in missing.stderr and "not a directory" in missing.stderr

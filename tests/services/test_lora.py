@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import queue
+import urllib.request
 
 import grpc
 import pytest
@@ -49,6 +50,7 @@ def lora_prefill(gguf_path, log_dir, adapter_dir):
 @pytest.fixture(scope="module")
 def lora_decode(gguf_path, lora_prefill, log_dir, adapter_dir):
     extra = [*LORA_ARGS, "--lora", f"alpha={adapter_dir / 'alpha'}", "--lora-root", str(adapter_dir)]
+    extra += ["--metrics-port", "0"]
     daemon = decode_server(gguf_path, lora_prefill.address, log_dir, name="decode-lora", extra=extra)
     yield daemon
     assert daemon.terminate() == 0
@@ -104,6 +106,10 @@ def test_disaggregated_equals_colocated_with_adapters(lora_decode, lora_prefill,
     listed = admin(lora_decode.address).ListLoraAdapters(admin_pb2.ListLoraAdaptersRequest())
     assert listed.num_slots == 2 and [a.name for a in listed.adapters] == ["alpha", "beta"]
     assert all(a.resident for a in listed.adapters)
+    with urllib.request.urlopen(f"http://{lora_decode.addresses['metrics']}/metrics") as response:
+        metrics = response.read().decode()
+    assert 'pdserve_lora_adapters_loaded{role="decode"} 2.0' in metrics
+    assert 'pdserve_lora_slots_used{role="decode"} 2.0' in metrics
 
 
 def test_prefill_without_the_adapter_or_with_other_weights(lora_decode, lora_prefill, adapter_dir, colocated):
