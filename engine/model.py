@@ -78,7 +78,7 @@ def forward_step(
     inv_freq = rope_inverse_frequencies(cfg)
     x = weights.embed[tokens]  # [B, T, hidden]
     per_row = t > 1  # prefill: gather each row's adapter; decode: all slots, masked (engine.lora.apply)
-    mask = None if lora is None else lora_ops.selection(lora_slots, lora.qkv_a.shape[1], per_row, x.dtype)
+    mask = None if lora is None else lora_ops.selection(lora_slots, lora.num_slots, per_row, x.dtype)
     any_lora = jnp.any(lora_slots >= 0)
 
     def layer(x, lw):

@@ -1,4 +1,4 @@
-"""The `pdserve` command line: `generate`, `serve`, `bench` (load generator) and `models`."""
+"""The `pdserve` command line: `generate`, `serve`, `bench` (load generator), `adapters` and `models`."""
 
 from __future__ import annotations
 
@@ -106,11 +106,19 @@ def sampling_params(args: argparse.Namespace):
     )
 
 
-def cmd_generate_remote(args: argparse.Namespace) -> int:
-    """`generate --server ADDR`: streams the answer of a running decode-server as it arrives."""
-    import grpc
+def add_client_args(parser: argparse.ArgumentParser, server_help: str) -> None:
+    parser.add_argument("--server", default=None, help=server_help)
+    tls = parser.add_argument_group("with --server: TLS and auth (default: plaintext, no token)")
+    tls.add_argument("--tls", action="store_true", help="TLS, server verified against the system roots")
+    tls.add_argument("--tls-ca", metavar="PEM", help="TLS, server verified against this CA")
+    tls.add_argument("--tls-cert", metavar="PEM", help="client certificate (mutual TLS)")
+    tls.add_argument("--tls-key", metavar="PEM", help="its private key")
+    tls.add_argument("--token-file", metavar="FILE", help="bearer token (the file's first token)")
 
-    from services.client import FINISH_NAMES, Client, build_request
+
+def remote_client(args: argparse.Namespace):
+    """A services.client.Client for --server with the TLS/token flags; None (error printed) when they fail."""
+    from services.client import Client
     from services.security import channel_credentials, read_tokens
 
     try:
@@ -120,8 +128,48 @@ def cmd_generate_remote(args: argparse.Namespace) -> int:
         token = read_tokens(args.token_file)[0] if args.token_file else None
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
+        return None
+    return Client(args.server, credentials=credentials, token=token)
+
+
+def cmd_adapters(args: argparse.Namespace) -> int:
+    """`pdserve adapters list|load|unload --server ADDR`: a daemon's LoRA adapters (its Admin service)."""
+    import grpc
+    from google.protobuf import json_format
+
+    if args.server is None:
+        print("error: --server ADDR is required", file=sys.stderr)
         return 2
-    client = Client(args.server, credentials=credentials, token=token)
+    client = remote_client(args)
+    if client is None:
+        return 2
+    try:
+        if args.action == "load":
+            if not args.name or not args.path:
+                print("error: load needs NAME and PATH", file=sys.stderr)
+                return 2
+            reply = client.load_lora(args.name, args.path)
+        elif args.action == "unload":
+            client.unload_lora(args.name or "")
+            return 0
+        else:
+            reply = client.list_loras()
+    except grpc.RpcError as e:
+        print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    print(json.dumps(json_format.MessageToDict(reply, preserving_proto_field_name=True), indent=2))
+    return 0
+
+
+def cmd_generate_remote(args: argparse.Namespace) -> int:
+    """`generate --server ADDR`: streams the answer of a running decode-server as it arrives."""
+    import grpc
+
+    from services.client import FINISH_NAMES, build_request
+
+    client = remote_client(args)
+    if client is None:
+        return 2
     request = build_request(
         None if args.chat else args.prompt,
         chat=[{"role": "user", "content": args.prompt}] if args.chat else None,
@@ -235,14 +283,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(gen)
     add_sampling_args(gen)
     gen.add_argument("--warmup", action="store_true", help="compile every serving shape first")
-    gen.add_argument("--server", default=None, help="ADDR of a decode-server: stream from it instead")
     gen.add_argument("--adapter", default=None, metavar="NAME", help="LoRA adapter to generate with")
-    tls = gen.add_argument_group("with --server: TLS and auth (default: plaintext, no token)")
-    tls.add_argument("--tls", action="store_true", help="TLS, server verified against the system roots")
-    tls.add_argument("--tls-ca", metavar="PEM", help="TLS, server verified against this CA")
-    tls.add_argument("--tls-cert", metavar="PEM", help="client certificate (mutual TLS)")
-    tls.add_argument("--tls-key", metavar="PEM", help="its private key")
-    tls.add_argument("--token-file", metavar="FILE", help="bearer token (the file's first token)")
+    add_client_args(gen, "ADDR of a decode-server: stream from it instead")
     gen.add_argument("prompt")
     gen.set_defaults(func=cmd_generate)
 
@@ -260,6 +302,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_args(bench)
     bench.set_defaults(func=cmd_bench)
+
+    adapters = sub.add_parser(
+        "adapters", help="list, load or unload a daemon's LoRA adapters (Admin service)"
+    )
+    adapters.add_argument("action", choices=["list", "load", "unload"])
+    adapters.add_argument("name", nargs="?")
+    adapters.add_argument("path", nargs="?", help="load: the adapter folder as the daemon sees it")
+    add_client_args(adapters, "ADDR of the daemon (decode-server, prefill-server or pdserve serve)")
+    adapters.set_defaults(func=cmd_adapters)
 
     models = sub.add_parser("models", help="list or fetch known models")
     models.add_argument("action", choices=["fetch", "list"])

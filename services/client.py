@@ -8,6 +8,7 @@ from collections.abc import Iterator, Sequence
 
 import grpc
 
+from pdserve.v1 import admin_pb2, admin_pb2_grpc
 from pdserve.v1 import generation_pb2 as pb
 from pdserve.v1 import generation_pb2_grpc as pb_grpc
 from services.grpc_server import channel_options
@@ -80,6 +81,7 @@ class Client:
         self.channel = ChannelSecurity(credentials).open(target, channel_options())
         self.metadata = bearer_metadata(token)
         self.stub = pb_grpc.GenerationStub(self.channel)
+        self.admin = admin_pb2_grpc.AdminStub(self.channel)
 
     def stream(
         self, request: pb.GenerateRequest, timeout: float | None = None
@@ -110,6 +112,17 @@ class Client:
 
     def model_info(self) -> pb.ModelInfo:
         return self.stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=self.metadata)
+
+    def load_lora(self, name: str, path: str) -> admin_pb2.LoraAdapterInfo:
+        """Loads a PEFT adapter folder (a path on the server's filesystem) under `name`."""
+        request = admin_pb2.LoadLoraAdapterRequest(name=name, path=path)
+        return self.admin.LoadLoraAdapter(request, metadata=self.metadata)
+
+    def unload_lora(self, name: str) -> None:
+        self.admin.UnloadLoraAdapter(admin_pb2.UnloadLoraAdapterRequest(name=name), metadata=self.metadata)
+
+    def list_loras(self) -> admin_pb2.LoraAdapterList:
+        return self.admin.ListLoraAdapters(admin_pb2.ListLoraAdaptersRequest(), metadata=self.metadata)
 
     def close(self) -> None:
         self.channel.close()

@@ -14,7 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from engine.lora.slots import LoraWeights
+from engine.lora.slots import SLOT_AXIS, LoraWeights
 
 
 def selection(slots: jax.Array, num_slots: int, per_row: bool, dtype) -> jax.Array:
@@ -25,8 +25,12 @@ def selection(slots: jax.Array, num_slots: int, per_row: bool, dtype) -> jax.Arr
 
 
 def rows_of(lw: LoraWeights, slots: jax.Array) -> LoraWeights:
-    """One layer's slots [S, ...] -> each row's adapter [B, ...] (base rows read slot 0, scaled by 0)."""
-    return jax.tree.map(lambda x: x[jnp.maximum(slots, 0)], lw)
+    """One layer's slots -> each row's adapter, the row axis where the slot axis was (base rows read slot
+    0, scaled by 0)."""
+    rows = jnp.maximum(slots, 0)
+    return LoraWeights(
+        **{name: jnp.take(getattr(lw, name), rows, axis=axis - 1) for name, axis in SLOT_AXIS.items()}
+    )
 
 
 def _einsum(spec: str, x: jax.Array, w: jax.Array, sel: jax.Array) -> jax.Array:
@@ -47,19 +51,19 @@ def _select(s: jax.Array, sel: jax.Array) -> jax.Array:
 
 def qkv_delta(h: jax.Array, lw: LoraWeights, sel: jax.Array) -> jax.Array:
     """h [B, T, hidden] -> [B, T, kv_heads, (group + 2) * head_dim], the fused QKV layout."""
-    s = _select(_einsum("btd,sdpr->btspr", h, lw.qkv_a, sel), sel)
+    s = _select(_einsum("btd,dspr->btspr", h, lw.qkv_a, sel), sel)
     q = _einsum("btsr,srkx->btkx", s[..., 0, :], lw.q_b, sel)
-    kv = _einsum("btspr,sprkx->btkpx", s[..., 1:, :], lw.kv_b, sel)  # [B, T, kv_heads, 2, head_dim]
+    kv = _einsum("btspr,psrkx->btkpx", s[..., 1:, :], lw.kv_b, sel)  # [B, T, kv_heads, 2, head_dim]
     return jnp.concatenate([q, kv.reshape(*kv.shape[:3], -1)], axis=-1)
 
 
 def gate_up_delta(h: jax.Array, lw: LoraWeights, sel: jax.Array) -> jax.Array:
     """h [B, T, hidden] -> [B, T, 2, intermediate] (gate, up)."""
-    s = _select(_einsum("btd,sdcr->btscr", h, lw.gate_up_a, sel), sel)
-    return _einsum("btscr,scri->btci", s, lw.gate_up_b, sel)
+    s = _select(_einsum("btd,dscr->btscr", h, lw.gate_up_a, sel), sel)
+    return _einsum("btscr,csri->btci", s, lw.gate_up_b, sel)
 
 
 def linear_delta(x: jax.Array, a: jax.Array, b: jax.Array, sel: jax.Array) -> jax.Array:
-    """x [B, T, in] with a [S, in, R], b [S, R, out] (o_proj, down_proj) -> [B, T, out]."""
-    s = _select(_einsum("bti,sir->btsr", x, a, sel), sel)
+    """x [B, T, in] with a [in, S, R], b [S, R, out] (o_proj, down_proj) -> [B, T, out]."""
+    s = _select(_einsum("bti,isr->btsr", x, a, sel), sel)
     return _einsum("btsr,sro->bto", s, b, sel)

@@ -1,8 +1,11 @@
 """Device slots holding the adapters in use: a fixed number, least recently used evicted first.
 
-All slots live in one LoraWeights pytree, stacked [layers, slots, ...] (slot axis 1), laid out for the
-fused projections of engine.weights: Q/K/V per (padded) KV head, gate and up side by side, heads padded
-for tensor parallelism exactly like the base weights. A slot of zeros adds nothing.
+All slots live in one LoraWeights pytree, layers stacked on axis 0, laid out for the fused projections of
+engine.weights: Q/K/V per (padded) KV head, gate and up side by side, heads padded for tensor parallelism
+exactly like the base weights. The slot axis sits where the products need it: after the contracted input
+axis in A ([in, slots, ..., R]), first in B ([slots, R, out]) and after the part axis of the batched
+expansions (k/v, gate/up), so XLA contracts every array in place, with no per-step transpose. A slot of
+zeros adds nothing.
 
 A request pins its adapter's slot from admission to its end, so a slot is only rewritten once no
 running request reads it; when every slot is pinned by another adapter, the request waits.
@@ -30,32 +33,43 @@ from engine.weights import pad_heads
 class LoraWeights:
     """A (rank R), B (R, scaling folded in) of every slot S, layers stacked (L)."""
 
-    qkv_a: jax.Array  # [L, S, hidden, 3, R]  (q, k, v)
+    qkv_a: jax.Array  # [L, hidden, S, 3, R]  (q, k, v)
     q_b: jax.Array  # [L, S, R, kv_heads, group * head_dim]
-    kv_b: jax.Array  # [L, S, 2, R, kv_heads, head_dim]  (k, v)
-    o_a: jax.Array  # [L, S, heads * head_dim, R]
+    kv_b: jax.Array  # [L, 2, S, R, kv_heads, head_dim]  (k, v)
+    o_a: jax.Array  # [L, heads * head_dim, S, R]
     o_b: jax.Array  # [L, S, R, hidden]
-    gate_up_a: jax.Array  # [L, S, hidden, 2, R]  (gate, up)
-    gate_up_b: jax.Array  # [L, S, 2, R, intermediate]
-    down_a: jax.Array  # [L, S, intermediate, R]
+    gate_up_a: jax.Array  # [L, hidden, S, 2, R]  (gate, up)
+    gate_up_b: jax.Array  # [L, 2, S, R, intermediate]
+    down_a: jax.Array  # [L, intermediate, S, R]
     down_b: jax.Array  # [L, S, R, hidden]
 
+    @property
+    def num_slots(self) -> int:
+        return self.q_b.shape[1]
 
+
+SLOT = "slots"  # marks the slot axis in _AXES (replicated)
 _AXES = {
-    "qkv_a": ("layers", None, "embed", None, None),
-    "q_b": ("layers", None, None, "kv_heads", None),
-    "kv_b": ("layers", None, None, None, "kv_heads", None),
-    "o_a": ("layers", None, "heads", None),
-    "o_b": ("layers", None, None, "embed"),
-    "gate_up_a": ("layers", None, "embed", None, None),
-    "gate_up_b": ("layers", None, None, None, "mlp"),
-    "down_a": ("layers", None, "mlp", None),
-    "down_b": ("layers", None, None, "embed"),
+    "qkv_a": ("layers", "embed", SLOT, None, None),
+    "q_b": ("layers", SLOT, None, "kv_heads", None),
+    "kv_b": ("layers", None, SLOT, None, "kv_heads", None),
+    "o_a": ("layers", "heads", SLOT, None),
+    "o_b": ("layers", SLOT, None, "embed"),
+    "gate_up_a": ("layers", "embed", SLOT, None, None),
+    "gate_up_b": ("layers", None, SLOT, None, "mlp"),
+    "down_a": ("layers", "mlp", SLOT, None),
+    "down_b": ("layers", SLOT, None, "embed"),
 }
+SLOT_AXIS = {name: axes.index(SLOT) for name, axes in _AXES.items()}  # in the stacked arrays
+
+
+def _sharding(mesh: Mesh, name: str, with_slots: bool = True):
+    axes = [None if a == SLOT else a for a in _AXES[name] if with_slots or a != SLOT]
+    return named(mesh, *axes)
 
 
 def slot_shapes(cfg: ModelConfig, max_rank: int, tp: int) -> dict[str, tuple[int, ...]]:
-    """Shape of one slot of each array (without the layer and slot axes)."""
+    """Shape of one slot of each array (without the layer and slot axes; see slot_arrays)."""
     kv_heads, hd, r = cfg.padded_num_kv_heads(tp), cfg.head_dim, max_rank
     d, i = cfg.hidden_size, cfg.intermediate_size
     return {
@@ -97,7 +111,13 @@ def slot_arrays(adapter: LoraAdapter, cfg: ModelConfig, max_rank: int, tp: int) 
 
 @functools.partial(jax.jit, donate_argnums=0)
 def _write_slot(weights: LoraWeights, values: dict[str, jax.Array], slot: jax.Array) -> LoraWeights:
-    return LoraWeights(**{name: getattr(weights, name).at[:, slot].set(values[name]) for name in _AXES})
+    def write(name: str) -> jax.Array:
+        full, value = getattr(weights, name), jnp.expand_dims(values[name], SLOT_AXIS[name])
+        start = [0] * full.ndim
+        start[SLOT_AXIS[name]] = slot
+        return jax.lax.dynamic_update_slice(full, value.astype(full.dtype), start)
+
+    return LoraWeights(**{name: write(name) for name in _AXES})
 
 
 class LoraSlots:
@@ -106,11 +126,10 @@ class LoraSlots:
     def __init__(self, cfg: ModelConfig, num_slots: int, max_rank: int, mesh: Mesh, dtype: jnp.dtype):
         self.cfg, self.num_slots, self.max_rank, self.mesh, self.dtype = cfg, num_slots, max_rank, mesh, dtype
         self.tp = mesh.shape["model"]
-        shapes = slot_shapes(cfg, max_rank, self.tp)
         self.weights = LoraWeights(
             **{
-                name: jnp.zeros((cfg.num_layers, num_slots, *shape), dtype, device=named(mesh, *_AXES[name]))
-                for name, shape in shapes.items()
+                name: jnp.zeros(_with_slots(shape, name, num_slots, cfg), dtype, device=_sharding(mesh, name))
+                for name, shape in slot_shapes(cfg, max_rank, self.tp).items()
             }
         )
         self._resident: collections.OrderedDict[str, int] = (
@@ -153,8 +172,15 @@ class LoraSlots:
 
     def _load(self, adapter: LoraAdapter, slot: int) -> None:
         values = {
-            name: jax.device_put(x.astype(self.dtype), named(self.mesh, *_AXES[name][:1], *_AXES[name][2:]))
+            name: jax.device_put(x.astype(self.dtype), _sharding(self.mesh, name, with_slots=False))
             for name, x in slot_arrays(adapter, self.cfg, self.max_rank, self.tp).items()
         }
         self.weights = _write_slot(self.weights, values, jnp.int32(slot))
         self.num_loads += 1
+
+
+def _with_slots(shape: tuple[int, ...], name: str, num_slots: int, cfg: ModelConfig) -> tuple[int, ...]:
+    """[layers, *shape] with the slot axis inserted where _AXES puts it."""
+    full = [cfg.num_layers, *shape]
+    full.insert(SLOT_AXIS[name], num_slots)
+    return tuple(full)

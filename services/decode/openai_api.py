@@ -153,9 +153,10 @@ class OpenAIFrontend:
             return _error(_HTTP_STATUS.get(e.code, 500), e.message, "server_error")
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         outputs = self.service.stream(engine_request)
+        model = engine_request.lora.name if engine_request.lora else self.model  # echoed in responses
         if body.get("stream"):
-            return await self._stream(request, outputs, rid, chat, body)
-        return await self._complete(outputs, rid, chat)
+            return await self._stream(request, outputs, rid, chat, body, model)
+        return await self._complete(outputs, rid, chat, model)
 
     def _adapter(self, body: dict) -> str:
         """`lora_adapter`, else `model` when it names a loaded adapter (vLLM's convention); "": the base."""
@@ -167,7 +168,7 @@ class OpenAIFrontend:
             raise InvalidRequestError("lora_adapter", "must be a string")
         return name
 
-    async def _complete(self, outputs, rid: str, chat: bool) -> web.Response:
+    async def _complete(self, outputs, rid: str, chat: bool, model: str) -> web.Response:
         text, finish, usage, logprobs = [], None, (0, 0), []
         try:
             async for output in outputs:
@@ -190,7 +191,7 @@ class OpenAIFrontend:
                 "id": rid,
                 "object": "chat.completion" if chat else "text_completion",
                 "created": int(time.time()),
-                "model": self.model,
+                "model": model,
                 "choices": [choice],
                 "usage": {
                     "prompt_tokens": usage[0],
@@ -200,7 +201,9 @@ class OpenAIFrontend:
             }
         )
 
-    async def _stream(self, request, outputs, rid: str, chat: bool, body: dict) -> web.StreamResponse:
+    async def _stream(
+        self, request, outputs, rid: str, chat: bool, body: dict, model: str
+    ) -> web.StreamResponse:
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
@@ -208,7 +211,7 @@ class OpenAIFrontend:
         created, kind = int(time.time()), "chat.completion.chunk" if chat else "text_completion"
 
         async def send(choice: dict, usage=None):
-            chunk = {"id": rid, "object": kind, "created": created, "model": self.model, "choices": [choice]}
+            chunk = {"id": rid, "object": kind, "created": created, "model": model, "choices": [choice]}
             if usage is not None:
                 chunk["usage"] = usage
             await response.write(f"data: {json.dumps(chunk)}\n\n".encode())

@@ -6,7 +6,11 @@ computed with other weights; `pdserve serve` with adapters."""
 from __future__ import annotations
 
 import concurrent.futures
+import json
+import os
 import queue
+import subprocess
+import sys
 import urllib.request
 
 import grpc
@@ -50,7 +54,7 @@ def lora_prefill(gguf_path, log_dir, adapter_dir):
 @pytest.fixture(scope="module")
 def lora_decode(gguf_path, lora_prefill, log_dir, adapter_dir):
     extra = [*LORA_ARGS, "--lora", f"alpha={adapter_dir / 'alpha'}", "--lora-root", str(adapter_dir)]
-    extra += ["--metrics-port", "0"]
+    extra += ["--metrics-port", "0", "--http-port", "0"]
     daemon = decode_server(gguf_path, lora_prefill.address, log_dir, name="decode-lora", extra=extra)
     yield daemon
     assert daemon.terminate() == 0
@@ -63,9 +67,8 @@ def colocated(make_engine, adapter_dir):
     for name in ("alpha", "beta", "gamma"):
         engine.load_lora(name, str(adapter_dir / name))
 
-    def generate(text: str, lora: str | None, kw: dict) -> list[int]:
-        params = SamplingParams(**kw)
-        return engine.generate([text], params, lora=lora)[0].token_ids
+    def generate(text: str, lora: str | None, kw: dict, field: str = "token_ids"):
+        return getattr(engine.generate([text], SamplingParams(**kw), lora=lora)[0], field)
 
     return generate
 
@@ -157,6 +160,34 @@ def test_adapter_errors(lora_decode, adapter_dir, tmp_path, loaded_model):
     assert stats.num_free_blocks == stats.num_blocks and stats.num_running == 0
 
 
+def test_pdserve_adapters_command(lora_decode, adapter_dir):
+    def run(*args):
+        env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+        cmd = [sys.executable, "-m", "pdserve.cli", "adapters", *args, "--server", lora_decode.address]
+        return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=60)
+
+    loaded = run("load", "epsilon", str(adapter_dir / "beta"))
+    assert loaded.returncode == 0, loaded.stderr
+    assert json.loads(loaded.stdout)["name"] == "epsilon" and json.loads(loaded.stdout)["rank"] == 4
+    listed = json.loads(run("list").stdout)
+    assert "epsilon" in [a["name"] for a in listed["adapters"]] and listed["num_slots"] == 2
+    assert run("unload", "epsilon").returncode == 0
+    missing = run("unload", "epsilon")
+    assert missing.returncode == 1 and "NOT_FOUND" in missing.stderr
+
+
+def test_openai_api_model_names_an_adapter(lora_decode, colocated, loaded_model):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"http://{lora_decode.addresses['http']}/v1", api_key="unused")
+    models = {m.id: m for m in client.models.list().data}
+    assert "alpha" in models and models["alpha"].parent == loaded_model.config.name
+    reply = client.completions.create(model="alpha", prompt=TEXTS[1], max_tokens=12, temperature=0)
+    expected = colocated(TEXTS[1], "alpha", dict(max_tokens=12, temperature=0.0), field="text")
+    assert reply.model == "alpha" and reply.choices[0].text == expected
+    with pytest.raises(openai.NotFoundError, match="not loaded"):
+        client.completions.create(model="x", prompt="hi", max_tokens=2, extra_body={"lora_adapter": "nope"})
+
+
 def test_prefill_ignoring_the_adapter_is_never_used(gguf_path, log_dir, adapter_dir, make_engine, colocated):
     """A prefill server that ignores lora_adapter (an older build) prefills with the base weights; its
     header says so, and the decode server prefills the request here instead."""
@@ -193,7 +224,8 @@ def test_prefill_ignoring_the_adapter_is_never_used(gguf_path, log_dir, adapter_
 
 
 def test_serve_shape_with_adapters(gguf_path, log_dir, adapter_dir, colocated):
-    """`pdserve serve`: the local prefill engine has the --lora adapters and those loaded through Admin."""
+    """`pdserve serve`, prefill TP 1 -> decode TP 2: the local prefill engine has the --lora adapters and
+    those loaded through Admin; the adapters' heads are padded for each side's TP."""
     daemon = Daemon(
         [
             "serve",
@@ -203,7 +235,11 @@ def test_serve_shape_with_adapters(gguf_path, log_dir, adapter_dir, colocated):
             "0",
             "--no-warmup",
             "--cpu-devices",
-            "2",
+            "3",
+            "--prefill-devices",
+            "0",
+            "--decode-devices",
+            "1,2",
             *ENGINE_ARGS,
             *LORA_ARGS,
             "--lora",
@@ -215,7 +251,8 @@ def test_serve_shape_with_adapters(gguf_path, log_dir, adapter_dir, colocated):
     try:
         client = Client(daemon.address)
         load(daemon.address, "beta", adapter_dir / "beta")
-        assert list(client.model_info().lora_adapters) == ["alpha", "beta"]
+        info = client.model_info()
+        assert list(info.lora_adapters) == ["alpha", "beta"] and info.tensor_parallel == 2
         for lora in ("alpha", "beta"):
             got = client.generate(TEXTS[0], lora_adapter=lora, **SEEDED).token_ids
             assert got == colocated(TEXTS[0], lora, SEEDED), lora
