@@ -44,7 +44,7 @@ def main() -> None:
     names = [f"adapter{i}" for i in range(4)]
     with tempfile.TemporaryDirectory() as tmp:
         for i, name in enumerate(names):
-            lora.load_lora(
+            lora.loras.load(
                 name, str(write_random_adapter(Path(tmp) / name, model.config, rank=args.rank, seed=i))
             )
     cases = {

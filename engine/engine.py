@@ -17,15 +17,7 @@ import numpy as np
 
 from engine.block_manager import BlockAllocator, BlockTable
 from engine.config import EngineConfig
-from engine.lora import (
-    AdapterExistsError,
-    AdapterMismatchError,
-    LoraAdapter,
-    LoraLoadError,
-    LoraSlots,
-    UnknownAdapterError,
-    load_peft_adapter,
-)
+from engine.lora import AdapterRegistry, LoraSlots
 from engine.models import LoadedModel, load_model
 from engine.output import OutputStream, RequestOutput
 from engine.request import FinishReason, Request, Status, TokenLogprobs
@@ -53,7 +45,7 @@ class LLMEngine:
             self.lora_slots = LoraSlots(
                 model.config, config.max_loras, config.max_lora_rank, self.mesh, dtype
             )
-        self.adapters: dict[str, LoraAdapter] = {}  # loaded adapters by name (host memory)
+        self.loras = AdapterRegistry(model.config, config.max_lora_rank, enabled=self.lora_slots is not None)
         self.runner = ModelRunner(model.config, config, weights, self.mesh, self.lora_slots)
         self.allocator = BlockAllocator(config.num_blocks)
         self.scheduler = Scheduler(config, self.allocator, self.lora_slots)
@@ -119,49 +111,8 @@ class LLMEngine:
             params=params,
             seed=params.seed if params.seed is not None else secrets.randbits(63),
             blocks=BlockTable(self.allocator, self.config.block_size),
-            lora=None if lora is None else self._adapter(lora, lora_fingerprint),
+            lora=None if lora is None else self.loras.resolve(lora, lora_fingerprint),
         )
-
-    # ---- LoRA adapters --------------------------------------------------------------------------------
-    def _adapter(self, name: str, fingerprint: str | None) -> LoraAdapter:
-        adapter = self.adapters.get(name)
-        if adapter is None:
-            loaded = ", ".join(sorted(self.adapters)) or "none"
-            raise UnknownAdapterError(
-                "lora_adapter", f"adapter {name!r} is not loaded here (loaded: {loaded})"
-            )
-        if fingerprint and fingerprint != adapter.fingerprint:
-            raise AdapterMismatchError(
-                "lora_adapter",
-                f"adapter {name!r} here has fingerprint {adapter.fingerprint}, the request's {fingerprint}",
-            )
-        return adapter
-
-    def read_lora(self, name: str, path: str) -> LoraAdapter:
-        """Reads and checks a PEFT adapter folder (slow: file I/O; safe off the engine thread)."""
-        if self.lora_slots is None:
-            raise LoraLoadError("LoRA is off: start the engine with max_loras > 0 (--max-loras)")
-        return load_peft_adapter(name, path, self.model.config, self.config.max_lora_rank)
-
-    def add_lora(self, adapter: LoraAdapter) -> LoraAdapter:
-        """Makes an adapter available to new requests; it enters a device slot when a request needs it.
-
-        Adding the same files again under the same name is a no-op; other files under a loaded name raise
-        AdapterExistsError (unload it first)."""
-        current = self.adapters.get(adapter.name)
-        if current is not None and current.fingerprint != adapter.fingerprint:
-            raise AdapterExistsError(
-                f"adapter {adapter.name!r} is loaded with other weights: unload it first"
-            )
-        self.adapters.setdefault(adapter.name, adapter)
-        return self.adapters[adapter.name]
-
-    def load_lora(self, name: str, path: str) -> LoraAdapter:
-        return self.add_lora(self.read_lora(name, path))
-
-    def remove_lora(self, name: str) -> bool:
-        """New requests can no longer use the adapter; requests already holding it finish with it."""
-        return self.adapters.pop(name, None) is not None
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, **kwargs) -> str:
         return self.add_prepared_request(self.make_request(prompt, params or SamplingParams(), **kwargs))

@@ -60,7 +60,7 @@ def load_adapters(engine, specs: list[tuple[str, str]]) -> None:
 
     for name, path in specs:
         try:
-            engine.load_lora(name, path)
+            engine.loras.load(name, path)
         except LoraLoadError as e:
             raise SystemExit(f"error: --lora {name}: {e}") from e
 

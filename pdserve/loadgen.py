@@ -68,6 +68,7 @@ class RequestSpec:
     index: int
     prompt: str | list[int]  # token ids (exact lengths) or text
     max_tokens: int
+    lora_adapter: str = ""  # "": the base model
 
 
 def load_dataset(path: str | Path) -> list[dict]:
@@ -90,9 +91,11 @@ def make_workload(
     output_len: LengthDist,
     seed: int = 0,
     dataset: Sequence[dict] | None = None,
+    lora_adapters: Sequence[str] = (),
 ) -> Iterator[RequestSpec]:
     """An endless, reproducible stream of requests: random token-id prompts of `prompt_len` tokens, or the
-    dataset's entries in a seeded order (cycled); `max_tokens` from the entry, else from `output_len`."""
+    dataset's entries in a seeded order (cycled); `max_tokens` from the entry, else from `output_len`; the
+    LoRA adapter from the entry's `lora_adapter`, else `lora_adapters` in turn ("": the base model)."""
     rng = np.random.default_rng(seed)
     order: list[int] = []
     for index in itertools.count():
@@ -106,7 +109,10 @@ def make_workload(
             length = prompt_len.sample(rng)
             prompt = rng.integers(*PROMPT_ID_RANGE, length).tolist()
             max_tokens = output_len.sample(rng)
-        yield RequestSpec(index, prompt, max_tokens)
+        adapter = lora_adapters[index % len(lora_adapters)] if lora_adapters else ""
+        if dataset:
+            adapter = entry.get("lora_adapter", adapter)
+        yield RequestSpec(index, prompt, max_tokens, adapter)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -265,7 +271,9 @@ def _one_request(client, spec: RequestSpec, t0: float, ignore_eos: bool, timeout
 
     from services.client import FINISH_NAMES, build_request
 
-    request = build_request(spec.prompt, max_tokens=spec.max_tokens, ignore_eos=ignore_eos)
+    request = build_request(
+        spec.prompt, max_tokens=spec.max_tokens, ignore_eos=ignore_eos, lora_adapter=spec.lora_adapter
+    )
     start = time.perf_counter()
     record = RequestRecord(
         index=spec.index,
@@ -440,6 +448,7 @@ def bench(
     prompt_len: str = "fixed:128",
     output_len: str = "fixed:64",
     dataset: str | Path | None = None,
+    lora_adapters: Sequence[str] = (),
     slo_ttft_ms: float | None = None,
     slo_tpot_ms: float | None = None,
     seed: int = 0,
@@ -465,6 +474,7 @@ def bench(
         LengthDist.parse(output_len),
         seed,
         load_dataset(dataset) if dataset else None,
+        lora_adapters,
     )
     own_client = client is None
     client = client or Client(server)
@@ -507,6 +517,7 @@ def bench(
             "prompt_len": None if dataset else prompt_len,
             "output_len": output_len,
             "dataset": str(dataset) if dataset else None,
+            "lora_adapters": list(lora_adapters),
             "seed": seed,
             "ignore_eos": ignore_eos,
         },
@@ -566,7 +577,15 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--duration", type=float, default=None, help="stop sending after S seconds")
     parser.add_argument("--prompt-len", default="fixed:128", help="fixed:N or uniform:A:B (token ids)")
     parser.add_argument("--output-len", default="fixed:64", help="fixed:N or uniform:A:B (max_tokens)")
-    parser.add_argument("--dataset", help="JSONL: prompt or prompt_ids, optional max_tokens, a line")
+    parser.add_argument(
+        "--dataset", help="JSONL: prompt or prompt_ids, optional max_tokens and lora_adapter, a line"
+    )
+    parser.add_argument(
+        "--lora-adapters",
+        default="",
+        metavar="A,B,...",
+        help="LoRA adapters given to requests in turn (an empty name: the base model; e.g. ',sql,chat')",
+    )
     parser.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput: TTFT at most this")
     parser.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput: TPOT at most this")
     parser.add_argument("--json", dest="json_path", metavar="OUT", help="write the result as JSON")
@@ -622,6 +641,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             prompt_len=args.prompt_len,
             output_len=args.output_len,
             dataset=args.dataset,
+            lora_adapters=args.lora_adapters.split(",") if args.lora_adapters else (),
             slo_ttft_ms=args.slo_ttft_ms,
             slo_tpot_ms=args.slo_tpot_ms,
             seed=args.seed,

@@ -59,10 +59,10 @@ class AdminService(pb_grpc.AdminServicer):
             )
         engine: LLMEngine = self.loop.engine
         try:
-            adapter = await asyncio.to_thread(engine.read_lora, request.name, str(path))
+            adapter = await asyncio.to_thread(engine.loras.read, request.name, str(path))
             for mirror in self.mirrors:
-                await mirror.call(lambda e: e.add_lora(adapter))
-            adapter = await self.loop.call(lambda e: e.add_lora(adapter))
+                await mirror.call(lambda e: e.loras.add(adapter))
+            adapter = await self.loop.call(lambda e: e.loras.add(adapter))
         except LoraLoadError as e:
             off = engine.lora_slots is None
             await context.abort(
@@ -72,15 +72,15 @@ class AdminService(pb_grpc.AdminServicer):
 
     async def UnloadLoraAdapter(self, request: pb.UnloadLoraAdapterRequest, context):
         for mirror in self.mirrors:
-            await mirror.call(lambda e: e.remove_lora(request.name))
-        if not await self.loop.call(lambda e: e.remove_lora(request.name)):
+            await mirror.call(lambda e: e.loras.remove(request.name))
+        if not await self.loop.call(lambda e: e.loras.remove(request.name)):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"adapter {request.name!r} is not loaded")
         return pb.UnloadLoraAdapterResponse()
 
     async def ListLoraAdapters(self, request, context) -> pb.LoraAdapterList:
         def snapshot(engine: LLMEngine) -> pb.LoraAdapterList:
             return pb.LoraAdapterList(
-                adapters=[adapter_info(engine, a) for _, a in sorted(engine.adapters.items())],
+                adapters=[adapter_info(engine, a) for _, a in sorted(engine.loras.adapters.items())],
                 num_slots=engine.config.max_loras,
                 max_rank=engine.config.max_lora_rank,
             )

@@ -49,7 +49,9 @@ class _StateCollector:
             len(s.waiting) + c.num_waiting,
         )
         yield gauge("pdserve_incoming_transfers", "requests whose KV is being received", s.num_incoming)
-        yield gauge("pdserve_lora_adapters_loaded", "LoRA adapters requests may name", len(engine.adapters))
+        yield gauge(
+            "pdserve_lora_adapters_loaded", "LoRA adapters requests may name", len(engine.loras.adapters)
+        )
         slots = engine.lora_slots
         yield gauge(
             "pdserve_lora_slots_used", "adapter slots holding an adapter", len(slots.resident) if slots else 0

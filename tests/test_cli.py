@@ -72,10 +72,10 @@ def test_generate_with_a_lora_adapter(gguf_path, loaded_model, make_engine, tmp_
     proc = run_cli(*args, gguf_path=gguf_path)
     assert proc.returncode == 0, proc.stderr
     engine = make_engine(max_loras=4)
-    engine.load_lora("sql", str(folder))
+    engine.loras.load("sql", str(folder))
     expected = engine.generate(["Hello"], SamplingParams(temperature=0, max_tokens=8), lora="sql")[0]
     assert json.loads(proc.stdout.strip().splitlines()[-1])["token_ids"] == expected.token_ids
-    engine.remove_lora("sql")
+    engine.loras.remove("sql")
     bad = run_cli("generate", "--lora", "no-equals-sign", "hi", gguf_path=gguf_path)
     assert bad.returncode == 2 and "expected NAME=PATH" in bad.stderr
     missing = run_cli("generate", "--lora", f"x={tmp_path / 'none'}", "hi", gguf_path=gguf_path)

@@ -283,3 +283,13 @@ def test_bench_against_decode_server(gguf_path, tmp_path):
             assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000
     else:
         pytest.skip("matplotlib not installed: PNGs not checked (the JSON was)")
+
+
+def test_workload_gives_lora_adapters_in_turn(tmp_path):
+    specs = make_workload(LengthDist(4, 4), LengthDist(2, 2), lora_adapters=["", "sql", "chat"])
+    assert [s.lora_adapter for _, s in zip(range(5), specs, strict=False)] == ["", "sql", "chat", "", "sql"]
+    entries = [{"prompt": "a", "lora_adapter": "x"}, {"prompt": "b"}]
+    specs = [
+        s for _, s in zip(range(2), make_workload(None, LengthDist(1, 1), 0, entries, ["y"]), strict=False)
+    ]
+    assert sorted((s.prompt, s.lora_adapter) for s in specs) == [("a", "x"), ("b", "y")]

@@ -1,5 +1,5 @@
-"""Multi-LoRA: PEFT adapters read from disk (adapter), device slots with LRU eviction (slots), and the
-batched low-rank deltas the forward step adds to its projections (apply)."""
+"""Multi-LoRA: PEFT adapters read from disk (adapter), the adapters an engine serves (registry), device
+slots with LRU eviction (slots), and the batched low-rank deltas the forward step adds (apply)."""
 
 from engine.lora.adapter import (
     TARGET_MODULES,
@@ -10,12 +10,14 @@ from engine.lora.adapter import (
     UnknownAdapterError,
     load_peft_adapter,
 )
+from engine.lora.registry import AdapterRegistry
 from engine.lora.slots import LoraSlots, LoraWeights
 
 __all__ = [
     "TARGET_MODULES",
     "AdapterExistsError",
     "AdapterMismatchError",
+    "AdapterRegistry",
     "LoraAdapter",
     "LoraLoadError",
     "LoraSlots",

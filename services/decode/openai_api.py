@@ -106,7 +106,7 @@ class OpenAIFrontend:
         """The base model, then every loaded LoRA adapter (usable as `model`, with the base as parent)."""
         base = {"id": self.model, "object": "model", "created": 0, "owned_by": "pdserve"}
         adapters = [
-            {**base, "id": name, "parent": self.model} for name in sorted(self.service.engine.adapters)
+            {**base, "id": name, "parent": self.model} for name in sorted(self.service.engine.loras.adapters)
         ]
         return web.json_response({"object": "list", "data": [base, *adapters]})
 
@@ -162,7 +162,7 @@ class OpenAIFrontend:
         """`lora_adapter`, else `model` when it names a loaded adapter (vLLM's convention); "": the base."""
         name = body.get("lora_adapter") or ""
         model = body.get("model")
-        if not name and isinstance(model, str) and model in self.service.engine.adapters:
+        if not name and isinstance(model, str) and model in self.service.engine.loras.adapters:
             name = model
         if not isinstance(name, str):
             raise InvalidRequestError("lora_adapter", "must be a string")

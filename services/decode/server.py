@@ -101,7 +101,7 @@ class GenerationService(pb_grpc.GenerationServicer):
             prefill_mode=self.prefill_mode,
             num_layers=cfg.num_layers,
             tensor_parallel=self.engine.config.tp,
-            lora_adapters=sorted(self.engine.adapters),
+            lora_adapters=sorted(self.engine.loras.adapters),
         )
 
     async def Generate(self, request: pb.GenerateRequest, context):

@@ -45,7 +45,7 @@ def lora_engine(make_engine, adapters):
     def make(**overrides):
         engine = make_engine(**{"max_loras": 2, **overrides})
         for name, path in adapters.items():
-            engine.load_lora(name, str(path))
+            engine.loras.load(name, str(path))
         return engine
 
     return make
@@ -121,12 +121,12 @@ def test_rslora_scaling(lora_engine, loaded_model, tmp_path):
     plain = load_peft_adapter("plain", tmp_path / "plain", cfg, 16)
     assert rs.scaling == pytest.approx(1.5) and plain.scaling == pytest.approx(1.5)
     np.testing.assert_array_equal(rs.b["q_proj"], plain.b["q_proj"])
-    engine.load_lora("rs", str(tmp_path / "rs"))
-    engine.load_lora("plain", str(tmp_path / "plain"))
+    engine.loras.load("rs", str(tmp_path / "rs"))
+    engine.loras.load("plain", str(tmp_path / "plain"))
     ids = engine.tokenizer.encode(PROMPTS[0])
     np.testing.assert_allclose(engine.prompt_logits(ids, "rs"), engine.prompt_logits(ids, "plain"), atol=1e-5)
-    engine.remove_lora("rs")
-    engine.remove_lora("plain")
+    engine.loras.remove("rs")
+    engine.loras.remove("plain")
 
 
 def test_refusals(lora_engine, make_engine, loaded_model, tmp_path, adapters):
@@ -139,8 +139,10 @@ def test_refusals(lora_engine, make_engine, loaded_model, tmp_path, adapters):
         engine.make_request("hi", GREEDY, lora="all8", lora_fingerprint="0" * 16)
     other = write_random_adapter(tmp_path / "other", cfg, rank=8, seed=99)
     with pytest.raises(AdapterExistsError, match="unload it first"):
-        engine.load_lora("all8", str(other))
-    assert engine.load_lora("all8", str(adapters["all8"])) is engine.adapters["all8"]  # same files: no-op
+        engine.loras.load("all8", str(other))
+    assert (
+        engine.loras.load("all8", str(adapters["all8"])) is engine.loras.adapters["all8"]
+    )  # same files: no-op
 
     def refused(match, **kwargs):
         folder = write_random_adapter(tmp_path / match[:8].replace(" ", "_"), cfg, rank=4, **kwargs)
@@ -168,14 +170,14 @@ def test_refusals(lora_engine, make_engine, loaded_model, tmp_path, adapters):
     with pytest.raises(LoraLoadError, match="adapter_model.safetensors"):
         load_peft_adapter("x", wrong, cfg, 16)
     with pytest.raises(LoraLoadError, match="LoRA is off"):
-        make_engine().load_lora("x", str(adapters["all8"]))
+        make_engine().loras.load("x", str(adapters["all8"]))
 
 
 def test_removed_adapter_finishes_running_requests(lora_engine):
     engine = lora_engine()
     expected = engine.generate(PROMPTS[:1], GREEDY, lora="attn4")[0].token_ids
     rid = engine.add_request(PROMPTS[0], GREEDY, lora="attn4")
-    assert engine.remove_lora("attn4")
+    assert engine.loras.remove("attn4")
     with pytest.raises(UnknownAdapterError):
         engine.make_request("hi", GREEDY, lora="attn4")
     tokens = []
@@ -214,7 +216,7 @@ def test_matches_transformers_with_peft(gguf_path, lora_engine, tmp_path):
                 param.mul_(0.1)
     model.save_pretrained(tmp_path / "peft")
     engine = lora_engine()
-    engine.load_lora("peft", str(tmp_path / "peft"))
+    engine.loras.load("peft", str(tmp_path / "peft"))
     ids = engine.tokenizer.encode("Disaggregated serving splits prefill and decode because")
     with torch.no_grad():
         expected = model(torch.tensor([ids])).logits[0, -1].numpy()
@@ -224,4 +226,4 @@ def test_matches_transformers_with_peft(gguf_path, lora_engine, tmp_path):
     assert np.max(np.abs(engine.prompt_logits(ids) - expected)) > 0.1  # the adapter matters
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     assert engine.generate([ids], params, lora="peft")[0].token_ids == generated.tolist()
-    engine.remove_lora("peft")
+    engine.loras.remove("peft")

@@ -25,6 +25,7 @@ from tests.lora_testlib import write_random_adapter
 GREEDY = dict(max_tokens=12, temperature=0.0, ignore_eos=True)
 SEEDED = dict(max_tokens=12, temperature=0.9, top_p=0.9, seed=5, ignore_eos=True)
 TEXTS = ["The capital of France is", "Write a haiku about rain.", "Hello, my name is", "List three colors:"]
+LONG = "Summarize: " + "the quick brown fox jumps over the lazy dog, then rests. " * 30  # ~400 tokens
 LORA_ARGS = ["--max-loras", "2"]
 
 
@@ -65,7 +66,7 @@ def colocated(make_engine, adapter_dir):
     """The colocated reference engine, with the same adapters."""
     engine = make_engine(max_loras=2)
     for name in ("alpha", "beta", "gamma"):
-        engine.load_lora(name, str(adapter_dir / name))
+        engine.loras.load(name, str(adapter_dir / name))
 
     def generate(text: str, lora: str | None, kw: dict, field: str = "token_ids"):
         return getattr(engine.generate([text], SamplingParams(**kw), lora=lora)[0], field)
@@ -96,6 +97,7 @@ def test_disaggregated_equals_colocated_with_adapters(lora_decode, lora_prefill,
     assert list(client.model_info().lora_adapters) == ["alpha", "beta"]
     failures = admin(lora_decode.address).GetStats(admin_pb2.GetStatsRequest()).num_transfer_failures_total
     jobs = [(text, lora, kw) for text in TEXTS for lora in (None, "alpha", "beta") for kw in (GREEDY, SEEDED)]
+    jobs += [(LONG, "alpha", GREEDY), (LONG, "beta", SEEDED)]  # chunked prefill, KV in several frames
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         results = list(
             pool.map(lambda j: client.generate(j[0], lora_adapter=j[1] or "", **j[2]).token_ids, jobs)
@@ -158,6 +160,21 @@ def test_adapter_errors(lora_decode, adapter_dir, tmp_path, loaded_model):
     assert error.code() == grpc.StatusCode.NOT_FOUND
     stats = stub.GetStats(admin_pb2.GetStatsRequest())
     assert stats.num_free_blocks == stats.num_blocks and stats.num_running == 0
+
+
+def test_load_generator_mixes_adapters(lora_decode):
+    from pdserve.loadgen import bench
+
+    result = bench(
+        lora_decode.address,
+        num_requests=6,
+        concurrency=3,
+        prompt_len="fixed:16",
+        output_len="fixed:4",
+        lora_adapters=["", "alpha"],
+        progress=False,
+    )
+    assert result["stats"]["completed"] == 6 and result["config"]["lora_adapters"] == ["", "alpha"]
 
 
 def test_pdserve_adapters_command(lora_decode, adapter_dir):
