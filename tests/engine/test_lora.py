@@ -222,7 +222,7 @@ def test_matches_transformers_with_peft(gguf_path, lora_engine, tmp_path):
         expected = model(torch.tensor([ids])).logits[0, -1].numpy()
         generated = model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)[0, len(ids) :]
     logits = engine.prompt_logits(ids, "peft")
-    assert np.max(np.abs(logits - expected)) <= 2e-3
+    assert np.max(np.abs(logits - expected)) <= 1e-3  # measured 2.4e-5
     assert np.max(np.abs(engine.prompt_logits(ids) - expected)) > 0.1  # the adapter matters
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     assert engine.generate([ids], params, lora="peft")[0].token_ids == generated.tolist()
