@@ -131,6 +131,8 @@ class Scheduler:
         """Every running request gets a slot for the token it feeds; preempts the newest when short."""
         scheduled = []
         for request in sorted(self.running, key=lambda r: r.arrival_time):
+            if request.status is not Status.RUNNING:  # preempted above as a victim: nothing to reserve
+                continue
             while not request.blocks.can_reserve(request.num_computed + 1):
                 victim = max(self.running, key=lambda r: r.arrival_time)
                 self._preempt(victim)

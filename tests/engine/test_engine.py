@@ -92,12 +92,27 @@ def test_abort_frees_blocks_and_leaves_others_untouched(make_engine):
     assert tokens == expected and engine.allocator.num_used == 0
 
 
-def test_preemption_under_block_pressure_keeps_outputs(make_engine):
+@pytest.mark.parametrize(
+    "prompts",
+    [
+        PROMPTS,
+        # a victim preempted earlier in the same decode step must not preempt an already scheduled
+        # request when the loop reaches it (regression: it did, and a row with no blocks was run)
+        [
+            "The capital of France is",
+            "Write a poem about the sea.",
+            "Hello, my name is",
+            "1, 2, 3, 4,",
+            "AAA",
+        ],
+    ],
+)
+def test_preemption_under_block_pressure_keeps_outputs(make_engine, prompts):
     """With too few blocks for all requests, the newest are preempted and recomputed: same tokens."""
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    roomy = [r.token_ids for r in make_engine().generate(PROMPTS, params)]
+    roomy = [r.token_ids for r in make_engine().generate(prompts, params)]
     tight = make_engine(num_blocks=12)  # 5 requests of ~3-4 blocks each do not fit together
-    assert [r.token_ids for r in tight.generate(PROMPTS, params)] == roomy
+    assert [r.token_ids for r in tight.generate(prompts, params)] == roomy
     assert tight.allocator.num_used == 0
 
 

@@ -101,6 +101,17 @@ def test_request_waits_while_every_slot_is_pinned(lora_engine):
     assert engine.lora_slots.resident[0].startswith("attn4@")
 
 
+def test_preempted_lora_requests_keep_their_adapter(lora_engine):
+    """Too few blocks for all requests: the newest are preempted (keeping their slot) and recomputed."""
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    lora = ["all8", "attn4", None, "all8", "attn4"]
+    prompts = [*PROMPTS, "A" * 3]
+    roomy = [c.token_ids for c in lora_engine().generate(prompts, params, lora=lora)]
+    tight = lora_engine(num_blocks=12)
+    assert [c.token_ids for c in tight.generate(prompts, params, lora=lora)] == roomy
+    assert tight.allocator.num_used == 0 and not tight.lora_slots._pins
+
+
 def test_tensor_parallel_lora_matches_tp1(lora_engine):
     import jax
 
