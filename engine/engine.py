@@ -157,7 +157,7 @@ class LLMEngine:
                     c.request.all_ids[c.start : c.start + c.length],
                     c.start,
                     c.request.blocks.block_ids,
-                    _slot(c.request),
+                    c.request.lora_slot,
                 )
                 for c in step.prefill
             ]
@@ -167,7 +167,7 @@ class LLMEngine:
             indices = [i for i, c in enumerate(step.prefill) if c.samples]
         else:
             rows = [
-                Row([r.output_ids[-1]], r.num_computed, r.blocks.block_ids, _slot(r)) for r in step.decode
+                Row([r.output_ids[-1]], r.num_computed, r.blocks.block_ids, r.lora_slot) for r in step.decode
             ]
             samplers = list(step.decode)
             for request in step.decode:
@@ -292,7 +292,7 @@ class LLMEngine:
             step = self.config.max_prefill_tokens
             for start in range(0, len(prompt_ids), step):
                 chunk = list(prompt_ids[start : start + step])
-                logits = self.runner.forward([Row(chunk, start, request.blocks.block_ids, _slot(request))])
+                logits = self.runner.forward([Row(chunk, start, request.blocks.block_ids, request.lora_slot)])
             return np.asarray(logits)[0]
         finally:
             request.blocks.release()
@@ -326,10 +326,6 @@ class LLMEngine:
                 if output.finished:
                     completion.finish_reason = output.finish_reason.value
         return [done[rid] for rid in ids]
-
-
-def _slot(request: Request) -> int:
-    return -1 if request.lora_slot is None else request.lora_slot
 
 
 @dataclasses.dataclass

@@ -45,7 +45,7 @@ class Request:
     status: Status = Status.WAITING
     finish_reason: FinishReason | None = None
     lora: LoraAdapter | None = None  # None: the base model
-    lora_slot: int | None = None  # device slot pinned for `lora` from admission to the end
+    lora_slot: int = -1  # device slot pinned for `lora` from admission to the end; -1: none
     retain_kv: bool = False  # prefill role: keep the blocks after finishing, until released
     incoming: bool = False  # decode role: holds blocks while its KV arrives from a prefill server
     arrival_time: float = dataclasses.field(default_factory=time.monotonic)

@@ -79,15 +79,18 @@ class Scheduler:
     def pin_adapter(self, request: Request) -> bool:
         """Pins the request's adapter in a device slot (loading it); False when every slot is pinned by
         other adapters. Idempotent; True for base-model requests."""
-        if request.lora is None or request.lora_slot is not None:
+        if request.lora is None or request.lora_slot >= 0:
             return True
-        request.lora_slot = self.lora.acquire(request.lora)
-        return request.lora_slot is not None
+        slot = self.lora.acquire(request.lora)
+        if slot is None:
+            return False
+        request.lora_slot = slot
+        return True
 
     def unpin_adapter(self, request: Request) -> None:
-        if request.lora_slot is not None:
+        if request.lora_slot >= 0:
             self.lora.release(request.lora)
-            request.lora_slot = None
+            request.lora_slot = -1
 
     def schedule(self) -> ScheduledStep | None:
         decode_turn = bool(self.running) and self._last_was_prefill

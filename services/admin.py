@@ -63,11 +63,8 @@ class AdminService(pb_grpc.AdminServicer):
             for mirror in self.mirrors:
                 await mirror.call(lambda e: e.loras.add(adapter))
             adapter = await self.loop.call(lambda e: e.loras.add(adapter))
-        except LoraLoadError as e:
-            off = engine.lora_slots is None
-            await context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION if off else grpc.StatusCode[e.status], str(e)
-            )
+        except LoraLoadError as e:  # INVALID_ARGUMENT, ALREADY_EXISTS, FAILED_PRECONDITION (LoRA off)
+            await context.abort(grpc.StatusCode[e.status], str(e))
         return await self.loop.call(lambda e: adapter_info(e, adapter))
 
     async def UnloadLoraAdapter(self, request: pb.UnloadLoraAdapterRequest, context):

@@ -37,6 +37,12 @@ class LoraLoadError(ValueError):
     status = "INVALID_ARGUMENT"
 
 
+class LoraDisabledError(LoraLoadError):
+    """The engine has no adapter slots (max_loras == 0)."""
+
+    status = "FAILED_PRECONDITION"
+
+
 class AdapterExistsError(LoraLoadError):
     """The name is taken by an adapter with other weights."""
 

@@ -7,7 +7,7 @@ from engine.lora.adapter import (
     AdapterExistsError,
     AdapterMismatchError,
     LoraAdapter,
-    LoraLoadError,
+    LoraDisabledError,
     UnknownAdapterError,
     load_peft_adapter,
 )
@@ -40,7 +40,7 @@ class AdapterRegistry:
     def read(self, name: str, path: str) -> LoraAdapter:
         """Reads and checks a PEFT adapter folder (slow: file I/O; safe off the engine thread)."""
         if not self.enabled:
-            raise LoraLoadError("LoRA is off: start the engine with max_loras > 0 (--max-loras)")
+            raise LoraDisabledError("LoRA is off: start the engine with max_loras > 0 (--max-loras)")
         return load_peft_adapter(name, path, self.cfg, self.max_rank)
 
     def add(self, adapter: LoraAdapter) -> LoraAdapter:
