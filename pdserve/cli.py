@@ -119,17 +119,19 @@ def add_client_args(parser: argparse.ArgumentParser, server_help: str) -> None:
 def remote_client(args: argparse.Namespace):
     """A services.client.Client for --server with the TLS/token flags; None (error printed) when they fail."""
     from services.client import Client
-    from services.security import channel_credentials, read_tokens
 
     try:
-        credentials = None
-        if args.tls or args.tls_ca or args.tls_cert or args.tls_key:
-            credentials = channel_credentials(args.tls_ca, args.tls_cert, args.tls_key)
-        token = read_tokens(args.token_file)[0] if args.token_file else None
+        return Client.connect(
+            args.server,
+            tls=args.tls,
+            ca=args.tls_ca,
+            cert=args.tls_cert,
+            key=args.tls_key,
+            token_file=args.token_file,
+        )
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return None
-    return Client(args.server, credentials=credentials, token=token)
 
 
 def cmd_adapters(args: argparse.Namespace) -> int:

@@ -608,7 +608,6 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from services.client import Client
-    from services.security import channel_credentials, read_tokens
 
     if args.rate is not None and args.rate <= 0:
         print("error: --rate must be > 0", file=sys.stderr)
@@ -625,12 +624,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
             load_dataset(args.dataset)
         if args.plots:
             _pyplot()
-        credentials = channel_credentials(args.tls_ca, None, None) if args.tls_ca else None
-        token = read_tokens(args.token_file)[0] if args.token_file else None
+        client = Client.connect(args.server, ca=args.tls_ca, token_file=args.token_file)
     except (ValueError, OSError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    client = Client(args.server, credentials=credentials, token=token)
     try:
         result = bench(
             args.server,

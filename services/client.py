@@ -12,7 +12,7 @@ from pdserve.v1 import admin_pb2, admin_pb2_grpc
 from pdserve.v1 import generation_pb2 as pb
 from pdserve.v1 import generation_pb2_grpc as pb_grpc
 from services.grpc_server import channel_options
-from services.security import ChannelSecurity, bearer_metadata
+from services.security import ChannelSecurity, bearer_metadata, channel_credentials, read_tokens
 
 
 @dataclasses.dataclass
@@ -82,6 +82,23 @@ class Client:
         self.metadata = bearer_metadata(token)
         self.stub = pb_grpc.GenerationStub(self.channel)
         self.admin = admin_pb2_grpc.AdminStub(self.channel)
+
+    @classmethod
+    def connect(
+        cls,
+        target: str,
+        *,
+        tls: bool = False,
+        ca: str | None = None,
+        cert: str | None = None,
+        key: str | None = None,
+        token_file: str | None = None,
+    ) -> Client:
+        """A client from command-line settings: TLS when `tls` or any PEM is given (the system roots
+        without `ca`), the first token of `token_file`. Raises ValueError / OSError for unusable files."""
+        credentials = channel_credentials(ca, cert, key) if tls or ca or cert or key else None
+        token = read_tokens(token_file)[0] if token_file else None
+        return cls(target, credentials=credentials, token=token)
 
     def stream(
         self, request: pb.GenerateRequest, timeout: float | None = None

@@ -123,6 +123,17 @@ def decode_server(
     return Daemon([*argv, *engine_args, *extra], name, log_dir, cpus=cpus)
 
 
+def serve_daemon(
+    gguf: Path, log_dir: Path, decode_devices: str, name="serve", extra=(), engine_args=ENGINE_ARGS
+) -> Daemon:
+    """`pdserve serve`: prefill on device 0, decode on `decode_devices` (indices), fake CPU devices enough
+    for both."""
+    cpu_devices = max(int(d) for d in decode_devices.split(",")) + 1
+    argv = ["serve", "--model", str(gguf), "--port", "0", "--no-warmup", "--cpu-devices", str(cpu_devices)]
+    argv += ["--prefill-devices", "0", "--decode-devices", decode_devices]
+    return Daemon([*argv, *engine_args, *extra], name, log_dir)
+
+
 class ServerThread:
     """Runs `serve(..., stop)`-style coroutines on their own event loop thread (in-process servers)."""
 

@@ -13,7 +13,7 @@ import pytest
 from engine.sampling_params import SamplingParams
 from pdserve.v1 import admin_pb2, admin_pb2_grpc
 from services.client import Client, build_request
-from services.launch import Daemon, ServerThread, decode_server, prefill_server
+from services.launch import ServerThread, decode_server, prefill_server, serve_daemon
 
 LONG = " ".join(f"Item {i}: a lantern, {i % 7} maps and a compass." for i in range(48))
 
@@ -142,27 +142,7 @@ def test_scattered_decode_blocks(prefill, loaded_model, small_config, make_engin
 @pytest.mark.parametrize("decode_devices", ["2,3", "4,5,6,7"])
 def test_heterogeneous_tp_in_serve_shape(gguf_path, log_dir, decode_devices, make_engine, loaded_model):
     """Prefill TP 1 on device 0 -> decode TP 2 or 4 on other devices, one process, KV moved by device_put."""
-    from services.launch import ENGINE_ARGS
-
-    daemon = Daemon(
-        [
-            "serve",
-            "--model",
-            str(gguf_path),
-            "--port",
-            "0",
-            "--no-warmup",
-            "--cpu-devices",
-            "8",
-            "--prefill-devices",
-            "0",
-            "--decode-devices",
-            decode_devices,
-            *ENGINE_ARGS,
-        ],
-        f"serve-{decode_devices.replace(',', '')}",
-        log_dir,
-    )
+    daemon = serve_daemon(gguf_path, log_dir, decode_devices, name=f"serve-{decode_devices.replace(',', '')}")
     try:
         client = Client(daemon.address)
         info = client.model_info()

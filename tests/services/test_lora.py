@@ -19,7 +19,7 @@ import pytest
 from engine.sampling_params import SamplingParams
 from pdserve.v1 import admin_pb2, admin_pb2_grpc
 from services.client import Client
-from services.launch import ENGINE_ARGS, Daemon, ServerThread, decode_server, prefill_server
+from services.launch import ServerThread, decode_server, prefill_server, serve_daemon
 from tests.lora_testlib import write_random_adapter
 
 GREEDY = dict(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -243,28 +243,8 @@ def test_prefill_ignoring_the_adapter_is_never_used(gguf_path, log_dir, adapter_
 def test_serve_shape_with_adapters(gguf_path, log_dir, adapter_dir, colocated):
     """`pdserve serve`, prefill TP 1 -> decode TP 2: the local prefill engine has the --lora adapters and
     those loaded through Admin; the adapters' heads are padded for each side's TP."""
-    daemon = Daemon(
-        [
-            "serve",
-            "--model",
-            str(gguf_path),
-            "--port",
-            "0",
-            "--no-warmup",
-            "--cpu-devices",
-            "3",
-            "--prefill-devices",
-            "0",
-            "--decode-devices",
-            "1,2",
-            *ENGINE_ARGS,
-            *LORA_ARGS,
-            "--lora",
-            f"alpha={adapter_dir / 'alpha'}",
-        ],
-        "serve-lora",
-        log_dir,
-    )
+    extra = [*LORA_ARGS, "--lora", f"alpha={adapter_dir / 'alpha'}"]
+    daemon = serve_daemon(gguf_path, log_dir, "1,2", name="serve-lora", extra=extra)
     try:
         client = Client(daemon.address)
         load(daemon.address, "beta", adapter_dir / "beta")
