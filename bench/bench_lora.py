@@ -13,14 +13,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
 from bench_engine import best_of, pdserve_decode_step
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.lora_testlib: random adapters
 
 
 def main() -> None:
@@ -34,8 +31,8 @@ def main() -> None:
 
     from engine.config import EngineConfig
     from engine.engine import LLMEngine
+    from engine.lora.synthetic import write_random_adapter
     from engine.models import load_model
-    from tests.lora_testlib import write_random_adapter
 
     model = load_model(None)
     base = EngineConfig(num_blocks=1024, max_model_len=1024, max_num_seqs=args.batch, max_prefill_tokens=512)

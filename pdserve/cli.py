@@ -9,75 +9,9 @@ import os
 import sys
 import time
 
+from engine.args import add_engine_args, configure_jax, engine_config, load_adapters
 from engine.models import DEFAULT_MODEL, KNOWN_MODELS, cache_dir
-
-
-def configure_jax() -> None:
-    """Persistent XLA compilation cache under the cache folder: later start-ups skip most compiling."""
-    import jax
-
-    jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "xla"))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=DEFAULT_MODEL, help="GGUF file, HF folder or known name")
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (devices)")
-    parser.add_argument("--max-model-len", type=int, default=4096)
-    parser.add_argument("--num-blocks", type=int, default=1024)
-    parser.add_argument("--max-num-seqs", type=int, default=32)
-    parser.add_argument("--max-prefill-tokens", type=int, default=512, help="tokens of one prefill chunk")
-    lora = parser.add_argument_group(
-        "LoRA adapters (PEFT folders: adapter_config.json + adapter_model.safetensors)"
-    )
-    lora.add_argument(
-        "--lora",
-        action="append",
-        default=[],
-        type=lora_spec,
-        metavar="NAME=PATH",
-        help="load at start (repeatable)",
-    )
-    lora.add_argument(
-        "--max-loras",
-        type=int,
-        default=None,
-        help="adapter slots in device memory (default: 4 with --lora, else 0: off)",
-    )
-    lora.add_argument("--max-lora-rank", type=int, default=16, help="highest adapter rank served")
-
-
-def lora_spec(value: str) -> tuple[str, str]:
-    name, sep, path = value.partition("=")
-    if not sep or not name or not path:
-        raise argparse.ArgumentTypeError(f"{value!r}: expected NAME=PATH")
-    return name, path
-
-
-def load_adapters(engine, specs: list[tuple[str, str]]) -> None:
-    """Loads the --lora adapters into `engine`; exits naming the one that cannot be served."""
-    from engine.lora import LoraLoadError
-
-    for name, path in specs:
-        try:
-            engine.loras.load(name, path)
-        except LoraLoadError as e:
-            raise SystemExit(f"error: --lora {name}: {e}") from e
-
-
-def engine_config(args: argparse.Namespace):
-    from engine.config import EngineConfig
-
-    max_loras = args.max_loras if args.max_loras is not None else (4 if args.lora else 0)
-    return EngineConfig(
-        tp=args.tp,
-        max_model_len=args.max_model_len,
-        num_blocks=args.num_blocks,
-        max_num_seqs=args.max_num_seqs,
-        max_prefill_tokens=args.max_prefill_tokens,
-        max_loras=max_loras,
-        max_lora_rank=args.max_lora_rank,
-    )
+from services.daemon import common_args, decode_args, decode_main, prefill_main, serve_main
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -271,8 +205,6 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from services.daemon import serve_main
-
     return serve_main(args)
 
 
@@ -291,8 +223,6 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
 
     serve = sub.add_parser("serve", help="prefill and decode roles in one process, disjoint devices")
-    from services.daemon import common_args, decode_args
-
     common_args(serve)
     decode_args(serve)
     serve.add_argument("--prefill-devices", default="0", help="device indices of the prefill role")
@@ -327,6 +257,17 @@ def main(argv: list[str] | None = None) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     return args.func(args)
+
+
+def run_cli(argv: list[str] | None = None) -> int:
+    """`python -c ...run_cli() NAME ARGS`: prefill-server, decode-server or pdserve (tests, launchers)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    name, rest = argv[0], argv[1:]
+    if name == "prefill-server":
+        return prefill_main(rest)
+    if name == "decode-server":
+        return decode_main(rest)
+    return main(argv)
 
 
 if __name__ == "__main__":

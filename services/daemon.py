@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from engine.args import add_engine_args, configure_jax, engine_config, load_adapters
+
 
 def use_cpu_devices(count: int) -> None:
     """On a CPU-only host, expose `count` CPU devices (for TP or disjoint role device sets); call before
@@ -24,8 +26,6 @@ def prepare_process(args: argparse.Namespace, num_cpu_devices: int) -> None:
 
 
 def common_args(parser: argparse.ArgumentParser) -> None:
-    from pdserve.cli import add_engine_args
-
     add_engine_args(parser)
     parser.add_argument("--port", type=int, required=True, help="0: pick a free port (printed)")
     parser.add_argument("--host", default="127.0.0.1")
@@ -77,7 +77,6 @@ def server_security(args: argparse.Namespace, allowed_peers=()):
 def build_engine(args: argparse.Namespace, devices=None):
     """The engine of a daemon, compiled (unless --no-warmup), with the --lora adapters loaded."""
     from engine.engine import LLMEngine
-    from pdserve.cli import configure_jax, engine_config, load_adapters
 
     configure_jax()
     engine = LLMEngine.from_model(args.model, engine_config(args), devices, warmup=not args.no_warmup)
@@ -85,7 +84,9 @@ def build_engine(args: argparse.Namespace, devices=None):
     return engine
 
 
-def prefill_main(argv: list[str] | None = None) -> int:
+def prefill_main(argv: list[str] | None = None, service_class=None) -> int:
+    """`prefill-server ARGS`. `service_class`: a PrefillService subclass to serve instead (e.g. the
+    fault-injecting one of the tests)."""
     parser = argparse.ArgumentParser(prog="prefill-server", description="pdserve prefill server")
     common_args(parser)
     parser.add_argument(
@@ -98,12 +99,12 @@ def prefill_main(argv: list[str] | None = None) -> int:
     security = server_security(args, allowed)
     prepare_process(args, max(args.cpu_devices, args.tp))
     from services.grpc_server import run_until_signal
-    from services.prefill.server import serve
+    from services.prefill.server import PrefillService, serve
 
-    engine = build_engine(args)
+    service = (service_class or PrefillService).for_engine(build_engine(args))
     run_until_signal(
         lambda stop: serve(
-            engine,
+            service,
             args.port,
             stop,
             host=args.host,
@@ -135,7 +136,7 @@ def decode_args(parser: argparse.ArgumentParser) -> None:
 
 
 def decode_config(args: argparse.Namespace):
-    from services.decode.server import DecodeConfig
+    from services.decode.core import DecodeConfig
 
     return DecodeConfig(
         local_prefill_below=args.local_prefill_below,
@@ -170,22 +171,22 @@ def decode_main(argv: list[str] | None = None) -> int:
     security = server_security(args)
     prefill_security = prefill_channel_security(args)
     prepare_process(args, max(args.cpu_devices, args.tp))
+    from services.decode.core import GenerationCore
     from services.decode.server import serve
     from services.grpc_server import run_until_signal
 
     engine = build_engine(args)
     targets = None if args.prefill == "local" else [t for t in args.prefill.split(",") if t]
-    config = decode_config(args)
+    core = GenerationCore.for_engine(
+        engine, prefill_targets=targets, config=decode_config(args), prefill_security=prefill_security
+    )
     run_until_signal(
         lambda stop: serve(
-            engine,
+            core,
             args.port,
             stop,
-            prefill_targets=targets,
-            config=config,
             host=args.host,
             security=security,
-            prefill_security=prefill_security,
             metrics_port=args.metrics_port,
             http_port=args.http_port,
             lora_root=args.lora_root,
@@ -208,7 +209,7 @@ def serve_main(args: argparse.Namespace) -> int:
 
     from engine.engine import LLMEngine
     from engine.models import load_model
-    from pdserve.cli import configure_jax, engine_config, load_adapters
+    from services.decode.core import GenerationCore
     from services.decode.prefill_pool import LocalPrefiller
     from services.decode.server import serve
     from services.engine_loop import EngineLoop
@@ -233,15 +234,13 @@ def serve_main(args: argparse.Namespace) -> int:
     prefill_loop = EngineLoop(prefill_engine, name="prefill-engine")
     prefill_loop.start()
     local = LocalPrefiller(prefill_loop, engine_layout(prefill_engine))
-    config = decode_config(args)
+    core = GenerationCore.for_engine(decode_engine, local_prefiller=local, config=decode_config(args))
     try:
         run_until_signal(
             lambda stop: serve(
-                decode_engine,
+                core,
                 args.port,
                 stop,
-                local_prefiller=local,
-                config=config,
                 host=args.host,
                 security=security,
                 metrics_port=args.metrics_port,
@@ -252,18 +251,3 @@ def serve_main(args: argparse.Namespace) -> int:
     finally:
         prefill_loop.stop()
     return 0
-
-
-def run_cli(argv: list[str] | None = None) -> int:
-    """`python -c ...run_cli() NAME ARGS`: dispatches to prefill-server, decode-server or pdserve."""
-    import sys
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    name, rest = argv[0], argv[1:]
-    if name == "prefill-server":
-        return prefill_main(rest)
-    if name == "decode-server":
-        return decode_main(rest)
-    from pdserve.cli import main
-
-    return main(argv)

@@ -38,7 +38,7 @@ class Daemon:
         log_dir: Path,
         timeout: float = 240.0,
         cpus: str | None = None,
-        entry: str = "services.daemon:run_cli",  # module:function taking sys.argv[1:]
+        entry: str = "pdserve.cli:run_cli",  # module:function taking sys.argv[1:]
     ):
         module, function = entry.split(":")
         env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}

@@ -1,6 +1,6 @@
 """An OpenAI-compatible HTTP API on decode-server (`--http-port`): /v1/models, /v1/completions and
 /v1/chat/completions, streamed as server-sent events or not. It runs on the same event loop as the gRPC
-server and goes through the same core (GenerationService.make_request / stream), so validation,
+server and goes through the same core (services.decode.core: make_request / stream), so validation,
 admission, disaggregated prefill and cleanup are identical.
 """
 
@@ -14,7 +14,7 @@ import grpc
 from aiohttp import web
 
 from engine.sampling_params import InvalidRequestError, SamplingParams
-from services.decode.server import GenerationService, ServiceError
+from services.decode.core import GenerationCore, ServiceError
 from services.security import ServerSecurity, token_ok
 
 _HTTP_STATUS = {grpc.StatusCode.RESOURCE_EXHAUSTED: 429, grpc.StatusCode.UNAVAILABLE: 503}
@@ -69,7 +69,7 @@ def _params(body: dict, default_max_tokens: int) -> SamplingParams:
 class OpenAIFrontend:
     """`security`: the public port's settings; its bearer tokens and TLS apply here too."""
 
-    def __init__(self, service: GenerationService, security: ServerSecurity | None = None):
+    def __init__(self, service: GenerationCore, security: ServerSecurity | None = None):
         self.service = service
         self.security = security
         self.model = service.engine.model.config.name

@@ -241,6 +241,13 @@ class PrefillPool:
         self.security = security
         self.replicas: dict[str, Prefiller] = {}
 
+    @classmethod
+    def of(cls, replica: Prefiller, dst: KVLayout) -> PrefillPool:
+        """A pool of one given replica (the local prefill engine of `pdserve serve`): nothing to resolve."""
+        pool = cls([], dst)
+        pool.replicas[replica.name] = replica
+        return pool
+
     @staticmethod
     def resolve(target: str) -> list[str]:
         if not target.startswith("dns:///"):

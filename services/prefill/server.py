@@ -58,8 +58,13 @@ class PrefillService(pb_grpc.PrefillServicer):
         self.max_queue = max_queue
         self.lease_s = lease_s
         self.num_active = 0
-        self.metrics: Metrics | None = None
+        self.metrics = Metrics("prefill", loop, counters)
         self.draining = False
+
+    @classmethod
+    def for_engine(cls, engine: LLMEngine, **kwargs) -> PrefillService:
+        """The service over `engine`, run on its own thread (started by `serve`)."""
+        return cls(EngineLoop(engine, name="prefill-engine"), Counters(), **kwargs)
 
     async def Handshake(self, request: pb.HandshakeRequest, context) -> pb.HandshakeResponse:
         try:
@@ -117,8 +122,7 @@ class PrefillService(pb_grpc.PrefillServicer):
             await context.abort(grpc.StatusCode[e.status], str(e))
         engine_request.seed = request.seed
         result = await prefill_on_engine(self.loop, engine_request, self.layout)
-        if self.metrics is not None:
-            self.metrics.prefill.observe(time.perf_counter() - start)
+        self.metrics.prefill.observe(time.perf_counter() - start)
         output, chunks, num_tokens = result.first, result.chunks, result.num_tokens
         header = pb.PrefillHeader(
             request_id=rid,
@@ -174,7 +178,7 @@ def add_to_server(server: grpc.aio.Server, service: PrefillService) -> None:
 
 
 async def serve(
-    engine: LLMEngine,
+    service: PrefillService,
     port: int,
     stop: asyncio.Event,
     host: str = "127.0.0.1",
@@ -184,14 +188,12 @@ async def serve(
     security: ServerSecurity | None = None,
     lora_root: str | None = None,
 ):
-    """Serves until `stop` is set, then drains: refuses new prefills, finishes running ones.
+    """Serves `service` (and Admin, and optionally /metrics) until `stop` is set, then drains: refuses
+    new prefills, finishes running ones.
 
     `security`: TLS / mutual TLS of the port and the client names allowed (default: plaintext, open)."""
-    loop = EngineLoop(engine, name="prefill-engine")
+    loop, counters = service.loop, service.counters
     loop.start()
-    counters = Counters()
-    service = PrefillService(loop, counters)
-    service.metrics = Metrics("prefill", loop, counters)
     if metrics_port is not None:
         print(f"metrics on {host}:{service.metrics.serve(metrics_port, host)}", flush=True)
     admin = AdminService("prefill", loop, counters, lora_root=lora_root)

@@ -16,9 +16,9 @@ from engine.lora import (
     UnknownAdapterError,
     load_peft_adapter,
 )
+from engine.lora.synthetic import write_random_adapter
 from engine.sampling_params import SamplingParams
 from tests.conftest import requires_reference
-from tests.lora_testlib import write_random_adapter
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 PROMPTS = ["The capital of France is", "Write a poem about the sea.", "Hello, my name is", "1, 2, 3, 4,"]

@@ -4,7 +4,7 @@ It is the real prefill-server (same engine, same service) whose Prefill stream i
 cycling through FAULTS by request count: a corrupted payload byte, a frame cut short, a frame sent twice,
 the trailer dropped, a stream that dies after the first frame, and one healthy stream. A request whose id
 reads `fuzz:<offset>:<xor>:<cut>` instead gets exactly that damage on its first frame (hypothesis drives it).
-Run: python -c "from tests.services.faulty_prefill import main; main()" prefill-server ARGS...
+Run: python -c "from tests.services.faulty_prefill import main; main()" ARGS... (prefill-server's flags)
 """
 
 from __future__ import annotations
@@ -52,7 +52,6 @@ class FaultyPrefillService(prefill_server.PrefillService):
 
 
 def main() -> int:
-    from services.daemon import run_cli
+    from services.daemon import prefill_main
 
-    prefill_server.PrefillService = FaultyPrefillService  # serve() builds the service from this name
-    return run_cli(sys.argv[1:])
+    return prefill_main(sys.argv[1:], service_class=FaultyPrefillService)

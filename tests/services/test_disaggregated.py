@@ -121,6 +121,7 @@ def test_two_prefill_replicas_are_both_used(gguf_path, prefill, log_dir):
 def test_scattered_decode_blocks(prefill, loaded_model, small_config, make_engine):
     """The decode engine's free blocks are made non-contiguous first; the KV lands in scattered blocks."""
     from engine.engine import LLMEngine
+    from services.decode.core import GenerationCore
     from services.decode.server import serve
 
     engine = LLMEngine(loaded_model, small_config)
@@ -128,7 +129,9 @@ def test_scattered_decode_blocks(prefill, loaded_model, small_config, make_engin
     engine.allocator.free(held[1::2])  # only every other block is free
     ready: queue.Queue[str] = queue.Queue()
     server = ServerThread(
-        lambda stop: serve(engine, 0, stop, prefill_targets=[prefill.address], on_ready=ready.put)
+        lambda stop: serve(
+            GenerationCore.for_engine(engine, prefill_targets=[prefill.address]), 0, stop, on_ready=ready.put
+        )
     )
     try:
         client = Client(ready.get(timeout=60))

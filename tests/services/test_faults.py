@@ -66,7 +66,7 @@ def reference(make_engine, loaded_model):
 
 @pytest.fixture(scope="module")
 def faulty(gguf_path, log_dir):
-    argv = ["prefill-server", "--model", str(gguf_path), "--port", "0", "--no-warmup", *ENGINE_ARGS]
+    argv = ["--model", str(gguf_path), "--port", "0", "--no-warmup", *ENGINE_ARGS]
     daemon = Daemon(argv, "faulty-prefill", log_dir, entry="tests.services.faulty_prefill:main")
     yield daemon
     assert daemon.terminate() == 0

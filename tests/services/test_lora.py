@@ -16,11 +16,11 @@ import urllib.request
 import grpc
 import pytest
 
+from engine.lora.synthetic import write_random_adapter
 from engine.sampling_params import SamplingParams
 from pdserve.v1 import admin_pb2, admin_pb2_grpc
 from services.client import Client
 from services.launch import ServerThread, decode_server, prefill_server, serve_daemon
-from tests.lora_testlib import write_random_adapter
 
 GREEDY = dict(max_tokens=12, temperature=0.0, ignore_eos=True)
 SEEDED = dict(max_tokens=12, temperature=0.9, top_p=0.9, seed=5, ignore_eos=True)
@@ -219,12 +219,9 @@ def test_prefill_ignoring_the_adapter_is_never_used(gguf_path, log_dir, adapter_
 
     engine = make_engine()
     ready: queue.Queue[str] = queue.Queue()
-    original, prefill_module.PrefillService = prefill_module.PrefillService, AdapterBlind
-    try:
-        server = ServerThread(lambda stop: prefill_module.serve(engine, 0, stop, on_ready=ready.put))
-        address = ready.get(timeout=60)
-    finally:
-        prefill_module.PrefillService = original
+    service = AdapterBlind.for_engine(engine)
+    server = ServerThread(lambda stop: prefill_module.serve(service, 0, stop, on_ready=ready.put))
+    address = ready.get(timeout=60)
     extra = [*LORA_ARGS, "--lora", f"alpha={adapter_dir / 'alpha'}"]
     decode = decode_server(gguf_path, address, log_dir, name="decode-blind", extra=extra)
     try:

@@ -1,4 +1,4 @@
-"""Random PEFT LoRA adapters for the default model, written in PEFT's on-disk format with numpy."""
+"""Random PEFT LoRA adapters for a model, written in PEFT's on-disk format with numpy (tests, benchmarks)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,80 @@
+"""The engine's command-line flags and what they build: one place for `pdserve generate` and every daemon.
+
+`add_engine_args` declares the flags, `engine_config` turns them into an `EngineConfig`, `load_adapters`
+loads the `--lora` adapters into a built engine, `configure_jax` points XLA at the persistent
+compilation cache. The command line (pdserve/cli.py) and the daemons (services/daemon.py) both call
+down into this module; nothing here imports either of them.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from engine.config import EngineConfig
+from engine.models import DEFAULT_MODEL, cache_dir
+
+
+def configure_jax() -> None:
+    """Persistent XLA compilation cache under the cache folder: later start-ups skip most compiling."""
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "xla"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="GGUF file, HF folder or known name")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (devices)")
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--num-blocks", type=int, default=1024)
+    parser.add_argument("--max-num-seqs", type=int, default=32)
+    parser.add_argument("--max-prefill-tokens", type=int, default=512, help="tokens of one prefill chunk")
+    lora = parser.add_argument_group(
+        "LoRA adapters (PEFT folders: adapter_config.json + adapter_model.safetensors)"
+    )
+    lora.add_argument(
+        "--lora",
+        action="append",
+        default=[],
+        type=lora_spec,
+        metavar="NAME=PATH",
+        help="load at start (repeatable)",
+    )
+    lora.add_argument(
+        "--max-loras",
+        type=int,
+        default=None,
+        help="adapter slots in device memory (default: 4 with --lora, else 0: off)",
+    )
+    lora.add_argument("--max-lora-rank", type=int, default=16, help="highest adapter rank served")
+
+
+def lora_spec(value: str) -> tuple[str, str]:
+    name, sep, path = value.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"{value!r}: expected NAME=PATH")
+    return name, path
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    max_loras = args.max_loras if args.max_loras is not None else (4 if args.lora else 0)
+    return EngineConfig(
+        tp=args.tp,
+        max_model_len=args.max_model_len,
+        num_blocks=args.num_blocks,
+        max_num_seqs=args.max_num_seqs,
+        max_prefill_tokens=args.max_prefill_tokens,
+        max_loras=max_loras,
+        max_lora_rank=args.max_lora_rank,
+    )
+
+
+def load_adapters(engine, specs: list[tuple[str, str]]) -> None:
+    """Loads the --lora adapters into `engine`; exits naming the one that cannot be served."""
+    from engine.lora import LoraLoadError
+
+    for name, path in specs:
+        try:
+            engine.loras.load(name, path)
+        except LoraLoadError as e:
+            raise SystemExit(f"error: --lora {name}: {e}") from e

@@ -1,0 +1,287 @@
+"""The decode server's core, shared by its gRPC front (server.py) and its OpenAI HTTP front
+(openai_api.py): admission, remote or local prefill with retries and fallback, registration, and the
+stream of a request's outputs. Neither front end imports the other; both call down into this module.
+
+A request's life here: make_request (validate, tokenize) -> stream: admit (reserve blocks) -> prefill
+on a replica (KV frames inserted as they arrive) or on this engine -> register with the first token ->
+continuous batching -> outputs until finished; whatever ends the stream frees what the request holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+import uuid
+
+import grpc
+
+from engine.engine import LLMEngine
+from engine.output import RequestOutput
+from engine.request import Request
+from engine.sampling_params import InvalidRequestError
+from kvtransfer import KVChunk, chunk_sharding
+from services.admin import Counters
+from services.decode.prefill_pool import FirstToken, LocalPrefiller, Prefiller, PrefillError, PrefillPool
+from services.engine_loop import EngineLoop
+from services.kv import engine_layout
+from services.metrics import Metrics
+from services.security import PLAINTEXT, ChannelSecurity
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    local_prefill_below: int = 0  # prompts shorter than this are prefilled here (0: none; all with no pool)
+    max_queue: int = 256  # requests waiting for blocks before RESOURCE_EXHAUSTED
+    max_attempts: int = 3  # prefill replicas tried per request
+    fallback_local: bool = True  # prefill here when every replica failed
+
+
+class ServiceError(Exception):
+    """A request the service cannot take now: a gRPC status (HTTP front: 429 / 503) and a message."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, retry_after_ms: int | None = None):
+        super().__init__(message)
+        self.code, self.message, self.retry_after_ms = code, message, retry_after_ms
+
+
+class GenerationCore:
+    """One decode engine (on its own thread), its prefill replicas and its counters.
+
+    `pool`: remote replicas (or the local prefill engine of `pdserve serve`); None: every prompt is
+    prefilled by this engine (colocated). `start()` runs the engine thread and greets the replicas;
+    `close()` stops both.
+    """
+
+    def __init__(
+        self,
+        loop: EngineLoop,
+        pool: PrefillPool | None = None,
+        config: DecodeConfig = DecodeConfig(),
+        counters: Counters | None = None,
+    ):
+        self.loop = loop
+        self.engine: LLMEngine = loop.engine
+        self.pool = pool
+        self.config = config
+        self.counters = counters or Counters()
+        self.metrics = Metrics("decode", loop, self.counters)
+        self.layout = engine_layout(self.engine)
+        self.sharding = chunk_sharding(self.engine.mesh, self.layout)
+        self.draining = False
+        self.blocks_freed = asyncio.Event()
+
+    @classmethod
+    def for_engine(
+        cls,
+        engine: LLMEngine,
+        prefill_targets: list[str] | None = None,
+        local_prefiller: Prefiller | None = None,
+        config: DecodeConfig = DecodeConfig(),
+        prefill_security: ChannelSecurity = PLAINTEXT,
+    ) -> GenerationCore:
+        """`prefill_targets`: ADDR or dns:///NAME:PORT of prefill servers; `local_prefiller`: an engine of
+        this process instead (`pdserve serve`); neither: colocated."""
+        layout = engine_layout(engine)
+        pool = None
+        if local_prefiller is not None:
+            pool = PrefillPool.of(local_prefiller, layout)
+        elif prefill_targets:
+            pool = PrefillPool(prefill_targets, layout, prefill_security)
+        return cls(EngineLoop(engine, name="decode-engine"), pool, config)
+
+    @property
+    def prefill_mode(self) -> str:
+        """ "local" (colocated), "local-engine" (`pdserve serve`), "remote" or "conditional:<N>"."""
+        if self.pool is None:
+            return "local"
+        if not self.pool.targets:
+            return "local-engine"
+        below = self.config.local_prefill_below
+        return f"conditional:{below}" if below else "remote"
+
+    @property
+    def mirror_loops(self) -> list[EngineLoop]:
+        """Engines of this process that serve the same adapters (the local prefill engine)."""
+        if self.pool is None:
+            return []
+        return [r.loop for r in self.pool.replicas.values() if isinstance(r, LocalPrefiller)]
+
+    async def start(self) -> None:
+        self.loop.start()
+        if self.pool is None or not self.pool.targets:
+            return
+        await self.pool.refresh()
+        for replica in self.pool.replicas.values():
+            try:
+                await replica.handshake()
+            except PrefillError as e:  # a replica that is down now may come back; a mismatch will not
+                log.warning("%s", e)
+
+    async def refresh_pool(self, stop: asyncio.Event, every_s: float = 30.0) -> None:
+        """Re-resolves dns:/// targets until `stop`, so replicas a headless service adds or drops are seen."""
+        while self.pool is not None and self.pool.targets and not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), every_s)
+            try:
+                await self.pool.refresh()
+            except OSError as e:
+                log.warning("prefill pool refresh failed: %s", e)
+
+    async def close(self) -> None:
+        if self.pool is not None:
+            await self.pool.close()
+        self.loop.stop()
+
+    def make_request(self, prompt, params, request_id: str = "", lora: str = "") -> Request:
+        """Validates and tokenizes (InvalidRequestError names the field); refuses while draining."""
+        if self.draining:
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, "decode server is shutting down")
+        try:
+            return self.engine.make_request(
+                prompt, params, request_id=request_id or uuid.uuid4().hex, lora=lora or None
+            )
+        except InvalidRequestError:
+            self.counters.count_outcome("invalid")
+            raise
+
+    async def stream(self, engine_request: Request, time_remaining: float | None = None):
+        """Runs one request: prefill (remote or here), decode; yields its RequestOutputs.
+
+        Raises ServiceError (RESOURCE_EXHAUSTED, UNAVAILABLE); cancelling the consumer frees everything.
+        """
+        rid = engine_request.request_id
+        self.counters.num_requests_total += 1
+        start, token_times, outcome = time.monotonic(), [], "abort"
+        outputs = self.loop.open_stream(rid)
+        pending = []  # the first token of a remote prefill: ahead of anything the engine queued since
+        try:
+            if self._prefill_locally(engine_request):
+                await self.loop.call(lambda e: e.add_prepared_request(engine_request))
+            else:
+                first = await self._remote_prefill(engine_request, time_remaining)
+                if first is None:  # every replica failed: prefill here
+                    self.counters.num_local_fallbacks_total += 1
+                    await self.loop.call(lambda e: e.add_prepared_request(engine_request))
+                else:
+                    pending.append(first)
+            while True:
+                output = pending.pop() if pending else await outputs.get()
+                token_times += [time.monotonic()] * len(output.new_token_ids)
+                yield output
+                if output.finished:
+                    outcome = output.finish_reason.value
+                    return
+        except ServiceError as e:
+            outcome = e.code.name.lower()
+            raise
+        finally:  # finished, cancelled, deadline, failed: free whatever the request still holds
+            self.loop.close_stream(rid)
+            self.loop.submit(lambda e: e.discard(engine_request))
+            self.blocks_freed.set()
+            self.counters.count_outcome(outcome)
+            log.info(
+                "request ended",
+                extra={
+                    "request_id": rid,
+                    "outcome": outcome,
+                    "prompt_tokens": len(engine_request.prompt_ids),
+                    "output_tokens": len(token_times),
+                },
+            )
+            if self.metrics is not None and outcome in ("stop", "length"):
+                self.metrics.observe_request(token_times, start)
+
+    def _prefill_locally(self, request: Request) -> bool:
+        return self.pool is None or len(request.prompt_ids) < self.config.local_prefill_below
+
+    async def _remote_prefill(self, request: Request, time_remaining: float | None) -> RequestOutput | None:
+        """Reserves blocks, streams the KV in from a replica and registers the request.
+
+        Returns the first token's output, or None when no replica could prefill it and the request should
+        be prefilled locally.
+        """
+        await self._admit(request)
+        tried: set[str] = set()
+        for _ in range(self.config.max_attempts):
+            replica = self.pool.pick(exclude=tried)
+            if replica is None:
+                break
+            tried.add(replica.name)
+            try:
+                first = await self._transfer(replica, request, time_remaining)
+            except PrefillError as e:
+                if e.replica_down:
+                    replica.mark_failed()
+                self.counters.num_transfer_failures_total += 1
+                log.warning(
+                    "prefill failed: %s", e, extra={"request_id": request.request_id, "replica": replica.name}
+                )
+                continue
+            return await self.loop.call(_registrar(request, first))
+        self.loop.submit(lambda e: e.abandon_transfer(request))
+        self.blocks_freed.set()
+        if self.config.fallback_local:
+            return None
+        raise ServiceError(
+            grpc.StatusCode.UNAVAILABLE, f"no prefill replica could serve the request (tried {sorted(tried)})"
+        )
+
+    async def _transfer(self, replica: Prefiller, request: Request, timeout: float | None) -> FirstToken:
+        """One attempt; on failure the request's blocks stay reserved (to be refilled by the next try).
+
+        Closing the prefill stream (aclosing) cancels it at once when this request is cancelled.
+        """
+        replica.outstanding += 1
+        try:
+            first, started, nbytes = None, 0.0, 0
+            num_prompt_blocks = -(-len(request.prompt_ids) // self.engine.config.block_size)
+            blocks = request.blocks.block_ids[:num_prompt_blocks]
+            async with contextlib.aclosing(
+                replica.prefill(request, self.layout, self.sharding, timeout)
+            ) as items:
+                async for item in items:
+                    if isinstance(item, FirstToken):
+                        first, started = item, time.perf_counter()
+                    else:
+                        nbytes += item.data.nbytes
+                        self.loop.submit(_inserter(item, blocks))
+            if first is None:
+                raise PrefillError(f"{replica.name}: no first token")
+            self.counters.num_transfers_total += 1
+            self.counters.kv_transfer_seconds_total += time.perf_counter() - started
+            self.counters.kv_transfer_bytes_total += nbytes
+            return first
+        finally:
+            replica.outstanding -= 1
+
+    async def _admit(self, request: Request) -> None:
+        """Waits for blocks (check + do on the engine thread); RESOURCE_EXHAUSTED past the queue bound."""
+        if await self.loop.call(lambda e: e.reserve_for_transfer(request)):
+            return
+        if self.counters.num_waiting >= self.config.max_queue:
+            raise ServiceError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"admission queue full ({self.config.max_queue})",
+                retry_after_ms=500,
+            )
+        self.counters.num_waiting += 1
+        try:
+            while not await self.loop.call(lambda e: e.reserve_for_transfer(request)):
+                self.blocks_freed.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.blocks_freed.wait(), 0.05)
+        finally:
+            self.counters.num_waiting -= 1
+
+
+def _inserter(chunk: KVChunk, blocks: list[int]):
+    return lambda engine: engine.insert_kv(chunk, blocks)
+
+
+def _registrar(request: Request, first: FirstToken):
+    return lambda engine: engine.register_prefilled(request, first.token, first.logprobs)
