@@ -11,61 +11,28 @@ import time
 
 from engine.args import add_engine_args, configure_jax, engine_config, load_adapters
 from engine.models import DEFAULT_MODEL, KNOWN_MODELS, cache_dir
+from services.client import add_client_flags, client_from_flags
 from services.daemon import common_args, decode_args, decode_main, prefill_main, serve_main
+from services.sampling import add_sampling_flags, flag_values
 
 
-def add_sampling_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--max-tokens", type=int, default=256)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default)")
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--min-p", type=float, default=0.0)
-    parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+def add_generate_args(parser: argparse.ArgumentParser) -> None:
+    add_sampling_flags(parser)  # one flag per knob of services.sampling.FIELDS
     parser.add_argument("--chat", action="store_true", help="wrap PROMPT as one user message")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
 
 
-def sampling_params(args: argparse.Namespace):
-    from engine.sampling_params import SamplingParams
+def generate_request(args: argparse.Namespace):
+    """The GenerateRequest of `pdserve generate`: the local engine and --server run the same one."""
+    from services.client import build_request
 
-    return SamplingParams(
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        min_p=args.min_p,
-        seed=args.seed,
-        max_tokens=args.max_tokens,
-        stop=tuple(args.stop),
+    return build_request(
+        None if args.chat else args.prompt,
+        chat=[{"role": "user", "content": args.prompt}] if args.chat else None,
+        lora_adapter=args.adapter or "",
+        return_prompt_ids=args.json,
+        **flag_values(args),
     )
-
-
-def add_client_args(parser: argparse.ArgumentParser, server_help: str) -> None:
-    parser.add_argument("--server", default=None, help=server_help)
-    tls = parser.add_argument_group("with --server: TLS and auth (default: plaintext, no token)")
-    tls.add_argument("--tls", action="store_true", help="TLS, server verified against the system roots")
-    tls.add_argument("--tls-ca", metavar="PEM", help="TLS, server verified against this CA")
-    tls.add_argument("--tls-cert", metavar="PEM", help="client certificate (mutual TLS)")
-    tls.add_argument("--tls-key", metavar="PEM", help="its private key")
-    tls.add_argument("--token-file", metavar="FILE", help="bearer token (the file's first token)")
-
-
-def remote_client(args: argparse.Namespace):
-    """A services.client.Client for --server with the TLS/token flags; None (error printed) when they fail."""
-    from services.client import Client
-
-    try:
-        return Client.connect(
-            args.server,
-            tls=args.tls,
-            ca=args.tls_ca,
-            cert=args.tls_cert,
-            key=args.tls_key,
-            token_file=args.token_file,
-        )
-    except (ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return None
 
 
 def cmd_adapters(args: argparse.Namespace) -> int:
@@ -76,7 +43,7 @@ def cmd_adapters(args: argparse.Namespace) -> int:
     if args.server is None:
         print("error: --server ADDR is required", file=sys.stderr)
         return 2
-    client = remote_client(args)
+    client = client_from_flags(args)
     if client is None:
         return 2
     try:
@@ -97,99 +64,73 @@ def cmd_adapters(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_generate_remote(args: argparse.Namespace) -> int:
-    """`generate --server ADDR`: streams the answer of a running decode-server as it arrives."""
+def cmd_generate(args: argparse.Namespace) -> int:
+    """`pdserve generate`: the colocated engine here, or a decode-server with --server; streams the text
+    or prints one JSON record (Completion.record: the same fields in both modes)."""
     import grpc
 
-    from services.client import FINISH_NAMES, build_request
-
-    client = remote_client(args)
-    if client is None:
-        return 2
-    request = build_request(
-        None if args.chat else args.prompt,
-        chat=[{"role": "user", "content": args.prompt}] if args.chat else None,
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        min_p=args.min_p,
-        seed=args.seed,
-        stop=args.stop,
-        lora_adapter=args.adapter or "",
-    )
-    start = time.perf_counter()
-    token_ids, text, times, finish, usage = [], [], [], None, None
-    try:
-        for response in client.stream(request):
-            now = time.perf_counter() - start
-            token_ids += response.token_ids
-            times += [now] * len(response.token_ids)
-            text.append(response.text)
-            if not args.json:
-                print(response.text, end="", flush=True)
-            if response.finish_reason:
-                finish, usage = FINISH_NAMES[response.finish_reason], response.usage
-    except grpc.RpcError as e:
-        print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
-        return 2
-    if args.json:
-        record = {
-            "prompt_tokens": usage.prompt_tokens if usage else None,
-            "token_ids": token_ids,
-            "text": "".join(text),
-            "finish_reason": finish,
-            "timings": {"ttft_s": times[0] if times else None, "token_times_s": times},
-        }
-        print(json.dumps(record))
-    else:
-        print()
-    return 0
-
-
-def cmd_generate(args: argparse.Namespace) -> int:
-    if args.server:
-        return cmd_generate_remote(args)
-    from engine.engine import LLMEngine
     from engine.sampling_params import InvalidRequestError
 
-    configure_jax()
-    t0 = time.perf_counter()
-    engine = LLMEngine.from_model(args.model, engine_config(args), warmup=args.warmup, progress=not args.json)
-    load_adapters(engine, args.lora)
-    tokenizer = engine.tokenizer
-    prompt = tokenizer.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
+    request = generate_request(args)
+
+    def show(response) -> None:
+        if not args.json:
+            print(response.text, end="", flush=True)
+
+    startup_s = None
     try:
-        request_id = engine.add_request(prompt, sampling_params(args), lora=args.adapter)
+        if args.server:
+            client = client_from_flags(args)
+            if client is None:
+                return 2
+            completion = client.generate_request(request, on_response=show)
+        else:
+            t0 = time.perf_counter()
+            engine = local_engine(args)
+            startup_s = time.perf_counter() - t0
+            completion = generate_locally(engine, request, on_response=show)
     except InvalidRequestError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    prompt_ids = engine._streams[request_id].request.prompt_ids
-    start = time.perf_counter()
-    token_ids, text, times, finish = [], [], [], None
-    while finish is None:
-        for out in engine.step():
-            token_ids += out.new_token_ids
-            times.append(time.perf_counter() - start)
-            text.append(out.text)
-            if not args.json:
-                print(out.text, end="", flush=True)
-            if out.finished:
-                finish = out.finish_reason.value
-    if args.json:
-        ttft = times[0] if times else None
-        tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
-        record = {
-            "prompt_ids": prompt_ids,
-            "token_ids": token_ids,
-            "text": "".join(text),
-            "finish_reason": finish,
-            "timings": {"startup_s": start - t0, "ttft_s": ttft, "tpot_s": tpot, "token_times_s": times},
-        }
-        print(json.dumps(record))
-    else:
-        print()
+    except grpc.RpcError as e:
+        print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 2
+    print(json.dumps(completion.record(startup_s)) if args.json else "")
     return 0
+
+
+def local_engine(args: argparse.Namespace):
+    from engine.engine import LLMEngine
+
+    configure_jax()
+    engine = LLMEngine.from_model(args.model, engine_config(args), warmup=args.warmup, progress=not args.json)
+    load_adapters(engine, args.lora)
+    return engine
+
+
+def generate_locally(engine, request, on_response=None):
+    """Runs a GenerateRequest on a colocated engine exactly as a decode-server would (same prompt
+    rendering, same sampling mapping, same responses); returns its services.client.Completion."""
+    from services import wire
+    from services.client import Completion
+    from services.sampling import params_from_request
+
+    prompt = wire.prompt_from_proto(request, engine.tokenizer)
+    engine_request = engine.make_request(
+        prompt, params_from_request(request), lora=request.lora_adapter or None
+    )
+    rid = engine.add_prepared_request(engine_request)
+    start, completion, first = time.perf_counter(), Completion(), True
+    while completion.finish_reason is None:
+        for output in engine.step():
+            response = wire.output_to_response(output, rid)
+            if first and request.return_prompt_ids:
+                response.prompt_ids.extend(engine_request.prompt_ids)
+            first = False
+            completion.add(response, time.perf_counter() - start)
+            if on_response is not None:
+                on_response(response)
+    return completion
 
 
 def cmd_models(args: argparse.Namespace) -> int:
@@ -215,10 +156,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="generate a completion with the colocated engine")
     add_engine_args(gen)
-    add_sampling_args(gen)
+    add_generate_args(gen)
     gen.add_argument("--warmup", action="store_true", help="compile every serving shape first")
     gen.add_argument("--adapter", default=None, metavar="NAME", help="LoRA adapter to generate with")
-    add_client_args(gen, "ADDR of a decode-server: stream from it instead")
+    add_client_flags(gen, "ADDR of a decode-server: stream from it instead")
     gen.add_argument("prompt")
     gen.set_defaults(func=cmd_generate)
 
@@ -241,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     adapters.add_argument("action", choices=["list", "load", "unload"])
     adapters.add_argument("name", nargs="?")
     adapters.add_argument("path", nargs="?", help="load: the adapter folder as the daemon sees it")
-    add_client_args(adapters, "ADDR of the daemon (decode-server, prefill-server or pdserve serve)")
+    add_client_flags(adapters, "ADDR of the daemon (decode-server, prefill-server or pdserve serve)")
     adapters.set_defaults(func=cmd_adapters)
 
     models = sub.add_parser("models", help="list or fetch known models")

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
+from services.client import add_client_flags, client_from_flags
+
 PERCENTILES = (50, 90, 99)
 # Prompt token ids are drawn from this range: ordinary vocabulary ids of the Llama-family models, clear of
 # special tokens at the bottom (ids 0-99) and inside every supported model's vocabulary.
@@ -569,7 +571,7 @@ def format_summary(stats: dict) -> str:
 
 
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--server", required=True, help="ADDR of a decode-server (host:port)")
+    add_client_flags(parser, "ADDR of a decode-server (host:port)", required=True)
     load = parser.add_mutually_exclusive_group()
     load.add_argument("--rate", type=float, help="Poisson arrivals, requests/s (default: all at once)")
     load.add_argument("--concurrency", type=int, help="this many requests in flight (closed loop)")
@@ -602,13 +604,9 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     eos.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false", help="stop at EOS")
     parser.add_argument("--timeout", type=float, default=None, help="deadline of each request (s)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    parser.add_argument("--tls-ca", metavar="PEM", help="TLS, server verified against this CA")
-    parser.add_argument("--token-file", metavar="FILE", help="bearer token (the file's first token)")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from services.client import Client
-
     if args.rate is not None and args.rate <= 0:
         print("error: --rate must be > 0", file=sys.stderr)
         return 2
@@ -624,9 +622,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
             load_dataset(args.dataset)
         if args.plots:
             _pyplot()
-        client = Client.connect(args.server, ca=args.tls_ca, token_file=args.token_file)
     except (ValueError, OSError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    client = client_from_flags(args)
+    if client is None:
         return 2
     try:
         result = bench(

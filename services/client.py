@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import sys
 import time
 from collections.abc import Iterator, Sequence
 
@@ -12,19 +14,88 @@ from pdserve.v1 import admin_pb2, admin_pb2_grpc
 from pdserve.v1 import generation_pb2 as pb
 from pdserve.v1 import generation_pb2_grpc as pb_grpc
 from services.grpc_server import channel_options
+from services.sampling import set_request_fields
 from services.security import ChannelSecurity, bearer_metadata, channel_credentials, read_tokens
 
 
 @dataclasses.dataclass
 class Completion:
-    request_id: str
-    token_ids: list[int]
-    text: str
-    finish_reason: str
-    prompt_tokens: int
-    completion_tokens: int
-    ttft_s: float  # time to the first token, seen by the client
-    token_times_s: list[float]  # arrival time of each token since the call started
+    """One finished request as a client saw it (also what `pdserve generate --json` prints)."""
+
+    request_id: str = ""
+    prompt_ids: list[int] = dataclasses.field(default_factory=list)  # when asked for (return_prompt_ids)
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None  # "stop", "length", "abort"; None while running
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    token_times_s: list[float] = dataclasses.field(default_factory=list)  # each token's arrival since start
+
+    @property
+    def ttft_s(self) -> float:
+        """Time to the first token, seen by the client (NaN without tokens)."""
+        return self.token_times_s[0] if self.token_times_s else float("nan")
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Mean time per output token after the first (None below two tokens)."""
+        times = self.token_times_s
+        return (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
+
+    def add(self, response: pb.GenerateResponse, now_s: float) -> None:
+        """Folds one streamed response in, `now_s` after the request started."""
+        self.request_id = response.request_id or self.request_id
+        self.prompt_ids += response.prompt_ids
+        self.token_ids += response.token_ids
+        self.token_times_s += [now_s] * len(response.token_ids)
+        self.text += response.text
+        if response.finish_reason:
+            self.finish_reason = FINISH_NAMES[response.finish_reason]
+            self.prompt_tokens = response.usage.prompt_tokens
+            self.completion_tokens = response.usage.completion_tokens
+
+    def record(self, startup_s: float | None = None) -> dict:
+        """The JSON record of `pdserve generate --json` (local or --server: the same fields)."""
+        return {
+            "prompt_ids": self.prompt_ids,
+            "prompt_tokens": self.prompt_tokens,
+            "token_ids": self.token_ids,
+            "text": self.text,
+            "finish_reason": self.finish_reason,
+            "timings": {
+                "startup_s": startup_s,
+                "ttft_s": self.token_times_s[0] if self.token_times_s else None,
+                "tpot_s": self.tpot_s,
+                "token_times_s": self.token_times_s,
+            },
+        }
+
+
+def add_client_flags(parser: argparse.ArgumentParser, server_help: str, required: bool = False) -> None:
+    """--server and the TLS / mTLS / token flags of every command that calls a daemon."""
+    parser.add_argument("--server", default=None, required=required, help=server_help)
+    tls = parser.add_argument_group("with --server: TLS and auth (default: plaintext, no token)")
+    tls.add_argument("--tls", action="store_true", help="TLS, server verified against the system roots")
+    tls.add_argument("--tls-ca", metavar="PEM", help="TLS, server verified against this CA")
+    tls.add_argument("--tls-cert", metavar="PEM", help="client certificate (mutual TLS)")
+    tls.add_argument("--tls-key", metavar="PEM", help="its private key")
+    tls.add_argument("--token-file", metavar="FILE", help="bearer token (the file's first token)")
+
+
+def client_from_flags(args: argparse.Namespace) -> Client | None:
+    """A Client for --server with the add_client_flags settings; None (error printed) when they fail."""
+    try:
+        return Client.connect(
+            args.server,
+            tls=args.tls,
+            ca=args.tls_ca,
+            cert=args.tls_cert,
+            key=args.tls_key,
+            token_file=args.token_file,
+        )
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return None
 
 
 FINISH_NAMES = {v: k.removeprefix("FINISH_REASON_").lower() for k, v in pb.FinishReason.items()}
@@ -34,38 +105,24 @@ def build_request(
     prompt: str | Sequence[int] | None = None,
     *,
     chat: Sequence[dict] | None = None,
-    max_tokens: int = 0,
-    temperature: float = 0.0,
-    top_p: float | None = None,
-    top_k: int = 0,
-    min_p: float = 0.0,
-    seed: int | None = None,
-    logprobs: int | None = None,
-    stop: Sequence[str] = (),
-    stop_token_ids: Sequence[int] = (),
-    ignore_eos: bool = False,
     request_id: str = "",
     lora_adapter: str = "",
+    return_prompt_ids: bool = False,
+    **sampling_fields,
 ) -> pb.GenerateRequest:
-    request = pb.GenerateRequest(request_id=request_id, max_tokens=max_tokens, lora_adapter=lora_adapter)
+    """A GenerateRequest. `sampling_fields`: any knob of services.sampling.FIELDS by its SamplingParams
+    name (temperature, top_p, ..., max_tokens, stop, stop_token_ids, ignore_eos); left out or None: the
+    server's default (greedy, 256 tokens)."""
+    request = pb.GenerateRequest(
+        request_id=request_id, lora_adapter=lora_adapter, return_prompt_ids=return_prompt_ids
+    )
     if chat is not None:
         request.chat.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in chat)
     elif isinstance(prompt, str):
         request.text = prompt
     elif prompt is not None:
         request.token_ids.ids.extend(prompt)
-    s = request.sampling
-    s.temperature, s.top_k, s.min_p = temperature, top_k, min_p
-    if top_p is not None:
-        s.top_p = top_p
-    if seed is not None:
-        s.seed = seed
-    if logprobs is not None:
-        s.logprobs = logprobs
-    request.stop.stop.extend(stop)
-    request.stop.stop_token_ids.extend(stop_token_ids)
-    request.stop.ignore_eos = ignore_eos
-    return request
+    return set_request_fields(request, sampling_fields)
 
 
 class Client:
@@ -107,25 +164,23 @@ class Client:
 
     def generate(self, *args, timeout: float | None = None, **kwargs) -> Completion:
         """Runs one request to completion (see build_request for the arguments)."""
+        return self.generate_request(build_request(*args, **kwargs), timeout=timeout)
+
+    def generate_request(
+        self, request: pb.GenerateRequest, timeout: float | None = None, on_response=None
+    ) -> Completion:
+        """Runs a built request to completion; `on_response(r)` sees each GenerateResponse as it arrives."""
         start = time.perf_counter()
-        token_ids, text, times = [], [], []
-        last = pb.GenerateResponse()
-        for response in self.stream(build_request(*args, **kwargs), timeout=timeout):
-            now = time.perf_counter() - start
-            token_ids += response.token_ids
-            times += [now] * len(response.token_ids)
-            text.append(response.text)
-            last = response
-        return Completion(
-            request_id=last.request_id,
-            token_ids=token_ids,
-            text="".join(text),
-            finish_reason=FINISH_NAMES[last.finish_reason],
-            prompt_tokens=last.usage.prompt_tokens,
-            completion_tokens=last.usage.completion_tokens,
-            ttft_s=times[0] if times else float("nan"),
-            token_times_s=times,
-        )
+        completion = Completion()
+        for response in self.stream(request, timeout=timeout):
+            completion.add(response, time.perf_counter() - start)
+            if on_response is not None:
+                on_response(response)
+        return completion
+
+    def stats(self, timeout: float | None = 30.0) -> admin_pb2.ServerStats:
+        """The daemon's Admin.GetStats: blocks used and free, queues, requests and transfer totals."""
+        return self.admin.GetStats(admin_pb2.GetStatsRequest(), timeout=timeout, metadata=self.metadata)
 
     def model_info(self) -> pb.ModelInfo:
         return self.stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=self.metadata)

@@ -1,4 +1,5 @@
-"""Conversions between protos and engine types, and the hand-rolled codec of Prefill stream messages.
+"""Conversions between protos and engine types (sampling parameters: services/sampling.py), and the
+hand-rolled codec of Prefill stream messages.
 
 A `PrefillMessage` carrying a KV frame is a protobuf message with one `bytes` field (kv_frame = 2). The
 python protobuf runtime copies such fields on parse and serialize, which halves loopback throughput; here
@@ -11,13 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 
+from engine.output import RequestOutput
 from engine.request import FinishReason, TokenLogprobs
-from engine.sampling_params import InvalidRequestError, SamplingParams
+from engine.sampling_params import InvalidRequestError
 from pdserve.v1 import generation_pb2 as gen_pb
 from pdserve.v1 import prefill_pb2 as prefill_pb
 
 _KV_FRAME_TAG = b"\x12"  # field 2, wire type 2 (length-delimited)
-DEFAULT_MAX_TOKENS = 256
 
 
 def _varint(value: int) -> bytes:
@@ -83,48 +84,7 @@ def lenient(parse):
     return deserialize
 
 
-# ---- sampling parameters -------------------------------------------------------------------------------
-def sampling_from_proto(
-    sampling: gen_pb.SamplingParameters, max_tokens: int, stop: gen_pb.StopConditions
-) -> SamplingParams:
-    """Builds SamplingParams; range checks happen in SamplingParams.validate (INVALID_ARGUMENT)."""
-    return SamplingParams(
-        temperature=sampling.temperature,
-        top_p=sampling.top_p if sampling.HasField("top_p") else 1.0,
-        top_k=sampling.top_k,
-        min_p=sampling.min_p,
-        repetition_penalty=sampling.repetition_penalty if sampling.HasField("repetition_penalty") else 1.0,
-        presence_penalty=sampling.presence_penalty,
-        frequency_penalty=sampling.frequency_penalty,
-        seed=sampling.seed if sampling.HasField("seed") else None,
-        logprobs=sampling.logprobs if sampling.HasField("logprobs") else None,
-        max_tokens=max_tokens or DEFAULT_MAX_TOKENS,
-        stop=tuple(stop.stop),
-        stop_token_ids=tuple(stop.stop_token_ids),
-        ignore_eos=stop.ignore_eos,
-    )
-
-
-def sampling_to_proto(params: SamplingParams) -> tuple[gen_pb.SamplingParameters, gen_pb.StopConditions]:
-    sampling = gen_pb.SamplingParameters(
-        temperature=params.temperature,
-        top_p=params.top_p,
-        top_k=params.top_k,
-        min_p=params.min_p,
-        repetition_penalty=params.repetition_penalty,
-        presence_penalty=params.presence_penalty,
-        frequency_penalty=params.frequency_penalty,
-    )
-    if params.seed is not None:
-        sampling.seed = params.seed
-    if params.logprobs is not None:
-        sampling.logprobs = params.logprobs
-    stop = gen_pb.StopConditions(
-        stop=list(params.stop), stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos
-    )
-    return sampling, stop
-
-
+# ---- prompts ------------------------------------------------------------------------------------------
 def prompt_from_proto(request: gen_pb.GenerateRequest, tokenizer) -> str | list[int]:
     kind = request.WhichOneof("prompt")
     if kind == "text":
@@ -146,6 +106,21 @@ FINISH_REASONS = {
     FinishReason.LENGTH: gen_pb.FINISH_REASON_LENGTH,
     FinishReason.ABORT: gen_pb.FINISH_REASON_ABORT,
 }
+
+
+def output_to_response(output: RequestOutput, request_id: str) -> gen_pb.GenerateResponse:
+    """One engine output as a streamed GenerateResponse (usage on the last one)."""
+    response = gen_pb.GenerateResponse(
+        request_id=request_id,
+        token_ids=output.new_token_ids,
+        text=output.text,
+        finish_reason=FINISH_REASONS[output.finish_reason],
+        logprobs=[logprobs_to_proto(lp) for lp in output.logprobs],
+    )
+    if output.finished:
+        response.usage.prompt_tokens = output.num_prompt_tokens
+        response.usage.completion_tokens = output.num_output_tokens
+    return response
 
 
 def logprobs_to_proto(lp: TokenLogprobs) -> gen_pb.TokenLogprobs:

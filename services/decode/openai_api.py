@@ -15,6 +15,7 @@ from aiohttp import web
 
 from engine.sampling_params import InvalidRequestError, SamplingParams
 from services.decode.core import GenerationCore, ServiceError
+from services.sampling import FIELD_NAMES, params_from_values
 from services.security import ServerSecurity, token_ok
 
 _HTTP_STATUS = {grpc.StatusCode.RESOURCE_EXHAUSTED: 429, grpc.StatusCode.UNAVAILABLE: 503}
@@ -26,44 +27,21 @@ def _error(status: int, message: str, kind: str, param: str | None = None) -> we
 
 
 def _params(body: dict, default_max_tokens: int) -> SamplingParams:
-    """OpenAI fields -> SamplingParams; type errors become InvalidRequestError naming the field."""
-
-    def get(name, kind, default):
-        value = body.get(name, default)
-        if value is None:
-            return default
-        if kind is float and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
-        if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
-            raise InvalidRequestError(name, f"must be a {kind.__name__}")
-        return value
-
-    stop = body.get("stop") or ()
-    stop = (stop,) if isinstance(stop, str) else tuple(stop)
-    if not all(isinstance(s, str) for s in stop):
-        raise InvalidRequestError("stop", "must be a string or a list of strings")
-    if get("n", int, 1) != 1:
+    """OpenAI fields (and vLLM's extensions: top_k, min_p, repetition_penalty, stop_token_ids, ignore_eos)
+    -> SamplingParams through services.sampling's one mapping; OpenAI's own shapes are normalised first.
+    Type errors become InvalidRequestError naming the field; the defaults are OpenAI's (temperature 1)."""
+    values = {name: body[name] for name in FIELD_NAMES if name in body}
+    if body.get("n", 1) not in (1, None):
         raise InvalidRequestError("n", "only n=1 is supported")
+    if isinstance(values.get("stop"), str):
+        values["stop"] = [values["stop"]]
     logprobs = body.get("logprobs")
     if body.get("top_logprobs") is not None:  # chat: logprobs is a bool, top_logprobs the count
-        logprobs = get("top_logprobs", int, 0) if logprobs else None
+        values["logprobs"] = body["top_logprobs"] if logprobs else None
     elif isinstance(logprobs, bool):
-        logprobs = 0 if logprobs else None
-    elif logprobs is not None and not isinstance(logprobs, int):
-        raise InvalidRequestError("logprobs", "must be an integer")
-    return SamplingParams(
-        temperature=get("temperature", float, 1.0),
-        top_p=get("top_p", float, 1.0),
-        top_k=get("top_k", int, 0),
-        min_p=get("min_p", float, 0.0),
-        presence_penalty=get("presence_penalty", float, 0.0),
-        frequency_penalty=get("frequency_penalty", float, 0.0),
-        repetition_penalty=get("repetition_penalty", float, 1.0),
-        seed=body.get("seed"),
-        max_tokens=get("max_tokens", int, 0) or get("max_completion_tokens", int, 0) or default_max_tokens,
-        stop=stop,
-        logprobs=logprobs,
-    )
+        values["logprobs"] = 0 if logprobs else None
+    values["max_tokens"] = values.get("max_tokens") or body.get("max_completion_tokens") or default_max_tokens
+    return params_from_values(values)
 
 
 class OpenAIFrontend:

@@ -23,7 +23,7 @@ from engine.request import Request, TokenLogprobs
 from engine.sampling_params import InvalidRequestError
 from kvtransfer import KVChunk, KVLayout
 from pdserve.v1 import prefill_pb2 as pb
-from services import wire
+from services import sampling, wire
 from services.engine_loop import EngineLoop
 from services.grpc_server import channel_options
 from services.prefill.runner import prefill_on_engine
@@ -131,17 +131,15 @@ class RemotePrefiller(Prefiller):
     ) -> AsyncIterator[FirstToken | KVChunk]:
         if self.src is None:
             await self.handshake()
-        sampling, stop = wire.sampling_to_proto(request.params)
         message = pb.PrefillRequest(
             request_id=request.request_id,
             prompt_ids=request.prompt_ids,
-            sampling=sampling,
             seed=request.seed,
             layout_fingerprint=self.dst.fingerprint(),
             lora_adapter=request.lora.name if request.lora else "",
             lora_fingerprint=request.lora.fingerprint if request.lora else "",
-            stop=stop,
         )
+        sampling.params_to_request(request.params, message)
         call = self._prefill(message, timeout=min(self.deadline_s, timeout or self.deadline_s))
         assembler = None
         try:

@@ -27,12 +27,11 @@ from collections.abc import Callable
 
 import grpc
 
-from engine.output import RequestOutput
 from engine.sampling_params import InvalidRequestError
 from pdserve.v1 import admin_pb2_grpc
 from pdserve.v1 import generation_pb2 as pb
 from pdserve.v1 import generation_pb2_grpc as pb_grpc
-from services import wire
+from services import sampling, wire
 from services.admin import SERVICE_NAME as ADMIN_SERVICE
 from services.admin import AdminService
 from services.decode.core import GenerationCore, ServiceError
@@ -69,30 +68,21 @@ class GenerationService(pb_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request: {request.error}")
         try:
             prompt = wire.prompt_from_proto(request, self.engine.tokenizer)
-            params = wire.sampling_from_proto(request.sampling, request.max_tokens, request.stop)
+            params = sampling.params_from_request(request)
             engine_request = self.core.make_request(prompt, params, request.request_id, request.lora_adapter)
+            with_prompt_ids = request.return_prompt_ids
             async for output in self.core.stream(engine_request, context.time_remaining()):
-                yield self._response(output, engine_request.request_id)
+                response = wire.output_to_response(output, engine_request.request_id)
+                if with_prompt_ids:  # on the first message only
+                    response.prompt_ids.extend(engine_request.prompt_ids)
+                    with_prompt_ids = False
+                yield response
         except InvalidRequestError as e:  # INVALID_ARGUMENT; NOT_FOUND for an adapter not loaded here
             await context.abort(grpc.StatusCode[e.status], str(e))
         except ServiceError as e:
             if e.retry_after_ms is not None:
                 context.set_trailing_metadata((("retry-after-ms", str(e.retry_after_ms)),))
             await context.abort(e.code, e.message)
-
-    @staticmethod
-    def _response(output: RequestOutput, rid: str) -> pb.GenerateResponse:
-        response = pb.GenerateResponse(
-            request_id=rid,
-            token_ids=output.new_token_ids,
-            text=output.text,
-            finish_reason=wire.FINISH_REASONS[output.finish_reason],
-            logprobs=[wire.logprobs_to_proto(lp) for lp in output.logprobs],
-        )
-        if output.finished:
-            response.usage.prompt_tokens = output.num_prompt_tokens
-            response.usage.completion_tokens = output.num_output_tokens
-        return response
 
 
 def add_to_server(server: grpc.aio.Server, service: GenerationService) -> None:

@@ -20,6 +20,7 @@ Request lifecycle:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -32,7 +33,7 @@ from engine.sampling_params import InvalidRequestError
 from pdserve.v1 import admin_pb2_grpc
 from pdserve.v1 import prefill_pb2 as pb
 from pdserve.v1 import prefill_pb2_grpc as pb_grpc
-from services import wire
+from services import sampling, wire
 from services.admin import SERVICE_NAME as ADMIN_SERVICE
 from services.admin import AdminService, Counters
 from services.engine_loop import EngineLoop
@@ -109,7 +110,7 @@ class PrefillService(pb_grpc.PrefillServicer):
     async def _prefill(self, request: pb.PrefillRequest, context):
         start = time.perf_counter()
         rid = request.request_id or f"prefill-{id(request)}"
-        params = wire.sampling_from_proto(request.sampling, 1, request.stop)
+        params = dataclasses.replace(sampling.params_from_request(request), max_tokens=1)  # the first token
         try:
             engine_request = self.engine.make_request(
                 list(request.prompt_ids),

@@ -1,0 +1,157 @@
+"""The one mapping of sampling parameters and stop conditions across pdserve's interfaces.
+
+Each `Field` is one knob, named the same everywhere: the `SamplingParams` attribute, the `GenerateRequest`
+proto field (in `sampling`, in `stop`, or on the request itself), the keyword of `Client.generate` /
+`build_request`, the OpenAI (and vLLM extension) body key and the `pdserve generate` flag. Every
+conversion below walks `FIELDS`; a new knob is one new line here (a test checks that the table covers
+every field of `SamplingParams` and of the protos).
+
+Defaults belong to each API, not to this table: over gRPC and on the command line an unset field takes
+the proto's default (temperature 0: greedy; max_tokens 0: the server's DEFAULT_MAX_TOKENS), while
+`SamplingParams()` and the OpenAI API default to temperature 1 as their users expect.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from engine.sampling_params import InvalidRequestError, SamplingParams
+
+DEFAULT_MAX_TOKENS = 256  # what a GenerateRequest without max_tokens gets
+
+
+@dataclasses.dataclass(frozen=True)
+class Field:
+    name: str  # SamplingParams attribute = proto field = Client keyword = OpenAI key
+    kind: type  # float, int, bool or str (of each element when repeated)
+    message: str  # where it lives in a GenerateRequest: "sampling", "stop" or "request"
+    help: str
+    repeated: bool = False
+    optional: bool = False  # proto3 `optional`: unset means SamplingParams' default
+    flag: str = ""  # the CLI flag when it is not --name-with-dashes (repeated flags are singular)
+
+    @property
+    def cli_flag(self) -> str:
+        return self.flag or "--" + self.name.replace("_", "-")
+
+
+FIELDS: tuple[Field, ...] = (
+    Field("temperature", float, "sampling", "0 (the default here and over gRPC): greedy"),
+    Field("top_p", float, "sampling", "nucleus sampling mass, (0, 1]; unset: 1", optional=True),
+    Field("top_k", int, "sampling", "keep the k most likely tokens; 0: off"),
+    Field("min_p", float, "sampling", "drop tokens below min_p x the top probability; 0: off"),
+    Field(
+        "repetition_penalty", float, "sampling", "HF-style, > 0 over prompt + output; unset: 1", optional=True
+    ),
+    Field("presence_penalty", float, "sampling", "OpenAI-style, [-2, 2] over the output"),
+    Field("frequency_penalty", float, "sampling", "OpenAI-style, [-2, 2] over the output"),
+    Field("seed", int, "sampling", "seeded sampling; unset: a random seed per request", optional=True),
+    Field("logprobs", int, "sampling", "top-n logprobs per token (0: the sampled one's only)", optional=True),
+    Field("max_tokens", int, "request", f"tokens to generate; 0 or unset: {DEFAULT_MAX_TOKENS}"),
+    Field("stop", str, "stop", "stop string, not included in the output (repeatable)", repeated=True),
+    Field("stop_token_ids", int, "stop", "stop token id (repeatable)", repeated=True, flag="--stop-token-id"),
+    Field("ignore_eos", bool, "stop", "keep generating past EOS"),
+)
+FIELD_NAMES = frozenset(f.name for f in FIELDS)
+
+
+def _container(request, field: Field):
+    """The message holding `field`; None for request-level fields a message does not have (PrefillRequest
+    has no max_tokens: the prefill side samples one token)."""
+    if field.message != "request":
+        return getattr(request, field.message)
+    return request if field.name in request.DESCRIPTOR.fields_by_name else None
+
+
+# ---- GenerateRequest (and the Prefill request, which carries the same messages) ---------------------
+def set_request_fields(request, values: Mapping[str, Any]):
+    """Writes the given knobs into `request` (None: left unset); unknown names are a TypeError."""
+    unknown = set(values) - FIELD_NAMES
+    if unknown:
+        raise TypeError(f"unknown sampling fields: {sorted(unknown)}")
+    for field in FIELDS:
+        value = values.get(field.name)
+        container = _container(request, field)
+        if value is None or container is None:
+            continue
+        if field.repeated:
+            getattr(container, field.name).extend(value)
+        else:
+            setattr(container, field.name, value)
+    return request
+
+
+def params_to_request(params: SamplingParams, request):
+    """Every knob of `params` into `request`, a GenerateRequest or a PrefillRequest (the inverse of
+    params_from_request)."""
+    return set_request_fields(request, {f.name: getattr(params, f.name) for f in FIELDS})
+
+
+def params_from_request(request) -> SamplingParams:
+    """The SamplingParams of a GenerateRequest or a PrefillRequest under the gRPC API's defaults; range
+    checks happen in SamplingParams.validate (INVALID_ARGUMENT naming the field)."""
+    defaults = SamplingParams()
+    values = {}
+    for field in FIELDS:
+        container = _container(request, field)
+        if container is None:
+            values[field.name] = 0
+        elif field.repeated:
+            values[field.name] = tuple(getattr(container, field.name))
+        elif field.optional and not container.HasField(field.name):
+            values[field.name] = getattr(defaults, field.name)
+        else:
+            values[field.name] = getattr(container, field.name)
+    values["max_tokens"] = values["max_tokens"] or DEFAULT_MAX_TOKENS
+    return SamplingParams(**values)
+
+
+# ---- the command line -------------------------------------------------------------------------------
+def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per knob, every default unset (None): what is not given takes the gRPC API's default."""
+    group = parser.add_argument_group("sampling and stop conditions")
+    for field in FIELDS:
+        if field.kind is bool:
+            group.add_argument(
+                field.cli_flag, dest=field.name, action="store_true", default=None, help=field.help
+            )
+        elif field.repeated:
+            group.add_argument(
+                field.cli_flag, dest=field.name, type=field.kind, action="append", help=field.help
+            )
+        else:
+            group.add_argument(field.cli_flag, dest=field.name, type=field.kind, help=field.help)
+
+
+def flag_values(args: argparse.Namespace) -> dict[str, Any]:
+    """The knobs given on the command line, for set_request_fields / Client.generate."""
+    return {f.name: getattr(args, f.name) for f in FIELDS if getattr(args, f.name) is not None}
+
+
+# ---- plain values (the OpenAI body) ------------------------------------------------------------------
+def params_from_values(values: Mapping[str, Any], defaults: SamplingParams | None = None) -> SamplingParams:
+    """SamplingParams from JSON-like values keyed by field name (None or missing: `defaults`).
+
+    Types are checked here (InvalidRequestError naming the field); ranges by SamplingParams.validate."""
+    out = {}
+    for field in FIELDS:
+        value = values.get(field.name)
+        if value is None:
+            continue
+        items = value if field.repeated else (value,)
+        if field.repeated and not isinstance(value, list | tuple):
+            raise InvalidRequestError(field.name, f"must be a list of {field.kind.__name__}")
+        checked = tuple(_checked(field, item) for item in items)
+        out[field.name] = checked if field.repeated else checked[0]
+    return dataclasses.replace(defaults or SamplingParams(), **out)
+
+
+def _checked(field: Field, value: Any) -> Any:
+    if field.kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, field.kind) or (isinstance(value, bool) and field.kind is not bool):
+        raise InvalidRequestError(field.name, f"must be a {field.kind.__name__}")
+    return value

@@ -1,0 +1,142 @@
+"""The one mapping of sampling parameters (services/sampling.py): every knob survives every interface.
+
+SamplingParams -> GenerateRequest -> SamplingParams, -> PrefillRequest (all but max_tokens), -> the
+`pdserve generate` flags -> the request the CLI sends, -> Client keywords -> build_request, and -> an
+OpenAI body -> the HTTP front's parser: each round trip gives back the same SamplingParams, for any value
+of every field. And the table covers every field of SamplingParams and of the protos.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.sampling_params import InvalidRequestError, SamplingParams
+from pdserve.cli import build_parser, generate_request
+from pdserve.v1 import generation_pb2 as pb
+from pdserve.v1 import prefill_pb2
+from services.client import build_request
+from services.decode.openai_api import _params as openai_params
+from services.sampling import FIELDS, params_from_request, params_to_request
+
+pytestmark = pytest.mark.fast
+
+f32 = st.floats(-2, 2, width=32, allow_subnormal=False)  # proto floats are 32-bit
+words = st.text(alphabet=st.characters(codec="utf-8", exclude_characters="\x00"), min_size=1, max_size=6)
+sampling_params = st.builds(
+    SamplingParams,
+    temperature=f32.map(abs),
+    top_k=st.integers(0, 1000),
+    top_p=st.floats(0.25, 1, width=32),
+    min_p=f32.map(lambda x: abs(x) / 2),
+    repetition_penalty=st.floats(0.5, 3, width=32),
+    presence_penalty=f32,
+    frequency_penalty=f32,
+    seed=st.one_of(st.none(), st.integers(0, 2**63 - 1)),
+    max_tokens=st.integers(1, 4096),
+    stop_token_ids=st.lists(st.integers(0, 49151), max_size=3).map(tuple),
+    stop=st.lists(words, max_size=3).map(tuple),
+    ignore_eos=st.booleans(),
+    logprobs=st.one_of(st.none(), st.integers(0, 20)),
+)
+
+
+def test_the_table_covers_every_field():
+    names = {f.name for f in FIELDS}
+    assert names == {f.name for f in dataclasses.fields(SamplingParams)}
+    proto = (
+        set(pb.SamplingParameters.DESCRIPTOR.fields_by_name)
+        | set(pb.StopConditions.DESCRIPTOR.fields_by_name)
+        | {"max_tokens"}
+    )
+    assert names == proto
+    for field in FIELDS:
+        where = pb.GenerateRequest if field.message == "request" else getattr(pb, _message(field))
+        assert field.name in where.DESCRIPTOR.fields_by_name, field
+
+
+def _message(field) -> str:
+    return {"sampling": "SamplingParameters", "stop": "StopConditions"}[field.message]
+
+
+@settings(max_examples=200, deadline=None)
+@given(params=sampling_params)
+def test_proto_round_trip(params):
+    assert params_from_request(params_to_request(params, pb.GenerateRequest())) == params
+    prefill = params_to_request(params, prefill_pb2.PrefillRequest())
+    assert params_from_request(prefill) == dataclasses.replace(params, max_tokens=256)
+
+
+@settings(max_examples=200, deadline=None)
+@given(params=sampling_params)
+def test_client_keywords_round_trip(params):
+    request = build_request("hi", **dataclasses.asdict(params))
+    assert params_from_request(request) == params
+
+
+@settings(max_examples=100, deadline=None)
+@given(params=sampling_params)
+def test_cli_flags_round_trip(params):
+    argv = ["generate"]
+    for field in FIELDS:
+        value = getattr(params, field.name)
+        if field.kind is bool:
+            argv += [field.cli_flag] if value else []
+        elif field.repeated:
+            for item in value:
+                argv.append(f"{field.cli_flag}={item}")
+        elif value is not None:
+            argv.append(f"{field.cli_flag}={value!r}" if field.kind is float else f"{field.cli_flag}={value}")
+    args = build_parser().parse_args([*argv, "--", "a prompt"])
+    assert params_from_request(generate_request(args)) == params
+
+
+@settings(max_examples=200, deadline=None)
+@given(params=sampling_params)
+def test_openai_body_round_trip(params):
+    body = {"model": "m", "prompt": "hi", **dataclasses.asdict(params)}
+    body["stop"] = list(params.stop)
+    body["stop_token_ids"] = list(params.stop_token_ids)
+    assert openai_params(body, default_max_tokens=16) == params
+
+
+def test_unset_fields_take_each_apis_defaults():
+    grpc_default = params_from_request(build_request("hi"))
+    assert grpc_default.greedy and grpc_default.max_tokens == 256 and grpc_default.top_p == 1.0
+    assert grpc_default.seed is None and grpc_default.logprobs is None
+    openai_default = openai_params({"prompt": "hi"}, default_max_tokens=16)
+    assert openai_default == SamplingParams(max_tokens=16)  # OpenAI: temperature 1
+
+
+@pytest.mark.parametrize(
+    "body, field",
+    [
+        ({"temperature": "hot"}, "temperature"),
+        ({"seed": 1.5}, "seed"),
+        ({"stop": [1]}, "stop"),
+        ({"stop_token_ids": "1"}, "stop_token_ids"),
+        ({"ignore_eos": 1}, "ignore_eos"),
+        ({"top_k": True}, "top_k"),
+        ({"n": 2}, "n"),
+    ],
+)
+def test_openai_type_errors_name_the_field(body, field):
+    with pytest.raises(InvalidRequestError) as err:
+        openai_params(body, default_max_tokens=16)
+    assert err.value.field == field
+
+
+def test_openai_shapes():
+    assert openai_params({"stop": "x"}, 16).stop == ("x",)
+    assert openai_params({"logprobs": True, "top_logprobs": 3}, 16).logprobs == 3  # chat
+    assert openai_params({"logprobs": True}, 16).logprobs == 0
+    assert openai_params({"logprobs": False, "top_logprobs": 3}, 16).logprobs is None
+    assert openai_params({"max_completion_tokens": 7}, 16).max_tokens == 7
+
+
+def test_unknown_client_keyword_is_a_type_error():
+    with pytest.raises(TypeError, match="temprature"):
+        build_request("hi", temprature=0.5)
