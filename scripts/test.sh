@@ -1,11 +1,22 @@
 #!/usr/bin/env bash
-# Quick start, command 2: set up with the dev and reference extras, lint, check generated code, run all tests.
+# Quick start, command 2: set up with the dev + reference + plots extras, lint, check generated code and
+# import layering, fetch the default model, then run the tests tier by tier, each tier in its own pytest
+# process (fast: model-free units; model: real weights in the test process; daemon: real processes).
+#   bash scripts/test.sh                  # everything (what CI runs)
+#   bash scripts/test.sh fast [ARGS...]   # one tier (fast, model or daemon); ARGS go to pytest
 set -euo pipefail
 cd "$(dirname "$0")/.."
+tiers=(fast model daemon)
+case "${1:-}" in
+  fast | model | daemon) tiers=("$1"); shift ;;
+esac
 bash scripts/setup.sh dev,reference,plots
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 .venv/bin/lint-imports --no-cache  # layers (cli > services > engine > kvtransfer) and no import cycles
 bash scripts/gen_protos.sh --check
 .venv/bin/pdserve models fetch
-.venv/bin/python -m pytest "$@"
+for tier in "${tiers[@]}"; do
+  echo "=== tier: $tier" >&2
+  .venv/bin/python -m pytest -m "$tier" --no-unexpected-skips --durations=25 "$@"
+done

@@ -172,14 +172,21 @@ def decode_main(argv: list[str] | None = None) -> int:
     prefill_security = prefill_channel_security(args)
     prepare_process(args, max(args.cpu_devices, args.tp))
     from services.decode.core import GenerationCore
-    from services.decode.server import serve
-    from services.grpc_server import run_until_signal
 
     engine = build_engine(args)
     targets = None if args.prefill == "local" else [t for t in args.prefill.split(",") if t]
     core = GenerationCore.for_engine(
         engine, prefill_targets=targets, config=decode_config(args), prefill_security=prefill_security
     )
+    run_decode_server(core, args, security)
+    return 0
+
+
+def run_decode_server(core, args: argparse.Namespace, security) -> None:
+    """Serves a GenerationCore with the flags' ports, TLS and adapter root until SIGTERM."""
+    from services.decode.server import serve
+    from services.grpc_server import run_until_signal
+
     run_until_signal(
         lambda stop: serve(
             core,
@@ -192,7 +199,6 @@ def decode_main(argv: list[str] | None = None) -> int:
             lora_root=args.lora_root,
         )
     )
-    return 0
 
 
 def serve_main(args: argparse.Namespace) -> int:
@@ -211,9 +217,7 @@ def serve_main(args: argparse.Namespace) -> int:
     from engine.models import load_model
     from services.decode.core import GenerationCore
     from services.decode.prefill_pool import LocalPrefiller
-    from services.decode.server import serve
     from services.engine_loop import EngineLoop
-    from services.grpc_server import run_until_signal
     from services.kv import engine_layout
 
     configure_jax()
@@ -236,18 +240,7 @@ def serve_main(args: argparse.Namespace) -> int:
     local = LocalPrefiller(prefill_loop, engine_layout(prefill_engine))
     core = GenerationCore.for_engine(decode_engine, local_prefiller=local, config=decode_config(args))
     try:
-        run_until_signal(
-            lambda stop: serve(
-                core,
-                args.port,
-                stop,
-                host=args.host,
-                security=security,
-                metrics_port=args.metrics_port,
-                http_port=args.http_port,
-                lora_root=args.lora_root,
-            )
-        )
+        run_decode_server(core, args, security)
     finally:
         prefill_loop.stop()
     return 0

@@ -44,6 +44,7 @@ class Daemon:
         env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
         env.pop("XLA_FLAGS", None)  # daemons choose their CPU device count themselves (--cpu-devices)
         self.name = name
+        self.killed = False  # SIGKILLed on purpose (a fault test)
         self.log_path = log_dir / f"{name}.log"
         self.log = self.log_path.open("w")
         pin = ["taskset", "-c", cpus] if cpus else []  # e.g. "0": one role per core
@@ -87,6 +88,7 @@ class Daemon:
             pass
 
     def kill(self) -> None:
+        self.killed = True
         self.proc.kill()
         self.proc.wait()
 

@@ -1,4 +1,11 @@
-"""Shared test set-up: 8 fake CPU devices (before JAX is imported), the default model, small engines."""
+"""Shared test set-up: 8 fake CPU devices (before JAX is imported), the default model, small engines, test
+tiers and the check that nothing is skipped unexpectedly.
+
+Tiers (exactly one marker per test, checked at collection; `scripts/test.sh fast|model|daemon` runs one):
+- fast: model-free units (scheduler, block manager, codec, layout, wire, sampling, manifests): seconds.
+- model: real weights in this process (engine, tokenizer, LoRA, reference parity).
+- daemon: real daemon processes on loopback ports (and the CLI as a process).
+"""
 
 from __future__ import annotations
 
@@ -9,10 +16,20 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import gc  # noqa: E402
 import importlib.util  # noqa: E402
-from pathlib import Path  # noqa: E402
+import re  # noqa: E402
 
 import pytest  # noqa: E402
+
+TIERS = ("fast", "model", "daemon")
+MODEL_FIXTURES = {"gguf_path", "loaded_model", "make_engine", "colocated"}  # a fast test uses none
+
+# Skips that may happen in a full run (`--no-unexpected-skips` fails the run on any other): a regex on
+# the skip's reason, and why it is expected. On a CPU box with the dev + reference extras, none is.
+ALLOWED_SKIPS: dict[str, str] = {
+    r"needs a TPU": "TPU-only code paths (kernels, libtpu) cannot run on a CPU-only machine",
+}
 
 HAS_REFERENCE = (
     importlib.util.find_spec("torch") is not None and importlib.util.find_spec("transformers") is not None
@@ -22,12 +39,70 @@ requires_reference = pytest.mark.skipif(
 )
 
 
+# ---- tiers and skips ----------------------------------------------------------------------------------
+def pytest_addoption(parser):
+    parser.addoption(
+        "--no-unexpected-skips",
+        action="store_true",
+        help="fail the run when a test is skipped for a reason not in tests/conftest.py ALLOWED_SKIPS",
+    )
+
+
+def tier_of(item) -> str:
+    return next(m.name for m in item.iter_markers() if m.name in TIERS)
+
+
+def pytest_collection_modifyitems(config, items):
+    problems = []
+    for item in items:
+        tiers = {m.name for m in item.iter_markers() if m.name in TIERS}
+        if len(tiers) != 1:
+            problems.append(f"{item.nodeid}: tier markers {sorted(tiers)}; give it one of {TIERS}")
+        elif "fast" in tiers and MODEL_FIXTURES & set(item.fixturenames):
+            problems.append(
+                f"{item.nodeid}: marked fast but uses {sorted(MODEL_FIXTURES & set(item.fixturenames))}"
+            )
+    if problems:
+        raise pytest.UsageError("test tiers:\n" + "\n".join(problems))
+    items.sort(key=lambda item: TIERS.index(tier_of(item)))  # stable: fast first, then model, then daemon
+
+
+_skips: list[tuple[str, str]] = []
+
+
+def pytest_runtest_logreport(report):
+    if report.skipped and isinstance(report.longrepr, tuple):
+        _skips.append((report.nodeid, report.longrepr[2].removeprefix("Skipped: ")))
+
+
+def unexpected_skips() -> list[tuple[str, str]]:
+    return [(node, why) for node, why in _skips if not any(re.search(p, why) for p in ALLOWED_SKIPS)]
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    import resource
+
+    gib = 1 / (1 << 20)  # ru_maxrss is in KiB on Linux
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * gib
+    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * gib
+    terminalreporter.write_line(
+        f"peak resident memory: test process {own:.2f} GiB, largest child process (daemon) {children:.2f} GiB"
+    )
+    if config.getoption("--no-unexpected-skips") and unexpected_skips():
+        terminalreporter.section("unexpected skips (see ALLOWED_SKIPS in tests/conftest.py)", red=True)
+        for node, why in unexpected_skips():
+            terminalreporter.line(f"{node}: {why}")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if session.config.getoption("--no-unexpected-skips") and unexpected_skips() and exitstatus == 0:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+# ---- the model and engines ----------------------------------------------------------------------------
 @pytest.fixture(scope="session")
-def gguf_path() -> Path:
-    """The default model's GGUF file (fetched into the cache on first use); PDSERVE_TEST_GGUF overrides."""
-    override = os.environ.get("PDSERVE_TEST_GGUF")
-    if override:
-        return Path(override)
+def gguf_path():
+    """The default model's GGUF file, where `pdserve models fetch` puts it (fetched on first use)."""
     from engine.models import DEFAULT_MODEL, fetch
 
     return fetch(DEFAULT_MODEL, progress=False)
@@ -42,30 +117,110 @@ def loaded_model(gguf_path):
 
 @pytest.fixture(scope="session")
 def small_config():
-    """Engine sizes for tests: few buckets, chunked prefill past 256 tokens."""
+    """Engine sizes for tests: few buckets, chunked prefill past 256 tokens (services.launch.ENGINE_ARGS
+    gives the daemons the same sizes)."""
     from engine.config import EngineConfig
 
     return EngineConfig(num_blocks=192, max_model_len=1024, max_num_seqs=8, max_prefill_tokens=256)
 
 
+_engines: dict = {}  # (config, device ids) -> engine
+_module_engines: list = []  # keys of the engines built with overrides: freed when their module ends
+
+
 @pytest.fixture(scope="session")
 def make_engine(loaded_model, small_config):
-    """Builds engines over the session's model; same config and devices -> the same engine object."""
+    """Builds engines over the session's model; same config and devices -> the same engine object.
+
+    The default engine (`make_engine()`) lives for the session; any other is freed at the end of the
+    module that built it: engines and their compiled steps are what fills the test process's memory."""
     import dataclasses
 
     from engine.engine import LLMEngine
 
-    engines = {}
-
     def make(devices=None, **overrides):
         config = dataclasses.replace(small_config, **overrides)
         key = (config, tuple(d.id for d in devices) if devices else None)
-        if key not in engines:
-            engines[key] = LLMEngine(loaded_model, config, devices)
-        engine = engines[key]
+        if key not in _engines:
+            _engines[key] = LLMEngine(loaded_model, config, devices)
+            if key != (small_config, None):
+                _module_engines.append(key)
+        engine = _engines[key]
         assert not engine.has_unfinished and engine.allocator.num_used == 0, (
             "a test leaked requests or blocks"
         )
         return engine
 
     return make
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _free_module_engines():
+    yield
+    if _module_engines:
+        for key in _module_engines:
+            _engines.pop(key, None)
+        _module_engines.clear()
+        gc.collect()
+
+
+@pytest.fixture(scope="session")
+def colocated(make_engine, loaded_model):
+    """`colocated(prompt, **kw)`: the tokens the default colocated engine generates for a prompt (text or
+    ids) under Client keywords `kw`, mapped exactly as a decode-server maps them (cached)."""
+    from services.client import build_request
+    from services.sampling import params_from_request
+
+    cache = {}
+
+    def tokens(prompt, **kw) -> list[int]:
+        key = (prompt if isinstance(prompt, str) else tuple(prompt), tuple(sorted(kw.items())))
+        if key not in cache:
+            params = params_from_request(build_request(prompt, **kw))
+            ids = loaded_model.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            cache[key] = make_engine().generate([ids], params)[0].token_ids
+        return cache[key]
+
+    return tokens
+
+
+# ---- daemons ---------------------------------------------------------------------------------------------
+# One prefill-server and one decode-server for the whole session (tests only send them requests and leave
+# every block free), and `daemons`, which starts a test's own daemons and stops every one of them when the
+# test ends, whatever happened.
+@pytest.fixture(scope="session")
+def log_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("daemons")
+
+
+@pytest.fixture(scope="session")
+def prefill(gguf_path, log_dir):
+    """A prefill-server with /metrics, shared by every daemon test."""
+    from services.launch import prefill_server
+
+    daemon = prefill_server(gguf_path, log_dir, extra=["--metrics-port", "0"])
+    yield daemon
+    assert daemon.terminate() == 0
+
+
+@pytest.fixture(scope="session")
+def decode(gguf_path, prefill, log_dir):
+    """A decode-server on `prefill` with /metrics, the OpenAI HTTP API and JSON logs, shared by every
+    daemon test that only sends it requests."""
+    from services.launch import decode_server
+
+    extra = ["--max-num-seqs", "32", "--metrics-port", "0", "--http-port", "0", "--log-format", "json"]
+    daemon = decode_server(gguf_path, prefill.address, log_dir, extra=extra)
+    yield daemon
+    assert daemon.terminate() == 0
+
+
+@pytest.fixture
+def daemons(gguf_path, log_dir):
+    """Starts a test's own daemons (tests.helpers.Daemons); stops them all when the test ends."""
+    from tests.helpers import Daemons
+
+    group = Daemons(gguf_path, log_dir)
+    yield group
+    codes = group.stop_all()
+    assert all(code == 0 for code in codes.values()), codes

@@ -7,6 +7,10 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.daemon
+
 
 def run_cli(*args: str, gguf_path) -> subprocess.CompletedProcess:
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
@@ -20,22 +24,24 @@ def run_cli(*args: str, gguf_path) -> subprocess.CompletedProcess:
     )
 
 
-def test_generate_json_chat(gguf_path):
-    proc = run_cli(
-        "generate",
-        "--json",
-        "--chat",
-        "--max-tokens",
-        "32",
-        "What is the capital of France?",
-        gguf_path=gguf_path,
-    )
+def test_generate_json_chat_locally_and_with_server(gguf_path, decode, capsys):
+    """`pdserve generate --json`: one record with the same fields and values, local or --server."""
+    from pdserve.cli import main
+
+    args = ["generate", "--json", "--chat", "--max-tokens", "32", "What is the capital of France?"]
+    proc = run_cli(*args, gguf_path=gguf_path)
     assert proc.returncode == 0, proc.stderr
     record = json.loads(proc.stdout.strip().splitlines()[-1])
     assert record["text"] == "The capital of France is Paris."
     assert record["finish_reason"] == "stop"
     assert record["prompt_ids"][:2] == [1, 9690] and record["token_ids"][-1] == 2
-    assert record["timings"]["ttft_s"] > 0
+    assert record["prompt_tokens"] == len(record["prompt_ids"])
+    assert record["timings"]["ttft_s"] > 0 and record["timings"]["startup_s"] > 0
+    assert main([*args, "--server", decode.address]) == 0
+    remote = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert remote.keys() == record.keys() and remote["timings"].keys() == record["timings"].keys()
+    for field in ("prompt_ids", "prompt_tokens", "token_ids", "text", "finish_reason"):
+        assert remote[field] == record[field], field
 
 
 def test_generate_streams_text_and_rejects_bad_input(gguf_path):

@@ -42,6 +42,7 @@ def record(index=0, start=0.0, times=(0.1, 0.2, 0.3), e2e=None, prompt=10, error
 # Pure statistics
 
 
+@pytest.mark.fast
 def test_record_metrics():
     r = record(times=[0.5, 0.6, 0.8, 1.1])
     assert r.ttft_s == 0.5
@@ -50,6 +51,7 @@ def test_record_metrics():
     assert r.output_tokens == 4 and r.ok
 
 
+@pytest.mark.fast
 def test_one_token_output_has_no_tpot_and_meets_tpot_slo():
     r = record(times=[0.3])
     assert r.tpot_s is None and r.itl_s == []
@@ -60,6 +62,7 @@ def test_one_token_output_has_no_tpot_and_meets_tpot_slo():
     assert stats["goodput"] == 1.0
 
 
+@pytest.mark.fast
 def test_distribution_percentiles():
     d = distribution(list(range(1, 101)), scale=2.0)
     assert d["count"] == 100
@@ -71,6 +74,7 @@ def test_distribution_percentiles():
     assert distribution([])["mean"] is None
 
 
+@pytest.mark.fast
 def test_compute_stats_throughput_goodput_and_failures():
     records = [
         record(0, 0.0, [0.1, 0.2, 0.3]),  # TTFT 100 ms, TPOT 100 ms: good
@@ -96,6 +100,7 @@ def test_compute_stats_throughput_goodput_and_failures():
     assert "goodput" not in compute_stats(records, 2.0)
 
 
+@pytest.mark.fast
 def test_compute_stats_default_duration_and_empty():
     records = [record(0, 1.0, [0.1], e2e=0.5), record(1, 2.0, [0.1], e2e=1.0)]
     assert compute_stats(records)["duration_s"] == pytest.approx(2.0)  # first send 1.0 -> last end 3.0
@@ -103,6 +108,7 @@ def test_compute_stats_default_duration_and_empty():
     assert empty["completed"] == 0 and empty["request_throughput"] is None and empty["goodput"] is None
 
 
+@pytest.mark.fast
 def test_throughput_timeline():
     records = [record(0, 0.0, [0.5, 1.5, 1.7], e2e=1.8), record(1, 1.0, [0.2, 2.5], e2e=2.6)]
     tl = throughput_timeline(records, bin_s=1.0)
@@ -116,6 +122,7 @@ def test_throughput_timeline():
 # Workload
 
 
+@pytest.mark.fast
 def test_length_dist():
     assert LengthDist.parse("fixed:128") == LengthDist(128, 128)
     d = LengthDist.parse("uniform:64:512")
@@ -126,6 +133,7 @@ def test_length_dist():
             LengthDist.parse(bad)
 
 
+@pytest.mark.fast
 def test_workload_random_ids_exact_and_reproducible():
     a = list(zip(range(20), make_workload(LengthDist(8, 32), LengthDist(4, 4), seed=3), strict=False))
     b = list(zip(range(20), make_workload(LengthDist(8, 32), LengthDist(4, 4), seed=3), strict=False))
@@ -135,6 +143,7 @@ def test_workload_random_ids_exact_and_reproducible():
         assert all(isinstance(t, int) and t >= 100 for t in spec.prompt)
 
 
+@pytest.mark.fast
 def test_dataset(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text('{"prompt": "Hello", "max_tokens": 7}\n\n{"prompt_ids": [5, 6, 7]}\n')
@@ -187,6 +196,7 @@ class FakeClient:
                 self.in_flight -= 1
 
 
+@pytest.mark.fast
 def test_run_load_concurrency():
     client = FakeClient()
     workload = make_workload(LengthDist(16, 16), LengthDist(5, 5), seed=0)
@@ -198,6 +208,7 @@ def test_run_load_concurrency():
     assert wall >= 4 * 0.04  # 4 rounds of ~0.04 s
 
 
+@pytest.mark.fast
 def test_run_load_poisson_rate_and_failures():
     client = FakeClient(ttft=0.01, gap=0.001, fail_every=5)
     workload = make_workload(LengthDist(4, 4), LengthDist(2, 2), seed=1)
@@ -211,6 +222,7 @@ def test_run_load_poisson_rate_and_failures():
     assert stats["good_requests"] == 32 and stats["failed"] == 8
 
 
+@pytest.mark.fast
 def test_run_load_duration_without_count():
     client = FakeClient(ttft=0.0, gap=0.0)
     workload = make_workload(LengthDist(4, 4), LengthDist(1, 1))
@@ -220,6 +232,7 @@ def test_run_load_duration_without_count():
     assert len(records) > 2 and wall < 2.0
 
 
+@pytest.mark.fast
 def test_run_load_needs_one_mode():
     workload = make_workload(LengthDist(4, 4), LengthDist(1, 1))
     with pytest.raises(ValueError):
@@ -228,6 +241,7 @@ def test_run_load_needs_one_mode():
         run_load(FakeClient(), workload, num_requests=1, rate=1.0, concurrency=1)
 
 
+@pytest.mark.fast
 def test_cli_bad_arguments():
     from pdserve.cli import main
 
@@ -241,29 +255,24 @@ def test_cli_bad_arguments():
 # End to end: `pdserve bench` against a real decode-server
 
 
-def test_bench_against_decode_server(gguf_path, tmp_path):
-    from services.launch import decode_server
-
-    daemon = decode_server(gguf_path, "local", tmp_path)
-    try:
-        out = tmp_path / "bench.json"
-        plots = tmp_path / "plots"
-        argv = [
-            *("bench", "--server", daemon.address, "--concurrency", "2", "--num-requests", "5"),
-            *("--prompt-len", "uniform:8:40", "--output-len", "fixed:6", "--seed", "1"),
-            *("--slo-ttft-ms", "60000", "--slo-tpot-ms", "60000", "--json", str(out)),
-            *(("--plots", str(plots)) if HAS_MATPLOTLIB else ()),
-        ]
-        env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-        env.pop("XLA_FLAGS", None)
-        proc = subprocess.run(
-            [sys.executable, "-m", "pdserve.cli", *argv], capture_output=True, text=True, env=env, timeout=600
-        )
-        assert proc.returncode == 0, proc.stderr
-        assert "goodput" in proc.stdout and "TTFT" in proc.stdout
-        result = json.loads(out.read_text())
-    finally:
-        assert daemon.terminate() == 0
+@pytest.mark.daemon
+def test_bench_against_decode_server(decode, tmp_path):
+    out = tmp_path / "bench.json"
+    plots = tmp_path / "plots"
+    argv = [
+        *("bench", "--server", decode.address, "--concurrency", "2", "--num-requests", "5"),
+        *("--prompt-len", "uniform:8:40", "--output-len", "fixed:6", "--seed", "1"),
+        *("--slo-ttft-ms", "60000", "--slo-tpot-ms", "60000", "--json", str(out)),
+        *(("--plots", str(plots)) if HAS_MATPLOTLIB else ()),
+    ]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", *argv], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "goodput" in proc.stdout and "TTFT" in proc.stdout
+    result = json.loads(out.read_text())
     stats = result["stats"]
     assert stats["requests"] == 5 and stats["completed"] == 5 and stats["failed"] == 0
     assert stats["output_tokens"] == 30  # ignore_eos: exactly max_tokens each
@@ -285,6 +294,7 @@ def test_bench_against_decode_server(gguf_path, tmp_path):
         pytest.skip("matplotlib not installed: PNGs not checked (the JSON was)")
 
 
+@pytest.mark.fast
 def test_workload_gives_lora_adapters_in_turn(tmp_path):
     specs = make_workload(LengthDist(4, 4), LengthDist(2, 2), lora_adapters=["", "sql", "chat"])
     assert [s.lora_adapter for _, s in zip(range(5), specs, strict=False)] == ["", "sql", "chat", "", "sql"]

@@ -2,6 +2,8 @@ import pytest
 
 from engine.block_manager import BlockAllocator, BlockTable, OutOfBlocksError, blocks_for_tokens
 
+pytestmark = pytest.mark.fast
+
 
 def test_allocate_and_free_round_trip():
     alloc = BlockAllocator(8)

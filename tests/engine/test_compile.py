@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
+
 from engine.compile_watch import count_compilations
 from engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.model
 
 
 def test_warmup_covers_a_mixed_workload(make_engine):

@@ -8,6 +8,8 @@ import pytest
 from engine.request import FinishReason
 from engine.sampling_params import InvalidRequestError, SamplingParams
 
+pytestmark = pytest.mark.model
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 PROMPTS = [
     "The three primary colours are",

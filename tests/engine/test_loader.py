@@ -12,6 +12,8 @@ from engine.loader import CheckpointError, _undo_gguf_rope_permutation, load_ggu
 from engine.models import resolve
 from engine.weights import pad_heads
 
+pytestmark = pytest.mark.fast
+
 HF_CONFIG = {
     "architectures": ["LlamaForCausalLM"],
     "vocab_size": 32,

@@ -20,6 +20,8 @@ from engine.lora.synthetic import write_random_adapter
 from engine.sampling_params import SamplingParams
 from tests.conftest import requires_reference
 
+pytestmark = pytest.mark.model
+
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 PROMPTS = ["The capital of France is", "Write a poem about the sea.", "Hello, my name is", "1, 2, 3, 4,"]
 

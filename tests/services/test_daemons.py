@@ -11,7 +11,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from pdserve.v1 import admin_pb2, admin_pb2_grpc, prefill_pb2
+from pdserve.v1 import prefill_pb2
 from services.client import Client, build_request
 from services.launch import decode_server
 
@@ -26,10 +26,10 @@ def conditional(gguf_path, prefill, log_dir):
 
 
 def requests_served(address: str) -> int:
-    with grpc.insecure_channel(address) as channel:
-        return admin_pb2_grpc.AdminStub(channel).GetStats(admin_pb2.GetStatsRequest()).num_requests_total
+    return Client(address).stats().num_requests_total
 
 
+@pytest.mark.daemon
 def test_health_and_reflection(prefill, conditional):
     for address, service in (
         (prefill.address, "pdserve.v1.Prefill"),
@@ -48,12 +48,14 @@ def test_health_and_reflection(prefill, conditional):
             assert {service, "pdserve.v1.Admin", "grpc.health.v1.Health"} <= names
 
 
+@pytest.mark.daemon
 def test_model_info(conditional):
     info = Client(conditional.address).model_info()
     assert info.vocab_size == 49152 and info.max_model_len == 1024 and info.num_layers == 30
     assert info.prefill_mode == "conditional:16"
 
 
+@pytest.mark.daemon
 def test_short_prompts_are_prefilled_locally(prefill, conditional, loaded_model):
     client = Client(conditional.address)
     before = requests_served(prefill.address)
@@ -65,13 +67,11 @@ def test_short_prompts_are_prefilled_locally(prefill, conditional, loaded_model)
     assert requests_served(prefill.address) == before + 1
 
 
-def test_layout_mismatch_is_failed_precondition_naming_the_field(
-    prefill, gguf_path, loaded_model, small_config
-):
-    from engine.engine import LLMEngine
+@pytest.mark.daemon
+def test_layout_mismatch_is_failed_precondition_naming_the_field(prefill, make_engine):
     from services.kv import engine_layout
 
-    layout = engine_layout(LLMEngine(loaded_model, small_config))
+    layout = engine_layout(make_engine())
     other = dataclasses.replace(layout, dtype="bfloat16", block_size=32)
     with grpc.insecure_channel(prefill.address) as channel:
         handshake = channel.unary_unary(
@@ -87,6 +87,7 @@ def test_layout_mismatch_is_failed_precondition_naming_the_field(
         assert "dtype" in err.value.details() and "block_size" in err.value.details()
 
 
+@pytest.mark.daemon
 @pytest.mark.parametrize(
     "kwargs, field",
     [
@@ -109,6 +110,7 @@ def test_bad_input_is_invalid_argument(conditional, kwargs, field):
     assert client.generate("Still serving", max_tokens=2).completion_tokens == 2
 
 
+@pytest.mark.fast
 def test_dns_targets_resolve_to_every_address():
     from services.decode.prefill_pool import PrefillPool
 
@@ -117,6 +119,7 @@ def test_dns_targets_resolve_to_every_address():
     assert "127.0.0.1:50051" in resolved and all(r.endswith(":50051") for r in resolved)
 
 
+@pytest.mark.daemon
 def test_invalid_utf8_is_invalid_argument(conditional):
     """A string field that is not UTF-8 (hand-encoded: field 2 `text`) is refused, naming the problem."""
     with grpc.insecure_channel(conditional.address) as channel:

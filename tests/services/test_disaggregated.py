@@ -7,13 +7,13 @@ from __future__ import annotations
 import concurrent.futures
 import queue
 
-import grpc
 import pytest
 
-from engine.sampling_params import SamplingParams
-from pdserve.v1 import admin_pb2, admin_pb2_grpc
 from services.client import Client, build_request
-from services.launch import ServerThread, decode_server, prefill_server, serve_daemon
+from services.launch import ServerThread, serve_daemon
+from tests.helpers import assert_all_free
+
+pytestmark = pytest.mark.daemon
 
 LONG = " ".join(f"Item {i}: a lantern, {i % 7} maps and a compass." for i in range(48))
 
@@ -36,46 +36,17 @@ GREEDY = dict(max_tokens=16, temperature=0.0, ignore_eos=True)
 SEEDED = [dict(max_tokens=16, temperature=0.9, top_p=0.9, seed=11 + i, ignore_eos=True) for i in range(3)]
 
 
-def colocated(make_engine, prompt_ids, kw) -> list[int]:
-    params = SamplingParams(
-        temperature=kw["temperature"],
-        top_p=kw.get("top_p", 1.0),
-        seed=kw.get("seed"),
-        max_tokens=kw["max_tokens"],
-        ignore_eos=kw["ignore_eos"],
-    )
-    return make_engine().generate([prompt_ids], params)[0].token_ids
-
-
-def stats(address: str) -> admin_pb2.ServerStats:
-    with grpc.insecure_channel(address) as channel:
-        return admin_pb2_grpc.AdminStub(channel).GetStats(admin_pb2.GetStatsRequest())
-
-
-def assert_all_blocks_free(*addresses: str) -> None:
-    for address in addresses:
-        s = stats(address)
-        assert s.num_free_blocks == s.num_blocks and s.num_running == 0 and s.num_incoming == 0, (address, s)
-
-
-@pytest.fixture(scope="module")
-def decode(gguf_path, prefill, log_dir):
-    daemon = decode_server(gguf_path, prefill.address, log_dir, extra=["--max-num-seqs", "32"])
-    yield daemon
-    assert daemon.terminate() == 0
-
-
-def test_disaggregated_equals_colocated_greedy_and_seeded(decode, prefill, make_engine, loaded_model):
+def test_disaggregated_equals_colocated_greedy_and_seeded(decode, prefill, colocated, loaded_model):
     client = Client(decode.address)
     for ids in prompts(loaded_model.tokenizer):
         got = client.generate(ids, **GREEDY)
-        assert got.token_ids == colocated(make_engine, ids, GREEDY), len(ids)
+        assert got.token_ids == colocated(ids, **GREEDY), len(ids)
         assert got.prompt_tokens == len(ids) and got.finish_reason == "length"
     for ids, kw in zip(prompts(loaded_model.tokenizer)[1:4], SEEDED, strict=True):
-        assert client.generate(ids, **kw).token_ids == colocated(make_engine, ids, kw)
+        assert client.generate(ids, **kw).token_ids == colocated(ids, **kw)
     assert client.model_info().prefill_mode == "remote"
-    assert stats(prefill.address).num_requests_total >= 8
-    assert_all_blocks_free(decode.address, prefill.address)
+    assert Client(prefill.address).stats().num_requests_total >= 8
+    assert_all_free(decode.address, prefill.address)
 
 
 def test_chat_and_text_deltas_stream(decode):
@@ -89,7 +60,7 @@ def test_chat_and_text_deltas_stream(decode):
     assert responses[-1].usage.completion_tokens == 8
 
 
-def test_32_concurrent_streams(decode, prefill, make_engine, loaded_model):
+def test_32_concurrent_streams(decode, prefill, colocated, loaded_model):
     client = Client(decode.address)
     texts = [f"Story {i}: the fox and the {['owl', 'bear', 'crow', 'hare'][i % 4]} went" for i in range(32)]
     with concurrent.futures.ThreadPoolExecutor(32) as pool:
@@ -97,28 +68,24 @@ def test_32_concurrent_streams(decode, prefill, make_engine, loaded_model):
     assert all(len(r.token_ids) == 16 for r in results)
     for text, result in list(zip(texts, results, strict=True))[:3]:
         ids = loaded_model.tokenizer.encode(text)
-        assert result.token_ids == colocated(make_engine, ids, GREEDY)
-    assert_all_blocks_free(decode.address, prefill.address)
+        assert result.token_ids == colocated(ids, **GREEDY)
+    assert_all_free(decode.address, prefill.address)
 
 
-def test_two_prefill_replicas_are_both_used(gguf_path, prefill, log_dir):
-    second = prefill_server(gguf_path, log_dir, name="prefill-2")
-    decode = decode_server(gguf_path, f"{prefill.address},{second.address}", log_dir, name="decode-pool")
-    try:
-        before = stats(prefill.address).num_requests_total
-        client = Client(decode.address)
-        with concurrent.futures.ThreadPoolExecutor(8) as pool:
-            results = list(pool.map(lambda i: client.generate(f"Number {i} is", max_tokens=4), range(16)))
-        assert all(r.completion_tokens >= 1 for r in results)
-        assert stats(prefill.address).num_requests_total > before
-        assert stats(second.address).num_requests_total > 0
-        assert_all_blocks_free(decode.address, prefill.address, second.address)
-    finally:
-        assert decode.terminate() == 0
-        assert second.terminate() == 0
+def test_two_prefill_replicas_are_both_used(prefill, daemons):
+    second = daemons.prefill("prefill-2")
+    decode = daemons.decode(f"{prefill.address},{second.address}", "decode-pool")
+    before = Client(prefill.address).stats().num_requests_total
+    client = Client(decode.address)
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda i: client.generate(f"Number {i} is", max_tokens=4), range(16)))
+    assert all(r.completion_tokens >= 1 for r in results)
+    assert Client(prefill.address).stats().num_requests_total > before
+    assert Client(second.address).stats().num_requests_total > 0
+    assert_all_free(decode.address, prefill.address, second.address)
 
 
-def test_scattered_decode_blocks(prefill, loaded_model, small_config, make_engine):
+def test_scattered_decode_blocks(prefill, loaded_model, small_config, colocated):
     """The decode engine's free blocks are made non-contiguous first; the KV lands in scattered blocks."""
     from engine.engine import LLMEngine
     from services.decode.core import GenerationCore
@@ -136,22 +103,22 @@ def test_scattered_decode_blocks(prefill, loaded_model, small_config, make_engin
     try:
         client = Client(ready.get(timeout=60))
         for ids in prompts(loaded_model.tokenizer)[1:]:
-            assert client.generate(ids, **GREEDY).token_ids == colocated(make_engine, ids, GREEDY), len(ids)
+            assert client.generate(ids, **GREEDY).token_ids == colocated(ids, **GREEDY), len(ids)
     finally:
         server.stop()
     assert engine.allocator.num_free == len(held[1::2])  # everything the requests took came back
 
 
 @pytest.mark.parametrize("decode_devices", ["2,3", "4,5,6,7"])
-def test_heterogeneous_tp_in_serve_shape(gguf_path, log_dir, decode_devices, make_engine, loaded_model):
+def test_heterogeneous_tp_in_serve_shape(
+    gguf_path, log_dir, decode_devices, daemons, colocated, loaded_model
+):
     """Prefill TP 1 on device 0 -> decode TP 2 or 4 on other devices, one process, KV moved by device_put."""
-    daemon = serve_daemon(gguf_path, log_dir, decode_devices, name=f"serve-{decode_devices.replace(',', '')}")
-    try:
-        client = Client(daemon.address)
-        info = client.model_info()
-        assert info.tensor_parallel == len(decode_devices.split(",")) and info.prefill_mode == "local-engine"
-        for ids in prompts(loaded_model.tokenizer)[1:4]:
-            assert client.generate(ids, **GREEDY).token_ids == colocated(make_engine, ids, GREEDY), len(ids)
-        assert_all_blocks_free(daemon.address)
-    finally:
-        assert daemon.terminate() == 0
+    name = f"serve-{decode_devices.replace(',', '')}"
+    daemon = daemons.add(serve_daemon(gguf_path, log_dir, decode_devices, name=name))
+    client = Client(daemon.address)
+    info = client.model_info()
+    assert info.tensor_parallel == len(decode_devices.split(",")) and info.prefill_mode == "local-engine"
+    for ids in prompts(loaded_model.tokenizer)[1:4]:
+        assert client.generate(ids, **GREEDY).token_ids == colocated(ids, **GREEDY), len(ids)
+    assert_all_free(daemon.address)

@@ -1,5 +1,5 @@
 """Multi-LoRA across the daemons: adapters named in Generate follow their request to the prefill server
-and back; disaggregated equals colocated with adapters; adapters loaded at run time through Admin; a
+and back; disaggregated equals colocated_lora with adapters; adapters loaded at run time through Admin; a
 prefill server without the adapter (or with other weights, or ignoring it) never makes decode use a KV
 computed with other weights; `pdserve serve` with adapters."""
 
@@ -17,10 +17,12 @@ import grpc
 import pytest
 
 from engine.lora.synthetic import write_random_adapter
-from engine.sampling_params import SamplingParams
-from pdserve.v1 import admin_pb2, admin_pb2_grpc
-from services.client import Client
+from pdserve.v1 import admin_pb2
+from services.client import Client, build_request
 from services.launch import ServerThread, decode_server, prefill_server, serve_daemon
+from services.sampling import params_from_request
+
+pytestmark = pytest.mark.daemon
 
 GREEDY = dict(max_tokens=12, temperature=0.0, ignore_eos=True)
 SEEDED = dict(max_tokens=12, temperature=0.9, top_p=0.9, seed=5, ignore_eos=True)
@@ -62,24 +64,21 @@ def lora_decode(gguf_path, lora_prefill, log_dir, adapter_dir):
 
 
 @pytest.fixture(scope="module")
-def colocated(make_engine, adapter_dir):
-    """The colocated reference engine, with the same adapters."""
+def colocated_lora(make_engine, adapter_dir):
+    """The colocated_lora reference engine, with the same adapters; `kw` mapped as a decode-server maps it."""
     engine = make_engine(max_loras=2)
     for name in ("alpha", "beta", "gamma"):
         engine.loras.load(name, str(adapter_dir / name))
 
     def generate(text: str, lora: str | None, kw: dict, field: str = "token_ids"):
-        return getattr(engine.generate([text], SamplingParams(**kw), lora=lora)[0], field)
+        params = params_from_request(build_request(text, **kw))
+        return getattr(engine.generate([text], params, lora=lora)[0], field)
 
     return generate
 
 
-def admin(address: str) -> admin_pb2_grpc.AdminStub:
-    return admin_pb2_grpc.AdminStub(grpc.insecure_channel(address))
-
-
 def load(address: str, name: str, path) -> admin_pb2.LoraAdapterInfo:
-    return admin(address).LoadLoraAdapter(admin_pb2.LoadLoraAdapterRequest(name=name, path=str(path)))
+    return Client(address).load_lora(name, str(path))
 
 
 def rpc_error(call) -> grpc.RpcError:
@@ -88,14 +87,14 @@ def rpc_error(call) -> grpc.RpcError:
     return e.value
 
 
-def test_disaggregated_equals_colocated_with_adapters(lora_decode, lora_prefill, adapter_dir, colocated):
+def test_disaggregated_equals_colocated_with_adapters(lora_decode, lora_prefill, adapter_dir, colocated_lora):
     """alpha from start-up flags, beta loaded at run time on both daemons; base, alpha and beta mixed."""
     for address in (lora_prefill.address, lora_decode.address):
         info = load(address, "beta", adapter_dir / "beta")
         assert info.rank == 4 and list(info.target_modules) == ["q_proj", "v_proj", "down_proj"]
     client = Client(lora_decode.address)
     assert list(client.model_info().lora_adapters) == ["alpha", "beta"]
-    failures = admin(lora_decode.address).GetStats(admin_pb2.GetStatsRequest()).num_transfer_failures_total
+    failures = Client(lora_decode.address).stats().num_transfer_failures_total
     jobs = [(text, lora, kw) for text in TEXTS for lora in (None, "alpha", "beta") for kw in (GREEDY, SEEDED)]
     jobs += [(LONG, "alpha", GREEDY), (LONG, "beta", SEEDED)]  # chunked prefill, KV in several frames
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
@@ -103,12 +102,12 @@ def test_disaggregated_equals_colocated_with_adapters(lora_decode, lora_prefill,
             pool.map(lambda j: client.generate(j[0], lora_adapter=j[1] or "", **j[2]).token_ids, jobs)
         )
     for (text, lora, kw), tokens in zip(jobs, results, strict=True):
-        assert tokens == colocated(text, lora, kw), (text, lora, kw)
+        assert tokens == colocated_lora(text, lora, kw), (text, lora, kw)
     assert results[0] != results[2] != results[4]  # base, alpha, beta differ
-    stats = admin(lora_decode.address).GetStats(admin_pb2.GetStatsRequest())
+    stats = Client(lora_decode.address).stats()
     assert stats.num_transfer_failures_total == failures  # every one prefilled remotely, with its adapter
     assert stats.num_free_blocks == stats.num_blocks
-    listed = admin(lora_decode.address).ListLoraAdapters(admin_pb2.ListLoraAdaptersRequest())
+    listed = Client(lora_decode.address).list_loras()
     assert listed.num_slots == 2 and [a.name for a in listed.adapters] == ["alpha", "beta"]
     assert all(a.resident for a in listed.adapters)
     with urllib.request.urlopen(f"http://{lora_decode.addresses['metrics']}/metrics") as response:
@@ -117,34 +116,34 @@ def test_disaggregated_equals_colocated_with_adapters(lora_decode, lora_prefill,
     assert 'pdserve_lora_slots_used{role="decode"} 2.0' in metrics
 
 
-def test_prefill_without_the_adapter_or_with_other_weights(lora_decode, lora_prefill, adapter_dir, colocated):
+def test_prefill_without_the_adapter_or_with_other_weights(
+    lora_decode, lora_prefill, adapter_dir, colocated_lora
+):
     """gamma: missing on the prefill server, then loaded there from other files. The decode server falls
     back to prefilling here both times (the replica stays in use for other requests)."""
     load(lora_decode.address, "gamma", adapter_dir / "gamma")
     client = Client(lora_decode.address)
-    stub = admin(lora_decode.address)
-    before = stub.GetStats(admin_pb2.GetStatsRequest()).num_transfer_failures_total
-    assert client.generate(TEXTS[0], lora_adapter="gamma", **GREEDY).token_ids == colocated(
+    before = client.stats().num_transfer_failures_total
+    assert client.generate(TEXTS[0], lora_adapter="gamma", **GREEDY).token_ids == colocated_lora(
         TEXTS[0], "gamma", GREEDY
     )
     load(lora_prefill.address, "gamma", adapter_dir / "gamma-other")
-    assert client.generate(TEXTS[1], lora_adapter="gamma", **GREEDY).token_ids == colocated(
+    assert client.generate(TEXTS[1], lora_adapter="gamma", **GREEDY).token_ids == colocated_lora(
         TEXTS[1], "gamma", GREEDY
     )
-    assert stub.GetStats(admin_pb2.GetStatsRequest()).num_transfer_failures_total == before + 2
-    served = admin(lora_prefill.address).GetStats(admin_pb2.GetStatsRequest()).num_requests_total
-    assert client.generate(TEXTS[2], lora_adapter="alpha", **GREEDY).token_ids == colocated(
+    assert client.stats().num_transfer_failures_total == before + 2
+    served = Client(lora_prefill.address).stats().num_requests_total
+    assert client.generate(TEXTS[2], lora_adapter="alpha", **GREEDY).token_ids == colocated_lora(
         TEXTS[2], "alpha", GREEDY
     )
-    assert admin(lora_prefill.address).GetStats(admin_pb2.GetStatsRequest()).num_requests_total == served + 1
-    admin(lora_prefill.address).UnloadLoraAdapter(admin_pb2.UnloadLoraAdapterRequest(name="gamma"))
+    assert Client(lora_prefill.address).stats().num_requests_total == served + 1
+    Client(lora_prefill.address).unload_lora("gamma")
 
 
 def test_adapter_errors(lora_decode, adapter_dir, tmp_path, loaded_model):
     client = Client(lora_decode.address)
     error = rpc_error(lambda: client.generate("hi", lora_adapter="nope", max_tokens=2))
     assert error.code() == grpc.StatusCode.NOT_FOUND and "'nope' is not loaded" in error.details()
-    stub = admin(lora_decode.address)
     error = rpc_error(lambda: load(lora_decode.address, "alpha", adapter_dir / "gamma"))
     assert error.code() == grpc.StatusCode.ALREADY_EXISTS
     error = rpc_error(lambda: load(lora_decode.address, "x", adapter_dir / "missing"))
@@ -152,13 +151,13 @@ def test_adapter_errors(lora_decode, adapter_dir, tmp_path, loaded_model):
     outside = write_random_adapter(tmp_path / "outside", loaded_model.config, rank=2)
     error = rpc_error(lambda: load(lora_decode.address, "x", outside))
     assert error.code() == grpc.StatusCode.PERMISSION_DENIED
-    error = rpc_error(lambda: stub.UnloadLoraAdapter(admin_pb2.UnloadLoraAdapterRequest(name="nope")))
+    error = rpc_error(lambda: client.unload_lora("nope"))
     assert error.code() == grpc.StatusCode.NOT_FOUND
     load(lora_decode.address, "delta", adapter_dir / "beta")
-    stub.UnloadLoraAdapter(admin_pb2.UnloadLoraAdapterRequest(name="delta"))
+    client.unload_lora("delta")
     error = rpc_error(lambda: client.generate("hi", lora_adapter="delta", max_tokens=2))
     assert error.code() == grpc.StatusCode.NOT_FOUND
-    stats = stub.GetStats(admin_pb2.GetStatsRequest())
+    stats = client.stats()
     assert stats.num_free_blocks == stats.num_blocks and stats.num_running == 0
 
 
@@ -193,19 +192,19 @@ def test_pdserve_adapters_command(lora_decode, adapter_dir):
     assert missing.returncode == 1 and "NOT_FOUND" in missing.stderr
 
 
-def test_openai_api_model_names_an_adapter(lora_decode, colocated, loaded_model):
+def test_openai_api_model_names_an_adapter(lora_decode, colocated_lora, loaded_model):
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=f"http://{lora_decode.addresses['http']}/v1", api_key="unused")
     models = {m.id: m for m in client.models.list().data}
     assert "alpha" in models and models["alpha"].parent == loaded_model.config.name
     reply = client.completions.create(model="alpha", prompt=TEXTS[1], max_tokens=12, temperature=0)
-    expected = colocated(TEXTS[1], "alpha", dict(max_tokens=12, temperature=0.0), field="text")
+    expected = colocated_lora(TEXTS[1], "alpha", dict(max_tokens=12, temperature=0.0), field="text")
     assert reply.model == "alpha" and reply.choices[0].text == expected
     with pytest.raises(openai.NotFoundError, match="not loaded"):
         client.completions.create(model="x", prompt="hi", max_tokens=2, extra_body={"lora_adapter": "nope"})
 
 
-def test_prefill_ignoring_the_adapter_is_never_used(gguf_path, log_dir, adapter_dir, make_engine, colocated):
+def test_prefill_ignoring_the_adapter_is_never_used(adapter_dir, make_engine, colocated_lora, daemons):
     """A prefill server that ignores lora_adapter (an older build) prefills with the base weights; its
     header says so, and the decode server prefills the request here instead."""
     from services.prefill import server as prefill_module
@@ -223,34 +222,28 @@ def test_prefill_ignoring_the_adapter_is_never_used(gguf_path, log_dir, adapter_
     server = ServerThread(lambda stop: prefill_module.serve(service, 0, stop, on_ready=ready.put))
     address = ready.get(timeout=60)
     extra = [*LORA_ARGS, "--lora", f"alpha={adapter_dir / 'alpha'}"]
-    decode = decode_server(gguf_path, address, log_dir, name="decode-blind", extra=extra)
     try:
+        decode = daemons.decode(address, "decode-blind", extra=extra)
         client = Client(decode.address)
-        assert client.generate(TEXTS[3], lora_adapter="alpha", **GREEDY).token_ids == colocated(
+        assert client.generate(TEXTS[3], lora_adapter="alpha", **GREEDY).token_ids == colocated_lora(
             TEXTS[3], "alpha", GREEDY
         )
-        stats = admin(decode.address).GetStats(admin_pb2.GetStatsRequest())
-        assert stats.num_transfer_failures_total >= 1
-        assert client.generate(TEXTS[3], **GREEDY).token_ids == colocated(TEXTS[3], None, GREEDY)
+        assert client.stats().num_transfer_failures_total >= 1
+        assert client.generate(TEXTS[3], **GREEDY).token_ids == colocated_lora(TEXTS[3], None, GREEDY)
     finally:
-        assert decode.terminate() == 0
         server.stop()
 
 
-def test_serve_shape_with_adapters(gguf_path, log_dir, adapter_dir, colocated):
+def test_serve_shape_with_adapters(gguf_path, log_dir, adapter_dir, colocated_lora, daemons):
     """`pdserve serve`, prefill TP 1 -> decode TP 2: the local prefill engine has the --lora adapters and
     those loaded through Admin; the adapters' heads are padded for each side's TP."""
     extra = [*LORA_ARGS, "--lora", f"alpha={adapter_dir / 'alpha'}"]
-    daemon = serve_daemon(gguf_path, log_dir, "1,2", name="serve-lora", extra=extra)
-    try:
-        client = Client(daemon.address)
-        load(daemon.address, "beta", adapter_dir / "beta")
-        info = client.model_info()
-        assert list(info.lora_adapters) == ["alpha", "beta"] and info.tensor_parallel == 2
-        for lora in ("alpha", "beta"):
-            got = client.generate(TEXTS[0], lora_adapter=lora, **SEEDED).token_ids
-            assert got == colocated(TEXTS[0], lora, SEEDED), lora
-        stats = admin(daemon.address).GetStats(admin_pb2.GetStatsRequest())
-        assert stats.num_transfer_failures_total == 0
-    finally:
-        assert daemon.terminate() == 0
+    daemon = daemons.add(serve_daemon(gguf_path, log_dir, "1,2", name="serve-lora", extra=extra))
+    client = Client(daemon.address)
+    load(daemon.address, "beta", adapter_dir / "beta")
+    info = client.model_info()
+    assert list(info.lora_adapters) == ["alpha", "beta"] and info.tensor_parallel == 2
+    for lora in ("alpha", "beta"):
+        got = client.generate(TEXTS[0], lora_adapter=lora, **SEEDED).token_ids
+        assert got == colocated_lora(TEXTS[0], lora, SEEDED), lora
+    assert client.stats().num_transfer_failures_total == 0

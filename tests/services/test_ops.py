@@ -13,22 +13,14 @@ import pytest
 
 from engine.sampling_params import SamplingParams
 from services.client import Client
-from services.launch import decode_server
 
-openai = pytest.importorskip("openai")
+pytestmark = pytest.mark.daemon
 
 
 @pytest.fixture(scope="module")
-def decode(gguf_path, prefill, log_dir):
-    daemon = decode_server(
-        gguf_path,
-        prefill.address,
-        log_dir,
-        name="decode-ops",
-        extra=["--metrics-port", "0", "--http-port", "0", "--log-format", "json"],
-    )
-    yield daemon
-    assert daemon.terminate() == 0
+def openai():
+    """The official client (dev extra); only the HTTP API tests need it."""
+    return pytest.importorskip("openai")
 
 
 def scrape(address: str) -> dict[str, float]:
@@ -87,7 +79,7 @@ def test_metrics_move_under_load(decode, prefill):
         assert p["pdserve_prefill_duration_seconds_count"] >= 6
 
 
-def test_openai_client_completions_and_chat(decode, make_engine, loaded_model):
+def test_openai_client_completions_and_chat(decode, make_engine, loaded_model, openai):
     client = openai.OpenAI(base_url=f"http://{decode.addresses['http']}/v1", api_key="unused")
     models = client.models.list()
     assert [m.id for m in models.data] == [loaded_model.config.name]
@@ -154,22 +146,14 @@ def test_json_logs_carry_request_ids_to_the_prefill_side(decode, prefill):
     assert "Hello there, tracing!" not in decode.log_path.read_text() + prefill.log_path.read_text()
 
 
-def test_http_api_requires_the_bearer_token_when_configured(gguf_path, prefill, log_dir, tmp_path):
+def test_http_api_requires_the_bearer_token_when_configured(prefill, daemons, tmp_path, openai):
     tokens = tmp_path / "tokens"
     tokens.write_text("s3cret-token\n")
-    daemon = decode_server(
-        gguf_path,
-        prefill.address,
-        log_dir,
-        name="decode-http-auth",
-        extra=["--http-port", "0", "--auth-token-file", str(tokens)],
-    )
-    try:
-        base = f"http://{daemon.addresses['http']}/v1"
-        with pytest.raises(openai.AuthenticationError):
-            openai.OpenAI(base_url=base, api_key="wrong").models.list()
-        client = openai.OpenAI(base_url=base, api_key="s3cret-token")
-        reply = client.completions.create(model="m", prompt="Hello", max_tokens=2, temperature=0)
-        assert reply.usage.completion_tokens == 2
-    finally:
-        assert daemon.terminate() == 0
+    extra = ["--http-port", "0", "--auth-token-file", str(tokens)]
+    daemon = daemons.decode(prefill.address, "decode-http-auth", extra=extra)
+    base = f"http://{daemon.addresses['http']}/v1"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=base, api_key="wrong").models.list()
+    client = openai.OpenAI(base_url=base, api_key="s3cret-token")
+    reply = client.completions.create(model="m", prompt="Hello", max_tokens=2, temperature=0)
+    assert reply.usage.completion_tokens == 2

@@ -23,6 +23,8 @@ from services.client import Client, build_request
 from services.launch import ServerThread, decode_server, prefill_server
 from services.security import ChannelSecurity, ServerSecurity, bearer_metadata, channel_credentials
 
+pytestmark = pytest.mark.daemon
+
 TOKEN = "tok-7f3a9c1e5b2d48e6a0c4"
 OTHER_TOKEN = "tok-second-b81d"
 WRONG_TOKEN = "tok-wrong-55aa3e"
@@ -156,8 +158,7 @@ def code_of(call) -> grpc.StatusCode:
 
 
 def prefill_stats(address: str, pki, client="decode") -> admin_pb2.ServerStats:
-    with ChannelSecurity(creds(pki, client=client)).open(address) as channel:
-        return admin_pb2_grpc.AdminStub(channel).GetStats(admin_pb2.GetStatsRequest(), timeout=30)
+    return Client(address, credentials=creds(pki, client=client)).stats()
 
 
 # --- tests -----------------------------------------------------------------------------------------
@@ -202,17 +203,12 @@ def test_missing_or_wrong_token_is_unauthenticated(secure_decode, pki):
         assert stats.role == "decode"
 
 
-def test_right_token_is_served_over_mtls_end_to_end(secure_prefill, secure_decode, pki, make_engine):
-    from engine.sampling_params import SamplingParams
-
+def test_right_token_is_served_over_mtls_end_to_end(secure_prefill, secure_decode, pki, colocated):
     before = prefill_stats(secure_prefill.address, pki).num_requests_total
     client = Client(secure_decode.address, credentials=creds(pki), token=TOKEN)
     assert client.model_info().prefill_mode == "remote"
     got = client.generate("The capital of France is", **GREEDY)
-    engine = make_engine()
-    ids = engine.tokenizer.encode("The capital of France is")
-    expected = engine.generate([ids], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0]
-    assert got.token_ids == expected.token_ids and got.finish_reason == "length"
+    assert got.token_ids == colocated("The capital of France is", **GREEDY) and got.finish_reason == "length"
     assert prefill_stats(secure_prefill.address, pki).num_requests_total == before + 1  # went remote
     second = Client(secure_decode.address, credentials=creds(pki), token=OTHER_TOKEN)
     assert second.generate("The capital of France is", **GREEDY).token_ids == got.token_ids
@@ -225,14 +221,12 @@ def test_cancelled_stream_through_the_token_check_frees_its_blocks(secure_decode
     stream = client.stream(build_request("Count to a thousand:", max_tokens=500, ignore_eos=True))
     assert next(stream).token_ids
     stream.cancel()
-    with ChannelSecurity(creds(pki)).open(secure_decode.address) as channel:
-        admin = admin_pb2_grpc.AdminStub(channel)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:  # the abort reaches the engine thread asynchronously
-            stats = admin.GetStats(admin_pb2.GetStatsRequest(), metadata=bearer_metadata(TOKEN))
-            if stats.num_running == 0 and stats.num_free_blocks == stats.num_blocks:
-                break
-            time.sleep(0.1)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # the abort reaches the engine thread asynchronously
+        stats = client.stats()
+        if stats.num_running == 0 and stats.num_free_blocks == stats.num_blocks:
+            break
+        time.sleep(0.1)
     assert stats.num_running == 0 and stats.num_free_blocks == stats.num_blocks, stats
 
 

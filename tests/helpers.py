@@ -1,0 +1,58 @@
+"""Helpers shared by the tests: daemons a test starts and stops, and waiting for a daemon to be idle."""
+
+from __future__ import annotations
+
+import time
+
+from pdserve.v1 import admin_pb2
+from services.client import Client
+from services.launch import Daemon, decode_server, prefill_server
+
+
+class Daemons:
+    """The daemons one test starts; `stop_all` stops them (SIGTERM; SIGKILL past the drain)."""
+
+    def __init__(self, gguf_path, log_dir):
+        self.gguf_path, self.log_dir = gguf_path, log_dir
+        self.started: list[Daemon] = []
+
+    def add(self, daemon: Daemon) -> Daemon:
+        self.started.append(daemon)
+        return daemon
+
+    def prefill(self, name: str, extra=()) -> Daemon:
+        return self.add(prefill_server(self.gguf_path, self.log_dir, name=name, extra=extra))
+
+    def decode(self, prefill: str, name: str, extra=()) -> Daemon:
+        return self.add(decode_server(self.gguf_path, prefill, self.log_dir, name=name, extra=extra))
+
+    def stop_all(self) -> dict[str, int]:
+        """Exit codes of the daemons that were not killed on purpose (0 after a clean drain)."""
+        codes = {}
+        for daemon in reversed(self.started):
+            code = daemon.terminate()
+            if not daemon.killed:
+                codes[daemon.name] = code
+        return codes
+
+
+def wait_all_free(address: str, timeout: float = 40.0) -> admin_pb2.ServerStats:
+    """A daemon's stats once every block is free and nothing runs (cleanup after cancels and broken
+    streams may still be under way: polls), or the last stats after `timeout`."""
+    client = Client(address)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            s = client.stats()
+            idle = s.num_free_blocks == s.num_blocks and s.num_running == 0 and s.num_incoming == 0
+            if idle or time.monotonic() > deadline:
+                return s
+            time.sleep(0.05)
+    finally:
+        client.close()
+
+
+def assert_all_free(*addresses: str) -> None:
+    for address in addresses:
+        s = wait_all_free(address)
+        assert s.num_free_blocks == s.num_blocks and s.num_running == 0 and s.num_incoming == 0, (address, s)
