@@ -22,20 +22,13 @@ import threading
 import time
 from pathlib import Path
 
-import grpc
 import numpy as np
 
 from engine.models import DEFAULT_MODEL, fetch
-from pdserve.v1 import admin_pb2, admin_pb2_grpc
 from services.client import Client
 from services.launch import decode_server, prefill_server
 
 ENGINE_ARGS = ["--max-model-len", "4096", "--num-blocks", "640", "--max-num-seqs", "16"]
-
-
-def stats(address: str) -> admin_pb2.ServerStats:
-    with grpc.insecure_channel(address) as channel:
-        return admin_pb2_grpc.AdminStub(channel).GetStats(admin_pb2.GetStatsRequest())
 
 
 def prompt(length: int, salt: int) -> list[int]:
@@ -56,9 +49,9 @@ def ttft_study(gguf: Path, logs: Path, lengths: list[int], runs: int) -> dict:
             ttft = {"disaggregated": [], "colocated": []}
             transfer = []
             for run in range(runs):
-                before = stats(disagg.address)
+                before = Client(disagg.address).stats()
                 ttft["disaggregated"].append(remote.generate(prompt(length, run + 1), max_tokens=1).ttft_s)
-                after = stats(disagg.address)
+                after = Client(disagg.address).stats()
                 transfer.append(after.kv_transfer_seconds_total - before.kv_transfer_seconds_total)
                 ttft["colocated"].append(local.generate(prompt(length, run + 1), max_tokens=1).ttft_s)
             d, c = statistics.median(ttft["disaggregated"]), statistics.median(ttft["colocated"])

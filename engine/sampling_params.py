@@ -48,8 +48,9 @@ class SamplingParams:
     def needs_truncation(self) -> bool:
         return not self.greedy and (self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0)
 
-    def validate(self, vocab_size: int, max_logprobs: int) -> None:
-        """Raises InvalidRequestError naming the first bad field."""
+    def validate(self, vocab_size: int | None = None, max_logprobs: int | None = None) -> None:
+        """Raises InvalidRequestError naming the first bad field. Without `vocab_size` / `max_logprobs`
+        (no engine yet, e.g. a command line checking its flags) the checks that need them are skipped."""
 
         def check(ok: bool, field: str, message: str):
             if not ok:
@@ -72,11 +73,14 @@ class SamplingParams:
         check(self.max_tokens >= 1, "max_tokens", "must be >= 1")
         check(self.seed is None or 0 <= self.seed < 2**63, "seed", "must be in [0, 2**63)")
         check(
-            all(0 <= t < vocab_size for t in self.stop_token_ids), "stop_token_ids", "outside the vocabulary"
+            all(0 <= t < (vocab_size or 2**31) for t in self.stop_token_ids),
+            "stop_token_ids",
+            "outside the vocabulary",
         )
         check(all(s for s in self.stop), "stop", "stop strings must be non-empty")
         check(
-            self.logprobs is None or 0 <= self.logprobs <= max_logprobs,
+            self.logprobs is None
+            or 0 <= self.logprobs <= (max_logprobs if max_logprobs is not None else 2**31),
             "logprobs",
             f"must be in [0, {max_logprobs}]",
         )

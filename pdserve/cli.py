@@ -13,7 +13,7 @@ from engine.args import add_engine_args, configure_jax, engine_config, load_adap
 from engine.models import DEFAULT_MODEL, KNOWN_MODELS, cache_dir
 from services.client import add_client_flags, client_from_flags
 from services.daemon import common_args, decode_args, decode_main, prefill_main, serve_main
-from services.sampling import add_sampling_flags, flag_values
+from services.sampling import add_sampling_flags, flag_values, params_from_request
 
 
 def add_generate_args(parser: argparse.ArgumentParser) -> None:
@@ -85,6 +85,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 return 2
             completion = client.generate_request(request, on_response=show)
         else:
+            params_from_request(request).validate()  # bad flags fail before a model is loaded
             t0 = time.perf_counter()
             engine = local_engine(args)
             startup_s = time.perf_counter() - t0
@@ -113,7 +114,6 @@ def generate_locally(engine, request, on_response=None):
     rendering, same sampling mapping, same responses); returns its services.client.Completion."""
     from services import wire
     from services.client import Completion
-    from services.sampling import params_from_request
 
     prompt = wire.prompt_from_proto(request, engine.tokenizer)
     engine_request = engine.make_request(

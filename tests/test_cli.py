@@ -44,20 +44,16 @@ def test_generate_json_chat_locally_and_with_server(gguf_path, decode, capsys):
         assert remote[field] == record[field], field
 
 
-def test_generate_streams_text_and_rejects_bad_input(gguf_path):
-    proc = run_cli(
-        "generate",
-        "--max-tokens",
-        "5",
-        "--temperature",
-        "0.8",
-        "--seed",
-        "3",
-        "Once upon a time",
-        gguf_path=gguf_path,
-    )
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip()
+def test_generate_streams_text_and_rejects_bad_input(gguf_path, decode, capsys):
+    """Streaming (the same code for both modes; here through --server) and bad flags refused with the
+    field named: locally before any model is loaded, remotely as the server's INVALID_ARGUMENT."""
+    from pdserve.cli import main
+
+    args = ["generate", "--max-tokens", "5", "--temperature", "0.8", "--seed", "3", "Once upon a time"]
+    assert main([*args, "--server", decode.address]) == 0
+    assert capsys.readouterr().out.strip()
+    assert main(["generate", "--server", decode.address, "--top-p", "0", "hello"]) == 2
+    assert "INVALID_ARGUMENT: top_p" in capsys.readouterr().err
     bad = run_cli("generate", "--top-p", "0", "hello", gguf_path=gguf_path)
     assert bad.returncode == 2 and "top_p" in bad.stderr
 

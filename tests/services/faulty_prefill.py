@@ -33,11 +33,11 @@ class FaultyPrefillService(prefill_server.PrefillService):
                     message = message[: len(message) // 2]
                 elif frames == 1 and fault == "duplicate":
                     yield message
-                elif frames == 2 and fault == "die":
-                    raise RuntimeError("injected: prefill died mid-stream")
             elif message.HasField("trailer") and fault == "no_trailer":
                 return
             yield message
+            if fault == "die" and frames == 1:  # whatever would follow the first frame never comes
+                raise RuntimeError("injected: prefill died mid-stream")
 
     async def _fuzzed(self, request, context):
         _, offset, xor, cut = request.request_id.split(":")

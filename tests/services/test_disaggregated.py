@@ -109,16 +109,13 @@ def test_scattered_decode_blocks(prefill, loaded_model, small_config, colocated)
     assert engine.allocator.num_free == len(held[1::2])  # everything the requests took came back
 
 
-@pytest.mark.parametrize("decode_devices", ["2,3", "4,5,6,7"])
-def test_heterogeneous_tp_in_serve_shape(
-    gguf_path, log_dir, decode_devices, daemons, colocated, loaded_model
-):
-    """Prefill TP 1 on device 0 -> decode TP 2 or 4 on other devices, one process, KV moved by device_put."""
-    name = f"serve-{decode_devices.replace(',', '')}"
-    daemon = daemons.add(serve_daemon(gguf_path, log_dir, decode_devices, name=name))
+def test_heterogeneous_tp_in_serve_shape(gguf_path, log_dir, daemons, colocated, loaded_model):
+    """Prefill TP 1 on device 0 -> decode TP 4 on devices 4-7, one process, KV moved by device_put. (TP 1
+    -> TP 2: tests/services/test_lora.py::test_serve_shape_with_adapters.)"""
+    daemon = daemons.add(serve_daemon(gguf_path, log_dir, "4,5,6,7", name="serve-tp4"))
     client = Client(daemon.address)
     info = client.model_info()
-    assert info.tensor_parallel == len(decode_devices.split(",")) and info.prefill_mode == "local-engine"
+    assert info.tensor_parallel == 4 and info.prefill_mode == "local-engine"
     for ids in prompts(loaded_model.tokenizer)[1:4]:
         assert client.generate(ids, **GREEDY).token_ids == colocated(ids, **GREEDY), len(ids)
     assert_all_free(daemon.address)
