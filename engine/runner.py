@@ -173,7 +173,8 @@ class ModelRunner:
 
     # ---- compilation ----------------------------------------------------------------------------------
     def warmup(self, progress: bool = True) -> int:
-        """Compiles every step and sampler shape; returns the number of variants."""
+        """Compiles every step and sampler shape (and, with LoRA on, the adapter slot write); returns the
+        number of step and sampler variants."""
         from tqdm import tqdm
 
         c = self.config
@@ -198,6 +199,8 @@ class ModelRunner:
             logits = jax.device_put(np.zeros((b, vocab), np.float32), named(self.mesh))
             self.sample(logits, [SampleRow(params, 0, 0, [1], [])])
             bar.update()
+        if self.lora is not None:
+            self.lora.warmup()  # the adapter slot write (a run-time load must not compile)
         bar.close()
         return len(shapes) + len(sampler_shapes)
 

@@ -167,20 +167,32 @@ def _free_module_engines():
 @pytest.fixture(scope="session")
 def colocated(make_engine, loaded_model):
     """`colocated(prompt, **kw)`: the tokens the default colocated engine generates for a prompt (text or
-    ids) under Client keywords `kw`, mapped exactly as a decode-server maps them (cached)."""
+    ids) under Client keywords `kw`, mapped exactly as a decode-server maps them (cached).
+    `colocated.prepare(prompts, **kw)` computes many in one batch (outputs never depend on the batch)."""
     from services.client import build_request
     from services.sampling import params_from_request
 
     cache = {}
 
-    def tokens(prompt, **kw) -> list[int]:
-        key = (prompt if isinstance(prompt, str) else tuple(prompt), tuple(sorted(kw.items())))
-        if key not in cache:
-            params = params_from_request(build_request(prompt, **kw))
-            ids = loaded_model.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-            cache[key] = make_engine().generate([ids], params)[0].token_ids
-        return cache[key]
+    def key(prompt, kw):
+        return (prompt if isinstance(prompt, str) else tuple(prompt), tuple(sorted(kw.items())))
 
+    def prepare(prompts, **kw) -> None:
+        todo = list(
+            dict.fromkeys(p if isinstance(p, str) else tuple(p) for p in prompts if key(p, kw) not in cache)
+        )
+        if not todo:
+            return
+        params = params_from_request(build_request("", **kw))
+        ids = [loaded_model.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in todo]
+        for prompt, result in zip(todo, make_engine().generate(ids, params), strict=True):
+            cache[key(prompt, kw)] = result.token_ids
+
+    def tokens(prompt, **kw) -> list[int]:
+        prepare([prompt], **kw)
+        return cache[key(prompt, kw)]
+
+    tokens.prepare = prepare
     return tokens
 
 

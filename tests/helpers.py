@@ -1,12 +1,16 @@
-"""Helpers shared by the tests: daemons a test starts and stops, and waiting for a daemon to be idle."""
+"""Helpers shared by the tests: daemons a test starts and stops, servers on a thread of the test process, and
+waiting for a daemon to be idle."""
 
 from __future__ import annotations
 
+import contextlib
+import queue
 import time
+from collections.abc import Iterator
 
 from pdserve.v1 import admin_pb2
 from services.client import Client
-from services.launch import Daemon, decode_server, prefill_server
+from services.launch import Daemon, ServerThread, decode_server, prefill_server
 
 
 class Daemons:
@@ -56,3 +60,16 @@ def assert_all_free(*addresses: str) -> None:
     for address in addresses:
         s = wait_all_free(address)
         assert s.num_free_blocks == s.num_blocks and s.num_running == 0 and s.num_incoming == 0, (address, s)
+
+
+@contextlib.contextmanager
+def in_process(start) -> Iterator[str]:
+    """A daemon's `serve()` on a thread of this process, over an engine of this process: yields its address
+    and drains it on exit. `start(stop, on_ready)` returns the coroutine, e.g.
+    `lambda stop, ready: serve(PrefillService.for_engine(engine), 0, stop, on_ready=ready)`."""
+    ready: queue.Queue[str] = queue.Queue()
+    server = ServerThread(lambda stop: start(stop, ready.put))
+    try:
+        yield ready.get(timeout=120)
+    finally:
+        server.stop()

@@ -170,13 +170,29 @@ class LoraSlots:
         victim = next((key for key in self._resident if not self._pins[key]), None)
         return None if victim is None else self._resident.pop(victim)
 
+    def warmup(self) -> None:
+        """Compiles the slot write, so that the first adapter load while serving compiles nothing: writes
+        zeros into a slot that holds no resident adapter (no request reads it). With every slot holding an
+        adapter, the write has run already."""
+        used = set(self._resident.values())
+        slot = next((s for s in range(self.num_slots) if s not in used), None)
+        if slot is not None:
+            shapes = slot_shapes(self.cfg, self.max_rank, self.tp)  # one layer's
+            layers = self.cfg.num_layers
+            self._write(
+                {name: np.zeros((layers, *shape), np.float32) for name, shape in shapes.items()}, slot
+            )
+
     def _load(self, adapter: LoraAdapter, slot: int) -> None:
+        self._write(slot_arrays(adapter, self.cfg, self.max_rank, self.tp), slot)
+        self.num_loads += 1
+
+    def _write(self, host: dict[str, np.ndarray], slot: int) -> None:
         values = {
             name: jax.device_put(x.astype(self.dtype), _sharding(self.mesh, name, with_slots=False))
-            for name, x in slot_arrays(adapter, self.cfg, self.max_rank, self.tp).items()
+            for name, x in host.items()
         }
         self.weights = _write_slot(self.weights, values, jnp.int32(slot))
-        self.num_loads += 1
 
 
 def _with_slots(shape: tuple[int, ...], name: str, num_slots: int, cfg: ModelConfig) -> tuple[int, ...]:

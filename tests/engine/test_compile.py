@@ -9,15 +9,21 @@ from engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.model
 
+# Few buckets (the property does not depend on their number): prefill chunks of 32 and 64 tokens, 1-2 rows;
+# decode of 1, 2 or 4 rows; contexts of 4, 8 or 16 blocks.
+WARMUP_CONFIG = dict(
+    max_model_len=256, max_num_seqs=4, num_blocks=64, max_prefill_seqs=2, max_prefill_tokens=64
+)
+
 
 def test_warmup_covers_a_mixed_workload(make_engine):
-    engine = make_engine(max_model_len=512, max_num_seqs=4, num_blocks=96, max_prefill_seqs=2)
+    engine = make_engine(**WARMUP_CONFIG)
     with count_compilations() as counted:
         variants = engine.runner.warmup(progress=False)
     assert counted() > 0 and variants == len(engine.runner.step_shapes()) + len(
         engine.runner.sampler_shapes()
     )
-    prompts = ["Hi", "Tell me a story about a dragon " * 3, "x " * 300, "1 2 3", "The sky is"]
+    prompts = ["Hi", "Tell me a story about a dragon " * 3, "x " * 150, "1 2 3", "The sky is"]  # chunked
     params = [
         SamplingParams(temperature=0, max_tokens=20),
         SamplingParams(temperature=0.7, top_p=0.9, seed=1, max_tokens=30),

@@ -19,6 +19,7 @@ from engine.lora import (
 from engine.lora.synthetic import write_random_adapter
 from engine.sampling_params import SamplingParams
 from tests.conftest import requires_reference
+from tests.engine.test_compile import WARMUP_CONFIG
 
 pytestmark = pytest.mark.model
 
@@ -200,7 +201,7 @@ def test_removed_adapter_finishes_running_requests(lora_engine):
 
 
 def test_warmup_covers_lora_steps(lora_engine):
-    engine = lora_engine(max_model_len=512, max_num_seqs=4, num_blocks=96, max_prefill_seqs=2)
+    engine = lora_engine(**WARMUP_CONFIG)
     engine.runner.warmup(progress=False)
     with count_compilations() as counted:
         engine.generate(PROMPTS, GREEDY, lora=[None, "all8", "mlp16", "attn4"])

@@ -5,13 +5,12 @@ heterogeneous TP in the single-process `serve` shape; clean SIGTERM exits; no bl
 from __future__ import annotations
 
 import concurrent.futures
-import queue
 
 import pytest
 
 from services.client import Client, build_request
-from services.launch import ServerThread, serve_daemon
-from tests.helpers import assert_all_free
+from services.launch import serve_daemon
+from tests.helpers import assert_all_free, in_process
 
 pytestmark = pytest.mark.daemon
 
@@ -38,6 +37,7 @@ SEEDED = [dict(max_tokens=16, temperature=0.9, top_p=0.9, seed=11 + i, ignore_eo
 
 def test_disaggregated_equals_colocated_greedy_and_seeded(decode, prefill, colocated, loaded_model):
     client = Client(decode.address)
+    colocated.prepare(prompts(loaded_model.tokenizer), **GREEDY)
     for ids in prompts(loaded_model.tokenizer):
         got = client.generate(ids, **GREEDY)
         assert got.token_ids == colocated(ids, **GREEDY), len(ids)
@@ -72,17 +72,29 @@ def test_32_concurrent_streams(decode, prefill, colocated, loaded_model):
     assert_all_free(decode.address, prefill.address)
 
 
-def test_two_prefill_replicas_are_both_used(prefill, daemons):
-    second = daemons.prefill("prefill-2")
-    decode = daemons.decode(f"{prefill.address},{second.address}", "decode-pool")
-    before = Client(prefill.address).stats().num_requests_total
-    client = Client(decode.address)
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        results = list(pool.map(lambda i: client.generate(f"Number {i} is", max_tokens=4), range(16)))
-    assert all(r.completion_tokens >= 1 for r in results)
-    assert Client(prefill.address).stats().num_requests_total > before
-    assert Client(second.address).stats().num_requests_total > 0
-    assert_all_free(decode.address, prefill.address, second.address)
+def test_two_prefill_replicas_are_both_used(prefill, loaded_model, small_config):
+    """A decode server with two replicas (the shared prefill-server and one on a thread here) uses both.
+    (Its engine and the second replica's have the default shapes: nothing new to compile.)"""
+    from engine.engine import LLMEngine
+    from services.decode.core import GenerationCore
+    from services.decode.server import serve as serve_decode
+    from services.prefill.server import PrefillService
+    from services.prefill.server import serve as serve_prefill
+
+    second_service = PrefillService.for_engine(LLMEngine(loaded_model, small_config))
+    with in_process(lambda stop, ready: serve_prefill(second_service, 0, stop, on_ready=ready)) as second:
+        core = GenerationCore.for_engine(
+            LLMEngine(loaded_model, small_config), prefill_targets=[prefill.address, second]
+        )
+        with in_process(lambda stop, ready: serve_decode(core, 0, stop, on_ready=ready)) as decode:
+            before = Client(prefill.address).stats().num_requests_total
+            client = Client(decode)
+            with concurrent.futures.ThreadPoolExecutor(8) as pool:
+                results = list(pool.map(lambda i: client.generate(f"Number {i} is", max_tokens=4), range(16)))
+            assert all(r.completion_tokens >= 1 for r in results)
+            assert Client(prefill.address).stats().num_requests_total > before
+            assert Client(second).stats().num_requests_total > 0
+            assert_all_free(decode, prefill.address, second)
 
 
 def test_scattered_decode_blocks(prefill, loaded_model, small_config, colocated):
@@ -94,18 +106,12 @@ def test_scattered_decode_blocks(prefill, loaded_model, small_config, colocated)
     engine = LLMEngine(loaded_model, small_config)
     held = engine.allocator.allocate(engine.allocator.num_free)
     engine.allocator.free(held[1::2])  # only every other block is free
-    ready: queue.Queue[str] = queue.Queue()
-    server = ServerThread(
-        lambda stop: serve(
-            GenerationCore.for_engine(engine, prefill_targets=[prefill.address]), 0, stop, on_ready=ready.put
-        )
-    )
-    try:
-        client = Client(ready.get(timeout=60))
+    core = GenerationCore.for_engine(engine, prefill_targets=[prefill.address])
+    with in_process(lambda stop, ready: serve(core, 0, stop, on_ready=ready)) as address:
+        client = Client(address)
+        colocated.prepare(prompts(loaded_model.tokenizer)[1:], **GREEDY)
         for ids in prompts(loaded_model.tokenizer)[1:]:
             assert client.generate(ids, **GREEDY).token_ids == colocated(ids, **GREEDY), len(ids)
-    finally:
-        server.stop()
     assert engine.allocator.num_free == len(held[1::2])  # everything the requests took came back
 
 

@@ -34,8 +34,14 @@ def make_prompts(n: int, seed: int) -> list[str]:
 
 @pytest.fixture(scope="module")
 def reference(colocated):
-    """`reference(prompt, n)`: the colocated engine's first n greedy tokens (EOS ignored)."""
-    return lambda prompt, n: colocated(prompt, max_tokens=n, ignore_eos=True)
+    """`reference(prompt, n)`: the colocated engine's first n greedy tokens (EOS ignored);
+    `reference.prepare(prompts, n)` computes many in one batch."""
+
+    def tokens(prompt, n: int) -> list[int]:
+        return colocated(prompt, max_tokens=n, ignore_eos=True)
+
+    tokens.prepare = lambda prompts, n: colocated.prepare(prompts, max_tokens=n, ignore_eos=True)
+    return tokens
 
 
 @pytest.fixture(scope="module")
@@ -101,9 +107,11 @@ def test_kill_cancel_corrupt_restart_vanish(prefill, faulty, reference, daemons)
     replicas = f"{prefill.address},{doomed.address},{faulty.address}"
     decode = daemons.decode(replicas, "decode-faults", extra=["--max-num-seqs", "16"])
     client = Client(decode.address)
-    prompts = make_prompts(24, seed=1)  # 4 rounds of the faulty server's 6 modes
-    for p in prompts:  # reference tokens first (in this process), so the load runs without pauses
-        reference(p, 12)
+    prompts, more = (
+        make_prompts(24, seed=1),
+        make_prompts(12, seed=3),
+    )  # rounds of the faulty server's 6 modes
+    reference.prepare(prompts + more, 12)  # first (in this process), so the load runs without pauses
 
     def kill_under_load():
         doomed_client = Client(doomed.address)
@@ -122,7 +130,7 @@ def test_kill_cancel_corrupt_restart_vanish(prefill, faulty, reference, daemons)
     # the killed replica comes back on the same port; the decode server reconnects to it
     restarted = daemons.prefill("prefill-restarted", extra=["--port", doomed_port])
     time.sleep(4)  # past the failed replica's back-off and the channel's reconnect back-off
-    second = run_load(client, make_prompts(12, seed=3), reference, 0.2, seed=4)
+    second = run_load(client, more, reference, 0.2, seed=4)
     assert Client(restarted.address).stats().num_requests_total > 0  # the pool uses the restarted replica
     decode_stats = wait_all_free(decode.address)
     for address in (decode.address, prefill.address, faulty.address, restarted.address):

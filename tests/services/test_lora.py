@@ -8,7 +8,6 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
-import queue
 import subprocess
 import sys
 import urllib.request
@@ -19,8 +18,9 @@ import pytest
 from engine.lora.synthetic import write_random_adapter
 from pdserve.v1 import admin_pb2
 from services.client import Client, build_request
-from services.launch import ServerThread, decode_server, prefill_server, serve_daemon
+from services.launch import decode_server, prefill_server, serve_daemon
 from services.sampling import params_from_request
+from tests.helpers import in_process
 
 pytestmark = pytest.mark.daemon
 
@@ -74,6 +74,7 @@ def colocated_lora(make_engine, adapter_dir):
         params = params_from_request(build_request(text, **kw))
         return getattr(engine.generate([text], params, lora=lora)[0], field)
 
+    generate.engine = engine
     return generate
 
 
@@ -206,9 +207,11 @@ def test_openai_api_model_names_an_adapter(lora_decode, colocated_lora, loaded_m
         client.completions.create(model="x", prompt="hi", max_tokens=2, extra_body={"lora_adapter": "nope"})
 
 
-def test_prefill_ignoring_the_adapter_is_never_used(adapter_dir, make_engine, colocated_lora, daemons):
+def test_prefill_ignoring_the_adapter_is_never_used(make_engine, colocated_lora):
     """A prefill server that ignores lora_adapter (an older build) prefills with the base weights; its
     header says so, and the decode server prefills the request here instead."""
+    from services.decode.core import GenerationCore
+    from services.decode.server import serve as serve_decode
     from services.prefill import server as prefill_module
 
     class AdapterBlind(prefill_module.PrefillService):
@@ -218,22 +221,16 @@ def test_prefill_ignoring_the_adapter_is_never_used(adapter_dir, make_engine, co
             async for message in super()._prefill(request, context):
                 yield message
 
-    engine = make_engine()
-    ready: queue.Queue[str] = queue.Queue()
-    service = AdapterBlind.for_engine(engine)
-    server = ServerThread(lambda stop: prefill_module.serve(service, 0, stop, on_ready=ready.put))
-    address = ready.get(timeout=60)
-    extra = [*LORA_ARGS, "--lora", f"alpha={adapter_dir / 'alpha'}"]
-    try:
-        decode = daemons.decode(address, "decode-blind", extra=extra)
-        client = Client(decode.address)
-        assert client.generate(TEXTS[3], lora_adapter="alpha", **GREEDY).token_ids == colocated_lora(
-            TEXTS[3], "alpha", GREEDY
-        )
-        assert client.stats().num_transfer_failures_total >= 1
-        assert client.generate(TEXTS[3], **GREEDY).token_ids == colocated_lora(TEXTS[3], None, GREEDY)
-    finally:
-        server.stop()
+    expected = {lora: colocated_lora(TEXTS[3], lora, GREEDY) for lora in ("alpha", None)}
+    blind = AdapterBlind.for_engine(make_engine())
+    with in_process(lambda stop, ready: prefill_module.serve(blind, 0, stop, on_ready=ready)) as address:
+        # the decode server: on a thread here too, over the reference engine (which has alpha loaded)
+        core = GenerationCore.for_engine(colocated_lora.engine, prefill_targets=[address])
+        with in_process(lambda stop, ready: serve_decode(core, 0, stop, on_ready=ready)) as decode:
+            client = Client(decode)
+            assert client.generate(TEXTS[3], lora_adapter="alpha", **GREEDY).token_ids == expected["alpha"]
+            assert client.stats().num_transfer_failures_total >= 1
+            assert client.generate(TEXTS[3], **GREEDY).token_ids == expected[None]
 
 
 def test_serve_shape_with_adapters(gguf_path, log_dir, adapter_dir, colocated_lora, daemons):

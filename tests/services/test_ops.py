@@ -144,16 +144,3 @@ def test_json_logs_carry_request_ids_to_the_prefill_side(decode, prefill):
     assert any(e.get("request_id") == "trace-4242" and e["message"] == "request ended" for e in decode_lines)
     assert "trace-4242" in prefill.log_path.read_text()  # the prefill server logged the same id
     assert "Hello there, tracing!" not in decode.log_path.read_text() + prefill.log_path.read_text()
-
-
-def test_http_api_requires_the_bearer_token_when_configured(prefill, daemons, tmp_path, openai):
-    tokens = tmp_path / "tokens"
-    tokens.write_text("s3cret-token\n")
-    extra = ["--http-port", "0", "--auth-token-file", str(tokens)]
-    daemon = daemons.decode(prefill.address, "decode-http-auth", extra=extra)
-    base = f"http://{daemon.addresses['http']}/v1"
-    with pytest.raises(openai.AuthenticationError):
-        openai.OpenAI(base_url=base, api_key="wrong").models.list()
-    client = openai.OpenAI(base_url=base, api_key="s3cret-token")
-    reply = client.completions.create(model="m", prompt="Hello", max_tokens=2, temperature=0)
-    assert reply.usage.completion_tokens == 2

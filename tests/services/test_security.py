@@ -131,7 +131,7 @@ def secure_decode(gguf_path, log_dir, pki, secure_prefill, tokens):
     cert, key = pki["server"]
     decode_cert, decode_key = pki["decode"]
     extra = [
-        *("--tls-cert", cert, "--tls-key", key, "--auth-token-file", str(tokens)),
+        *("--tls-cert", cert, "--tls-key", key, "--auth-token-file", str(tokens), "--http-port", "0"),
         *(
             "--prefill-tls-ca",
             pki["ca"][0],
@@ -228,6 +228,25 @@ def test_cancelled_stream_through_the_token_check_frees_its_blocks(secure_decode
             break
         time.sleep(0.1)
     assert stats.num_running == 0 and stats.num_free_blocks == stats.num_blocks, stats
+
+
+def test_http_api_takes_the_public_ports_tls_and_tokens(secure_decode, pki):
+    """The OpenAI HTTP API of a decode server with TLS and tokens: HTTPS with the same certificate, 401
+    without the right bearer token, answers with it; plaintext HTTP does not connect."""
+    import ssl
+
+    openai = pytest.importorskip("openai")
+    httpx = pytest.importorskip("httpx2")  # the openai client's HTTP library
+    tls = httpx.Client(verify=ssl.create_default_context(cafile=pki["ca"][0]))
+    base = f"https://{secure_decode.addresses['http']}/v1"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=base, api_key=WRONG_TOKEN, http_client=tls).models.list()
+    client = openai.OpenAI(base_url=base, api_key=TOKEN, http_client=tls)
+    reply = client.completions.create(model="m", prompt="Hello", max_tokens=2, temperature=0)
+    assert reply.usage.completion_tokens == 2
+    plaintext = openai.OpenAI(base_url=base.replace("https", "http"), api_key=TOKEN, max_retries=0)
+    with pytest.raises(openai.APIConnectionError):
+        plaintext.models.list()
 
 
 def test_cli_generate_with_tls_ca_and_token_file(secure_decode, pki, tokens, capsys):
