@@ -168,7 +168,8 @@ def _free_module_engines():
 def colocated(make_engine, loaded_model):
     """`colocated(prompt, **kw)`: the tokens the default colocated engine generates for a prompt (text or
     ids) under Client keywords `kw`, mapped exactly as a decode-server maps them (cached).
-    `colocated.prepare(prompts, **kw)` computes many in one batch (outputs never depend on the batch)."""
+    `colocated.prepare([(prompt, kw), ...])` computes many in one batch (a request's tokens never depend
+    on its batch)."""
     from services.client import build_request
     from services.sampling import params_from_request
 
@@ -177,19 +178,17 @@ def colocated(make_engine, loaded_model):
     def key(prompt, kw):
         return (prompt if isinstance(prompt, str) else tuple(prompt), tuple(sorted(kw.items())))
 
-    def prepare(prompts, **kw) -> None:
-        todo = list(
-            dict.fromkeys(p if isinstance(p, str) else tuple(p) for p in prompts if key(p, kw) not in cache)
-        )
+    def prepare(jobs) -> None:
+        todo = list({key(p, kw): (p, kw) for p, kw in jobs if key(p, kw) not in cache}.items())
         if not todo:
             return
-        params = params_from_request(build_request("", **kw))
-        ids = [loaded_model.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in todo]
-        for prompt, result in zip(todo, make_engine().generate(ids, params), strict=True):
-            cache[key(prompt, kw)] = result.token_ids
+        ids = [loaded_model.tokenizer.encode(p) if isinstance(p, str) else list(p) for _, (p, _) in todo]
+        params = [params_from_request(build_request("", **kw)) for _, (_, kw) in todo]
+        for (k, _), result in zip(todo, make_engine().generate(ids, params), strict=True):
+            cache[k] = result.token_ids
 
     def tokens(prompt, **kw) -> list[int]:
-        prepare([prompt], **kw)
+        prepare([(prompt, kw)])
         return cache[key(prompt, kw)]
 
     tokens.prepare = prepare

@@ -37,12 +37,13 @@ SEEDED = [dict(max_tokens=16, temperature=0.9, top_p=0.9, seed=11 + i, ignore_eo
 
 def test_disaggregated_equals_colocated_greedy_and_seeded(decode, prefill, colocated, loaded_model):
     client = Client(decode.address)
-    colocated.prepare(prompts(loaded_model.tokenizer), **GREEDY)
+    seeded = list(zip(prompts(loaded_model.tokenizer)[1:4], SEEDED, strict=True))
+    colocated.prepare([(ids, GREEDY) for ids in prompts(loaded_model.tokenizer)] + seeded)
     for ids in prompts(loaded_model.tokenizer):
         got = client.generate(ids, **GREEDY)
         assert got.token_ids == colocated(ids, **GREEDY), len(ids)
         assert got.prompt_tokens == len(ids) and got.finish_reason == "length"
-    for ids, kw in zip(prompts(loaded_model.tokenizer)[1:4], SEEDED, strict=True):
+    for ids, kw in seeded:
         assert client.generate(ids, **kw).token_ids == colocated(ids, **kw)
     assert client.model_info().prefill_mode == "remote"
     assert Client(prefill.address).stats().num_requests_total >= 8
@@ -109,7 +110,7 @@ def test_scattered_decode_blocks(prefill, loaded_model, small_config, colocated)
     core = GenerationCore.for_engine(engine, prefill_targets=[prefill.address])
     with in_process(lambda stop, ready: serve(core, 0, stop, on_ready=ready)) as address:
         client = Client(address)
-        colocated.prepare(prompts(loaded_model.tokenizer)[1:], **GREEDY)
+        colocated.prepare([(ids, GREEDY) for ids in prompts(loaded_model.tokenizer)[1:]])
         for ids in prompts(loaded_model.tokenizer)[1:]:
             assert client.generate(ids, **GREEDY).token_ids == colocated(ids, **GREEDY), len(ids)
     assert engine.allocator.num_free == len(held[1::2])  # everything the requests took came back

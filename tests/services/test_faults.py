@@ -40,7 +40,9 @@ def reference(colocated):
     def tokens(prompt, n: int) -> list[int]:
         return colocated(prompt, max_tokens=n, ignore_eos=True)
 
-    tokens.prepare = lambda prompts, n: colocated.prepare(prompts, max_tokens=n, ignore_eos=True)
+    tokens.prepare = lambda prompts, n: colocated.prepare(
+        [(p, dict(max_tokens=n, ignore_eos=True)) for p in prompts]
+    )
     return tokens
 
 

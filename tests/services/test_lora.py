@@ -65,15 +65,29 @@ def lora_decode(gguf_path, lora_prefill, log_dir, adapter_dir):
 
 @pytest.fixture(scope="module")
 def colocated_lora(make_engine, adapter_dir):
-    """The colocated_lora reference engine, with the same adapters; `kw` mapped as a decode-server maps it."""
+    """The colocated reference engine, with the same adapters; `kw` mapped as a decode-server maps it.
+    `colocated_lora.prepare([(text, lora, kw), ...])` computes many token lists in one batch (cached)."""
     engine = make_engine(max_loras=2)
     for name in ("alpha", "beta", "gamma"):
         engine.loras.load(name, str(adapter_dir / name))
+    cache = {}
+
+    def key(text, lora, kw):
+        return (text, lora, tuple(sorted(kw.items())))
+
+    def prepare(jobs) -> None:
+        todo = list({key(*job): job for job in jobs if key(*job) not in cache}.items())
+        if todo:
+            texts, loras = [j[0] for _, j in todo], [j[1] for _, j in todo]
+            params = [params_from_request(build_request(text, **kw)) for _, (text, _, kw) in todo]
+            for (k, _), result in zip(todo, engine.generate(texts, params, lora=loras), strict=True):
+                cache[k] = result
 
     def generate(text: str, lora: str | None, kw: dict, field: str = "token_ids"):
-        params = params_from_request(build_request(text, **kw))
-        return getattr(engine.generate([text], params, lora=lora)[0], field)
+        prepare([(text, lora, kw)])
+        return getattr(cache[key(text, lora, kw)], field)
 
+    generate.prepare = prepare
     generate.engine = engine
     return generate
 
@@ -100,6 +114,7 @@ def test_disaggregated_equals_colocated_with_adapters(lora_decode, lora_prefill,
         (text, lora, kw) for text in TEXTS[:2] for lora in (None, "alpha", "beta") for kw in (GREEDY, SEEDED)
     ]
     jobs += [(LONG, "alpha", GREEDY), (LONG, "beta", SEEDED)]  # chunked prefill, KV in several frames
+    colocated_lora.prepare(jobs)
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         results = list(
             pool.map(lambda j: client.generate(j[0], lora_adapter=j[1] or "", **j[2]).token_ids, jobs)
