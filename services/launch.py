@@ -31,6 +31,8 @@ _EXTRA_PORT = re.compile(r"^(metrics|http) on ([0-9.]+):(\d+)")  # printed befor
 class Daemon:
     """A daemon process (`prefill-server`, `decode-server` or `pdserve serve`) started on port 0."""
 
+    max_peak_rss_kib = 0  # the largest peak resident memory of the daemons stopped so far (Linux /proc)
+
     def __init__(
         self,
         argv: list[str],
@@ -87,14 +89,25 @@ class Daemon:
         for _ in self.proc.stdout:
             pass
 
+    def _record_peak_rss(self) -> None:
+        try:
+            status = Path(f"/proc/{self.proc.pid}/status").read_text()
+        except OSError:  # exited already, or no /proc
+            return
+        for line in status.splitlines():
+            if line.startswith("VmHWM:"):
+                Daemon.max_peak_rss_kib = max(Daemon.max_peak_rss_kib, int(line.split()[1]))
+
     def kill(self) -> None:
         self.killed = True
+        self._record_peak_rss()
         self.proc.kill()
         self.proc.wait()
 
     def terminate(self, timeout: float = 60.0) -> int:
         """SIGTERM; returns the exit code (0 after a clean drain)."""
         if self.proc.poll() is None:
+            self._record_peak_rss()
             self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(timeout)

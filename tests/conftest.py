@@ -82,11 +82,13 @@ def unexpected_skips() -> list[tuple[str, str]]:
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     import resource
 
-    gib = 1 / (1 << 20)  # ru_maxrss is in KiB on Linux
-    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * gib
-    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * gib
+    from services.launch import Daemon
+
+    gib = 1 / (1 << 20)  # KiB -> GiB
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * gib  # KiB on Linux
+    daemon = Daemon.max_peak_rss_kib * gib
     terminalreporter.write_line(
-        f"peak resident memory: test process {own:.2f} GiB, largest child process (daemon) {children:.2f} GiB"
+        f"peak resident memory: test process {own:.2f} GiB, largest daemon {daemon:.2f} GiB"
     )
     if config.getoption("--no-unexpected-skips") and unexpected_skips():
         terminalreporter.section("unexpected skips (see ALLOWED_SKIPS in tests/conftest.py)", red=True)
