@@ -120,13 +120,12 @@ def generate_locally(engine, request, on_response=None):
         prompt, params_from_request(request), lora=request.lora_adapter or None
     )
     rid = engine.add_prepared_request(engine_request)
-    start, completion, first = time.perf_counter(), Completion(), True
+    prompt_ids = engine_request.prompt_ids if request.return_prompt_ids else ()
+    start, completion = time.perf_counter(), Completion()
     while completion.finish_reason is None:
         for output in engine.step():
-            response = wire.output_to_response(output, rid)
-            if first and request.return_prompt_ids:
-                response.prompt_ids.extend(engine_request.prompt_ids)
-            first = False
+            response = wire.output_to_response(output, rid, prompt_ids)
+            prompt_ids = ()  # on the first response only
             completion.add(response, time.perf_counter() - start)
             if on_response is not None:
                 on_response(response)

@@ -11,6 +11,7 @@ valid protobuf either way.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 from engine.output import RequestOutput
 from engine.request import FinishReason, TokenLogprobs
@@ -108,10 +109,14 @@ FINISH_REASONS = {
 }
 
 
-def output_to_response(output: RequestOutput, request_id: str) -> gen_pb.GenerateResponse:
-    """One engine output as a streamed GenerateResponse (usage on the last one)."""
+def output_to_response(
+    output: RequestOutput, request_id: str, prompt_ids: Sequence[int] = ()
+) -> gen_pb.GenerateResponse:
+    """One engine output as a streamed GenerateResponse (usage on the last one; `prompt_ids` on the first
+    when the request asked for them)."""
     response = gen_pb.GenerateResponse(
         request_id=request_id,
+        prompt_ids=prompt_ids,
         token_ids=output.new_token_ids,
         text=output.text,
         finish_reason=FINISH_REASONS[output.finish_reason],

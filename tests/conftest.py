@@ -167,34 +167,12 @@ def _free_module_engines():
 
 
 @pytest.fixture(scope="session")
-def colocated(make_engine, loaded_model):
-    """`colocated(prompt, **kw)`: the tokens the default colocated engine generates for a prompt (text or
-    ids) under Client keywords `kw`, mapped exactly as a decode-server maps them (cached).
-    `colocated.prepare([(prompt, kw), ...])` computes many in one batch (a request's tokens never depend
-    on its batch)."""
-    from services.client import build_request
-    from services.sampling import params_from_request
+def colocated(make_engine):
+    """`colocated(prompt, **kw)`: the tokens the default colocated engine generates under Client keywords
+    `kw`, mapped as a decode-server maps them (tests.helpers.Reference: cached, `.prepare` batches)."""
+    from tests.helpers import Reference
 
-    cache = {}
-
-    def key(prompt, kw):
-        return (prompt if isinstance(prompt, str) else tuple(prompt), tuple(sorted(kw.items())))
-
-    def prepare(jobs) -> None:
-        todo = list({key(p, kw): (p, kw) for p, kw in jobs if key(p, kw) not in cache}.items())
-        if not todo:
-            return
-        ids = [loaded_model.tokenizer.encode(p) if isinstance(p, str) else list(p) for _, (p, _) in todo]
-        params = [params_from_request(build_request("", **kw)) for _, (_, kw) in todo]
-        for (k, _), result in zip(todo, make_engine().generate(ids, params), strict=True):
-            cache[k] = result.token_ids
-
-    def tokens(prompt, **kw) -> list[int]:
-        prepare([(prompt, kw)])
-        return cache[key(prompt, kw)]
-
-    tokens.prepare = prepare
-    return tokens
+    return Reference(make_engine)
 
 
 # ---- daemons ---------------------------------------------------------------------------------------------

@@ -9,8 +9,47 @@ import time
 from collections.abc import Iterator
 
 from pdserve.v1 import admin_pb2
-from services.client import Client
+from services.client import Client, build_request
 from services.launch import Daemon, ServerThread, decode_server, prefill_server
+from services.sampling import params_from_request
+
+
+class Reference:
+    """What a colocated engine generates for a prompt (text or ids) under Client keywords (`lora_adapter`
+    included), mapped exactly as a decode-server maps them; cached. `get_engine()` gives the engine.
+
+    `reference(prompt, **kw)`: the token ids (`field="text"`: the text); `reference.prepare([(prompt, kw),
+    ...])` runs many in one batch (a request's tokens never depend on its batch)."""
+
+    def __init__(self, get_engine):
+        self.get_engine = get_engine
+        self._done = {}
+
+    @property
+    def engine(self):
+        return self.get_engine()
+
+    @staticmethod
+    def _key(prompt, kw: dict):
+        return (prompt if isinstance(prompt, str) else tuple(prompt), tuple(sorted(kw.items())))
+
+    def prepare(self, jobs) -> None:
+        todo = list(
+            {self._key(p, kw): (p, kw) for p, kw in jobs if self._key(p, kw) not in self._done}.items()
+        )
+        if not todo:
+            return
+        prompts = [p if isinstance(p, str) else list(p) for _, (p, _) in todo]
+        params = [params_from_request(build_request("", **kw)) for _, (_, kw) in todo]
+        loras = [kw.get("lora_adapter") or None for _, (_, kw) in todo]
+        for (key, _), result in zip(
+            todo, self.get_engine().generate(prompts, params, lora=loras), strict=True
+        ):
+            self._done[key] = result
+
+    def __call__(self, prompt, field: str = "token_ids", **kw):
+        self.prepare([(prompt, kw)])
+        return getattr(self._done[self._key(prompt, kw)], field)
 
 
 class Daemons:

@@ -22,7 +22,6 @@ Request lifecycle:
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import Callable
 
 import grpc
@@ -38,8 +37,6 @@ from services.decode.core import GenerationCore, ServiceError
 from services.decode.openai_api import OpenAIFrontend
 from services.grpc_server import RunningServer
 from services.security import ServerSecurity
-
-log = logging.getLogger(__name__)
 
 SERVICE_NAME = "pdserve.v1.Generation"
 
@@ -70,13 +67,10 @@ class GenerationService(pb_grpc.GenerationServicer):
             prompt = wire.prompt_from_proto(request, self.engine.tokenizer)
             params = sampling.params_from_request(request)
             engine_request = self.core.make_request(prompt, params, request.request_id, request.lora_adapter)
-            with_prompt_ids = request.return_prompt_ids
+            prompt_ids = engine_request.prompt_ids if request.return_prompt_ids else ()
             async for output in self.core.stream(engine_request, context.time_remaining()):
-                response = wire.output_to_response(output, engine_request.request_id)
-                if with_prompt_ids:  # on the first message only
-                    response.prompt_ids.extend(engine_request.prompt_ids)
-                    with_prompt_ids = False
-                yield response
+                yield wire.output_to_response(output, engine_request.request_id, prompt_ids)
+                prompt_ids = ()  # on the first message only
         except InvalidRequestError as e:  # INVALID_ARGUMENT; NOT_FOUND for an adapter not loaded here
             await context.abort(grpc.StatusCode[e.status], str(e))
         except ServiceError as e:

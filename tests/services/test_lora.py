@@ -17,10 +17,9 @@ import pytest
 
 from engine.lora.synthetic import write_random_adapter
 from pdserve.v1 import admin_pb2
-from services.client import Client, build_request
+from services.client import Client
 from services.launch import decode_server, prefill_server, serve_daemon
-from services.sampling import params_from_request
-from tests.helpers import in_process
+from tests.helpers import Reference, in_process
 
 pytestmark = pytest.mark.daemon
 
@@ -65,31 +64,12 @@ def lora_decode(gguf_path, lora_prefill, log_dir, adapter_dir):
 
 @pytest.fixture(scope="module")
 def colocated_lora(make_engine, adapter_dir):
-    """The colocated reference engine, with the same adapters; `kw` mapped as a decode-server maps it.
-    `colocated_lora.prepare([(text, lora, kw), ...])` computes many token lists in one batch (cached)."""
+    """The colocated reference engine with the same adapters (tests.helpers.Reference; `lora_adapter`
+    names the adapter)."""
     engine = make_engine(max_loras=2)
     for name in ("alpha", "beta", "gamma"):
         engine.loras.load(name, str(adapter_dir / name))
-    cache = {}
-
-    def key(text, lora, kw):
-        return (text, lora, tuple(sorted(kw.items())))
-
-    def prepare(jobs) -> None:
-        todo = list({key(*job): job for job in jobs if key(*job) not in cache}.items())
-        if todo:
-            texts, loras = [j[0] for _, j in todo], [j[1] for _, j in todo]
-            params = [params_from_request(build_request(text, **kw)) for _, (text, _, kw) in todo]
-            for (k, _), result in zip(todo, engine.generate(texts, params, lora=loras), strict=True):
-                cache[k] = result
-
-    def generate(text: str, lora: str | None, kw: dict, field: str = "token_ids"):
-        prepare([(text, lora, kw)])
-        return getattr(cache[key(text, lora, kw)], field)
-
-    generate.prepare = prepare
-    generate.engine = engine
-    return generate
+    return Reference(lambda: engine)
 
 
 def load(address: str, name: str, path) -> admin_pb2.LoraAdapterInfo:
@@ -114,13 +94,13 @@ def test_disaggregated_equals_colocated_with_adapters(lora_decode, lora_prefill,
         (text, lora, kw) for text in TEXTS[:2] for lora in (None, "alpha", "beta") for kw in (GREEDY, SEEDED)
     ]
     jobs += [(LONG, "alpha", GREEDY), (LONG, "beta", SEEDED)]  # chunked prefill, KV in several frames
-    colocated_lora.prepare(jobs)
+    colocated_lora.prepare([(text, dict(kw, lora_adapter=lora or "")) for text, lora, kw in jobs])
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         results = list(
             pool.map(lambda j: client.generate(j[0], lora_adapter=j[1] or "", **j[2]).token_ids, jobs)
         )
     for (text, lora, kw), tokens in zip(jobs, results, strict=True):
-        assert tokens == colocated_lora(text, lora, kw), (text, lora, kw)
+        assert tokens == colocated_lora(text, lora_adapter=lora or "", **kw), (text, lora, kw)
     assert results[0] != results[2] != results[4]  # base, alpha, beta differ
     stats = Client(lora_decode.address).stats()
     assert stats.num_transfer_failures_total == failures  # every one prefilled remotely, with its adapter
@@ -143,16 +123,16 @@ def test_prefill_without_the_adapter_or_with_other_weights(
     client = Client(lora_decode.address)
     before = client.stats().num_transfer_failures_total
     assert client.generate(TEXTS[0], lora_adapter="gamma", **GREEDY).token_ids == colocated_lora(
-        TEXTS[0], "gamma", GREEDY
+        TEXTS[0], lora_adapter="gamma", **GREEDY
     )
     load(lora_prefill.address, "gamma", adapter_dir / "gamma-other")
     assert client.generate(TEXTS[1], lora_adapter="gamma", **GREEDY).token_ids == colocated_lora(
-        TEXTS[1], "gamma", GREEDY
+        TEXTS[1], lora_adapter="gamma", **GREEDY
     )
     assert client.stats().num_transfer_failures_total == before + 2
     served = Client(lora_prefill.address).stats().num_requests_total
     assert client.generate(TEXTS[2], lora_adapter="alpha", **GREEDY).token_ids == colocated_lora(
-        TEXTS[2], "alpha", GREEDY
+        TEXTS[2], lora_adapter="alpha", **GREEDY
     )
     assert Client(lora_prefill.address).stats().num_requests_total == served + 1
     Client(lora_prefill.address).unload_lora("gamma")
@@ -216,7 +196,7 @@ def test_openai_api_model_names_an_adapter(lora_decode, colocated_lora, loaded_m
     models = {m.id: m for m in client.models.list().data}
     assert "alpha" in models and models["alpha"].parent == loaded_model.config.name
     reply = client.completions.create(model="alpha", prompt=TEXTS[1], max_tokens=12, temperature=0)
-    expected = colocated_lora(TEXTS[1], "alpha", dict(max_tokens=12, temperature=0.0), field="text")
+    expected = colocated_lora(TEXTS[1], "text", lora_adapter="alpha", max_tokens=12, temperature=0.0)
     assert reply.model == "alpha" and reply.choices[0].text == expected
     with pytest.raises(openai.NotFoundError, match="not loaded"):
         client.completions.create(model="x", prompt="hi", max_tokens=2, extra_body={"lora_adapter": "nope"})
@@ -236,7 +216,7 @@ def test_prefill_ignoring_the_adapter_is_never_used(make_engine, colocated_lora)
             async for message in super()._prefill(request, context):
                 yield message
 
-    expected = {lora: colocated_lora(TEXTS[3], lora, GREEDY) for lora in ("alpha", None)}
+    expected = {lora: colocated_lora(TEXTS[3], lora_adapter=lora, **GREEDY) for lora in ("alpha", "")}
     blind = AdapterBlind.for_engine(make_engine())
     with in_process(lambda stop, ready: prefill_module.serve(blind, 0, stop, on_ready=ready)) as address:
         # the decode server: on a thread here too, over the reference engine (which has alpha loaded)
@@ -245,7 +225,7 @@ def test_prefill_ignoring_the_adapter_is_never_used(make_engine, colocated_lora)
             client = Client(decode)
             assert client.generate(TEXTS[3], lora_adapter="alpha", **GREEDY).token_ids == expected["alpha"]
             assert client.stats().num_transfer_failures_total >= 1
-            assert client.generate(TEXTS[3], **GREEDY).token_ids == expected[None]
+            assert client.generate(TEXTS[3], **GREEDY).token_ids == expected[""]
 
 
 def test_serve_shape_with_adapters(gguf_path, log_dir, adapter_dir, colocated_lora, daemons):
@@ -260,5 +240,5 @@ def test_serve_shape_with_adapters(gguf_path, log_dir, adapter_dir, colocated_lo
     assert list(info.lora_adapters) == ["alpha", "beta"] and info.tensor_parallel == 2
     for lora in (None, "alpha", "beta"):
         got = client.generate(TEXTS[0], lora_adapter=lora or "", **SEEDED).token_ids
-        assert got == colocated_lora(TEXTS[0], lora, SEEDED), lora
+        assert got == colocated_lora(TEXTS[0], lora_adapter=lora or "", **SEEDED), lora
     assert client.stats().num_transfer_failures_total == 0
