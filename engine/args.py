@@ -29,6 +29,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-blocks", type=int, default=1024)
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--max-prefill-tokens", type=int, default=512, help="tokens of one prefill chunk")
+    parser.add_argument(
+        "--no-prefix-caching",
+        dest="prefix_caching",
+        action="store_false",
+        help="compute every prompt in full (default: reuse the KV of cached prompt prefixes)",
+    )
     lora = parser.add_argument_group(
         "LoRA adapters (PEFT folders: adapter_config.json + adapter_model.safetensors)"
     )
@@ -66,6 +72,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_prefill_tokens=args.max_prefill_tokens,
         max_loras=max_loras,
         max_lora_rank=args.max_lora_rank,
+        enable_prefix_caching=args.prefix_caching,
     )
 
 

@@ -185,6 +185,7 @@ class EngineConfig:
     max_logprobs: int = 20
     max_loras: int = 0  # LoRA adapter slots in device memory (0: LoRA off)
     max_lora_rank: int = 16  # adapters of lower rank are zero-padded to it
+    enable_prefix_caching: bool = True  # reuse the KV of full blocks of prompts (and outputs) seen before
 
     def __post_init__(self):
         if self.max_model_len % self.block_size:

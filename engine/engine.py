@@ -15,15 +15,15 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from engine.block_manager import BlockAllocator, BlockTable
 from engine.config import EngineConfig
+from engine.kv_connector import KVConnector
 from engine.lora import AdapterRegistry, LoraSlots
 from engine.models import LoadedModel, load_model
 from engine.output import OutputStream, RequestOutput
-from engine.request import FinishReason, Request, Status, TokenLogprobs
-from engine.runner import ModelRunner, Row, SampleRow
+from engine.request import Request, Status, TokenLogprobs
+from engine.runner import ModelRunner, SampleRow
 from engine.sampling_params import InvalidRequestError, SamplingParams
-from engine.scheduler import ScheduledStep, Scheduler
+from engine.scheduler import Row, Scheduler, SchedulerOutput
 from engine.sharding import make_mesh
 from engine.weights import build_weights
 
@@ -47,11 +47,9 @@ class LLMEngine:
             )
         self.loras = AdapterRegistry(model.config, config.max_lora_rank, enabled=self.lora_slots is not None)
         self.runner = ModelRunner(model.config, config, weights, self.mesh, self.lora_slots)
-        self.allocator = BlockAllocator(config.num_blocks)
-        self.scheduler = Scheduler(config, self.allocator, self.lora_slots)
+        self.scheduler = Scheduler(config, self.lora_slots)
         self._streams: dict[str, OutputStream] = {}
         self._ids = itertools.count()
-        self.retained: dict[str, Request] = {}  # finished requests whose blocks a transfer still reads
 
     @classmethod
     def from_model(
@@ -110,7 +108,6 @@ class LLMEngine:
             prompt_ids=prompt_ids,
             params=params,
             seed=params.seed if params.seed is not None else secrets.randbits(63),
-            blocks=BlockTable(self.allocator, self.config.block_size),
             lora=None if lora is None else self.loras.resolve(lora, lora_fingerprint),
         )
 
@@ -118,24 +115,20 @@ class LLMEngine:
         return self.add_prepared_request(self.make_request(prompt, params or SamplingParams(), **kwargs))
 
     def add_prepared_request(self, request: Request) -> str:
-        """Queues a request built by make_request (callers may set its seed or retain_kv first)."""
-        if request.request_id in self._streams or request.request_id in self.retained:
+        """Queues a request built by make_request (callers may set its seed first)."""
+        if request.request_id in self.scheduler.requests:
             raise InvalidRequestError("request_id", f"{request.request_id!r} is already running")
         self._streams[request.request_id] = OutputStream(request, self.tokenizer, self.config.max_model_len)
         self.scheduler.add(request)
         return request.request_id
 
     def abort(self, request_id: str) -> bool:
-        """Cancels a request and frees its blocks; False when it is not (or no longer) here."""
-        if self.release(request_id):
-            return True
-        stream = self._streams.pop(request_id, None)
-        if stream is None:
-            return False
-        stream.request.finish_reason = FinishReason.ABORT
-        stream.request.status = Status.FINISHED
-        self.scheduler.remove(stream.request)
-        return True
+        """Cancels a request in any state and frees its blocks; False when it is not (or no longer) here.
+
+        Idempotent; on the engine thread it runs after every command submitted before it, so a request
+        added by a command still in flight when its caller was cancelled is removed too."""
+        self._streams.pop(request_id, None)
+        return self.scheduler.abort(request_id) is not None
 
     @property
     def has_unfinished(self) -> bool:
@@ -144,43 +137,30 @@ class LLMEngine:
     # ---- the loop -------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One model step for the scheduled requests; returns what each produced."""
-        step = self.scheduler.schedule()
-        if step is None:
+        scheduled = self.scheduler.schedule()
+        if scheduled is None:
             return []
-        sampled = self._run(step)
-        return self._postprocess(sampled)
+        sampled = self._execute(scheduled)
+        outputs = self.scheduler.update_from_output(scheduled, sampled, self._on_token)
+        for request in list(self.scheduler.sending):  # the connector's worker side: hand the KV over
+            self.kv_connector.send_kv(
+                self.runner.cache, request, self.scheduler.block_ids(request.request_id)
+            )
+            self.scheduler.finish_sending(request.request_id)
+        return outputs
 
-    def _run(self, step: ScheduledStep) -> list[tuple[Request, int, TokenLogprobs | None]]:
-        if step.prefill:
-            rows = [
-                Row(
-                    c.request.all_ids[c.start : c.start + c.length],
-                    c.start,
-                    c.request.blocks.block_ids,
-                    c.request.lora_slot,
-                )
-                for c in step.prefill
-            ]
-            samplers = [c.request for c in step.prefill if c.samples]
-            for chunk in step.prefill:
-                chunk.request.num_computed += chunk.length
-            indices = [i for i, c in enumerate(step.prefill) if c.samples]
-        else:
-            rows = [
-                Row([r.output_ids[-1]], r.num_computed, r.blocks.block_ids, r.lora_slot) for r in step.decode
-            ]
-            samplers = list(step.decode)
-            for request in step.decode:
-                request.num_computed += 1
-            indices = list(range(len(rows)))
-        logits = self.runner.forward(rows)
-        if not samplers:
-            return []
+    def _execute(self, scheduled: SchedulerOutput) -> dict[str, tuple[int, TokenLogprobs | None]]:
+        """Runs the step's rows; samples the rows that end their request's uncomputed tokens."""
+        logits = self.runner.forward(scheduled.rows)
+        indices = [i for i, row in enumerate(scheduled.rows) if row.samples]
+        if not indices:
+            return {}
+        samplers = [self.scheduler.requests[scheduled.rows[i].request_id] for i in indices]
         sample_rows = [
             SampleRow(r.params, r.seed, r.num_tokens, r.prompt_ids, r.output_ids) for r in samplers
         ]
         result = self.runner.sample(logits, sample_rows, indices)
-        out = []
+        out = {}
         for i, request in enumerate(samplers):
             logprobs = None
             if request.params.logprobs is not None:
@@ -189,94 +169,51 @@ class LLMEngine:
                     zip(result.top_ids[i, :n].tolist(), result.top_logprobs[i, :n].tolist(), strict=True)
                 )
                 logprobs = TokenLogprobs(int(result.tokens[i]), float(result.logprob[i]), top)
-            out.append((request, int(result.tokens[i]), logprobs))
+            out[request.request_id] = (int(result.tokens[i]), logprobs)
         return out
 
-    def _postprocess(self, sampled: list[tuple[Request, int, TokenLogprobs | None]]) -> list[RequestOutput]:
-        outputs = []
-        now = time.monotonic()
-        for request, token, logprobs in sampled:
-            if request.first_token_time is None:
-                request.first_token_time = now
-            if request.status is Status.WAITING:
-                self.scheduler.promote(request)
-            output = self._streams[request.request_id].on_token(token, logprobs)
-            if output.finished:
-                request.status = Status.FINISHED
-                self.scheduler.remove(request, free_blocks=not request.retain_kv)
-                if request.retain_kv:
-                    self.retained[request.request_id] = request
-                del self._streams[request.request_id]
-            outputs.append(output)
-        return outputs
-
-    # ---- disaggregation hooks (the prefill and decode roles) -----------------------------------------
-    def release(self, request_id: str) -> bool:
-        """Prefill role: frees the blocks of a finished request kept for a transfer (retain_kv)."""
-        request = self.retained.pop(request_id, None)
-        if request is None:
-            return False
-        request.blocks.release()
-        return True
-
-    def reserve_for_transfer(self, request: Request) -> bool:
-        """Decode role: allocates blocks for the prompt's KV, arriving from a prefill server (check + do)."""
-        s = self.scheduler
-        if len(s.running) + len(s.prefilling) + s.num_incoming >= self.config.max_num_seqs:
-            return False
-        if not request.blocks.can_reserve(len(request.prompt_ids) + 1):
-            return False
-        if not s.pin_adapter(request):  # every adapter slot is pinned by other adapters' requests
-            return False
-        request.blocks.reserve(len(request.prompt_ids) + 1)
-        s.num_incoming += 1
-        request.incoming = True
-        return True
-
-    def abandon_transfer(self, request: Request) -> None:
-        """Decode role: the transfer failed or was cancelled; frees the reserved blocks (idempotent)."""
-        if request.incoming:
-            request.incoming = False
-            self.scheduler.num_incoming -= 1
-            request.blocks.release()
-            self.scheduler.unpin_adapter(request)
-
-    def discard(self, request: Request) -> None:
-        """Frees whatever `request` holds, wherever it is (queued, decoding, receiving KV, retained).
-
-        Idempotent; run it after any cancel or failure. On the engine thread it runs after every command
-        submitted before it, so a reservation still in flight when its caller was cancelled is undone too.
-        """
-        self.abandon_transfer(request)
-        self.abort(request.request_id)
-
-    def insert_kv(self, chunk, block_ids: Sequence[int]) -> None:
-        """Decode role: writes one transferred KV chunk into this engine's cache at `block_ids`."""
-        import kvtransfer
-
-        self.runner.cache = kvtransfer.insert(self.runner.cache, chunk, block_ids)
-
-    def register_prefilled(
-        self, request: Request, first_token: int, logprobs: TokenLogprobs | None
-    ) -> RequestOutput:
-        """Decode role: the prompt's KV is in `request`'s blocks; record the first token and start decoding.
-
-        Returns the output for the first token (the request may already be finished by it).
-        """
-        self.scheduler.num_incoming -= 1
-        request.incoming = False
-        request.num_computed = len(request.prompt_ids)
-        request.first_token_time = time.monotonic()
-        stream = OutputStream(request, self.tokenizer, self.config.max_model_len)
-        output = stream.on_token(first_token, logprobs)
+    def _on_token(self, request: Request, token: int, logprobs: TokenLogprobs | None) -> RequestOutput:
+        """The scheduler's sink: detokenize, check stops; a finished request's stream ends."""
+        if request.first_token_time is None:
+            request.first_token_time = time.monotonic()
+        output = self._streams[request.request_id].on_token(token, logprobs)
         if output.finished:
-            request.status = Status.FINISHED
-            request.blocks.release()
-            self.scheduler.unpin_adapter(request)
-        else:
-            self._streams[request.request_id] = stream
-            self.scheduler.add_running(request)
+            del self._streams[request.request_id]
         return output
+
+    # ---- KV from elsewhere (the decode role; see engine.kv_connector) ---------------------------------
+    @property
+    def kv_connector(self) -> KVConnector:
+        return self.scheduler.connector
+
+    def set_kv_connector(self, connector: KVConnector) -> None:
+        """Installs the connector of this engine's role (before any request is added)."""
+        if self.scheduler.requests:
+            raise RuntimeError("a KV connector is installed before requests are added")
+        self.scheduler.connector = connector
+
+    def remote_kv_arrived(
+        self, request_id: str, token: int, logprobs: TokenLogprobs | None, num_cached_tokens: int = 0
+    ) -> RequestOutput:
+        """The request's prompt KV is in its blocks (DecodeConnector.load_kv) and `token` is its first
+        token, sampled where the prompt was computed (`num_cached_tokens` of it found in a prefix cache
+        there): it starts decoding. Returns the token's output."""
+        self.scheduler.requests[request_id].num_cached_tokens = num_cached_tokens
+        return self.scheduler.remote_kv_arrived(request_id, token, logprobs, self._on_token)
+
+    def load_kv(self, request_id: str, chunk) -> bool:
+        """Writes one arriving KV chunk (verified, on this engine's mesh and layout) into the request's
+        blocks; False (nothing written) when the request no longer waits for KV (aborted meanwhile)."""
+        request = self.scheduler.requests.get(request_id)
+        if request is None or request.status is not Status.WAITING_FOR_REMOTE_KV:
+            return False
+        blocks = self.scheduler.block_ids(request_id)
+        self.runner.cache = self.kv_connector.load_kv(self.runner.cache, blocks, chunk)
+        return True
+
+    def remote_kv_failed(self, request_id: str) -> None:
+        """No KV will arrive for the request: it is prefilled here, in the blocks it already holds."""
+        self.scheduler.remote_kv_failed(request_id)
 
     # ---- the Python API -------------------------------------------------------------------------------
     def prompt_logits(self, prompt_ids: Sequence[int], lora: str | None = None) -> np.ndarray:
@@ -285,17 +222,19 @@ class LLMEngine:
         Must not be called while requests are in flight (it runs steps of its own).
         """
         request = self.make_request(list(prompt_ids), SamplingParams(max_tokens=1), lora=lora)
-        request.blocks.reserve(len(prompt_ids))
+        kv, rid = self.scheduler.kv, request.request_id  # scratch blocks, outside the scheduler's requests
+        if not kv.allocate(rid, len(prompt_ids)):
+            raise RuntimeError("not enough free KV blocks")
         try:
             if not self.scheduler.pin_adapter(request):
                 raise RuntimeError("every adapter slot is pinned")
             step = self.config.max_prefill_tokens
             for start in range(0, len(prompt_ids), step):
                 chunk = list(prompt_ids[start : start + step])
-                logits = self.runner.forward([Row(chunk, start, request.blocks.block_ids, request.lora_slot)])
+                logits = self.runner.forward([Row(chunk, start, kv.block_ids(rid), request.lora_slot)])
             return np.asarray(logits)[0]
         finally:
-            request.blocks.release()
+            kv.free(rid)
             self.scheduler.unpin_adapter(request)
 
     def generate(
@@ -313,7 +252,7 @@ class LLMEngine:
             lora = [lora] * len(prompts)
         ids = [self.add_request(p, sp, lora=name) for p, sp, name in zip(prompts, params, lora, strict=True)]
         done: dict[str, Completion] = {
-            rid: Completion(rid, self._streams[rid].request.prompt_ids, [], "", None) for rid in ids
+            rid: Completion(rid, self.scheduler.requests[rid].prompt_ids, [], "", None) for rid in ids
         }
         while any(c.finish_reason is None for c in done.values()):
             for output in self.step():
@@ -323,6 +262,7 @@ class LLMEngine:
                 completion.token_ids += output.new_token_ids
                 completion.text += output.text
                 completion.logprobs += output.logprobs
+                completion.num_cached_tokens = output.num_cached_tokens
                 if output.finished:
                     completion.finish_reason = output.finish_reason.value
         return [done[rid] for rid in ids]
@@ -336,3 +276,4 @@ class Completion:
     text: str
     finish_reason: str | None
     logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache

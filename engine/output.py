@@ -20,6 +20,7 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (not computed for this request)
 
 
 class OutputStream:
@@ -35,11 +36,9 @@ class OutputStream:
         self.max_model_len = max_model_len
 
     def on_token(self, token: int, logprobs: TokenLogprobs | None) -> RequestOutput:
-        """Records a sampled token; sets the request's finish reason when it ends the request."""
+        """The client's view of a sampled token (already appended to the request by the scheduler); sets
+        the request's finish reason when it ends the request."""
         r = self.request
-        r.output_ids.append(token)
-        if logprobs is not None:
-            r.logprobs.append(logprobs)
         text = ""
         if token in self.stop_ids:
             r.finish_reason = FinishReason.STOP
@@ -60,4 +59,5 @@ class OutputStream:
             logprobs=[logprobs] if logprobs is not None else [],
             num_prompt_tokens=len(r.prompt_ids),
             num_output_tokens=len(r.output_ids),
+            num_cached_tokens=r.num_cached_tokens,
         )

@@ -6,14 +6,20 @@ import dataclasses
 import enum
 import time
 
-from engine.block_manager import BlockTable
 from engine.lora.adapter import LoraAdapter
 from engine.sampling_params import SamplingParams
 
 
 class Status(enum.Enum):
-    WAITING = "waiting"  # prompt (or part of it) not yet in the cache
-    RUNNING = "running"  # decoding
+    """Where a request is in the scheduler (engine.scheduler changes it; nothing else does)."""
+
+    WAITING = "waiting"  # queued: no blocks yet
+    WAITING_FOR_REMOTE_KV = (
+        "waiting_for_remote_kv"  # decode role: holds blocks, its KV arrives from elsewhere
+    )
+    RUNNING = "running"  # holds blocks: its prompt is being computed (in chunks), then it decodes
+    PREEMPTED = "preempted"  # gave its blocks back under block pressure; queued first, recomputed
+    FINISHED_SENDING = "finished_sending"  # prefill role: finished, its KV is being handed to a sender
     FINISHED = "finished"
 
 
@@ -32,22 +38,21 @@ class TokenLogprobs:
 
 @dataclasses.dataclass
 class Request:
-    """Invariant: `num_computed` tokens of `all_ids` have their KV in `blocks`; the rest are fed next."""
+    """Invariant: `num_computed` tokens of `all_ids` have their KV in the request's blocks (held by the
+    scheduler's KV cache manager); the rest are fed next."""
 
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
     seed: int  # resolved seed (params.seed or a random one drawn at arrival)
-    blocks: BlockTable
     output_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)
     num_computed: int = 0
+    num_cached_tokens: int = 0  # prompt tokens whose KV was found in the prefix cache at admission
     status: Status = Status.WAITING
     finish_reason: FinishReason | None = None
     lora: LoraAdapter | None = None  # None: the base model
     lora_slot: int = -1  # device slot pinned for `lora` from admission to the end; -1: none
-    retain_kv: bool = False  # prefill role: keep the blocks after finishing, until released
-    incoming: bool = False  # decode role: holds blocks while its KV arrives from a prefill server
     arrival_time: float = dataclasses.field(default_factory=time.monotonic)
     first_token_time: float | None = None
 
@@ -67,3 +72,8 @@ class Request:
     def prefilling(self) -> bool:
         """More than one token lacks KV: the next step for it is a prefill chunk."""
         return self.num_uncomputed > 1
+
+    @property
+    def cache_key(self) -> str | None:
+        """What else besides the tokens the KV depends on (prefix cache hashes): the adapter's weights."""
+        return None if self.lora is None else self.lora.fingerprint

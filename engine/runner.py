@@ -21,6 +21,7 @@ from engine.lora import LoraSlots, LoraWeights
 from engine.model import forward_step
 from engine.sampler import SampleResult, SamplingBatch, sample
 from engine.sampling_params import SamplingParams
+from engine.scheduler import Row
 from engine.sharding import named
 from engine.weights import Weights
 
@@ -29,16 +30,6 @@ log = logging.getLogger(__name__)
 # One jitted step shared by every runner of the process: runners of the same model and shapes (tests,
 # the colocated `serve` shape) reuse each other's compilations. The cache keeps its input sharding.
 _jitted_step = jax.jit(forward_step, static_argnames=("cfg",), donate_argnames=("cache",))
-
-
-@dataclasses.dataclass
-class Row:
-    """One row of a step: `tokens` fed at positions num_past.., attending to `block_ids`."""
-
-    tokens: list[int]
-    num_past: int
-    block_ids: list[int]
-    lora_slot: int = -1  # adapter slot (engine.lora.LoraSlots); -1: the base model
 
 
 @dataclasses.dataclass

@@ -1,4 +1,16 @@
-"""Which requests run in the next step, and admission against free KV blocks. No device code.
+"""The scheduler: every request's state and blocks, which rows run in the next step, and what a step's
+results change. No device code.
+
+States (engine.request.Status): WAITING (queued, no blocks) -> RUNNING (blocks held: prompt computed in
+chunks, then decoding) -> FINISHED. Under block pressure a running request is PREEMPTED: it gives its
+blocks back and is queued first (its prefix is found in the cache again when it is readmitted). With a KV
+connector (engine.kv_connector), a request whose prompt KV arrives from elsewhere is admitted into
+WAITING_FOR_REMOTE_KV instead of RUNNING, and a finished request whose KV a sender still wants is held in
+FINISHED_SENDING until the engine has handed it over.
+
+`schedule()` returns plain data (rows of request ids, token ids, positions, block ids, which rows sample)
+for the runner; `update_from_output()` applies what the step produced: computed tokens, cached blocks,
+sampled tokens, finishes. No other module changes a request's progress or block table.
 
 A step is either a prefill step (chunks of prompts) or a decode step (one token for every running
 request). Prefill steps and decode steps alternate while both have work, so a stream of long prompts
@@ -7,75 +19,127 @@ disaggregation removes).
 
 Prefill shapes are kept to a bounded set (see EngineConfig): prompts that fit one chunk are prefilled
 together, up to `max_prefill_seqs` per step; a longer prompt's first chunk may join them, and its later
-chunks run one request per step.
+chunks (like any prompt whose head was found in the prefix cache) run one request per step.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from engine.block_manager import BlockAllocator
 from engine.config import EngineConfig
-from engine.request import Request, Status
+from engine.kv_cache_manager import KVCacheManager
+from engine.kv_connector import KVConnector
+from engine.request import FinishReason, Request, Status, TokenLogprobs
 
 if TYPE_CHECKING:
     from engine.lora import LoraSlots
+    from engine.output import RequestOutput
+
+# (request, sampled token, its logprobs) -> the client's view of it; sets request.finish_reason when the
+# token ends the request (engine.output.OutputStream).
+TokenSink = Callable[[Request, int, "TokenLogprobs | None"], "RequestOutput"]
 
 
 @dataclasses.dataclass
-class PrefillChunk:
-    request: Request
-    start: int  # first token position of the chunk (== request.num_computed)
-    length: int
+class Row:
+    """One row of a step: `tokens` fed at positions num_past.., attending to `block_ids`."""
 
-    @property
-    def samples(self) -> bool:
-        """The chunk ends the uncomputed tokens, so its last logits give the next token."""
-        return self.start + self.length == self.request.num_tokens
+    tokens: list[int]
+    num_past: int
+    block_ids: list[int]
+    lora_slot: int = -1  # adapter slot (engine.lora.LoraSlots); -1: the base model
+    request_id: str = ""
+    samples: bool = False  # the row ends the request's uncomputed tokens: its last logits give the next
 
 
 @dataclasses.dataclass
-class ScheduledStep:
-    prefill: list[PrefillChunk] = dataclasses.field(default_factory=list)
-    decode: list[Request] = dataclasses.field(default_factory=list)
+class SchedulerOutput:
+    rows: list[Row]
+    prefill: bool
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, allocator: BlockAllocator, lora: LoraSlots | None = None):
+    def __init__(
+        self, config: EngineConfig, lora: LoraSlots | None = None, connector: KVConnector | None = None
+    ):
         self.config = config
-        self.allocator = allocator
+        self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.lora = lora
-        self.waiting: collections.deque[Request] = collections.deque()  # not yet admitted
-        self.prefilling: list[Request] = []  # admitted, prompt partly computed
-        self.running: list[Request] = []  # decoding
-        self.num_incoming = 0  # requests holding blocks while their KV arrives from a prefill server
+        self.connector = connector or KVConnector()
+        self.requests: dict[str, Request] = {}  # every request not yet FINISHED
+        self.waiting: collections.deque[Request] = collections.deque()  # WAITING, PREEMPTED
+        self.prefilling: list[Request] = []  # RUNNING, prompt partly computed
+        self.running: list[Request] = []  # RUNNING, decoding
+        self.remote: list[Request] = []  # WAITING_FOR_REMOTE_KV
+        self.sending: list[Request] = []  # FINISHED_SENDING
         self._last_was_prefill = False
 
+    # ---- counts ---------------------------------------------------------------------------------------
     @property
     def num_unfinished(self) -> int:
+        """Requests a step can make progress on (those waiting for remote KV wait for a command)."""
         return len(self.waiting) + len(self.prefilling) + len(self.running)
 
+    @property
+    def num_active(self) -> int:
+        """Requests holding blocks toward max_num_seqs."""
+        return len(self.running) + len(self.prefilling) + len(self.remote)
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return self.kv.block_ids(request_id)
+
+    # ---- requests in and out --------------------------------------------------------------------------
     def add(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request {request.request_id!r} is already scheduled")
+        self.requests[request.request_id] = request
         self.waiting.append(request)
 
-    def add_running(self, request: Request) -> None:
-        """Registers a request whose KV is already in its blocks (inserted from a prefill server)."""
+    def abort(self, request_id: str) -> Request | None:
+        """Takes the request out of whatever state it is in and frees what it holds; None if unknown."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        if request.finish_reason is None:
+            request.finish_reason = FinishReason.ABORT
+        self._finish(request, send=False)
+        return request
+
+    def remote_kv_arrived(
+        self, request_id: str, token: int, logprobs: TokenLogprobs | None, sink: TokenSink
+    ) -> RequestOutput:
+        """Decode role: the prompt's KV is in the request's blocks and its first token was sampled
+        elsewhere: record the token and start decoding (the request may already be finished by it)."""
+        request = self.requests[request_id]
+        if request.status is not Status.WAITING_FOR_REMOTE_KV:
+            raise ValueError(f"request {request_id!r} is {request.status.value}, not waiting for KV")
+        self.remote.remove(request)
+        request.num_computed = len(request.prompt_ids)
+        self.kv.cache_blocks(request_id, request.all_ids, request.num_computed, request.cache_key)
         request.status = Status.RUNNING
         self.running.append(request)
+        return self._append_token(request, token, logprobs, sink)
 
-    def remove(self, request: Request, free_blocks: bool = True) -> None:
-        """Takes a request out of whichever queue holds it and (by default) frees its blocks."""
-        for queue in (self.prefilling, self.running):
-            if request in queue:
-                queue.remove(request)
-        if request in self.waiting:
-            self.waiting.remove(request)
-        if free_blocks:
-            request.blocks.release()
-        self.unpin_adapter(request)
+    def remote_kv_failed(self, request_id: str) -> None:
+        """Decode role: no KV will arrive; the request is prefilled here, in the blocks it holds."""
+        request = self.requests[request_id]
+        if request.status is not Status.WAITING_FOR_REMOTE_KV:
+            raise ValueError(f"request {request_id!r} is {request.status.value}, not waiting for KV")
+        self.remote.remove(request)
+        request.num_computed = 0
+        request.status = Status.RUNNING
+        self.prefilling.append(request)
 
+    def finish_sending(self, request_id: str) -> None:
+        """Prefill role: the KV of a FINISHED_SENDING request has been handed over: free its blocks."""
+        request = self.requests[request_id]
+        self.sending.remove(request)
+        self._release(request)
+
+    # ---- adapters -------------------------------------------------------------------------------------
     def pin_adapter(self, request: Request) -> bool:
         """Pins the request's adapter in a device slot (loading it); False when every slot is pinned by
         other adapters. Idempotent; True for base-model requests."""
@@ -92,7 +156,8 @@ class Scheduler:
             self.lora.release(request.lora)
             request.lora_slot = -1
 
-    def schedule(self) -> ScheduledStep | None:
+    # ---- one step -------------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput | None:
         decode_turn = bool(self.running) and self._last_was_prefill
         if not decode_turn:
             step = self._schedule_prefill()
@@ -101,61 +166,149 @@ class Scheduler:
                 return step
         self._last_was_prefill = False
         if self.running:
-            return ScheduledStep(decode=self._reserve_decode_slots())
+            return SchedulerOutput([self._decode_row(r) for r in self._reserve_decode_slots()], prefill=False)
         step = self._schedule_prefill()
         self._last_was_prefill = step is not None
         return step
 
-    def _schedule_prefill(self) -> ScheduledStep | None:
-        max_chunk = self.config.max_prefill_tokens
+    def update_from_output(
+        self, output: SchedulerOutput, sampled: dict[str, tuple[int, TokenLogprobs | None]], sink: TokenSink
+    ) -> list[RequestOutput]:
+        """Applies a step: every row's tokens are now computed (full blocks enter the prefix cache); each
+        sampling row's token is appended and handed to `sink`; finished requests leave."""
+        outputs = []
+        for row in output.rows:
+            request = self.requests[row.request_id]
+            request.num_computed += len(row.tokens)
+            self.kv.cache_blocks(request.request_id, request.all_ids, request.num_computed, request.cache_key)
+            if row.samples:
+                token, logprobs = sampled[row.request_id]
+                outputs.append(self._append_token(request, token, logprobs, sink))
+        return outputs
+
+    def _append_token(
+        self, request: Request, token: int, logprobs: TokenLogprobs | None, sink: TokenSink
+    ) -> RequestOutput:
+        request.output_ids.append(token)
+        if logprobs is not None:
+            request.logprobs.append(logprobs)
+        output = sink(request, token, logprobs)
+        if request.finish_reason is not None:
+            self._finish(request, send=True)
+        elif request in self.prefilling:
+            self.prefilling.remove(request)
+            self.running.append(request)
+        return output
+
+    def _finish(self, request: Request, send: bool) -> None:
+        for queue in (self.prefilling, self.running, self.remote, self.sending):
+            if request in queue:
+                queue.remove(request)
+        if request in self.waiting:
+            self.waiting.remove(request)
+        self.unpin_adapter(request)
+        if send and self.connector.request_finished(request):
+            request.status = Status.FINISHED_SENDING
+            self.sending.append(request)
+        else:
+            self._release(request)
+
+    def _release(self, request: Request) -> None:
+        self.kv.free(request.request_id)
+        request.status = Status.FINISHED
+        self.requests.pop(request.request_id, None)
+
+    # ---- prefill --------------------------------------------------------------------------------------
+    def _chunk_row(self, request: Request) -> Row:
+        start = request.num_computed
+        length = min(request.num_uncomputed, self.config.max_prefill_tokens)
+        return Row(
+            request.all_ids[start : start + length],
+            start,
+            self.kv.block_ids(request.request_id),
+            request.lora_slot,
+            request.request_id,
+            samples=start + length == request.num_tokens,
+        )
+
+    def _decode_row(self, request: Request) -> Row:
+        return Row(
+            [request.output_ids[-1]],
+            request.num_computed,
+            self.kv.block_ids(request.request_id),
+            request.lora_slot,
+            request.request_id,
+            samples=True,
+        )
+
+    def _schedule_prefill(self) -> SchedulerOutput | None:
         continuing = [r for r in self.prefilling if r.num_computed > 0]
+        if continuing:  # a long prompt's later chunks: one request per step
+            return SchedulerOutput([self._chunk_row(continuing[0])], prefill=True)
+        self._admit()
+        fresh = [r for r in self.prefilling if r.num_computed == 0][: self.config.max_prefill_seqs]
+        if fresh:
+            return SchedulerOutput([self._chunk_row(r) for r in fresh], prefill=True)
+        continuing = [r for r in self.prefilling if r.num_computed > 0]  # admitted with a cached prefix
         if continuing:
-            request = continuing[0]
-            length = min(request.num_uncomputed, max_chunk)
-            return ScheduledStep(prefill=[PrefillChunk(request, request.num_computed, length)])
-        chunks = [PrefillChunk(r, 0, min(r.num_uncomputed, max_chunk)) for r in self.prefilling]
-        passed = []  # their adapter has no free slot: later requests go first, these keep their place
-        while self.waiting and len(chunks) < self.config.max_prefill_seqs:
+            return SchedulerOutput([self._chunk_row(continuing[0])], prefill=True)
+        return None
+
+    def _admit(self) -> None:
+        """Admits queued requests in order while blocks and sequence slots last; at most max_prefill_seqs
+        prompts are being computed at once. Requests whose adapter has no free slot are passed over (later
+        requests go first, these keep their place)."""
+        passed = []
+        while self.waiting and self.num_active < self.config.max_num_seqs:
             request = self.waiting[0]
-            active = len(self.running) + len(self.prefilling) + self.num_incoming
-            if active >= self.config.max_num_seqs or not request.blocks.can_reserve(request.num_tokens):
+            remote = request.status is Status.WAITING and self.connector.num_external_tokens(request) > 0
+            if not remote and len(self.prefilling) >= self.config.max_prefill_seqs:
+                break
+            rid, key = request.request_id, request.cache_key
+            if remote:  # the KV of the whole prompt arrives; one more slot for the first token
+                cached, num_tokens = [], len(request.prompt_ids) + 1
+            else:
+                cached, num_tokens = self.kv.lookup(request.all_ids, key), request.num_tokens
+            if not self.kv.can_allocate(rid, num_tokens, cached):
                 break
             self.waiting.popleft()
             if not self.pin_adapter(request):
                 passed.append(request)
                 continue
-            request.blocks.reserve(request.num_tokens)
-            self.prefilling.append(request)
-            chunks.append(PrefillChunk(request, request.num_computed, min(request.num_uncomputed, max_chunk)))
+            self.kv.allocate(rid, num_tokens, cached, request.all_ids, key)
+            request.num_computed = len(cached) * self.config.block_size
+            if request.status is Status.WAITING:
+                request.num_cached_tokens = request.num_computed
+            if remote:
+                request.status = Status.WAITING_FOR_REMOTE_KV
+                self.remote.append(request)
+                self.connector.on_blocks_allocated(request, self.kv.block_ids(rid))
+            else:
+                request.status = Status.RUNNING
+                self.prefilling.append(request)
         self.waiting.extendleft(reversed(passed))
-        return ScheduledStep(prefill=chunks) if chunks else None
 
+    # ---- decode ---------------------------------------------------------------------------------------
     def _reserve_decode_slots(self) -> list[Request]:
         """Every running request gets a slot for the token it feeds; preempts the newest when short."""
         scheduled = []
         for request in sorted(self.running, key=lambda r: r.arrival_time):
             if request.status is not Status.RUNNING:  # preempted above as a victim: nothing to reserve
                 continue
-            while not request.blocks.can_reserve(request.num_computed + 1):
+            while not self.kv.can_allocate(request.request_id, request.num_computed + 1):
                 victim = max(self.running, key=lambda r: r.arrival_time)
                 self._preempt(victim)
                 if victim is request:
                     break
             if request.status is Status.RUNNING:
-                request.blocks.reserve(request.num_computed + 1)
+                self.kv.allocate(request.request_id, request.num_computed + 1)
                 scheduled.append(request)
         return scheduled
 
     def _preempt(self, request: Request) -> None:
-        """Frees a running request's blocks; it re-enters the queue first and is recomputed."""
+        """Gives a running request's blocks back (its full blocks stay cached); it is queued first."""
         self.running.remove(request)
-        request.blocks.release()
+        self.kv.free(request.request_id)
         request.num_computed = 0
-        request.status = Status.WAITING
+        request.status = Status.PREEMPTED
         self.waiting.appendleft(request)
-
-    def promote(self, request: Request) -> None:
-        """A request whose prompt is fully computed (and first token sampled) starts decoding."""
-        self.prefilling.remove(request)
-        request.status = Status.RUNNING
-        self.running.append(request)

@@ -86,15 +86,19 @@ class AdminService(pb_grpc.AdminServicer):
 
     async def GetStats(self, request, context) -> pb.ServerStats:
         def snapshot(engine):
-            s = engine.scheduler
+            s, kv = engine.scheduler, engine.scheduler.kv
             return pb.ServerStats(
                 role=self.role,
-                num_blocks=engine.allocator.num_blocks,
-                num_free_blocks=engine.allocator.num_free,
+                num_blocks=kv.pool.num_blocks,
+                num_free_blocks=kv.pool.num_free,
+                num_cached_blocks=kv.pool.num_cached,
+                prefix_cache_queries_total=kv.stats.queries,
+                prefix_cache_hits_total=kv.stats.hits,
+                prefix_cache_evictions_total=kv.pool.num_evictions,
                 num_running=len(s.running) + len(s.prefilling),
                 num_waiting=len(s.waiting) + self.counters.num_waiting,
                 num_requests_total=self.counters.num_requests_total,
-                num_incoming=s.num_incoming,
+                num_incoming=len(s.remote),
                 num_transfers_total=self.counters.num_transfers_total,
                 kv_transfer_seconds_total=self.counters.kv_transfer_seconds_total,
                 kv_transfer_bytes_total=self.counters.kv_transfer_bytes_total,

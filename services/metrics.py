@@ -24,7 +24,7 @@ class _StateCollector:
 
     def collect(self):
         engine, c, role = self.loop.engine, self.counters, self.role
-        s = engine.scheduler
+        s, kv = engine.scheduler, engine.scheduler.kv
 
         def gauge(name, doc, value):
             family = GaugeMetricFamily(name, doc, labels=["role"])
@@ -36,8 +36,20 @@ class _StateCollector:
             family.add_metric([role], value)
             return family
 
-        yield gauge("pdserve_kv_blocks_used", "KV cache blocks in use", engine.allocator.num_used)
-        yield gauge("pdserve_kv_blocks_free", "KV cache blocks free", engine.allocator.num_free)
+        yield gauge("pdserve_kv_blocks_used", "KV cache blocks held by requests", kv.pool.num_used)
+        yield gauge(
+            "pdserve_kv_blocks_free", "KV cache blocks free (holding nothing cached)", kv.pool.num_free
+        )
+        yield gauge(
+            "pdserve_kv_blocks_cached", "unreferenced KV blocks kept by the prefix cache", kv.pool.num_cached
+        )
+        yield counter(
+            "pdserve_prefix_cache_queries", "prompt tokens looked up in the prefix cache", kv.stats.queries
+        )
+        yield counter("pdserve_prefix_cache_hits", "prompt tokens found in the prefix cache", kv.stats.hits)
+        yield counter(
+            "pdserve_prefix_cache_evictions", "cached KV blocks evicted for new ones", kv.pool.num_evictions
+        )
         yield gauge(
             "pdserve_running_requests",
             "requests decoding or being prefilled",
@@ -48,7 +60,7 @@ class _StateCollector:
             "requests waiting for blocks or a prefill slot",
             len(s.waiting) + c.num_waiting,
         )
-        yield gauge("pdserve_incoming_transfers", "requests whose KV is being received", s.num_incoming)
+        yield gauge("pdserve_incoming_transfers", "requests whose KV is being received", len(s.remote))
         yield gauge(
             "pdserve_lora_adapters_loaded", "LoRA adapters requests may name", len(engine.loras.adapters)
         )

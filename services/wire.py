@@ -125,6 +125,7 @@ def output_to_response(
     if output.finished:
         response.usage.prompt_tokens = output.num_prompt_tokens
         response.usage.completion_tokens = output.num_output_tokens
+        response.usage.cached_prompt_tokens = output.num_cached_tokens
     return response
 
 

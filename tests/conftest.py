@@ -148,7 +148,7 @@ def make_engine(loaded_model, small_config):
             if key != (small_config, None):
                 _module_engines.append(key)
         engine = _engines[key]
-        assert not engine.has_unfinished and engine.allocator.num_used == 0, (
+        assert not engine.has_unfinished and engine.scheduler.kv.pool.num_used == 0, (
             "a test leaked requests or blocks"
         )
         return engine

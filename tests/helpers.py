@@ -79,15 +79,23 @@ class Daemons:
         return codes
 
 
+def not_in_use(s: admin_pb2.ServerStats) -> bool:
+    """No request runs or receives KV, and every block is free or held only by the prefix cache
+    (reclaimable, not leaked)."""
+    return (
+        s.num_free_blocks + s.num_cached_blocks == s.num_blocks and s.num_running == 0 and s.num_incoming == 0
+    )
+
+
 def wait_all_free(address: str, timeout: float = 40.0) -> admin_pb2.ServerStats:
-    """A daemon's stats once every block is free and nothing runs (cleanup after cancels and broken
+    """A daemon's stats once every block is free or cached and nothing runs (cleanup after cancels and broken
     streams may still be under way: polls), or the last stats after `timeout`."""
     client = Client(address)
     try:
         deadline = time.monotonic() + timeout
         while True:
             s = client.stats()
-            idle = s.num_free_blocks == s.num_blocks and s.num_running == 0 and s.num_incoming == 0
+            idle = not_in_use(s)
             if idle or time.monotonic() > deadline:
                 return s
             time.sleep(0.05)
@@ -98,7 +106,7 @@ def wait_all_free(address: str, timeout: float = 40.0) -> admin_pb2.ServerStats:
 def assert_all_free(*addresses: str) -> None:
     for address in addresses:
         s = wait_all_free(address)
-        assert s.num_free_blocks == s.num_blocks and s.num_running == 0 and s.num_incoming == 0, (address, s)
+        assert not_in_use(s), (address, s)
 
 
 @contextlib.contextmanager

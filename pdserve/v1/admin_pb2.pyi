@@ -59,7 +59,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerStats(_message.Message):
-    __slots__ = ("role", "num_blocks", "num_free_blocks", "num_running", "num_waiting", "num_requests_total", "num_incoming", "num_transfers_total", "kv_transfer_seconds_total", "kv_transfer_bytes_total", "num_transfer_failures_total")
+    __slots__ = ("role", "num_blocks", "num_free_blocks", "num_running", "num_waiting", "num_requests_total", "num_incoming", "num_transfers_total", "kv_transfer_seconds_total", "kv_transfer_bytes_total", "num_transfer_failures_total", "num_cached_blocks", "prefix_cache_queries_total", "prefix_cache_hits_total", "prefix_cache_evictions_total")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -71,6 +71,10 @@ class ServerStats(_message.Message):
     KV_TRANSFER_SECONDS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     NUM_TRANSFER_FAILURES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_QUERIES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HITS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_EVICTIONS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     role: str
     num_blocks: int
     num_free_blocks: int
@@ -82,4 +86,8 @@ class ServerStats(_message.Message):
     kv_transfer_seconds_total: float
     kv_transfer_bytes_total: int
     num_transfer_failures_total: int
-    def __init__(self, role: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_requests_total: _Optional[int] = ..., num_incoming: _Optional[int] = ..., num_transfers_total: _Optional[int] = ..., kv_transfer_seconds_total: _Optional[float] = ..., kv_transfer_bytes_total: _Optional[int] = ..., num_transfer_failures_total: _Optional[int] = ...) -> None: ...
+    num_cached_blocks: int
+    prefix_cache_queries_total: int
+    prefix_cache_hits_total: int
+    prefix_cache_evictions_total: int
+    def __init__(self, role: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_requests_total: _Optional[int] = ..., num_incoming: _Optional[int] = ..., num_transfers_total: _Optional[int] = ..., kv_transfer_seconds_total: _Optional[float] = ..., kv_transfer_bytes_total: _Optional[int] = ..., num_transfer_failures_total: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., prefix_cache_queries_total: _Optional[int] = ..., prefix_cache_hits_total: _Optional[int] = ..., prefix_cache_evictions_total: _Optional[int] = ...) -> None: ...

@@ -42,7 +42,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParameters, _Mapping]] = ..., seed: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., lora_adapter: _Optional[str] = ..., stop: _Optional[_Union[_generation_pb2.StopConditions, _Mapping]] = ..., lora_fingerprint: _Optional[str] = ...) -> None: ...
 
 class PrefillHeader(_message.Message):
-    __slots__ = ("request_id", "first_token", "prompt_len", "layout_json", "first_logprobs", "lora_adapter", "lora_fingerprint")
+    __slots__ = ("request_id", "first_token", "prompt_len", "layout_json", "first_logprobs", "lora_adapter", "lora_fingerprint", "num_cached_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -50,6 +50,7 @@ class PrefillHeader(_message.Message):
     FIRST_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     LORA_ADAPTER_FIELD_NUMBER: _ClassVar[int]
     LORA_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_token: int
     prompt_len: int
@@ -57,7 +58,8 @@ class PrefillHeader(_message.Message):
     first_logprobs: _generation_pb2.TokenLogprobs
     lora_adapter: str
     lora_fingerprint: str
-    def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[int] = ..., prompt_len: _Optional[int] = ..., layout_json: _Optional[str] = ..., first_logprobs: _Optional[_Union[_generation_pb2.TokenLogprobs, _Mapping]] = ..., lora_adapter: _Optional[str] = ..., lora_fingerprint: _Optional[str] = ...) -> None: ...
+    num_cached_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[int] = ..., prompt_len: _Optional[int] = ..., layout_json: _Optional[str] = ..., first_logprobs: _Optional[_Union[_generation_pb2.TokenLogprobs, _Mapping]] = ..., lora_adapter: _Optional[str] = ..., lora_fingerprint: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefillTrailer(_message.Message):
     __slots__ = ("num_frames", "num_bytes", "prefill_seconds")

@@ -2,9 +2,10 @@
 (openai_api.py): admission, remote or local prefill with retries and fallback, registration, and the
 stream of a request's outputs. Neither front end imports the other; both call down into this module.
 
-A request's life here: make_request (validate, tokenize) -> stream: admit (reserve blocks) -> prefill
-on a replica (KV frames inserted as they arrive) or on this engine -> register with the first token ->
-continuous batching -> outputs until finished; whatever ends the stream frees what the request holds.
+A request's life here: make_request (validate, tokenize) -> stream: queued in the engine's scheduler
+(bounded) -> blocks allocated -> prefill on a replica (KV chunks written by the engine's DecodeConnector
+as they arrive; the first token starts it) or on this engine -> continuous batching -> outputs until
+finished; whatever ends the stream frees what the request holds (LLMEngine.abort, any state).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import uuid
 import grpc
 
 from engine.engine import LLMEngine
+from engine.kv_connector import DecodeConnector
 from engine.output import RequestOutput
 from engine.request import Request
 from engine.sampling_params import InvalidRequestError
@@ -73,7 +75,6 @@ class GenerationCore:
         self.layout = engine_layout(self.engine)
         self.sharding = chunk_sharding(self.engine.mesh, self.layout)
         self.draining = False
-        self.blocks_freed = asyncio.Event()
 
     @classmethod
     def for_engine(
@@ -87,6 +88,7 @@ class GenerationCore:
         """`prefill_targets`: ADDR or dns:///NAME:PORT of prefill servers; `local_prefiller`: an engine of
         this process instead (`pdserve serve`); neither: colocated."""
         layout = engine_layout(engine)
+        engine.set_kv_connector(DecodeConnector())
         pool = None
         if local_prefiller is not None:
             pool = PrefillPool.of(local_prefiller, layout)
@@ -161,12 +163,11 @@ class GenerationCore:
         pending = []  # the first token of a remote prefill: ahead of anything the engine queued since
         try:
             if self._prefill_locally(engine_request):
-                await self.loop.call(lambda e: e.add_prepared_request(engine_request))
+                await self._enqueue(engine_request)
             else:
                 first = await self._remote_prefill(engine_request, time_remaining)
-                if first is None:  # every replica failed: prefill here
+                if first is None:  # every replica failed: prefilled here, in the blocks it holds
                     self.counters.num_local_fallbacks_total += 1
-                    await self.loop.call(lambda e: e.add_prepared_request(engine_request))
                 else:
                     pending.append(first)
             while True:
@@ -181,8 +182,7 @@ class GenerationCore:
             raise
         finally:  # finished, cancelled, deadline, failed: free whatever the request still holds
             self.loop.close_stream(rid)
-            self.loop.submit(lambda e: e.discard(engine_request))
-            self.blocks_freed.set()
+            self.loop.submit(lambda e: (e.kv_connector.forget(rid), e.abort(rid)))
             self.counters.count_outcome(outcome)
             log.info(
                 "request ended",
@@ -199,13 +199,36 @@ class GenerationCore:
     def _prefill_locally(self, request: Request) -> bool:
         return self.pool is None or len(request.prompt_ids) < self.config.local_prefill_below
 
-    async def _remote_prefill(self, request: Request, time_remaining: float | None) -> RequestOutput | None:
-        """Reserves blocks, streams the KV in from a replica and registers the request.
+    async def _enqueue(self, request: Request, on_blocks: asyncio.Future | None = None) -> None:
+        """Queues the request in the engine's scheduler (RESOURCE_EXHAUSTED past the queue bound). With
+        `on_blocks`, its prompt KV comes from a replica: the future is set once its blocks are allocated."""
+        aloop, max_queue = asyncio.get_running_loop(), self.config.max_queue
 
-        Returns the first token's output, or None when no replica could prefill it and the request should
-        be prefilled locally.
+        def add(engine: LLMEngine) -> bool:
+            if len(engine.scheduler.waiting) >= max_queue:
+                return False
+            if on_blocks is not None:
+                engine.kv_connector.expect(
+                    request.request_id, lambda: aloop.call_soon_threadsafe(_set_done, on_blocks)
+                )
+            engine.add_prepared_request(request)
+            return True
+
+        if not await self.loop.call(add):
+            raise ServiceError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED, f"admission queue full ({max_queue})", retry_after_ms=500
+            )
+
+    async def _remote_prefill(self, request: Request, time_remaining: float | None) -> RequestOutput | None:
+        """Queues the request for blocks, streams its KV in from a replica and starts its decoding.
+
+        Returns the first token's output, or None when no replica could prefill it and it is being
+        prefilled here instead.
         """
-        await self._admit(request)
+        rid = request.request_id
+        allocated = asyncio.get_running_loop().create_future()
+        await self._enqueue(request, on_blocks=allocated)
+        await allocated
         tried: set[str] = set()
         for _ in range(self.config.max_attempts):
             replica = self.pool.pick(exclude=tried)
@@ -222,25 +245,22 @@ class GenerationCore:
                     "prefill failed: %s", e, extra={"request_id": request.request_id, "replica": replica.name}
                 )
                 continue
-            return await self.loop.call(_registrar(request, first))
-        self.loop.submit(lambda e: e.abandon_transfer(request))
-        self.blocks_freed.set()
+            return await self.loop.call(_starter(rid, first))
         if self.config.fallback_local:
+            await self.loop.call(lambda e: e.remote_kv_failed(rid))
             return None
         raise ServiceError(
             grpc.StatusCode.UNAVAILABLE, f"no prefill replica could serve the request (tried {sorted(tried)})"
         )
 
     async def _transfer(self, replica: Prefiller, request: Request, timeout: float | None) -> FirstToken:
-        """One attempt; on failure the request's blocks stay reserved (to be refilled by the next try).
+        """One attempt; on failure the request's blocks stay allocated (to be refilled by the next try).
 
         Closing the prefill stream (aclosing) cancels it at once when this request is cancelled.
         """
         replica.outstanding += 1
         try:
             first, started, nbytes = None, 0.0, 0
-            num_prompt_blocks = -(-len(request.prompt_ids) // self.engine.config.block_size)
-            blocks = request.blocks.block_ids[:num_prompt_blocks]
             async with contextlib.aclosing(
                 replica.prefill(request, self.layout, self.sharding, timeout)
             ) as items:
@@ -249,7 +269,7 @@ class GenerationCore:
                         first, started = item, time.perf_counter()
                     else:
                         nbytes += item.data.nbytes
-                        self.loop.submit(_inserter(item, blocks))
+                        self.loop.submit(_loader(request.request_id, item))
             if first is None:
                 raise PrefillError(f"{replica.name}: no first token")
             self.counters.num_transfers_total += 1
@@ -259,29 +279,17 @@ class GenerationCore:
         finally:
             replica.outstanding -= 1
 
-    async def _admit(self, request: Request) -> None:
-        """Waits for blocks (check + do on the engine thread); RESOURCE_EXHAUSTED past the queue bound."""
-        if await self.loop.call(lambda e: e.reserve_for_transfer(request)):
-            return
-        if self.counters.num_waiting >= self.config.max_queue:
-            raise ServiceError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"admission queue full ({self.config.max_queue})",
-                retry_after_ms=500,
-            )
-        self.counters.num_waiting += 1
-        try:
-            while not await self.loop.call(lambda e: e.reserve_for_transfer(request)):
-                self.blocks_freed.clear()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.blocks_freed.wait(), 0.05)
-        finally:
-            self.counters.num_waiting -= 1
+
+def _set_done(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
-def _inserter(chunk: KVChunk, blocks: list[int]):
-    return lambda engine: engine.insert_kv(chunk, blocks)
+def _starter(request_id: str, first: FirstToken):
+    return lambda engine: engine.remote_kv_arrived(
+        request_id, first.token, first.logprobs, first.num_cached_tokens
+    )
 
 
-def _registrar(request: Request, first: FirstToken):
-    return lambda engine: engine.register_prefilled(request, first.token, first.logprobs)
+def _loader(request_id: str, chunk: KVChunk):
+    return lambda engine: engine.load_kv(request_id, chunk)

@@ -13,6 +13,7 @@ import uuid
 import grpc
 from aiohttp import web
 
+from engine.output import RequestOutput
 from engine.sampling_params import InvalidRequestError, SamplingParams
 from services.decode.core import GenerationCore, ServiceError
 from services.sampling import FIELD_NAMES, params_from_values
@@ -147,16 +148,13 @@ class OpenAIFrontend:
         return name
 
     async def _complete(self, outputs, rid: str, chat: bool, model: str) -> web.Response:
-        text, finish, usage, logprobs = [], None, (0, 0), []
+        text, finish, usage, logprobs = [], None, None, []
         try:
             async for output in outputs:
                 text.append(output.text)
                 logprobs += output.logprobs
                 if output.finished:
-                    finish, usage = (
-                        output.finish_reason.value,
-                        (output.num_prompt_tokens, output.num_output_tokens),
-                    )
+                    finish, usage = output.finish_reason.value, _usage(output)
         except ServiceError as e:
             return _error(_HTTP_STATUS.get(e.code, 500), e.message, "server_error")
         choice = {"index": 0, "finish_reason": finish, "logprobs": self._logprobs(logprobs, chat)}
@@ -171,11 +169,7 @@ class OpenAIFrontend:
                 "created": int(time.time()),
                 "model": model,
                 "choices": [choice],
-                "usage": {
-                    "prompt_tokens": usage[0],
-                    "completion_tokens": usage[1],
-                    "total_tokens": sum(usage),
-                },
+                "usage": usage,
             }
         )
 
@@ -209,11 +203,7 @@ class OpenAIFrontend:
                     choice["text"] = output.text
                 usage = None
                 if output.finished and (body.get("stream_options") or {}).get("include_usage"):
-                    usage = {
-                        "prompt_tokens": output.num_prompt_tokens,
-                        "completion_tokens": output.num_output_tokens,
-                        "total_tokens": output.num_prompt_tokens + output.num_output_tokens,
-                    }
+                    usage = _usage(output)
                 await send(choice, usage)
         except ServiceError as e:
             await response.write(
@@ -243,3 +233,13 @@ class OpenAIFrontend:
             "token_logprobs": [lp.logprob for lp in logprobs],
             "top_logprobs": [{decode([t]): v for t, v in lp.top} for lp in logprobs],
         }
+
+
+def _usage(output: RequestOutput) -> dict:
+    """OpenAI's usage object; `prompt_tokens_details.cached_tokens` as OpenAI and vLLM report it."""
+    return {
+        "prompt_tokens": output.num_prompt_tokens,
+        "completion_tokens": output.num_output_tokens,
+        "total_tokens": output.num_prompt_tokens + output.num_output_tokens,
+        "prompt_tokens_details": {"cached_tokens": output.num_cached_tokens},
+    }

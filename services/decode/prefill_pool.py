@@ -26,7 +26,7 @@ from pdserve.v1 import prefill_pb2 as pb
 from services import sampling, wire
 from services.engine_loop import EngineLoop
 from services.grpc_server import channel_options
-from services.prefill.runner import prefill_on_engine
+from services.prefill.runner import install_connector, prefill_on_engine
 from services.security import PLAINTEXT, ChannelSecurity
 
 log = logging.getLogger(__name__)
@@ -50,6 +50,7 @@ _REQUEST_REFUSALS = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDIT
 class FirstToken:
     token: int
     logprobs: TokenLogprobs | None
+    num_cached_tokens: int = 0  # prompt tokens the replica found in its prefix cache
 
 
 class Prefiller(abc.ABC):
@@ -161,7 +162,7 @@ class RemotePrefiller(Prefiller):
                     logprobs = None
                     if header.HasField("first_logprobs"):
                         logprobs = wire.logprobs_from_proto(header.first_logprobs)
-                    yield FirstToken(header.first_token, logprobs)
+                    yield FirstToken(header.first_token, logprobs, header.num_cached_tokens)
                 elif item.HasField("trailer"):
                     if assembler is None:
                         raise PrefillError(f"{self.name}: trailer before the header")
@@ -193,6 +194,7 @@ class LocalPrefiller(Prefiller):
         self.name = "local"
         self.loop = loop
         self.src = src
+        install_connector(loop.engine)
 
     async def prefill(
         self, request: Request, dst: KVLayout, sharding, timeout: float | None = None
@@ -209,9 +211,11 @@ class LocalPrefiller(Prefiller):
         except InvalidRequestError as e:
             raise PrefillError(f"{self.name}: {e}", replica_down=False) from e
         mine.seed = request.seed
-        result = await prefill_on_engine(self.loop, mine, self.src, kvtransfer.head_map(self.src, dst))
+        result = await prefill_on_engine(self.loop, mine, kvtransfer.head_map(self.src, dst))
         first = result.first
-        yield FirstToken(first.new_token_ids[0], first.logprobs[0] if first.logprobs else None)
+        yield FirstToken(
+            first.new_token_ids[0], first.logprobs[0] if first.logprobs else None, first.num_cached_tokens
+        )
         for chunk in result.chunks:
             data = kvtransfer.reshard(chunk.data, sharding)
             yield KVChunk(chunk.layer_start, chunk.token_start, chunk.num_tokens, data)

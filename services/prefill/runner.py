@@ -1,18 +1,21 @@
-"""One prefill on an engine running in an EngineLoop: queue the prompt, await its first token, gather its KV.
+"""One prefill on an engine running in an EngineLoop: queue the prompt, await its first token, take its KV.
 
 Shared by the prefill-server (which then frames the KV for gRPC) and the in-process prefill of
-`pdserve serve` (which moves the gathered device arrays to the decode mesh).
+`pdserve serve` (which moves the gathered device arrays to the decode mesh). The engine's
+PrefillConnector (installed with `install_connector`) gathers a finished request's KV for the sender.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+from engine.engine import LLMEngine
+from engine.kv_connector import PrefillConnector
 from engine.output import RequestOutput
 from engine.request import Request
-from kvtransfer import HeadMap, KVChunk, KVLayout
+from kvtransfer import HeadMap, KVChunk
 from services.engine_loop import EngineLoop
-from services.kv import gather_retained
+from services.kv import engine_layout
 
 
 @dataclasses.dataclass
@@ -22,26 +25,36 @@ class PrefillResult:
     num_tokens: int
 
 
+def install_connector(engine: LLMEngine) -> None:
+    """Makes `engine` a prefill engine: finished requests' KV goes to the sender that expects it."""
+    engine.set_kv_connector(PrefillConnector(engine_layout(engine)))
+
+
 async def prefill_on_engine(
-    loop: EngineLoop, request: Request, layout: KVLayout, head_map: HeadMap | None = None
+    loop: EngineLoop, request: Request, head_map: HeadMap | None = None
 ) -> PrefillResult:
     """`request` comes from engine.make_request with the caller's seed. Cancelling frees its blocks.
 
-    The request is cut to one token (its stop conditions are the decode side's business) and keeps its
-    blocks past its end until they are gathered.
+    The request is cut to one token (its stop conditions are the decode side's business); when it
+    finishes, the connector gathers its prompt's KV (heads converted by `head_map`) and its blocks go back
+    to the prefix cache at once (the gathered chunks are copies).
     """
     request.params = dataclasses.replace(request.params, max_tokens=1)
-    request.retain_kv = True
     rid = request.request_id
     outputs = loop.open_stream(rid)
-    gathered = False
+    taken = False
+
+    def add(engine: LLMEngine) -> None:
+        engine.kv_connector.expect(rid, head_map)
+        engine.add_prepared_request(request)
+
     try:
-        await loop.call(lambda e: e.add_prepared_request(request))
+        await loop.call(add)
         first = await outputs.get()  # a one-token request: it ends with this output
-        chunks, num_tokens = await loop.call(lambda e: gather_retained(e, rid, layout, head_map))
-        gathered = True
-        return PrefillResult(first, chunks, num_tokens)
+        chunks = await loop.call(lambda e: e.kv_connector.take(rid))
+        taken = True
+        return PrefillResult(first, chunks, len(request.prompt_ids))
     finally:
         loop.close_stream(rid)
-        if not gathered:
-            loop.submit(lambda e: e.abort(rid))
+        if not taken:
+            loop.submit(lambda e: (e.kv_connector.forget(rid), e.abort(rid)))

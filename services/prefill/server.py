@@ -4,12 +4,13 @@ Request lifecycle:
  1. Handshake: a decode server sends its KV layout; an incompatible one (other model, dtype, block size,
     ...) gets FAILED_PRECONDITION naming what differs. Each Prefill request repeats the fingerprint.
  2. Prefill: the prompt joins the engine's queue (bounded: RESOURCE_EXHAUSTED when full) as a request of
-    one token whose blocks outlive it (retain_kv); the engine batches and chunks it with other prompts.
+    one token; the engine batches and chunks it with other prompts, and computes only what its prefix
+    cache lacks (the whole prompt's KV is still sent).
  3. The first token is sampled with the request's own parameters and resolved seed, so it is the token a
     colocated engine would pick. A LoRA request runs with its adapter, which must be loaded here with the
     decode side's fingerprint (NOT_FOUND / FAILED_PRECONDITION otherwise); the header names it.
- 4. On the engine thread the request's KV is gathered in layer groups (kvtransfer.gather_request) and its
-    blocks are freed at once: the gathered chunks are copies.
+ 4. When it finishes, the engine's PrefillConnector gathers its KV in layer groups
+    (kvtransfer.gather_request) and its blocks go back to the prefix cache at once: the chunks are copies.
  5. Off the engine thread the chunks become frames (crc32c, <= 4 MiB); the stream sends a header (first
     token), the frames in layer order, and a trailer.
  6. A cancelled stream (the decode side gave up or vanished: keepalive pings notice a dead peer) aborts
@@ -40,7 +41,7 @@ from services.engine_loop import EngineLoop
 from services.grpc_server import RunningServer
 from services.kv import engine_layout
 from services.metrics import Metrics
-from services.prefill.runner import prefill_on_engine
+from services.prefill.runner import install_connector, prefill_on_engine
 from services.security import ServerSecurity
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,7 @@ class PrefillService(pb_grpc.PrefillServicer):
         self.loop = loop
         self.counters = counters
         self.engine: LLMEngine = loop.engine
+        install_connector(self.engine)
         self.layout = engine_layout(self.engine)
         self.layout_json = self.layout.to_json()
         self.fingerprint = self.layout.fingerprint()
@@ -122,7 +124,7 @@ class PrefillService(pb_grpc.PrefillServicer):
         except InvalidRequestError as e:  # NOT_FOUND / FAILED_PRECONDITION: the adapter is not here as asked
             await context.abort(grpc.StatusCode[e.status], str(e))
         engine_request.seed = request.seed
-        result = await prefill_on_engine(self.loop, engine_request, self.layout)
+        result = await prefill_on_engine(self.loop, engine_request)
         self.metrics.prefill.observe(time.perf_counter() - start)
         output, chunks, num_tokens = result.first, result.chunks, result.num_tokens
         header = pb.PrefillHeader(
@@ -132,6 +134,7 @@ class PrefillService(pb_grpc.PrefillServicer):
             layout_json=self.layout_json,
             lora_adapter=request.lora_adapter,
             lora_fingerprint=engine_request.lora.fingerprint if engine_request.lora else "",
+            num_cached_tokens=output.num_cached_tokens,
         )
         if output.logprobs:
             header.first_logprobs.CopyFrom(wire.logprobs_to_proto(output.logprobs[0]))

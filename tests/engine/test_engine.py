@@ -28,7 +28,7 @@ def test_mixed_length_greedy_batch_equals_each_request_alone(make_engine):
     engine = make_engine()
     batched = [r.token_ids for r in engine.generate(PROMPTS, GREEDY)]
     assert batched == alone(engine, PROMPTS, GREEDY)
-    assert engine.allocator.num_used == 0
+    assert engine.scheduler.kv.pool.num_used == 0
 
 
 def test_seeded_sampling_is_independent_of_the_batch(make_engine):
@@ -67,7 +67,7 @@ def test_stops_and_finish_reasons(make_engine):
     assert by_token.finish_reason == "stop" and by_token.token_ids[-1] == 7042
     by_length = engine.generate([chat], SamplingParams(temperature=0, max_tokens=3))[0]
     assert by_length.finish_reason == "length" and len(by_length.token_ids) == 3
-    assert engine.allocator.num_used == 0
+    assert engine.scheduler.kv.pool.num_used == 0
 
 
 def test_logprobs_are_reported_per_token(make_engine):
@@ -91,7 +91,7 @@ def test_abort_frees_blocks_and_leaves_others_untouched(make_engine):
     assert engine.abort(drop) and not engine.abort(drop)
     while engine.has_unfinished:
         tokens += [t for o in engine.step() if o.request_id == keep for t in o.new_token_ids]
-    assert tokens == expected and engine.allocator.num_used == 0
+    assert tokens == expected and engine.scheduler.kv.pool.num_used == 0
 
 
 @pytest.mark.parametrize(
@@ -115,7 +115,7 @@ def test_preemption_under_block_pressure_keeps_outputs(make_engine, prompts):
     roomy = [r.token_ids for r in make_engine().generate(prompts, params)]
     tight = make_engine(num_blocks=12)  # 5 requests of ~3-4 blocks each do not fit together
     assert [r.token_ids for r in tight.generate(prompts, params)] == roomy
-    assert tight.allocator.num_used == 0
+    assert tight.scheduler.kv.pool.num_used == 0
 
 
 @pytest.mark.parametrize(

@@ -112,7 +112,7 @@ def test_preempted_lora_requests_keep_their_adapter(lora_engine):
     roomy = [c.token_ids for c in lora_engine().generate(prompts, params, lora=lora)]
     tight = lora_engine(num_blocks=12)
     assert [c.token_ids for c in tight.generate(prompts, params, lora=lora)] == roomy
-    assert tight.allocator.num_used == 0 and not tight.lora_slots._pins
+    assert tight.scheduler.kv.pool.num_used == 0 and not tight.lora_slots._pins
 
 
 def test_tensor_parallel_lora_matches_tp1(lora_engine):

@@ -49,7 +49,7 @@ def test_greedy_tokens_match_transformers_batched(make_engine):
     results = engine.generate([p for p, _, _ in fixtures], GREEDY_IGNORE_EOS)
     for (_, _, expected), result in zip(fixtures, results, strict=True):
         assert result.token_ids == expected
-    assert engine.allocator.num_used == 0
+    assert engine.scheduler.kv.pool.num_used == 0
 
 
 @pytest.mark.reference

@@ -1,10 +1,11 @@
-"""Scheduling and admission without JAX: requests are plain objects, steps are simulated."""
+"""Scheduling, admission, prefix reuse and the connector states without JAX: a fake runner "computes"
+every row and samples token 1 for the rows that sample."""
 
 import pytest
 
-from engine.block_manager import BlockAllocator, BlockTable
 from engine.config import EngineConfig
-from engine.request import Request, Status
+from engine.kv_connector import KVConnector
+from engine.request import FinishReason, Request, Status
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 
@@ -15,75 +16,176 @@ CONFIG = EngineConfig(
 )
 
 
-def make(alloc, rid, prompt_len, t=0.0):
-    return Request(rid, list(range(prompt_len)), SamplingParams(), 0, BlockTable(alloc, 4), arrival_time=t)
+def make(rid, prompt, t=0.0, max_tokens=16):
+    prompt = list(range(prompt)) if isinstance(prompt, int) else prompt
+    return Request(rid, prompt, SamplingParams(max_tokens=max_tokens), 0, arrival_time=t)
 
 
-def run_prefill(sched, step):
-    for chunk in step.prefill:
-        chunk.request.num_computed += chunk.length
-        if chunk.samples:
-            chunk.request.output_ids.append(1)
-            sched.promote(chunk.request)
+def sink(request, token, logprobs):
+    if len(request.output_ids) >= request.params.max_tokens:
+        request.finish_reason = FinishReason.LENGTH
+    return (request.request_id, token)
+
+
+def run(sched, out):
+    """The fake runner: every row computed, sampling rows get token 1."""
+    sampled = {row.request_id: (1, None) for row in out.rows if row.samples}
+    return sched.update_from_output(out, sampled, sink)
 
 
 def test_prefill_batches_short_prompts_then_alternates_with_decode():
-    alloc = BlockAllocator(CONFIG.num_blocks)
-    sched = Scheduler(CONFIG, alloc)
+    sched = Scheduler(CONFIG)
     for i in range(3):
-        sched.add(make(alloc, f"r{i}", 5, t=i))
+        sched.add(make(f"r{i}", 5, t=i))
     step = sched.schedule()
-    assert [c.request.request_id for c in step.prefill] == ["r0", "r1"]  # max_prefill_seqs
-    run_prefill(sched, step)
+    assert step.prefill and [r.request_id for r in step.rows] == ["r0", "r1"]  # max_prefill_seqs
+    run(sched, step)
     step = sched.schedule()
-    assert [r.request_id for r in step.decode] == ["r0", "r1"]  # decode gets its turn
-    for r in step.decode:
-        r.num_computed += 1
+    assert not step.prefill and [r.request_id for r in step.rows] == ["r0", "r1"]  # decode gets its turn
+    assert [r.tokens for r in step.rows] == [[1], [1]] and [r.num_past for r in step.rows] == [5, 5]
+    run(sched, step)
     step = sched.schedule()
-    assert [c.request.request_id for c in step.prefill] == ["r2"]
+    assert [r.request_id for r in step.rows] == ["r2"]
 
 
 def test_long_prompt_is_chunked_one_request_per_continued_step():
-    alloc = BlockAllocator(CONFIG.num_blocks)
-    sched = Scheduler(CONFIG, alloc)
-    sched.add(make(alloc, "long", 20))
-    sched.add(make(alloc, "short", 3))
+    sched = Scheduler(CONFIG)
+    sched.add(make("long", 20))
+    sched.add(make("short", 3))
     step = sched.schedule()
-    assert [(c.request.request_id, c.start, c.length) for c in step.prefill] == [
-        ("long", 0, 8),
-        ("short", 0, 3),
+    assert [(r.request_id, r.num_past, len(r.tokens), r.samples) for r in step.rows] == [
+        ("long", 0, 8, False),
+        ("short", 0, 3, True),
     ]
-    assert not step.prefill[0].samples and step.prefill[1].samples
-    run_prefill(sched, step)
+    run(sched, step)
+    assert sched.requests["long"].num_computed == 8 and sched.requests["short"].status is Status.RUNNING
+    run(sched, sched.schedule())  # the short one decodes between chunks
     step = sched.schedule()
-    assert step.decode  # the short one decodes between chunks
-    for r in step.decode:
-        r.num_computed += 1
-    step = sched.schedule()
-    assert [(c.request.request_id, c.start, c.length) for c in step.prefill] == [("long", 8, 8)]
+    assert [(r.request_id, r.num_past, len(r.tokens)) for r in step.rows] == [("long", 8, 8)]
 
 
 def test_admission_waits_for_blocks_and_seq_limit():
-    alloc = BlockAllocator(4)  # 16 tokens of cache
-    sched = Scheduler(CONFIG, alloc)
-    sched.add(make(alloc, "a", 12))
-    sched.add(make(alloc, "b", 8))  # does not fit while a holds 3 blocks
+    config = EngineConfig(**{**CONFIG.__dict__, "num_blocks": 4})  # 16 tokens of cache
+    sched = Scheduler(config)
+    sched.add(make("a", 12))
+    sched.add(make("b", 8))  # does not fit while a holds 3 blocks
     step = sched.schedule()
-    assert [c.request.request_id for c in step.prefill] == ["a"]
-    assert alloc.num_free == 1 and list(sched.waiting)[0].request_id == "b"
+    assert [r.request_id for r in step.rows] == ["a"]
+    assert sched.kv.pool.num_available == 1 and sched.waiting[0].request_id == "b"
 
 
-def test_decode_preempts_the_newest_request_when_blocks_run_out():
-    alloc = BlockAllocator(4)
-    sched = Scheduler(CONFIG, alloc)
-    old, new = make(alloc, "old", 8, t=0), make(alloc, "new", 8, t=1)
+def test_decode_preempts_the_newest_request_which_finds_its_blocks_again():
+    sched = Scheduler(EngineConfig(**{**CONFIG.__dict__, "num_blocks": 4}))
+    old, new = make("old", 8, t=0), make("new", [9, 8, 7, 6, 5, 4, 3, 2], t=1)
     sched.add(old)
     sched.add(new)
-    run_prefill(sched, sched.schedule())
-    assert alloc.num_free == 0
+    run(sched, sched.schedule())
+    assert sched.kv.pool.num_available == 0
     step = sched.schedule()  # both need a 3rd block for token 9: only preempting "new" frees one
-    assert [r.request_id for r in step.decode] == ["old"]
-    assert new.status is Status.WAITING and new.num_computed == 0 and sched.waiting[0] is new
-    sched.remove(old)
-    sched.remove(new)
-    assert alloc.num_free == 4
+    assert [r.request_id for r in step.rows] == ["old"]
+    assert new.status is Status.PREEMPTED and new.num_computed == 0 and sched.waiting[0] is new
+    assert sched.kv.pool.num_cached == 1  # its two full blocks went back cached; old's 3rd evicted the tail
+    run(sched, step)
+    sched.abort("old")  # room again: "new" is readmitted with its first block cached...
+    step = sched.schedule()
+    assert [(r.request_id, r.num_past, r.tokens) for r in step.rows] == [("new", 4, [5, 4, 3, 2, 1])]
+    assert new.num_cached_tokens == 0  # ...which is not a prompt hit of the client's request
+    sched.abort("new")
+    assert sched.kv.pool.num_used == 0 and not sched.requests
+
+
+def test_a_shared_prefix_is_computed_once_and_survives_an_abort_of_its_first_owner():
+    sched = Scheduler(EngineConfig(**{**CONFIG.__dict__, "max_prefill_tokens": 16}))
+    system = list(range(100, 112))  # 3 full blocks
+    sched.add(make("a", [*system, 1, 2]))
+    run(sched, sched.schedule())  # a's prompt computed: its 3 full blocks are in the cache
+    sched.add(make("b", [*system, 3]))
+    run(sched, sched.schedule())  # a decodes
+    step = sched.schedule()
+    assert [(r.request_id, r.num_past, r.tokens) for r in step.rows] == [("b", 12, [3])]
+    shared = sched.block_ids("a")[:3]
+    assert sched.block_ids("b")[:3] == shared and sched.requests["b"].num_cached_tokens == 12
+    assert [sched.kv.pool.ref_counts[blk] for blk in shared] == [2, 2, 2]
+    sched.abort("a")
+    assert [sched.kv.pool.ref_counts[blk] for blk in shared] == [1, 1, 1]  # b still holds them
+    run(sched, step)
+    sched.abort("b")
+    assert sched.kv.pool.num_used == 0 and sched.kv.pool.num_cached == 3
+    sched.kv.pool.check()
+
+
+def test_lora_requests_share_only_blocks_of_their_adapter():
+    class Adapter:
+        def __init__(self, fingerprint):
+            self.fingerprint, self.name = fingerprint, fingerprint
+
+    sched = Scheduler(CONFIG)
+    sched.pin_adapter = lambda request: True  # no device slots here
+    prompt = list(range(6))
+    first = make("base", prompt, max_tokens=1)
+    sched.add(first)
+    run(sched, sched.schedule())
+    with_adapter = make("lora", prompt)
+    with_adapter.lora = Adapter("fp-1")
+    sched.add(with_adapter)
+    step = sched.schedule()
+    assert step.rows[0].num_past == 0  # the base model's blocks are not its KV
+    run(sched, step)
+    again = make("lora-2", prompt)
+    again.lora = Adapter("fp-1")
+    sched.add(again)
+    run(sched, sched.schedule())  # decode turn
+    step = sched.schedule()
+    assert [(r.request_id, r.num_past) for r in step.rows] == [("lora-2", 4)]
+
+
+class Recorder(KVConnector):
+    """Decode-role connector of the test: every request with an id starting 'remote' has remote KV."""
+
+    def __init__(self, hold=False):
+        self.allocated, self.finished, self.hold = [], [], hold
+
+    def num_external_tokens(self, request):
+        return len(request.prompt_ids) if request.request_id.startswith("remote") else 0
+
+    def on_blocks_allocated(self, request, block_ids):
+        self.allocated.append((request.request_id, list(block_ids)))
+
+    def request_finished(self, request):
+        self.finished.append(request.request_id)
+        return self.hold
+
+
+def test_remote_kv_states_arrival_and_fallback():
+    connector = Recorder()
+    sched = Scheduler(CONFIG, connector=connector)
+    sched.add(make("remote-1", 6))
+    sched.add(make("remote-2", 6))
+    assert sched.schedule() is None  # admitted, but nothing to compute here
+    assert [rid for rid, _ in connector.allocated] == ["remote-1", "remote-2"]
+    assert all(len(blocks) == 2 for _, blocks in connector.allocated)  # 6 prompt tokens + the first token
+    r1, r2 = sched.requests["remote-1"], sched.requests["remote-2"]
+    assert r1.status is Status.WAITING_FOR_REMOTE_KV and sched.num_active == 2 and sched.num_unfinished == 0
+    out = sched.remote_kv_arrived("remote-1", 7, None, sink)
+    assert out == ("remote-1", 7) and r1.status is Status.RUNNING and r1.num_computed == 6
+    sched.remote_kv_failed("remote-2")  # no replica could send it: computed here, in its blocks
+    assert r2.status is Status.RUNNING and r2.num_computed == 0
+    step = sched.schedule()
+    assert [(r.request_id, r.num_past, len(r.tokens)) for r in step.rows] == [("remote-2", 0, 6)]
+    with pytest.raises(ValueError, match="not waiting for KV"):
+        sched.remote_kv_arrived("remote-2", 1, None, sink)
+    sched.abort("remote-1")
+    sched.abort("remote-2")
+    assert sched.kv.pool.num_used == 0 and connector.finished == []  # aborts send nothing
+
+
+def test_a_finished_request_is_held_while_its_kv_is_sent():
+    connector = Recorder(hold=True)
+    sched = Scheduler(CONFIG, connector=connector)
+    sched.add(make("p", 7, max_tokens=1))
+    run(sched, sched.schedule())
+    request = sched.sending[0]
+    assert request.status is Status.FINISHED_SENDING and connector.finished == ["p"]
+    assert len(sched.block_ids("p")) == 2 and sched.num_unfinished == 0
+    sched.finish_sending("p")
+    assert request.status is Status.FINISHED and sched.kv.pool.num_used == 0 and not sched.requests

@@ -1,0 +1,150 @@
+"""The KV cache manager: each request's block table, and automatic prefix caching on top of the block pool.
+
+Full blocks are known by a chained hash: hash(parent block's hash, the block's token ids, the request's
+adapter fingerprint or none), so a block matches only when every token before it matches too, and a LoRA
+request only ever shares blocks computed with the same adapter. A new request looks up its longest cached
+prefix (`lookup`) and takes those blocks with a reference each (`allocate`); it computes only the rest.
+Blocks are registered in the cache as they fill with computed tokens (`cache_blocks`), prompt and
+generated tokens alike; a partial last block is never shared. A finished, aborted or preempted request
+gives its references back (`free`); its hashed blocks stay cached, in an LRU set, until allocation needs
+them. No device code; the scheduler is the only caller.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Sequence
+
+import numpy as np
+
+from engine.block_pool import BlockPool, blocks_for_tokens
+
+
+def hash_block(parent: int | None, token_ids: Sequence[int], extra_key: str | None = None) -> int:
+    """The 64-bit hash of one full block, chained on its parent's (None: the first block)."""
+    h = hashlib.sha256()
+    h.update(b"\x00" * 9 if parent is None else b"\x01" + parent.to_bytes(8, "big"))
+    h.update(np.asarray(token_ids, "<u4").tobytes())
+    if extra_key is not None:
+        h.update(b"\x02" + extra_key.encode())
+    return int.from_bytes(h.digest()[:8], "big")
+
+
+def hash_blocks(
+    token_ids: Sequence[int], block_size: int, extra_key: str | None = None, start: Sequence[int] = ()
+) -> list[int]:
+    """Hashes of every full block of `token_ids`, continuing the chain `start` (hashes already known)."""
+    hashes = list(start)
+    for i in range(len(hashes), len(token_ids) // block_size):
+        parent = hashes[-1] if hashes else None
+        hashes.append(hash_block(parent, token_ids[i * block_size : (i + 1) * block_size], extra_key))
+    return hashes
+
+
+@dataclasses.dataclass
+class PrefixCacheStats:
+    queries: int = 0  # prompt tokens looked up
+    hits: int = 0  # of those, tokens found cached
+
+
+@dataclasses.dataclass
+class _Table:
+    block_ids: list[int] = dataclasses.field(default_factory=list)
+    hashes: list[int] = dataclasses.field(default_factory=list)  # of its full blocks, as far as computed
+    num_registered: int = 0  # leading blocks already in the cache index (or found there)
+
+
+class KVCacheManager:
+    """Block tables of the requests of one engine; `enable_caching=False` turns prefix reuse off."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+        self.pool = BlockPool(num_blocks)
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.stats = PrefixCacheStats()
+        self._tables: dict[str, _Table] = {}
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    def block_ids(self, request_id: str) -> list[int]:
+        table = self._tables.get(request_id)
+        return [] if table is None else table.block_ids
+
+    def lookup(self, token_ids: Sequence[int], extra_key: str | None = None) -> list[int]:
+        """Blocks holding the longest cached prefix of `token_ids`, whole blocks only, and never the last
+        token (its logits must be computed to sample the next one). Changes nothing."""
+        if not self.enable_caching:
+            return []
+        hits = []
+        for h in hash_blocks(token_ids[: len(token_ids) - 1], self.block_size, extra_key):
+            block = self.pool.lookup(h)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def can_allocate(self, request_id: str, num_tokens: int, cached: Sequence[int] = ()) -> bool:
+        table = self._tables.get(request_id)
+        have = len(table.block_ids) if table else len(cached)
+        unreferenced_hits = sum(self.pool.ref_counts[b] == 0 for b in cached) if table is None else 0
+        need = max(0, blocks_for_tokens(num_tokens, self.block_size) - have)
+        return need <= self.pool.num_available - unreferenced_hits
+
+    def allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        cached: Sequence[int] = (),
+        token_ids: Sequence[int] = (),
+        extra_key: str | None = None,
+    ) -> bool:
+        """Grows the request's table to hold `num_tokens` tokens (check and do: False changes nothing).
+
+        On a request's first allocation, `cached` are blocks from lookup(token_ids, extra_key): they are
+        shared (one more reference each) and become the head of its table.
+        """
+        if not self.can_allocate(request_id, num_tokens, cached):
+            return False
+        table = self._tables.get(request_id)
+        if table is None:
+            table = self._tables[request_id] = _Table()
+            if cached:
+                self.pool.touch(cached)
+                table.block_ids = list(cached)
+                table.hashes = hash_blocks(
+                    token_ids[: len(cached) * self.block_size], self.block_size, extra_key
+                )
+                table.num_registered = len(cached)
+                self.stats.hits += len(cached) * self.block_size
+            self.stats.queries += len(token_ids)
+        need = blocks_for_tokens(num_tokens, self.block_size) - len(table.block_ids)
+        if need > 0:
+            table.block_ids.extend(self.pool.allocate(need))
+        return True
+
+    def cache_blocks(
+        self, request_id: str, token_ids: Sequence[int], num_computed: int, extra_key: str | None = None
+    ) -> None:
+        """Registers the request's blocks that are now full of computed tokens (token_ids: all of them)."""
+        table = self._tables.get(request_id)
+        if not self.enable_caching or table is None:
+            return
+        num_full = min(num_computed // self.block_size, len(table.block_ids))
+        if num_full <= table.num_registered:
+            return
+        table.hashes = hash_blocks(
+            token_ids[: num_full * self.block_size], self.block_size, extra_key, table.hashes
+        )
+        for i in range(table.num_registered, num_full):
+            self.pool.register(table.block_ids[i], table.hashes[i])
+        table.num_registered = num_full
+
+    def free(self, request_id: str) -> None:
+        """Gives back the request's references (idempotent). Its cached blocks are kept, tail first in the
+        LRU order, so a shared head outlives the tails that only this request used."""
+        table = self._tables.pop(request_id, None)
+        if table is not None:
+            self.pool.release(table.block_ids[::-1])

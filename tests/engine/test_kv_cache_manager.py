@@ -1,0 +1,170 @@
+"""The block pool and the KV cache manager without JAX: reference counts, hashes, LRU eviction, and a
+state machine over allocate / share / compute / free that checks the invariants after every step."""
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from engine.block_pool import BlockPool, OutOfBlocksError, blocks_for_tokens
+from engine.kv_cache_manager import KVCacheManager, hash_block, hash_blocks
+
+pytestmark = pytest.mark.fast
+
+
+def test_pool_allocate_release_and_double_free():
+    pool = BlockPool(8)
+    blocks = pool.allocate(5)
+    assert len(set(blocks)) == 5 and pool.num_free == 3 and pool.num_used == 5
+    with pytest.raises(OutOfBlocksError):
+        pool.allocate(4)
+    pool.release(blocks)
+    assert pool.num_free == 8 and blocks_for_tokens(9, 4) == 3
+    with pytest.raises(ValueError, match="freed twice"):
+        pool.release(blocks[:1])
+    pool.check()
+
+
+def test_hashes_chain_on_every_token_before_and_on_the_adapter():
+    a = hash_blocks(list(range(12)), 4)
+    assert len(a) == 3 and hash_blocks(list(range(14)), 4) == a  # a partial block has no hash
+    changed = hash_blocks([99, *range(1, 12)], 4)
+    assert all(x != y for x, y in zip(a, changed, strict=True))  # the first block changes every later one
+    assert hash_block(None, range(4, 8)) != a[1]  # the same tokens under another parent
+    assert hash_blocks(list(range(12)), 4, extra_key="lora-fp") != a
+    assert hash_blocks(list(range(12)), 4, start=a[:1]) == a  # continues a known chain
+
+
+def test_lookup_returns_whole_blocks_and_never_the_last_token():
+    kv = KVCacheManager(16, 4)
+    prompt = list(range(12))
+    assert kv.allocate("a", 12, token_ids=prompt)
+    kv.cache_blocks("a", prompt, 12)
+    a_blocks = kv.block_ids("a")
+    assert kv.lookup(prompt) == a_blocks[:2]  # the third block holds the last token
+    assert kv.lookup([*prompt, 50]) == a_blocks  # one more token: all three blocks are reusable
+    assert kv.lookup([*prompt[:6], 7, 7, 7, 7, 7]) == a_blocks[:1]  # diverges inside block 2
+    assert kv.lookup(prompt, extra_key="adapter") == []  # a LoRA request shares only its adapter's KV
+    assert kv.lookup([9, *prompt[1:]]) == []
+
+
+def test_shared_blocks_are_reference_counted_and_freed_tail_first_into_the_lru():
+    kv = KVCacheManager(8, 4)
+    prompt = list(range(9))  # 2 full blocks + 1 partial
+    kv.allocate("a", 9, token_ids=prompt)
+    kv.cache_blocks("a", prompt, 9)
+    hits = kv.lookup(prompt)
+    assert len(hits) == 2
+    kv.allocate("b", 9, cached=hits, token_ids=prompt)
+    assert kv.block_ids("b")[:2] == hits and kv.block_ids("b")[2] != kv.block_ids("a")[2]  # partial: own
+    assert [kv.pool.ref_counts[b] for b in hits] == [2, 2]
+    assert kv.stats.hits == 8 and kv.stats.queries == 18
+    kv.free("a")  # b still holds the shared blocks
+    assert [kv.pool.ref_counts[b] for b in hits] == [1, 1] and kv.pool.num_cached == 0
+    kv.free("b")
+    assert kv.pool.num_cached == 2 and kv.pool.num_used == 0
+    assert list(kv.pool._lru) == hits[::-1]  # the tail block is evicted before the head
+    kv.pool.check()
+
+
+def test_allocation_takes_free_blocks_before_evicting_cached_ones():
+    kv = KVCacheManager(4, 2)
+    kv.allocate("a", 4, token_ids=[1, 2, 3, 4])
+    kv.cache_blocks("a", [1, 2, 3, 4], 4)
+    kv.free("a")  # 2 cached, 2 free
+    assert kv.pool.num_free == 2 and kv.pool.num_cached == 2
+    kv.allocate("b", 4)
+    assert kv.pool.num_evictions == 0 and kv.lookup([1, 2, 3, 4, 5]) != []
+    kv.allocate("c", 2)  # needs a cached block: the least recently used one goes (the tail, [3, 4])
+    assert kv.pool.num_evictions == 1 and len(kv.lookup([1, 2, 3, 4, 5])) == 1
+    assert kv.can_allocate("d", 2) and not kv.can_allocate("d", 4)  # 1 cached block left to evict
+    kv.pool.check()
+
+
+def test_unreferenced_hits_do_not_count_as_available_for_the_rest():
+    kv = KVCacheManager(3, 2)
+    kv.allocate("a", 4, token_ids=[1, 2, 3, 4])
+    kv.cache_blocks("a", [1, 2, 3, 4], 4)
+    kv.free("a")  # 2 cached + 1 free
+    hits = kv.lookup([1, 2, 3, 4, 5])
+    assert len(hits) == 2
+    assert kv.can_allocate("b", 6, hits)  # 2 hits + 1 free
+    assert not kv.can_allocate("b", 8, hits)  # a 4th block would have to evict one of its own hits
+    assert not kv.allocate("b", 8, hits, [1, 2, 3, 4, 5, 6, 7])
+    assert kv.pool.num_cached == 2 and kv.block_ids("b") == []  # a refused allocation changes nothing
+
+
+def test_a_duplicate_block_stays_private_and_caching_can_be_off():
+    kv = KVCacheManager(8, 2)
+    for rid in ("a", "b"):  # the same prompt computed twice side by side (one batch)
+        kv.allocate(rid, 4, token_ids=[1, 2, 3, 4])
+    for rid in ("a", "b"):
+        kv.cache_blocks(rid, [1, 2, 3, 4], 4)
+    assert kv.lookup([1, 2, 3, 4, 5]) == kv.block_ids("a")  # the first copy is the cached one
+    kv.free("b")
+    assert kv.pool.num_free == 6 and kv.pool.num_cached == 0  # b's copies were never shared
+    off = KVCacheManager(8, 2, enable_caching=False)
+    off.allocate("a", 4, token_ids=[1, 2, 3, 4])
+    off.cache_blocks("a", [1, 2, 3, 4], 4)
+    off.free("a")
+    assert off.lookup([1, 2, 3, 4, 5]) == [] and off.pool.num_free == 8
+
+
+class CacheMachine(RuleBasedStateMachine):
+    """Requests over a 3-token alphabet (prefixes collide often) in a small cache. `written` records the
+    tokens (with the whole prefix before them) each block's KV was computed for; every lookup hit must hold
+    exactly the prefix it was found for."""
+
+    BLOCK = 2
+
+    def __init__(self):
+        super().__init__()
+        self.kv = KVCacheManager(12, self.BLOCK)
+        self.requests: dict[str, list[int]] = {}  # holding blocks -> their tokens
+        self.computed: dict[str, int] = {}
+        self.written: dict[int, tuple[int, ...]] = {}
+        self.ids = 0
+
+    @rule(tokens=st.lists(st.integers(0, 2), min_size=1, max_size=9), adapter=st.sampled_from([None, "x"]))
+    def admit(self, tokens, adapter):
+        rid = f"r{self.ids}"
+        self.ids += 1
+        hits = self.kv.lookup(tokens, adapter)
+        for i, block in enumerate(hits):
+            assert self.written[block] == (adapter, *tokens[: (i + 1) * self.BLOCK]), "stale cached block"
+        if self.kv.allocate(rid, len(tokens), hits, tokens, adapter):
+            assert self.kv.block_ids(rid)[: len(hits)] == hits
+            self.requests[rid] = (adapter, tokens)
+            self.computed[rid] = len(hits) * self.BLOCK
+
+    @precondition(lambda self: self.requests)
+    @rule(data=st.data())
+    def compute(self, data):
+        rid = data.draw(st.sampled_from(sorted(self.requests)))
+        adapter, tokens = self.requests[rid]
+        done = data.draw(st.integers(self.computed[rid], len(tokens)))
+        blocks = self.kv.block_ids(rid)
+        for pos in range(self.computed[rid], done):  # the step writes these tokens' KV
+            block = blocks[pos // self.BLOCK]
+            assert self.kv.pool.ref_counts[block] == 1, "wrote into a shared block"
+            self.written[block] = (adapter, *tokens[: (pos // self.BLOCK + 1) * self.BLOCK])
+        self.computed[rid] = done
+        self.kv.cache_blocks(rid, tokens, done, adapter)
+
+    @precondition(lambda self: self.requests)
+    @rule(data=st.data())
+    def free(self, data):  # finish, abort or preempt: all give their references back
+        rid = data.draw(st.sampled_from(sorted(self.requests)))
+        self.kv.free(rid)
+        del self.requests[rid], self.computed[rid]
+
+    @invariant()
+    def consistent(self):
+        self.kv.pool.check()
+        held = [b for rid in self.requests for b in self.kv.block_ids(rid)]
+        for b in range(self.kv.num_blocks):
+            assert self.kv.pool.ref_counts[b] == held.count(b)
+
+
+CacheMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+test_cache_state_machine = CacheMachine.TestCase
