@@ -65,7 +65,7 @@ class ModelRunner:
         """Every (rows, tokens per row, past blocks) the scheduler can produce."""
         c = self.config
         fresh = itertools.product(c.prefill_batch_buckets, c.prefill_token_buckets, [0])
-        continued = ((1, c.max_prefill_tokens, p) for p in c.context_block_buckets)
+        continued = itertools.product([1], c.prefill_token_buckets, c.context_block_buckets)
         decode = itertools.product(c.decode_batch_buckets, [1], c.context_block_buckets)
         return sorted(set(fresh) | set(continued) | set(decode))
 
@@ -91,7 +91,11 @@ class ModelRunner:
             )
         if len(rows) != 1:
             raise ValueError("continued prefill chunks run one request per step")
-        return 1, c.max_prefill_tokens, bucket_for(max_past, c.context_block_buckets)
+        return (
+            1,
+            bucket_for(max_tokens, c.prefill_token_buckets),
+            bucket_for(max_past, c.context_block_buckets),
+        )
 
     # ---- execution ------------------------------------------------------------------------------------
     def forward(self, rows: list[Row]) -> jax.Array:

@@ -28,6 +28,7 @@ class Completion:
     text: str = ""
     finish_reason: str | None = None  # "stop", "length", "abort"; None while running
     prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0  # of prompt_tokens, found in a prefix cache (not computed again)
     completion_tokens: int = 0
     token_times_s: list[float] = dataclasses.field(default_factory=list)  # each token's arrival since start
 
@@ -52,6 +53,7 @@ class Completion:
         if response.finish_reason:
             self.finish_reason = FINISH_NAMES[response.finish_reason]
             self.prompt_tokens = response.usage.prompt_tokens
+            self.cached_prompt_tokens = response.usage.cached_prompt_tokens
             self.completion_tokens = response.usage.completion_tokens
 
     def record(self, startup_s: float | None = None) -> dict:
@@ -59,6 +61,7 @@ class Completion:
         return {
             "prompt_ids": self.prompt_ids,
             "prompt_tokens": self.prompt_tokens,
+            "cached_prompt_tokens": self.cached_prompt_tokens,
             "token_ids": self.token_ids,
             "text": self.text,
             "finish_reason": self.finish_reason,

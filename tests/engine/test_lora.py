@@ -241,3 +241,21 @@ def test_matches_transformers_with_peft(gguf_path, lora_engine, tmp_path):
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     assert engine.generate([ids], params, lora="peft")[0].token_ids == generated.tolist()
     engine.loras.remove("peft")
+
+
+def test_prefix_cache_shares_blocks_only_within_an_adapter(lora_engine, make_engine, adapters):
+    engine = lora_engine()
+    prompt = engine.tokenizer.encode("Shared head of a prompt. " * 12)
+    baseline = make_engine(max_loras=2, enable_prefix_caching=False)
+    for name in ("all8", "attn4"):
+        if name not in baseline.loras.adapters:
+            baseline.loras.load(name, str(adapters[name]))
+    expected = {
+        name: baseline.generate([prompt], GREEDY, lora=name)[0].token_ids for name in ("all8", "attn4", None)
+    }
+    runs = [
+        (name, engine.generate([prompt], GREEDY, lora=name)[0]) for name in ("all8", "all8", "attn4", None)
+    ]
+    assert [c.token_ids for _, c in runs] == [expected[name] for name, _ in runs]
+    cached = [c.num_cached_tokens for _, c in runs]
+    assert cached[1] > 0 and cached[2] == 0  # the same adapter reuses its blocks; another adapter does not

@@ -1,0 +1,148 @@
+"""Prefix caching, on vs off, measured in one run on this machine.
+
+    .venv/bin/python bench/bench_prefix_cache.py [--quick] [--json OUT]
+
+1. Multi-turn chat through a prefill-server + decode-server pair (real daemons): 8 conversations of 4
+   turns, a 1,024-token system prompt shared by all, 64-token user turns, 32-token answers; each turn's
+   prompt is the whole conversation so far. The same workload against a pair started with
+   --no-prefix-caching. Reports TTFT p50 of turn 1 and of turns >= 2, and the prompt tokens the prefill
+   server computed (looked up minus found, from its Admin stats). Targets: TTFT p50 of turns >= 2 at least
+   4x lower with caching; at least 70% fewer prompt tokens computed.
+2. No reuse (random prompts), one engine per setting in this process, runs interleaved: prefill
+   throughput (batches of 512-token prompts, one token each) and decode throughput (8 streams of 64
+   tokens). Target: caching on within 3% of off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from engine.models import DEFAULT_MODEL, fetch
+from services.client import Client
+from services.launch import decode_server, prefill_server
+
+ENGINE_ARGS = ["--max-model-len", "2048", "--num-blocks", "1024", "--max-num-seqs", "8"]
+
+
+def tokens(n: int, rng: np.random.Generator) -> list[int]:
+    return rng.integers(100, 40000, n).tolist()
+
+
+def conversations(client: Client, num: int, turns: int, system: list[int], seed: int) -> list[list[dict]]:
+    """Runs `num` conversations concurrently (turns in order within each); returns per-turn records."""
+
+    def one(c: int) -> list[dict]:
+        rng = np.random.default_rng(seed * 1000 + c)
+        history, out = list(system), []
+        for turn in range(turns):
+            history += tokens(64, rng)
+            result = client.generate(history, max_tokens=32, ignore_eos=True, temperature=0.0)
+            out.append({"turn": turn + 1, "ttft_s": result.ttft_s, "cached": result.cached_prompt_tokens})
+            history += result.token_ids
+        return out
+
+    with concurrent.futures.ThreadPoolExecutor(num) as pool:
+        return list(pool.map(one, range(num)))
+
+
+def chat_study(gguf: Path, logs: Path, num: int, turns: int) -> dict:
+    results = {}
+    for setting, extra in (("caching_on", []), ("caching_off", ["--no-prefix-caching"])):
+        args = [*ENGINE_ARGS, *extra]
+        pf = prefill_server(gguf, logs, name=f"prefill-{setting}", engine_args=args)
+        dc = decode_server(gguf, pf.address, logs, name=f"decode-{setting}", engine_args=args)
+        try:
+            client = Client(dc.address)
+            conversations(client, 2, 2, tokens(1024, np.random.default_rng(99)), seed=99)  # compile shapes
+            before = Client(pf.address).stats()
+            records = conversations(client, num, turns, tokens(1024, np.random.default_rng(1)), seed=1)
+            after = Client(pf.address).stats()
+        finally:
+            dc.terminate()
+            pf.terminate()
+        flat = [r for conv in records for r in conv]
+        looked_up = after.prefix_cache_queries_total - before.prefix_cache_queries_total
+        found = after.prefix_cache_hits_total - before.prefix_cache_hits_total
+        results[setting] = {
+            "ttft_p50_turn1_s": statistics.median(r["ttft_s"] for r in flat if r["turn"] == 1),
+            "ttft_p50_later_turns_s": statistics.median(r["ttft_s"] for r in flat if r["turn"] > 1),
+            "prompt_tokens": looked_up,
+            "prompt_tokens_computed": looked_up - found,
+            "cached_tokens_reported": sum(r["cached"] for r in flat),
+        }
+        print(json.dumps({setting: results[setting]}), flush=True)
+    on, off = results["caching_on"], results["caching_off"]
+    results["ttft_later_turns_off_over_on"] = off["ttft_p50_later_turns_s"] / on["ttft_p50_later_turns_s"]
+    results["prompt_tokens_computed_saved"] = 1 - on["prompt_tokens_computed"] / off["prompt_tokens_computed"]
+    return results
+
+
+def throughput_study(rounds: int) -> dict:
+    """Engines with caching on and off over the same random prompts (no prefix shared), interleaved."""
+    from engine.args import configure_jax
+    from engine.config import EngineConfig
+    from engine.engine import LLMEngine
+    from engine.models import load_model
+    from engine.sampling_params import SamplingParams
+
+    configure_jax()
+    model = load_model(None)
+    config = EngineConfig(max_model_len=1024, num_blocks=512, max_num_seqs=8, max_prefill_tokens=512)
+    engines = {
+        "on": LLMEngine(model, config),
+        "off": LLMEngine(model, dataclasses.replace(config, enable_prefix_caching=False)),
+    }
+    rng = np.random.default_rng(5)
+    prefill_params = SamplingParams(temperature=0, max_tokens=1)
+    decode_params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    samples = {(k, s): [] for k in engines for s in ("prefill", "decode")}
+    for engine in engines.values():  # compile every shape the runs use
+        engine.generate([tokens(512, rng) for _ in range(4)], prefill_params)
+        engine.generate([tokens(16, rng) for _ in range(8)], decode_params)
+    for _ in range(rounds):
+        prefill_prompts = [tokens(512, rng) for _ in range(8)]
+        decode_prompts = [tokens(16, rng) for _ in range(8)]
+        for key, engine in engines.items():
+            t = time.perf_counter()
+            engine.generate(prefill_prompts, prefill_params)
+            samples[key, "prefill"].append(8 * 512 / (time.perf_counter() - t))
+            t = time.perf_counter()
+            engine.generate(decode_prompts, decode_params)
+            samples[key, "decode"].append(8 * 64 / (time.perf_counter() - t))
+    out = {f"{kind}_tokens_per_s_{key}": statistics.median(v) for (key, kind), v in samples.items()}
+    for kind in ("prefill", "decode"):
+        out[f"{kind}_on_over_off"] = out[f"{kind}_tokens_per_s_on"] / out[f"{kind}_tokens_per_s_off"]
+    print(json.dumps(out), flush=True)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--skip-chat", action="store_true")
+    parser.add_argument("--skip-throughput", action="store_true")
+    args = parser.parse_args()
+    result = {}
+    if not args.skip_chat:
+        gguf = fetch(DEFAULT_MODEL, progress=False)
+        logs = Path(tempfile.mkdtemp(prefix="bench-prefix-"))
+        result["multi_turn_chat"] = chat_study(gguf, logs, 4 if args.quick else 8, 3 if args.quick else 4)
+    if not args.skip_throughput:
+        result["no_reuse"] = throughput_study(3 if args.quick else 7)
+    print(json.dumps(result, indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""Prefix caching with the real model: the tokens are those computed without it (greedy and seeded),
+for batches mixing shared and unshared prefixes, prompts chunked after a cache hit, and TP 2."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.model
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+def workload(tokenizer):
+    """Prompts sharing a 300-token head (past one 256-token chunk), one whose own part is longer than a
+    chunk, and unshared ones; params greedy and seeded."""
+    rng = np.random.default_rng(0)
+    system = rng.integers(100, 30000, 300).tolist()
+    prompts = [
+        system + tokenizer.encode(" What is the capital of France?"),
+        system + tokenizer.encode(" Name three colours."),
+        system + rng.integers(100, 30000, 280).tolist(),  # its own part is chunked after the hit
+        tokenizer.encode("Unshared: the quick brown fox"),
+        rng.integers(100, 30000, 40).tolist(),
+    ]
+    params = [GREEDY, SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=12, ignore_eos=True)]
+    return prompts, [params[i % 2] for i in range(len(prompts))]
+
+
+def run_twice(engine, prompts, params):
+    """Round 1 fills the cache; round 2 (the same requests plus new turns) hits it."""
+    first = engine.generate(prompts, params)
+    follow_ups = [p + c.token_ids for p, c in zip(prompts, first, strict=True)]  # the next turn's prompt
+    second = engine.generate(prompts + follow_ups, params + params)
+    return first, second
+
+
+def test_caching_on_gives_the_tokens_of_caching_off(make_engine, loaded_model):
+    prompts, params = workload(loaded_model.tokenizer)
+    on = make_engine()
+    off = make_engine(enable_prefix_caching=False)
+    first_on, second_on = run_twice(on, prompts, params)
+    first_off, second_off = run_twice(off, prompts, params)
+    assert [c.token_ids for c in first_on + second_on] == [c.token_ids for c in first_off + second_off]
+    hits = [c.num_cached_tokens for c in second_on]
+    assert all(h > 0 for h in hits[:3] + hits[5:]), hits  # repeats and follow-ups reuse their prefix
+    assert hits[0] >= 288 and hits[5] >= len(prompts[0]) - 16  # whole blocks, up to the last token
+    assert all(c.num_cached_tokens == 0 for c in first_off + second_off)
+    stats = on.scheduler.kv.stats
+    assert 0 < stats.hits < stats.queries
+    on.scheduler.kv.pool.check()
+
+
+def test_tensor_parallel_2_with_caching(make_engine, loaded_model):
+    prompts, params = workload(loaded_model.tokenizer)
+    prompts, params = prompts[:2], params[:2]  # a shared head, greedy and seeded
+    reference = run_twice(make_engine(enable_prefix_caching=False), prompts, params)
+    tp2 = make_engine(devices=jax.devices()[:2], tp=2)
+    first, second = run_twice(tp2, prompts, params)
+    assert [c.token_ids for c in first + second] == [c.token_ids for c in reference[0] + reference[1]]
+    assert sum(c.num_cached_tokens for c in second) > 0
