@@ -7,27 +7,26 @@
 Layout: SmolLM2-135M's cache (30 layers, 3 kv heads, head_dim 64, float32 as the engine keeps it, or
 bfloat16; block size 16), TP 1 on both sides, 4 MiB frames (full chunks: all 30 layers x 5 blocks in
 float32, 11 in bfloat16). Source blocks scattered, destination blocks in runs of 8 (a mixed list).
-Stages (one process): gather (device), encode (device->host, crc32c, framing), decode (parse, verify),
-reshard (host -> destination mesh), insert (donated cache). End to end:
-- grpc: a second process holds the prefill cache; Send -> gather there -> Pull stream over loopback ->
-  verify -> device_put -> insert here. Reference: raw-bytes gRPC streaming of the same number of bytes
-  between the same two processes, 4 MiB messages, measured in the same run.
-- local: LocalTransport between two meshes of this process (gather, move to the destination mesh,
-  insert; chunks of up to 64 MiB). Reference: a numpy copy of the same bytes.
-Peak extra memory during receive+insert is the rise of this process's peak RSS (VmHWM) over its RSS
-before, read from /proc after returning free heap pages (malloc_trim) and resetting the peak (clear_refs 5).
+Stages (one process, synthetic cache): gather (device), encode (device->host, crc32c, framing: the
+prefill server's kvtransfer.encode_request), decode (parse, verify), reshard (host -> destination mesh),
+insert (donated cache).
+
+The daemons' paths, end to end (class DaemonPaths), with the default model's real engines:
+- grpc: a second process runs a prefill server (services.prefill.server.PrefillService); this process runs
+  a decode server's core against it over loopback (RemotePrefiller, DecodeConnector inserts). Reference:
+  raw-bytes gRPC streaming of the same number of bytes between the same two processes, 4 MiB messages.
+- local: `pdserve serve`'s core in this process (LocalPrefiller engine on device 0 -> decode engine on
+  device 1). Reference: a numpy copy of the same bytes.
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import os
 import subprocess
 import sys
 import time
-from concurrent import futures
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,24 +41,20 @@ from jax.sharding import Mesh  # noqa: E402
 
 from kvtransfer import (  # noqa: E402
     FrameAssembler,
-    FrameEncoder,
-    GrpcTransport,
     KVLayout,
     LayerSpec,
-    LocalTransport,
     cache_sharding,
     chunk_sharding,
     deserialize_frame,
+    encode_request,
     gather_request,
     insert,
     insert_stream,
-    serialize_frame,
 )
 from kvtransfer.gather import _gather_kernel  # noqa: E402
 from kvtransfer.insert import _insert_kernel, insert_scratch_bytes  # noqa: E402
 from kvtransfer.plan import MAX_FRAME_BYTES, chunk_shapes, plan_frames  # noqa: E402
 from kvtransfer.synthetic import make_cache  # noqa: E402
-from kvtransfer.transport import grpc_options  # noqa: E402
 
 DTYPE = os.environ.get("KVBENCH_DTYPE", "float32")  # set by --dtype, for this process and the peer
 os.environ["KVBENCH_DTYPE"] = DTYPE
@@ -67,6 +62,13 @@ LAYOUT = KVLayout("SmolLM2-135M-Instruct", (LayerSpec(),) * 30, 3, 64, DTYPE, 16
 TOKEN_BYTES = LAYOUT.num_cache_layers * LAYOUT.block_bytes // LAYOUT.block_size
 NUM_BLOCKS = 1024  # 360 MiB per cache
 RAW_CHUNK = MAX_FRAME_BYTES - 64
+
+
+def _engine_config():
+    from engine.config import EngineConfig
+
+    # 4,096 tokens (180 MiB of float32 KV) fit a request; the prefix cache keeps repeats cheap to compute.
+    return EngineConfig(max_model_len=4096, num_blocks=512, max_num_seqs=4, max_prefill_tokens=512)
 
 
 def request_blocks(mib: int, seed: int = 0) -> tuple[list[int], list[int], int]:
@@ -84,46 +86,49 @@ def mesh_of(device: int) -> Mesh:
     return Mesh(np.array(jax.devices()[device : device + 1]), ("model",))
 
 
-# The peer process: prefill side of the gRPC transport plus a raw-bytes streaming reference.
+# The peer process: a prefill server exactly as `prefill-server` runs it (PrefillService over the default
+# model on its own engine thread), plus a raw-bytes streaming reference on the same gRPC server.
 
 
 def serve() -> None:
-    src_mesh = mesh_of(0)
-    cache = jax.device_put(make_cache(LAYOUT, NUM_BLOCKS), cache_sharding(src_mesh, LAYOUT))
-    transport = GrpcTransport(LAYOUT)
+    import asyncio
+
+    from engine.args import configure_jax
+    from engine.engine import LLMEngine
+    from services.grpc_server import RunningServer
+    from services.prefill.server import SERVICE_NAME, PrefillService, add_to_server
+
+    configure_jax()
+    service = PrefillService.for_engine(LLMEngine.from_model(None, _engine_config(), warmup=False))
     raw: list[bytes] = []
 
-    def send(request: bytes, context) -> bytes:
-        r = json.loads(request)
-        transport.send(r["id"], cache, r["blocks"], r["tokens"])
-        return b""
-
-    def prepare_raw(request: bytes, context) -> bytes:
+    async def prepare_raw(request: bytes, context) -> bytes:
         nbytes = int(request)
         payload = np.random.default_rng(0).integers(0, 255, nbytes, np.uint8).tobytes()
         raw[:] = [payload[i : i + RAW_CHUNK] for i in range(0, nbytes, RAW_CHUNK)]
         return b""
 
-    def stream_raw(request: bytes, context):
-        yield from raw
+    async def stream_raw(request: bytes, context):
+        for message in raw:
+            yield message
 
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=grpc_options(MAX_FRAME_BYTES))
-    control = {
-        "Send": grpc.unary_unary_rpc_method_handler(send),
-        "PrepareRaw": grpc.unary_unary_rpc_method_handler(prepare_raw),
-        "StreamRaw": grpc.unary_stream_rpc_method_handler(stream_raw),
-    }
-    server.add_generic_rpc_handlers(
-        (transport.handler(), grpc.method_handlers_generic_handler("bench.Control", control))
-    )
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    print(port, flush=True)
-    sys.stdin.read()
-    server.stop(None)
+    def register(server) -> None:
+        add_to_server(server, service)
+        control = {
+            "PrepareRaw": grpc.unary_unary_rpc_method_handler(prepare_raw),
+            "StreamRaw": grpc.unary_stream_rpc_method_handler(stream_raw),
+        }
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("bench.Raw", control),))
 
+    async def main() -> None:
+        service.loop.start()
+        running = await RunningServer.start([SERVICE_NAME], register, "127.0.0.1", 0)
+        print(running.port, flush=True)
+        await asyncio.to_thread(sys.stdin.read)
+        await running.stop(1)
+        service.loop.stop()
 
-# The main process: decode side, stage measurements, local transport.
+    asyncio.run(main())
 
 
 def best_time(fn, repeats: int) -> float:
@@ -159,43 +164,19 @@ def peak_extra(fn) -> int:
 
 
 class Bench:
-    def __init__(self, repeats: int, port: int):
+    """kvtransfer's stages on a synthetic cache of the model's layout, between two meshes of this process."""
+
+    def __init__(self, repeats: int):
         self.repeats = repeats
         self.src_mesh, self.dst_mesh = mesh_of(0), mesh_of(1)
         self.src = jax.device_put(make_cache(LAYOUT, NUM_BLOCKS), cache_sharding(self.src_mesh, LAYOUT))
         host = np.zeros(LAYOUT.cache_shape(NUM_BLOCKS), LAYOUT.np_dtype)
         self.dst = jax.device_put(host, cache_sharding(self.dst_mesh, LAYOUT))
         self.sharding = chunk_sharding(self.dst_mesh, LAYOUT)
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=grpc_options(MAX_FRAME_BYTES))
-        self.send = self.channel.unary_unary("/bench.Control/Send")
-        self.prepare_raw = self.channel.unary_unary("/bench.Control/PrepareRaw")
-        self.stream_raw = self.channel.unary_stream("/bench.Control/StreamRaw")
-        self.grpc = GrpcTransport(LAYOUT, mesh=self.dst_mesh, peer=f"127.0.0.1:{port}")
-        self.local = LocalTransport(LAYOUT, LAYOUT, self.dst_mesh)
-        self.count = 0
 
     def insert_all(self, chunks, blocks):
         self.dst = insert_stream(self.dst, chunks, blocks)
         jax.block_until_ready(self.dst)
-
-    def grpc_e2e(self, src_blocks, dst_blocks, tokens, do_insert=True):
-        self.count += 1
-        rid = f"r{self.count}"
-        self.send(json.dumps({"id": rid, "blocks": src_blocks, "tokens": tokens}).encode())
-        chunks = self.grpc.receive(rid, tokens)
-        if do_insert:
-            self.insert_all(chunks, dst_blocks)
-        else:
-            jax.block_until_ready([c.data for c in chunks])
-
-    def local_e2e(self, src_blocks, dst_blocks, tokens):
-        self.count += 1
-        self.local.send(f"l{self.count}", self.src, src_blocks, tokens)
-        self.insert_all(self.local.receive(f"l{self.count}", tokens), dst_blocks)
-
-    def raw(self, nbytes):
-        received = sum(len(m) for m in self.stream_raw(b""))
-        assert received == nbytes
 
     def measure(self, mib: int) -> dict:
         src_blocks, dst_blocks, tokens = request_blocks(mib)
@@ -207,9 +188,8 @@ class Bench:
             state["chunks"] = gather_request(self.src, LAYOUT, src_blocks, tokens)
             jax.block_until_ready([c.data for c in state["chunks"]])
 
-        def encode_stage():
-            encoder = FrameEncoder("b", LAYOUT, tokens)
-            state["messages"] = [serialize_frame(f) for f in encoder.frames(state["chunks"], src_blocks)]
+        def encode_stage():  # the prefill server's sender, without its prefetch thread
+            state["messages"] = list(encode_request("b", LAYOUT, tokens, list(state["chunks"])))
 
         def decode_stage():
             assembler = FrameAssembler("b", tokens, LAYOUT, LAYOUT)
@@ -238,26 +218,6 @@ class Bench:
         )
         state.clear()
 
-        self.grpc_e2e(src_blocks, dst_blocks, tokens)  # warm-up
-        self.prepare_raw(str(nbytes).encode())
-        self.raw(nbytes)
-        # Interleaved, so that the transport and its reference see the same load on the shared cores.
-        runs = {
-            "grpc_wire": lambda: self.grpc_e2e(src_blocks, dst_blocks, tokens, False),
-            "grpc_e2e": lambda: self.grpc_e2e(src_blocks, dst_blocks, tokens),
-            "grpc_raw": lambda: self.raw(nbytes),
-        }
-        best = dict.fromkeys(runs, float("inf"))
-        for _ in range(r):
-            for key, fn in runs.items():
-                best[key] = min(best[key], best_time(fn, 1))
-        row.update({key: nbytes / t / 1e9 for key, t in best.items()})
-
-        self.local_e2e(src_blocks, dst_blocks, tokens)
-        row["local_e2e"] = nbytes / best_time(lambda: self.local_e2e(src_blocks, dst_blocks, tokens), r) / 1e9
-        row["numpy_copy"] = nbytes / numpy_copy_time(nbytes, r) / 1e9
-
-        row["mem_extra_mib"] = peak_extra(lambda: self.grpc_e2e(src_blocks, dst_blocks, tokens)) / 2**20
         row["frame_mib"] = frame_bytes / 2**20
         return row
 
@@ -289,7 +249,110 @@ class Bench:
         }
 
 
-COLUMNS = [
+class DaemonPaths:
+    """The daemons' two KV paths with the default model, in this process's decode engines:
+
+    - grpc: a decode server's core (GenerationCore: admission, RemotePrefiller's verified receive, the
+      DecodeConnector's inserts) against the peer's prefill server, over loopback; reference: the raw bytes
+      streamed between the same two processes, 4 MiB messages.
+    - local: `pdserve serve`'s core, a LocalPrefiller engine on device 0 and the decode engine on device 1
+      (gather with head conversion, device_put aliasing host memory, insert); reference: a numpy copy.
+
+    Seconds are the decode server's own kv_transfer_seconds (the first token's arrival to the request's
+    start), with one sync added: the cache is ready before the request starts, so the inserts count.
+    """
+
+    def __init__(self, port: int):
+        from engine.args import configure_jax
+        from engine.engine import LLMEngine
+        from engine.models import load_model
+        from services.decode.core import GenerationCore
+        from services.decode.prefill_pool import LocalPrefiller
+        from services.engine_loop import EngineLoop
+        from services.grpc_server import channel_options
+        from services.kv import engine_layout
+
+        configure_jax()
+        model = load_model(None)
+        devices = jax.devices()
+        remote_engine = LLMEngine(model, _engine_config(), [devices[1]])
+        self.remote = GenerationCore.for_engine(remote_engine, prefill_targets=[f"127.0.0.1:{port}"])
+        prefill_engine = LLMEngine(model, _engine_config(), [devices[0]])
+        local_engine = LLMEngine(model, _engine_config(), [devices[1]])
+        self.prefill_loop = EngineLoop(prefill_engine, name="prefill-engine")
+        local = LocalPrefiller(self.prefill_loop, engine_layout(prefill_engine))
+        self.local = GenerationCore.for_engine(local_engine, local_prefiller=local)
+        for engine in (remote_engine, local_engine):
+            _sync_before_start(engine)
+        self.layout = engine_layout(remote_engine)
+        self.token_bytes = self.layout.num_cache_layers * self.layout.block_bytes // self.layout.block_size
+        self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=channel_options())
+        self.prepare_raw = self.channel.unary_unary("/bench.Raw/PrepareRaw")
+        self.stream_raw = self.channel.unary_stream("/bench.Raw/StreamRaw")
+
+    async def start(self) -> None:
+        self.prefill_loop.start()
+        await self.remote.start()
+        await self.local.start()
+
+    async def close(self) -> None:
+        await self.remote.close()
+        await self.local.close()
+        self.prefill_loop.stop()
+        await self.channel.close()
+
+    async def transfer(self, core, prompt: list[int]) -> tuple[float, int]:
+        """One request through `core`: (KV transfer seconds, KV bytes) from its counters."""
+        from engine.sampling_params import SamplingParams
+
+        c = core.counters
+        seconds, nbytes = c.kv_transfer_seconds_total, c.kv_transfer_bytes_total
+        request = core.make_request(prompt, SamplingParams(temperature=0, max_tokens=1))
+        async for _ in core.stream(request):
+            pass
+        return c.kv_transfer_seconds_total - seconds, c.kv_transfer_bytes_total - nbytes
+
+    async def raw(self, nbytes: int) -> float:
+        start = time.perf_counter()
+        received = 0
+        async for message in self.stream_raw(b""):
+            received += len(message)
+        assert received == nbytes
+        return time.perf_counter() - start
+
+    async def measure(self, mib: int, repeats: int) -> dict:
+        tokens = max(1, (mib << 20) // self.token_bytes)
+        prompt = np.random.default_rng(mib).integers(100, 40000, tokens).tolist()
+        best = {"grpc_e2e": float("inf"), "grpc_raw": float("inf"), "local_e2e": float("inf")}
+        _, nbytes = await self.transfer(self.remote, prompt)  # warm-up: compiles, fills the prefix cache
+        await self.transfer(self.local, prompt)
+        await self.prepare_raw(str(nbytes).encode())
+        await self.raw(nbytes)
+        for _ in range(repeats):  # interleaved: each path and its reference see the same load
+            best["grpc_e2e"] = min(best["grpc_e2e"], (await self.transfer(self.remote, prompt))[0])
+            best["grpc_raw"] = min(best["grpc_raw"], await self.raw(nbytes))
+            best["local_e2e"] = min(best["local_e2e"], (await self.transfer(self.local, prompt))[0])
+        row = {"mib": mib, "tokens": tokens, "kv_mib": nbytes / 2**20}
+        row.update({key: nbytes / seconds / 1e9 for key, seconds in best.items()})
+        row["numpy_copy"] = nbytes / numpy_copy_time(nbytes, repeats) / 1e9
+        row["ratio_grpc"] = row["grpc_e2e"] / row["grpc_raw"]
+        row["ratio_local"] = row["local_e2e"] / row["numpy_copy"]
+        return row
+
+
+def _sync_before_start(engine) -> None:
+    """The engine's cache is ready (every insert done) before a transferred request starts: the bench's
+    one addition to the daemon path, so that kv_transfer_seconds covers the inserts."""
+    start = engine.remote_kv_arrived
+
+    def remote_kv_arrived(*args):
+        jax.block_until_ready(engine.runner.cache)
+        return start(*args)
+
+    engine.remote_kv_arrived = remote_kv_arrived
+
+
+STAGE_COLUMNS = [
     ("MiB", "mib", "{:d}"),
     ("frames", "frames", "{:d}"),
     ("gather", "gather", "{:.2f}"),
@@ -297,27 +360,52 @@ COLUMNS = [
     ("decode", "decode", "{:.2f}"),
     ("reshard", "reshard", "{:.2f}"),
     ("insert", "insert", "{:.2f}"),
-    ("grpc wire", "grpc_wire", "{:.2f}"),
-    ("grpc e2e", "grpc_e2e", "{:.2f}"),
-    ("raw gRPC", "grpc_raw", "{:.2f}"),
-    ("e2e/raw", "ratio_grpc", "{:.0%}"),
-    ("wire/raw", "ratio_wire", "{:.0%}"),
-    ("local e2e", "local_e2e", "{:.2f}"),
-    ("numpy copy", "numpy_copy", "{:.2f}"),
-    ("local/copy", "ratio_local", "{:.0%}"),
-    ("peak extra MiB", "mem_extra_mib", "{:.1f}"),
     ("insert scratch MiB", "scratch_mib", "{:.2f}"),
     ("frame MiB", "frame_mib", "{:.2f}"),
 ]
+PATH_COLUMNS = [
+    ("MiB", "kv_mib", "{:.1f}"),
+    ("tokens", "tokens", "{:d}"),
+    ("grpc e2e", "grpc_e2e", "{:.2f}"),
+    ("raw gRPC", "grpc_raw", "{:.2f}"),
+    ("e2e/raw", "ratio_grpc", "{:.0%}"),
+    ("local e2e", "local_e2e", "{:.2f}"),
+    ("numpy copy", "numpy_copy", "{:.2f}"),
+    ("local/copy", "ratio_local", "{:.0%}"),
+]
+
+
+def table(rows: list[dict], columns) -> None:
+    print("| " + " | ".join(name for name, _, _ in columns) + " |")
+    print("|" + "---|" * len(columns))
+    for row in rows:
+        print("| " + " | ".join(fmt.format(row[key]) for _, key, fmt in columns) + " |")
+
+
+async def measure_paths(port: int, sizes: list[int], repeats: int) -> list[dict]:
+    paths = DaemonPaths(port)
+    await paths.start()
+    try:
+        rows = []
+        for mib in sizes:
+            rows.append(await paths.measure(mib, repeats))
+            print(f"measured the daemons' paths at {mib} MiB", file=sys.stderr, flush=True)
+        return rows
+    finally:
+        await paths.close()
 
 
 def main() -> None:
+    import asyncio
+
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--sizes", default="1,4,16,64,256")
+    parser.add_argument("--sizes", default="1,4,16,64,256", help="MiB of KV (the daemons' paths: <= 160)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtype", default=None, help="float32 (the engine's cache, default) or bfloat16")
+    parser.add_argument("--skip-stages", action="store_true")
+    parser.add_argument("--skip-paths", action="store_true")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.dtype and args.dtype != DTYPE:  # the layout is fixed at import: run again with it
@@ -325,36 +413,39 @@ def main() -> None:
         os.execv(sys.executable, [sys.executable, __file__, *sys.argv[1:]])
     if args.serve:
         return serve()
-    peer = subprocess.Popen(
-        [sys.executable, __file__, "--serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-    )
-    try:
-        bench = Bench(args.repeats, int(peer.stdout.readline()))
+    sizes = [int(s) for s in args.sizes.split(",")]
+    if not args.skip_stages:
+        bench = Bench(args.repeats)
         rows = []
-        for mib in (int(s) for s in args.sizes.split(",")):
-            row = bench.measure(mib)
-            row["ratio_grpc"] = row["grpc_e2e"] / row["grpc_raw"]
-            row["ratio_wire"] = row["grpc_wire"] / row["grpc_raw"]
-            row["ratio_local"] = row["local_e2e"] / row["numpy_copy"]
-            rows.append(row)
-            print(f"measured {mib} MiB", file=sys.stderr, flush=True)
-        print(
-            f"{DTYPE}: throughput in GB/s (10^9 B/s) of KV bytes; ratios against references measured in the"
-            " same run.\n"
-        )
-        print("| " + " | ".join(name for name, _, _ in COLUMNS) + " |")
-        print("|" + "---|" * len(COLUMNS))
-        for row in rows:
-            print("| " + " | ".join(fmt.format(row[key]) for _, key, fmt in COLUMNS) + " |")
+        for mib in sizes:
+            rows.append(bench.measure(mib))
+            print(f"measured the stages at {mib} MiB", file=sys.stderr, flush=True)
+        print(f"{DTYPE}, synthetic cache: stage throughput in GB/s (10^9 B/s) of KV bytes.\n")
+        table(rows, STAGE_COLUMNS)
         variants = bench.compiled_variants()
         print(
             f"\nCompiled variants for requests of 1..512 blocks: {variants['chunk_shapes']} chunk shapes, "
             f"{variants['gather']} gather and {variants['insert']} insert kernels "
-            f"(compiled and run in {variants['seconds']:.1f} s)."
+            f"(compiled and run in {variants['seconds']:.1f} s).\n"
         )
+        del bench
+    if args.skip_paths:
+        return None
+    peer = subprocess.Popen(
+        [sys.executable, __file__, "--serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        port = int(peer.stdout.readline())
+        rows = asyncio.run(measure_paths(port, [m for m in sizes if m <= 160], args.repeats))
+        print(
+            "The daemons' paths, default model (float32 cache): KV end to end in GB/s; ratios against"
+            " references measured in the same run.\n"
+        )
+        table(rows, PATH_COLUMNS)
     finally:
         peer.stdin.close()
-        peer.wait(timeout=60)
+        peer.wait(timeout=120)
+    return None
 
 
 if __name__ == "__main__":

@@ -54,11 +54,18 @@ class PrefillConnector(KVConnector):
 
     def __init__(self, layout: KVLayout):
         self.layout = layout
-        self._expected: dict[str, HeadMap | None] = {}
+        self._expected: dict[str, tuple[HeadMap | None, int]] = {}
         self._outbox: dict[str, list[KVChunk]] = {}
 
-    def expect(self, request_id: str, head_map: HeadMap | None = None) -> None:
-        self._expected[request_id] = head_map
+    def expect(
+        self,
+        request_id: str,
+        head_map: HeadMap | None = None,
+        max_frame_bytes: int = kvtransfer.MAX_FRAME_BYTES,
+    ) -> None:
+        """The sender wants the request's KV: heads converted by `head_map`, in the frame plan of
+        `max_frame_bytes` (the wire's frames, or kvtransfer.LOCAL_CHUNK_BYTES device to device)."""
+        self._expected[request_id] = (head_map, max_frame_bytes)
 
     def take(self, request_id: str) -> list[KVChunk]:
         """The gathered chunks of a finished request (KeyError: it did not finish)."""
@@ -80,9 +87,9 @@ class PrefillConnector(KVConnector):
     def send_kv(self, cache, request: Request, block_ids: Sequence[int]) -> None:
         num_tokens = len(request.prompt_ids)
         blocks = list(block_ids[: kvtransfer.plan.cdiv(num_tokens, self.layout.block_size)])
-        head_map = self._expected[request.request_id]
+        head_map, max_frame_bytes = self._expected[request.request_id]
         self._outbox[request.request_id] = kvtransfer.gather_request(
-            cache, self.layout, blocks, num_tokens, head_map=head_map
+            cache, self.layout, blocks, num_tokens, max_frame_bytes=max_frame_bytes, head_map=head_map
         )
 
 

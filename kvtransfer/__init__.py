@@ -21,14 +21,16 @@ The API (everything else is internal):
     FrameAssembler(request_id, num_tokens, src_layout, dst_layout, sharding).add(frame) -> KVChunk; .finish()
     serialize_frame(frame) -> bytes; deserialize_frame(bytes) -> Frame   # gRPC (de)serializers
 
-    KVTransport: send(request_id, cache, block_ids, num_tokens); receive(request_id, num_tokens) -> chunks
-      LocalTransport(src_layout, dst_layout, dst_mesh); GrpcTransport(layout, mesh=, listen=, peer=,
-      prefetch_depth=1)
+    encode_request(request_id, layout, num_tokens, chunks, wrap=None) -> Iterator[bytes]   # the sender
+    aprefetch(iterable, depth=1) -> AsyncIterator     # frames produced on a thread ahead of the sender
+    move_chunk(chunk, dst_sharding) -> KVChunk        # device to device (one process), CPU memory aliased
     RequestRecord(request_id, prompt_ids, first_token, block_ids, num_computed_tokens,
                   sampling_params, lora_adapter)
 
-Decode side, end to end:
-    cache = insert_stream(cache, transport.receive(request_id, num_tokens), my_block_ids)
+Decode side, end to end (services/decode/prefill_pool.py):
+    assembler = FrameAssembler(request_id, num_tokens, src_layout, my_layout, sharding)
+    for message in stream: cache = insert(cache, assembler.add(deserialize_frame(message)), my_block_ids)
+    assembler.finish()
 
 Padded tokens: chunks have a fixed number of blocks (as many as fit a frame), the last one of a layer
 group padded to a power of two capped at that number, so that requests of any length compile a bounded
@@ -46,36 +48,37 @@ from kvtransfer.codec import (
 from kvtransfer.gather import gather, gather_request
 from kvtransfer.insert import insert, insert_stream
 from kvtransfer.layout import HeadMap, KVLayout, LayerSpec, LayoutMismatchError, SpecKind, head_map
+from kvtransfer.pipeline import aprefetch
 from kvtransfer.plan import MAX_FRAME_BYTES, KVChunk, plan_frames
 from kvtransfer.record import RequestRecord
 from kvtransfer.reshard import cache_sharding, chunk_sharding, on_pathways, reshard
-from kvtransfer.transport import GrpcTransport, KVTransport, LocalTransport, TransportError
+from kvtransfer.transport import LOCAL_CHUNK_BYTES, encode_request, move_chunk
 
 __all__ = [
+    "LOCAL_CHUNK_BYTES",
     "MAX_FRAME_BYTES",
     "Frame",
     "FrameAssembler",
     "FrameEncoder",
     "FrameError",
-    "GrpcTransport",
     "HeadMap",
     "KVChunk",
     "KVLayout",
-    "KVTransport",
     "LayerSpec",
     "LayoutMismatchError",
-    "LocalTransport",
     "RequestRecord",
     "SpecKind",
-    "TransportError",
     "cache_sharding",
+    "aprefetch",
     "chunk_sharding",
     "deserialize_frame",
+    "encode_request",
     "gather",
     "gather_request",
     "head_map",
     "insert",
     "insert_stream",
+    "move_chunk",
     "on_pathways",
     "plan_frames",
     "reshard",

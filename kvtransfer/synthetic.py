@@ -1,15 +1,6 @@
-"""Synthetic paged caches for tests and benchmarks: every value is a known function of its position.
-
-Also a prefill peer process for gRPC tests and benchmarks:
-    python -m kvtransfer.synthetic serve LAYOUT_JSON NUM_BLOCKS REQUESTS_JSON [TP]
-builds the cache, serves it with GrpcTransport on 127.0.0.1, send()s each request
-({"id": str, "blocks": [...], "tokens": int}), prints the port, and exits when stdin closes.
-"""
+"""Synthetic paged caches for tests and benchmarks: every value is a known function of its position."""
 
 from __future__ import annotations
-
-import json
-import sys
 
 import numpy as np
 
@@ -43,26 +34,3 @@ def make_cache(layout: KVLayout, num_blocks: int) -> np.ndarray:
     """Host stacked cache [num_cache_layers, num_blocks, block_size, slots, padded_head_dim]."""
     layout.cache_shape(num_blocks)  # checks the dp multiple
     return physical(layout, logical_values(layout, layout.num_cache_layers, np.arange(num_blocks)))
-
-
-def serve(layout_json: str, num_blocks: int, requests_json: str, tp: int) -> None:
-    import jax
-    from jax.sharding import Mesh
-
-    from kvtransfer.reshard import cache_sharding
-    from kvtransfer.transport import GrpcTransport
-
-    layout = KVLayout.from_json(layout_json)
-    mesh = Mesh(np.array(jax.devices()[:tp]), ("model",))
-    cache = jax.device_put(make_cache(layout, num_blocks), cache_sharding(mesh, layout))
-    with GrpcTransport(layout, listen="127.0.0.1:0") as transport:
-        for request in json.loads(requests_json):
-            transport.send(request["id"], cache, request["blocks"], request["tokens"])
-        print(transport.port, flush=True)
-        sys.stdin.read()
-
-
-if __name__ == "__main__":
-    if len(sys.argv) < 5 or sys.argv[1] != "serve":
-        sys.exit(__doc__)
-    serve(sys.argv[2], int(sys.argv[3]), sys.argv[4], int(sys.argv[5]) if len(sys.argv) > 5 else 1)

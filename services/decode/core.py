@@ -236,7 +236,7 @@ class GenerationCore:
                 break
             tried.add(replica.name)
             try:
-                first = await self._transfer(replica, request, time_remaining)
+                first, started, nbytes = await self._transfer(replica, request, time_remaining)
             except PrefillError as e:
                 if e.replica_down:
                     replica.mark_failed()
@@ -245,7 +245,11 @@ class GenerationCore:
                     "prefill failed: %s", e, extra={"request_id": request.request_id, "replica": replica.name}
                 )
                 continue
-            return await self.loop.call(_starter(rid, first))
+            output = await self.loop.call(_starter(rid, first))  # after every chunk's insert, in order
+            self.counters.num_transfers_total += 1
+            self.counters.kv_transfer_seconds_total += time.perf_counter() - started
+            self.counters.kv_transfer_bytes_total += nbytes
+            return output
         if self.config.fallback_local:
             await self.loop.call(lambda e: e.remote_kv_failed(rid))
             return None
@@ -253,8 +257,11 @@ class GenerationCore:
             grpc.StatusCode.UNAVAILABLE, f"no prefill replica could serve the request (tried {sorted(tried)})"
         )
 
-    async def _transfer(self, replica: Prefiller, request: Request, timeout: float | None) -> FirstToken:
-        """One attempt; on failure the request's blocks stay allocated (to be refilled by the next try).
+    async def _transfer(
+        self, replica: Prefiller, request: Request, timeout: float | None
+    ) -> tuple[FirstToken, float, int]:
+        """One attempt: (first token, perf_counter at its arrival, KV bytes received). On failure the
+        request's blocks stay allocated (to be refilled by the next try).
 
         Closing the prefill stream (aclosing) cancels it at once when this request is cancelled.
         """
@@ -272,10 +279,7 @@ class GenerationCore:
                         self.loop.submit(_loader(request.request_id, item))
             if first is None:
                 raise PrefillError(f"{replica.name}: no first token")
-            self.counters.num_transfers_total += 1
-            self.counters.kv_transfer_seconds_total += time.perf_counter() - started
-            self.counters.kv_transfer_bytes_total += nbytes
-            return first
+            return first, started, nbytes
         finally:
             replica.outstanding -= 1
 

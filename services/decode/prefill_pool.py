@@ -186,8 +186,9 @@ class RemotePrefiller(Prefiller):
 class LocalPrefiller(Prefiller):
     """An engine of this process on other devices (the single-controller shape of `pdserve serve`).
 
-    The gather converts heads to the decode layout; the chunks move with jax.device_put, or Pathways'
-    reshard under JAX_PLATFORMS=proxy (kvtransfer.reshard).
+    The gather converts heads to the decode layout, in chunks of up to kvtransfer.LOCAL_CHUNK_BYTES; each
+    moves with kvtransfer.move_chunk (jax.device_put, host memory aliased between CPU devices, or Pathways'
+    reshard under JAX_PLATFORMS=proxy).
     """
 
     def __init__(self, loop: EngineLoop, src: KVLayout):
@@ -211,14 +212,15 @@ class LocalPrefiller(Prefiller):
         except InvalidRequestError as e:
             raise PrefillError(f"{self.name}: {e}", replica_down=False) from e
         mine.seed = request.seed
-        result = await prefill_on_engine(self.loop, mine, kvtransfer.head_map(self.src, dst))
+        head_map = kvtransfer.head_map(self.src, dst)
+        result = await prefill_on_engine(self.loop, mine, head_map, kvtransfer.LOCAL_CHUNK_BYTES)
         first = result.first
         yield FirstToken(
             first.new_token_ids[0], first.logprobs[0] if first.logprobs else None, first.num_cached_tokens
         )
-        for chunk in result.chunks:
-            data = kvtransfer.reshard(chunk.data, sharding)
-            yield KVChunk(chunk.layer_start, chunk.token_start, chunk.num_tokens, data)
+        chunks = result.chunks
+        while chunks:
+            yield kvtransfer.move_chunk(chunks.pop(0), sharding)
 
 
 def _check_adapter(request: Request, name: str, fingerprint: str, replica: str) -> None:

@@ -13,7 +13,7 @@ from engine.engine import LLMEngine
 from engine.kv_connector import PrefillConnector
 from engine.output import RequestOutput
 from engine.request import Request
-from kvtransfer import HeadMap, KVChunk
+from kvtransfer import MAX_FRAME_BYTES, HeadMap, KVChunk
 from services.engine_loop import EngineLoop
 from services.kv import engine_layout
 
@@ -31,13 +31,16 @@ def install_connector(engine: LLMEngine) -> None:
 
 
 async def prefill_on_engine(
-    loop: EngineLoop, request: Request, head_map: HeadMap | None = None
+    loop: EngineLoop,
+    request: Request,
+    head_map: HeadMap | None = None,
+    max_frame_bytes: int = MAX_FRAME_BYTES,
 ) -> PrefillResult:
     """`request` comes from engine.make_request with the caller's seed. Cancelling frees its blocks.
 
     The request is cut to one token (its stop conditions are the decode side's business); when it
-    finishes, the connector gathers its prompt's KV (heads converted by `head_map`) and its blocks go back
-    to the prefix cache at once (the gathered chunks are copies).
+    finishes, the connector gathers its prompt's KV (heads converted by `head_map`, in chunks of at most
+    `max_frame_bytes`) and its blocks go back to the prefix cache at once (the chunks are copies).
     """
     request.params = dataclasses.replace(request.params, max_tokens=1)
     rid = request.request_id
@@ -45,7 +48,7 @@ async def prefill_on_engine(
     taken = False
 
     def add(engine: LLMEngine) -> None:
-        engine.kv_connector.expect(rid, head_map)
+        engine.kv_connector.expect(rid, head_map, max_frame_bytes)
         engine.add_prepared_request(request)
 
     try:

@@ -11,8 +11,8 @@ Request lifecycle:
     decode side's fingerprint (NOT_FOUND / FAILED_PRECONDITION otherwise); the header names it.
  4. When it finishes, the engine's PrefillConnector gathers its KV in layer groups
     (kvtransfer.gather_request) and its blocks go back to the prefix cache at once: the chunks are copies.
- 5. Off the engine thread the chunks become frames (crc32c, <= 4 MiB); the stream sends a header (first
-    token), the frames in layer order, and a trailer.
+ 5. Off the engine thread the chunks become frames (crc32c, <= 4 MiB; kvtransfer.encode_request, a frame
+    ahead of gRPC); the stream sends a header (first token), the frames in layer order, and a trailer.
  6. A cancelled stream (the decode side gave up or vanished: keepalive pings notice a dead peer) aborts
     the request if it is still queued, which frees its blocks; a frame write that stalls past the lease
     ends the stream too.
@@ -21,6 +21,7 @@ Request lifecycle:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -139,27 +140,20 @@ class PrefillService(pb_grpc.PrefillServicer):
         if output.logprobs:
             header.first_logprobs.CopyFrom(wire.logprobs_to_proto(output.logprobs[0]))
         yield pb.PrefillMessage(header=header)
-        encoder = kvtransfer.FrameEncoder(rid, self.layout, num_tokens)
-        frames = encoder.frames(chunks)
+        frames = kvtransfer.encode_request(rid, self.layout, num_tokens, chunks, wrap=wire.encode_kv_frame)
+        del chunks  # the frames drain them: each chunk's memory goes once it is framed
         num_frames = num_bytes = 0
-        while True:
-            message = await asyncio.to_thread(_next_encoded, frames)
-            if message is None:
-                break
-            num_frames += 1
-            num_bytes += len(message)
-            yield message
+        async with contextlib.aclosing(kvtransfer.aprefetch(frames)) as messages:  # a frame ahead of gRPC
+            async for message in messages:
+                num_frames += 1
+                num_bytes += len(message)
+                yield message
         log.info("prefilled", extra={"request_id": rid, "prompt_tokens": num_tokens, "frames": num_frames})
         yield pb.PrefillMessage(
             trailer=pb.PrefillTrailer(
                 num_frames=num_frames, num_bytes=num_bytes, prefill_seconds=time.perf_counter() - start
             )
         )
-
-
-def _next_encoded(frames) -> bytes | None:
-    frame = next(frames, None)
-    return None if frame is None else wire.encode_kv_frame(kvtransfer.serialize_frame(frame))
 
 
 def add_to_server(server: grpc.aio.Server, service: PrefillService) -> None:

@@ -1,5 +1,7 @@
-"""Property tests: gather -> encode -> decode -> reshard -> insert round trips exactly, over random block
-sets (contiguous, scattered, mixed), dtypes, spec kinds, head layouts and mesh pairs on 8 CPU devices."""
+"""Property tests of the daemons' two transfer paths, gather -> encode -> decode -> reshard -> insert
+(gRPC) and gather with head conversion -> move -> insert (device to device): they round trip exactly over
+random block sets (contiguous, scattered, mixed), dtypes, spec kinds, head layouts and mesh pairs on 8
+CPU devices."""
 
 import numpy as np
 import pytest
@@ -8,15 +10,16 @@ from hypothesis import strategies as st
 from kvtransfer_testlib import NUM_BLOCKS, check_transferred, dst_cache, make_layout, mesh, src_cache
 
 from kvtransfer import (
+    LOCAL_CHUNK_BYTES,
     FrameAssembler,
-    FrameEncoder,
-    LocalTransport,
     chunk_sharding,
     deserialize_frame,
+    encode_request,
     gather_request,
+    head_map,
     insert,
     insert_stream,
-    serialize_frame,
+    move_chunk,
 )
 from kvtransfer.plan import HEADER_RESERVE_BYTES
 
@@ -72,10 +75,10 @@ def test_wire_round_trip(layouts, blocks, small_frames, stacked):
     chunks = gather_request(
         src_cache(src, src_mesh, stacked), src, src_blocks, num_tokens, max_frame_bytes=max_frame
     )
-    frames = FrameEncoder("r", src, num_tokens, max_frame).frames(chunks, src_blocks)
+    messages = encode_request("r", src, num_tokens, chunks, max_frame)  # the prefill server's sender
     assembler = FrameAssembler("r", num_tokens, src, dst, chunk_sharding(dst_mesh, dst))
     cache = dst_cache(dst, dst_mesh, not stacked)
-    for message in (serialize_frame(f) for f in frames):
+    for message in messages:
         chunk = assembler.add(deserialize_frame(message))
         assert chunk.data.sharding == chunk_sharding(dst_mesh, dst)
         cache = insert(cache, chunk, dst_blocks)
@@ -88,10 +91,16 @@ def test_wire_round_trip(layouts, blocks, small_frames, stacked):
 def test_local_round_trip(layouts, blocks, small_frames):
     src, dst, src_mesh, dst_mesh = _layouts(*layouts)
     src_blocks, dst_blocks, num_tokens = blocks
-    max_frame = HEADER_RESERVE_BYTES + 2 * src.block_bytes if small_frames else 4 << 20
-    transport = LocalTransport(src, dst, dst_mesh, max_frame)
-    transport.send("r", src_cache(src, src_mesh), src_blocks, num_tokens)
-    chunks = list(transport.receive("r", num_tokens))
+    max_frame = HEADER_RESERVE_BYTES + 2 * src.block_bytes if small_frames else LOCAL_CHUNK_BYTES
+    gathered = gather_request(  # `pdserve serve`'s path: heads converted in the gather, then moved
+        src_cache(src, src_mesh),
+        src,
+        src_blocks,
+        num_tokens,
+        max_frame_bytes=max_frame,
+        head_map=head_map(src, dst),
+    )
+    chunks = [move_chunk(c, chunk_sharding(dst_mesh, dst)) for c in gathered]
     assert all(c.data.sharding == chunk_sharding(dst_mesh, dst) for c in chunks)
     cache = insert_stream(dst_cache(dst, dst_mesh), chunks, dst_blocks)
     check_transferred(cache, src, dst, src_blocks, dst_blocks, num_tokens)

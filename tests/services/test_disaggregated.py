@@ -61,6 +61,27 @@ def test_chat_and_text_deltas_stream(decode):
     assert responses[-1].usage.completion_tokens == 8
 
 
+def test_a_conversation_reuses_its_prefix_and_reports_it(decode, prefill, colocated, loaded_model):
+    """Turn 2 carries turn 1 (prompt and answer): the prefill server computes only what it has not
+    (turn 1's prompt is cached there; the answer was decoded elsewhere), the response reports the cached
+    tokens, the tokens are still the colocated engine's."""
+    tokenize = loaded_model.tokenizer.encode
+    turn1 = tokenize("A conversation about prefix caching. " * 12 + "First question?")
+    client = Client(decode.address)
+    first = client.generate(turn1, **GREEDY)
+    turn2 = turn1 + first.token_ids + tokenize(" Second question?")
+    before = Client(prefill.address).stats()
+    second = client.generate(turn2, **GREEDY)
+    after = Client(prefill.address).stats()
+    assert second.token_ids == colocated(turn2, **GREEDY)
+    assert second.cached_prompt_tokens == len(turn1) // 16 * 16  # whole blocks of turn 1
+    assert second.cached_prompt_tokens % 16 == 0 and second.prompt_tokens == len(turn2)
+    hits = after.prefix_cache_hits_total - before.prefix_cache_hits_total
+    assert hits == second.cached_prompt_tokens
+    assert Client(decode.address).stats().num_cached_blocks > 0  # the received blocks stay cached
+    assert_all_free(decode.address, prefill.address)
+
+
 def test_32_concurrent_streams(decode, prefill, colocated, loaded_model):
     client = Client(decode.address)
     texts = [f"Story {i}: the fox and the {['owl', 'bear', 'crow', 'hare'][i % 4]} went" for i in range(32)]

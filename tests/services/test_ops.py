@@ -115,6 +115,8 @@ def test_openai_client_completions_and_chat(decode, make_engine, loaded_model, o
         == "The capital of France is Paris."
     )
     assert chunks[-1].usage.completion_tokens == 8
+    # the same prompt as the first chat: its whole blocks were found in the prefill server's cache
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= 16
 
     text_stream = client.completions.create(
         model=model, prompt="Once upon a time", max_tokens=12, temperature=0, stream=True
