@@ -21,7 +21,7 @@ The API (everything else is internal):
     FrameAssembler(request_id, num_tokens, src_layout, dst_layout, sharding).add(frame) -> KVChunk; .finish()
     serialize_frame(frame) -> bytes; deserialize_frame(bytes) -> Frame   # gRPC (de)serializers
 
-    encode_request(request_id, layout, num_tokens, chunks, wrap=None) -> Iterator[bytes]   # the sender
+    encode_request(request_id, layout, num_tokens, chunks, lead=None) -> Iterator[bytes]   # the sender
     aprefetch(iterable, depth=1) -> AsyncIterator     # frames produced on a thread ahead of the sender
     move_chunk(chunk, dst_sharding) -> KVChunk        # device to device (one process), CPU memory aliased
     RequestRecord(request_id, prompt_ids, first_token, block_ids, num_computed_tokens,

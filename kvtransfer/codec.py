@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import google_crc32c
@@ -54,13 +54,17 @@ class Frame:
     payload: tuple
 
 
-def serialize_frame(frame: Frame | bytes) -> bytes:
+def serialize_frame(frame: Frame | bytes, lead: Callable[[int], bytes] | None = None) -> bytes:
     """gRPC serializer: one copy of the payload into the message bytes (already serialized bytes, e.g. from
-    a prefetching sender, pass through)."""
+    a prefetching sender, pass through). `lead(frame_size)`: bytes put before the frame in the same copy
+    (the enclosing message's field tag and length)."""
     if isinstance(frame, bytes):
         return frame
     header = frame.header.SerializeToString()
-    return b"".join((_PREFIX.pack(len(header), google_crc32c.value(header)), header, *frame.payload))
+    parts = (_PREFIX.pack(len(header), google_crc32c.value(header)), header, *frame.payload)
+    if lead is not None:
+        parts = (lead(sum(memoryview(p).nbytes for p in parts)), *parts)
+    return b"".join(parts)
 
 
 def deserialize_frame(message: bytes) -> Frame:

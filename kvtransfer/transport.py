@@ -32,16 +32,16 @@ def encode_request(
     num_tokens: int,
     chunks: list[KVChunk],
     max_frame_bytes: int = MAX_FRAME_BYTES,
-    wrap: Callable[[bytes], bytes] | None = None,
+    lead: Callable[[int], bytes] | None = None,
 ) -> Iterator[bytes]:
     """The serialized frames of one request (chunks: its gather_request output, same max_frame_bytes), in
-    plan order; `wrap` encloses each in the caller's message. Each chunk is dropped from `chunks` once
-    framed, so its memory goes as the stream advances."""
+    plan order; `lead(frame_size)` puts the caller's message prefix before each, in the same copy. Each
+    chunk is dropped from `chunks` once framed, so its memory goes as the stream advances."""
     encoder = FrameEncoder(request_id, layout, num_tokens, max_frame_bytes)
     for frame in encoder.frames(_drain(chunks)):
-        data = serialize_frame(frame)
+        data = serialize_frame(frame, lead)
         del frame
-        yield wrap(data) if wrap is not None else data
+        yield data
 
 
 def _drain(chunks: list[KVChunk]) -> Iterator[KVChunk]:

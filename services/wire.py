@@ -31,8 +31,10 @@ def _varint(value: int) -> bytes:
             return bytes(out)
 
 
-def encode_kv_frame(frame: bytes) -> bytes:
-    return b"".join((_KV_FRAME_TAG, _varint(len(frame)), frame))
+def kv_frame_lead(frame_size: int) -> bytes:
+    """What precedes a KV frame of `frame_size` bytes in its PrefillMessage (kvtransfer.encode_request's
+    `lead`: the message is written in one copy)."""
+    return _KV_FRAME_TAG + _varint(frame_size)
 
 
 def serialize_prefill_message(message: prefill_pb.PrefillMessage | bytes) -> bytes:

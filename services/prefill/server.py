@@ -140,7 +140,7 @@ class PrefillService(pb_grpc.PrefillServicer):
         if output.logprobs:
             header.first_logprobs.CopyFrom(wire.logprobs_to_proto(output.logprobs[0]))
         yield pb.PrefillMessage(header=header)
-        frames = kvtransfer.encode_request(rid, self.layout, num_tokens, chunks, wrap=wire.encode_kv_frame)
+        frames = kvtransfer.encode_request(rid, self.layout, num_tokens, chunks, lead=wire.kv_frame_lead)
         del chunks  # the frames drain them: each chunk's memory goes once it is framed
         num_frames = num_bytes = 0
         async with contextlib.aclosing(kvtransfer.aprefetch(frames)) as messages:  # a frame ahead of gRPC

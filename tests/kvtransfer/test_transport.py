@@ -37,17 +37,19 @@ SRC_BLOCKS, DST_BLOCKS, NUM_TOKENS = [8, 9, 10, 2, 30, 31], [0, 5, 6, 7, 20, 1],
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_sender_frames_drain_the_chunks_and_wrap_each_message():
+def test_sender_frames_drain_the_chunks_and_carry_the_callers_prefix():
     frame = HEADER_RESERVE_BYTES + 2 * SRC.block_bytes  # many frames
     chunks = gather_request(src_cache(SRC, mesh(0, 2)), SRC, SRC_BLOCKS, NUM_TOKENS, max_frame_bytes=frame)
     num_chunks = len(chunks)
-    messages = encode_request("a", SRC, NUM_TOKENS, chunks, frame, wrap=lambda data: b"<" + data)
+    messages = encode_request("a", SRC, NUM_TOKENS, chunks, frame, lead=lambda size: b"<%d>" % size)
     first = next(messages)
-    assert first[:1] == b"<" and len(chunks) == num_chunks - 1  # each chunk leaves the list once framed
+    lead, frame_bytes = first.split(b">", 1)
+    assert lead == b"<%d" % len(frame_bytes)  # the caller's prefix, sized for the frame after it
+    assert len(chunks) == num_chunks - 1  # each chunk leaves the list once framed
     rest = list(messages)
     assert not chunks and len(rest) == num_chunks - 1
     assembler = FrameAssembler("a", NUM_TOKENS, SRC, DST, chunk_sharding(mesh(4, 4), DST))
-    received = [assembler.add(deserialize_frame(m[1:])) for m in [first, *rest]]
+    received = [assembler.add(deserialize_frame(m[m.index(b">") + 1 :])) for m in [first, *rest]]
     assembler.finish()
     cache = insert_stream(dst_cache(DST, mesh(4, 4)), received, DST_BLOCKS)
     check_transferred(cache, SRC, DST, SRC_BLOCKS, DST_BLOCKS, NUM_TOKENS)
