@@ -31,10 +31,10 @@ def workload(tokenizer):
 
 
 def run_twice(engine, prompts, params):
-    """Round 1 fills the cache; round 2 (the same requests plus new turns) hits it."""
+    """Round 1 fills the cache; round 2 (the same requests plus the next turn of the first two) hits it."""
     first = engine.generate(prompts, params)
-    follow_ups = [p + c.token_ids for p, c in zip(prompts, first, strict=True)]  # the next turn's prompt
-    second = engine.generate(prompts + follow_ups, params + params)
+    follow_ups = [p + c.token_ids for p, c in zip(prompts[:2], first, strict=False)]  # next turns' prompts
+    second = engine.generate(prompts + follow_ups, params + params[:2])
     return first, second
 
 
@@ -47,7 +47,8 @@ def test_caching_on_gives_the_tokens_of_caching_off(make_engine, loaded_model):
     assert [c.token_ids for c in first_on + second_on] == [c.token_ids for c in first_off + second_off]
     hits = [c.num_cached_tokens for c in second_on]
     assert all(h > 0 for h in hits[:3] + hits[5:]), hits  # repeats and follow-ups reuse their prefix
-    assert hits[0] >= 288 and hits[5] >= len(prompts[0]) - 16  # whole blocks, up to the last token
+    assert hits[0] == len(prompts[0]) // 16 * 16 or hits[0] == (len(prompts[0]) - 1) // 16 * 16
+    assert hits[5] >= len(prompts[0]) - 16  # whole blocks: the follow-up reuses turn 1's prompt
     assert all(c.num_cached_tokens == 0 for c in first_off + second_off)
     stats = on.scheduler.kv.stats
     assert 0 < stats.hits < stats.queries
