@@ -95,9 +95,11 @@ def serve() -> None:
 
     from engine.args import configure_jax
     from engine.engine import LLMEngine
+    from services.daemon import keep_freed_memory
     from services.grpc_server import RunningServer
     from services.prefill.server import SERVICE_NAME, PrefillService, add_to_server
 
+    keep_freed_memory()  # as the daemons do
     configure_jax()
     service = PrefillService.for_engine(LLMEngine.from_model(None, _engine_config(), warmup=False))
     raw: list[bytes] = []
@@ -266,12 +268,14 @@ class DaemonPaths:
         from engine.args import configure_jax
         from engine.engine import LLMEngine
         from engine.models import load_model
+        from services.daemon import keep_freed_memory
         from services.decode.core import GenerationCore
         from services.decode.prefill_pool import LocalPrefiller
         from services.engine_loop import EngineLoop
         from services.grpc_server import channel_options
         from services.kv import engine_layout
 
+        keep_freed_memory()  # as the daemons do
         configure_jax()
         model = load_model(None)
         devices = jax.devices()

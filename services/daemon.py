@@ -17,9 +17,26 @@ def use_cpu_devices(count: int) -> None:
         )
 
 
+def keep_freed_memory() -> None:
+    """glibc: buffers up to 32 MiB (KV frames, gRPC messages, host copies) come from the heap, and up to
+    256 MiB of freed heap stays mapped, so each transfer's fresh buffers reuse pages instead of
+    page-faulting new ones (measured: a frame serialized 3.6x faster, KV over gRPC 10-25% faster; see
+    BENCHMARKS.md). No-op without glibc."""
+    import ctypes
+
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    mallopt(m_mmap_threshold, 32 << 20)
+    mallopt(m_trim_threshold, 256 << 20)
+
+
 def prepare_process(args: argparse.Namespace, num_cpu_devices: int) -> None:
-    """Before JAX is imported: CPU devices and logging."""
+    """Before JAX is imported: CPU devices, the allocator, logging."""
     use_cpu_devices(num_cpu_devices)
+    keep_freed_memory()
     from services.logs import configure_logging
 
     configure_logging(args.log_level, args.log_format)
