@@ -242,16 +242,13 @@ class Scheduler:
         )
 
     def _schedule_prefill(self) -> SchedulerOutput | None:
+        self._admit()  # also while a long prompt continues: requests whose KV arrives must not wait for it
         continuing = [r for r in self.prefilling if r.num_computed > 0]
-        if continuing:  # a long prompt's later chunks: one request per step
+        if continuing:  # a long prompt's later chunks, or a prompt past its cached head: one per step
             return SchedulerOutput([self._chunk_row(continuing[0])], prefill=True)
-        self._admit()
-        fresh = [r for r in self.prefilling if r.num_computed == 0][: self.config.max_prefill_seqs]
+        fresh = self.prefilling[: self.config.max_prefill_seqs]
         if fresh:
             return SchedulerOutput([self._chunk_row(r) for r in fresh], prefill=True)
-        continuing = [r for r in self.prefilling if r.num_computed > 0]  # admitted with a cached prefix
-        if continuing:
-            return SchedulerOutput([self._chunk_row(continuing[0])], prefill=True)
         return None
 
     def _admit(self) -> None:

@@ -189,3 +189,14 @@ def test_a_finished_request_is_held_while_its_kv_is_sent():
     assert len(sched.block_ids("p")) == 2 and sched.num_unfinished == 0
     sched.finish_sending("p")
     assert request.status is Status.FINISHED and sched.kv.pool.num_used == 0 and not sched.requests
+
+
+def test_a_remote_request_is_admitted_while_a_long_prompt_is_chunked():
+    connector = Recorder()
+    sched = Scheduler(CONFIG, connector=connector)
+    sched.add(make("long", 30))
+    run(sched, sched.schedule())  # first chunk
+    sched.add(make("remote-1", 6))
+    step = sched.schedule()
+    assert [(r.request_id, r.num_past) for r in step.rows] == [("long", 8)]
+    assert [rid for rid, _ in connector.allocated] == ["remote-1"]  # its transfer can start now
