@@ -201,13 +201,14 @@ class LLMEngine:
         self.scheduler.requests[request_id].num_cached_tokens = num_cached_tokens
         return self.scheduler.remote_kv_arrived(request_id, token, logprobs, self._on_token)
 
-    def load_kv(self, request_id: str, chunk) -> bool:
-        """Writes one arriving KV chunk (verified, on this engine's mesh and layout) into the request's
-        blocks; False (nothing written) when the request no longer waits for KV (aborted meanwhile)."""
+    def load_kv(self, request_id: str, chunk, first_block: int = 0) -> bool:
+        """Writes one arriving KV chunk (verified, on this engine's mesh and layout; its tokens counted
+        from block `first_block` of the prompt) into the request's blocks; False (nothing written) when
+        the request no longer waits for KV (aborted meanwhile)."""
         request = self.scheduler.requests.get(request_id)
         if request is None or request.status is not Status.WAITING_FOR_REMOTE_KV:
             return False
-        blocks = self.scheduler.block_ids(request_id)
+        blocks = self.scheduler.block_ids(request_id)[first_block:]
         self.runner.cache = self.kv_connector.load_kv(self.runner.cache, blocks, chunk)
         return True
 

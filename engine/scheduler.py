@@ -124,12 +124,12 @@ class Scheduler:
         return self._append_token(request, token, logprobs, sink)
 
     def remote_kv_failed(self, request_id: str) -> None:
-        """Decode role: no KV will arrive; the request is prefilled here, in the blocks it holds."""
+        """Decode role: no KV will arrive; the request is prefilled here, in the blocks it holds, after
+        the cached prefix it was admitted with (whatever arrived behind it is overwritten)."""
         request = self.requests[request_id]
         if request.status is not Status.WAITING_FOR_REMOTE_KV:
             raise ValueError(f"request {request_id!r} is {request.status.value}, not waiting for KV")
         self.remote.remove(request)
-        request.num_computed = 0
         request.status = Status.RUNNING
         self.prefilling.append(request)
 
@@ -258,14 +258,16 @@ class Scheduler:
         passed = []
         while self.waiting and self.num_active < self.config.max_num_seqs:
             request = self.waiting[0]
-            remote = request.status is Status.WAITING and self.connector.num_external_tokens(request) > 0
-            if not remote and len(self.prefilling) >= self.config.max_prefill_seqs:
-                break
             rid, key = request.request_id, request.cache_key
-            if remote:  # the KV of the whole prompt arrives; one more slot for the first token
-                cached, num_tokens = [], len(request.prompt_ids) + 1
-            else:
-                cached, num_tokens = self.kv.lookup(request.all_ids, key), request.num_tokens
+            cached = self.kv.lookup(request.all_ids, key)
+            num_cached = len(cached) * self.config.block_size
+            external = 0  # prompt tokens whose KV arrives from elsewhere (a preempted request recomputes)
+            if request.status is Status.WAITING:
+                external = self.connector.num_external_tokens(request, num_cached)
+            if not external and len(self.prefilling) >= self.config.max_prefill_seqs:
+                break
+            # arriving KV fills the blocks after the cached ones; one more slot for the first token
+            num_tokens = len(request.prompt_ids) + 1 if external else request.num_tokens
             if not self.kv.can_allocate(rid, num_tokens, cached):
                 break
             self.waiting.popleft()
@@ -273,16 +275,16 @@ class Scheduler:
                 passed.append(request)
                 continue
             self.kv.allocate(rid, num_tokens, cached, request.all_ids, key)
-            request.num_computed = len(cached) * self.config.block_size
+            request.num_computed = num_cached
             if request.status is Status.WAITING:
-                request.num_cached_tokens = request.num_computed
-            if remote:
+                request.num_cached_tokens = num_cached
+            if external:
                 request.status = Status.WAITING_FOR_REMOTE_KV
                 self.remote.append(request)
-                self.connector.on_blocks_allocated(request, self.kv.block_ids(rid))
             else:
                 request.status = Status.RUNNING
                 self.prefilling.append(request)
+            self.connector.on_blocks_allocated(request, self.kv.block_ids(rid), external)
         self.waiting.extendleft(reversed(passed))
 
     # ---- decode ---------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ class HandshakeResponse(_message.Message):
     def __init__(self, layout_json: _Optional[str] = ..., fingerprint: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_ids", "sampling", "seed", "layout_fingerprint", "lora_adapter", "stop", "lora_fingerprint")
+    __slots__ = ("request_id", "prompt_ids", "sampling", "seed", "layout_fingerprint", "lora_adapter", "stop", "lora_fingerprint", "held_block_hashes")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -31,6 +31,7 @@ class PrefillRequest(_message.Message):
     LORA_ADAPTER_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     LORA_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    HELD_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _generation_pb2.SamplingParameters
@@ -39,10 +40,11 @@ class PrefillRequest(_message.Message):
     lora_adapter: str
     stop: _generation_pb2.StopConditions
     lora_fingerprint: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParameters, _Mapping]] = ..., seed: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., lora_adapter: _Optional[str] = ..., stop: _Optional[_Union[_generation_pb2.StopConditions, _Mapping]] = ..., lora_fingerprint: _Optional[str] = ...) -> None: ...
+    held_block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParameters, _Mapping]] = ..., seed: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., lora_adapter: _Optional[str] = ..., stop: _Optional[_Union[_generation_pb2.StopConditions, _Mapping]] = ..., lora_fingerprint: _Optional[str] = ..., held_block_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrefillHeader(_message.Message):
-    __slots__ = ("request_id", "first_token", "prompt_len", "layout_json", "first_logprobs", "lora_adapter", "lora_fingerprint", "num_cached_tokens")
+    __slots__ = ("request_id", "first_token", "prompt_len", "layout_json", "first_logprobs", "lora_adapter", "lora_fingerprint", "num_cached_tokens", "first_block")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -51,6 +53,7 @@ class PrefillHeader(_message.Message):
     LORA_ADAPTER_FIELD_NUMBER: _ClassVar[int]
     LORA_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_token: int
     prompt_len: int
@@ -59,7 +62,8 @@ class PrefillHeader(_message.Message):
     lora_adapter: str
     lora_fingerprint: str
     num_cached_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[int] = ..., prompt_len: _Optional[int] = ..., layout_json: _Optional[str] = ..., first_logprobs: _Optional[_Union[_generation_pb2.TokenLogprobs, _Mapping]] = ..., lora_adapter: _Optional[str] = ..., lora_fingerprint: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+    first_block: int
+    def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[int] = ..., prompt_len: _Optional[int] = ..., layout_json: _Optional[str] = ..., first_logprobs: _Optional[_Union[_generation_pb2.TokenLogprobs, _Mapping]] = ..., lora_adapter: _Optional[str] = ..., lora_fingerprint: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., first_block: _Optional[int] = ...) -> None: ...
 
 class PrefillTrailer(_message.Message):
     __slots__ = ("num_frames", "num_bytes", "prefill_seconds")

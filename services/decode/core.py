@@ -20,6 +20,7 @@ import uuid
 import grpc
 
 from engine.engine import LLMEngine
+from engine.kv_cache_manager import hash_blocks
 from engine.kv_connector import DecodeConnector
 from engine.output import RequestOutput
 from engine.request import Request
@@ -88,7 +89,7 @@ class GenerationCore:
         """`prefill_targets`: ADDR or dns:///NAME:PORT of prefill servers; `local_prefiller`: an engine of
         this process instead (`pdserve serve`); neither: colocated."""
         layout = engine_layout(engine)
-        engine.set_kv_connector(DecodeConnector())
+        engine.set_kv_connector(DecodeConnector(engine.config.block_size, config.local_prefill_below))
         pool = None
         if local_prefiller is not None:
             pool = PrefillPool.of(local_prefiller, layout)
@@ -162,13 +163,11 @@ class GenerationCore:
         outputs = self.loop.open_stream(rid)
         pending = []  # the first token of a remote prefill: ahead of anything the engine queued since
         try:
-            if self._prefill_locally(engine_request):
+            if self.pool is None:  # colocated
                 await self._enqueue(engine_request)
             else:
                 first = await self._remote_prefill(engine_request, time_remaining)
-                if first is None:  # every replica failed: prefilled here, in the blocks it holds
-                    self.counters.num_local_fallbacks_total += 1
-                else:
+                if first is not None:
                     pending.append(first)
             while True:
                 output = pending.pop() if pending else await outputs.get()
@@ -196,12 +195,10 @@ class GenerationCore:
             if self.metrics is not None and outcome in ("stop", "length"):
                 self.metrics.observe_request(token_times, start)
 
-    def _prefill_locally(self, request: Request) -> bool:
-        return self.pool is None or len(request.prompt_ids) < self.config.local_prefill_below
-
     async def _enqueue(self, request: Request, on_blocks: asyncio.Future | None = None) -> None:
         """Queues the request in the engine's scheduler (RESOURCE_EXHAUSTED past the queue bound). With
-        `on_blocks`, its prompt KV comes from a replica: the future is set once its blocks are allocated."""
+        `on_blocks`, its prompt KV may come from a replica: once its blocks are allocated the future is set
+        to the number of prompt tokens to transfer (0: it is computed here, see DecodeConnector)."""
         aloop, max_queue = asyncio.get_running_loop(), self.config.max_queue
 
         def add(engine: LLMEngine) -> bool:
@@ -209,7 +206,7 @@ class GenerationCore:
                 return False
             if on_blocks is not None:
                 engine.kv_connector.expect(
-                    request.request_id, lambda: aloop.call_soon_threadsafe(_set_done, on_blocks)
+                    request.request_id, lambda n: aloop.call_soon_threadsafe(_set_result, on_blocks, n)
                 )
             engine.add_prepared_request(request)
             return True
@@ -220,15 +217,21 @@ class GenerationCore:
             )
 
     async def _remote_prefill(self, request: Request, time_remaining: float | None) -> RequestOutput | None:
-        """Queues the request for blocks, streams its KV in from a replica and starts its decoding.
+        """Queues the request for blocks, streams the KV of the prompt blocks it lacks in from a replica
+        (after those found in this engine's prefix cache) and starts its decoding.
 
-        Returns the first token's output, or None when no replica could prefill it and it is being
-        prefilled here instead.
+        Returns the first token's output, or None when the request is computed here: short or nearly all
+        cached (DecodeConnector), or no replica could prefill it (fallback).
         """
         rid = request.request_id
         allocated = asyncio.get_running_loop().create_future()
         await self._enqueue(request, on_blocks=allocated)
-        await allocated
+        num_external = await allocated
+        if not num_external:
+            return None
+        bs = self.engine.config.block_size
+        first_block = (len(request.prompt_ids) - num_external) // bs
+        held = hash_blocks(request.prompt_ids[: first_block * bs], bs, request.cache_key)
         tried: set[str] = set()
         for _ in range(self.config.max_attempts):
             replica = self.pool.pick(exclude=tried)
@@ -236,7 +239,7 @@ class GenerationCore:
                 break
             tried.add(replica.name)
             try:
-                first, started, nbytes = await self._transfer(replica, request, time_remaining)
+                first, started, nbytes = await self._transfer(replica, request, time_remaining, held)
             except PrefillError as e:
                 if e.replica_down:
                     replica.mark_failed()
@@ -252,13 +255,14 @@ class GenerationCore:
             return output
         if self.config.fallback_local:
             await self.loop.call(lambda e: e.remote_kv_failed(rid))
+            self.counters.num_local_fallbacks_total += 1
             return None
         raise ServiceError(
             grpc.StatusCode.UNAVAILABLE, f"no prefill replica could serve the request (tried {sorted(tried)})"
         )
 
     async def _transfer(
-        self, replica: Prefiller, request: Request, timeout: float | None
+        self, replica: Prefiller, request: Request, timeout: float | None, held: list[int]
     ) -> tuple[FirstToken, float, int]:
         """One attempt: (first token, perf_counter at its arrival, KV bytes received). On failure the
         request's blocks stay allocated (to be refilled by the next try).
@@ -269,14 +273,14 @@ class GenerationCore:
         try:
             first, started, nbytes = None, 0.0, 0
             async with contextlib.aclosing(
-                replica.prefill(request, self.layout, self.sharding, timeout)
+                replica.prefill(request, self.layout, self.sharding, timeout, held)
             ) as items:
                 async for item in items:
                     if isinstance(item, FirstToken):
                         first, started = item, time.perf_counter()
                     else:
                         nbytes += item.data.nbytes
-                        self.loop.submit(_loader(request.request_id, item))
+                        self.loop.submit(_loader(request.request_id, item, first.first_block))
             if first is None:
                 raise PrefillError(f"{replica.name}: no first token")
             return first, started, nbytes
@@ -284,9 +288,9 @@ class GenerationCore:
             replica.outstanding -= 1
 
 
-def _set_done(future: asyncio.Future) -> None:
+def _set_result(future: asyncio.Future, result) -> None:
     if not future.done():
-        future.set_result(None)
+        future.set_result(result)
 
 
 def _starter(request_id: str, first: FirstToken):
@@ -295,5 +299,5 @@ def _starter(request_id: str, first: FirstToken):
     )
 
 
-def _loader(request_id: str, chunk: KVChunk):
-    return lambda engine: engine.load_kv(request_id, chunk)
+def _loader(request_id: str, chunk: KVChunk, first_block: int):
+    return lambda engine: engine.load_kv(request_id, chunk, first_block)

@@ -1,8 +1,10 @@
 """Where a decode server gets its prompts prefilled: remote prefill servers (gRPC) or an engine in this
 process (`pdserve serve`), behind one interface, and the pool that picks a replica.
 
-`Prefiller.prefill(request, dst_layout, dst_sharding)` yields, in order: a FirstToken, then KVChunks
-already placed on the decode mesh in the decode layout, then returns. Any failure raises PrefillError and
+`Prefiller.prefill(request, dst_layout, dst_sharding, held=...)` yields, in order: a FirstToken, then
+KVChunks already placed on the decode mesh in the decode layout, carrying the prompt's tokens from block
+`FirstToken.first_block` on (the blocks before it are the `held` ones, which the decode side has), then
+returns. Any failure raises PrefillError and
 nothing yielded so far may be used: the caller frees the blocks it reserved and retries elsewhere.
 """
 
@@ -51,6 +53,7 @@ class FirstToken:
     token: int
     logprobs: TokenLogprobs | None
     num_cached_tokens: int = 0  # prompt tokens the replica found in its prefix cache
+    first_block: int = 0  # the chunks that follow start at this block of the prompt
 
 
 class Prefiller(abc.ABC):
@@ -67,9 +70,10 @@ class Prefiller(abc.ABC):
 
     @abc.abstractmethod
     def prefill(
-        self, request: Request, dst: KVLayout, sharding, timeout: float | None = None
+        self, request: Request, dst: KVLayout, sharding, timeout: float | None = None, held: list[int] = ()
     ) -> AsyncIterator[FirstToken | KVChunk]:
-        """`timeout`: seconds left of the client's deadline (None: none)."""
+        """`timeout`: seconds left of the client's deadline (None: none); `held`: hashes of the prompt's
+        leading blocks the decode side holds (their KV is not sent)."""
 
     async def close(self) -> None:
         return None
@@ -128,7 +132,7 @@ class RemotePrefiller(Prefiller):
         return src
 
     async def prefill(
-        self, request: Request, dst: KVLayout, sharding, timeout: float | None = None
+        self, request: Request, dst: KVLayout, sharding, timeout: float | None = None, held: list[int] = ()
     ) -> AsyncIterator[FirstToken | KVChunk]:
         if self.src is None:
             await self.handshake()
@@ -139,6 +143,7 @@ class RemotePrefiller(Prefiller):
             layout_fingerprint=self.dst.fingerprint(),
             lora_adapter=request.lora.name if request.lora else "",
             lora_fingerprint=request.lora.fingerprint if request.lora else "",
+            held_block_hashes=held,
         )
         sampling.params_to_request(request.params, message)
         call = self._prefill(message, timeout=min(self.deadline_s, timeout or self.deadline_s))
@@ -155,14 +160,22 @@ class RemotePrefiller(Prefiller):
                 elif item.HasField("header"):
                     header = item.header
                     _check_adapter(request, header.lora_adapter, header.lora_fingerprint, self.name)
+                    if header.first_block != len(held) or header.prompt_len != len(request.prompt_ids):
+                        raise PrefillError(
+                            f"{self.name}: KV of {header.prompt_len} tokens from block {header.first_block}, "
+                            f"asked for {len(request.prompt_ids)} from block {len(held)}"
+                        )
                     src = KVLayout.from_json(header.layout_json)
+                    num_tokens = header.prompt_len - header.first_block * src.block_size
                     assembler = kvtransfer.FrameAssembler(
-                        request.request_id, header.prompt_len, src, dst, sharding=sharding
+                        request.request_id, num_tokens, src, dst, sharding=sharding
                     )
                     logprobs = None
                     if header.HasField("first_logprobs"):
                         logprobs = wire.logprobs_from_proto(header.first_logprobs)
-                    yield FirstToken(header.first_token, logprobs, header.num_cached_tokens)
+                    yield FirstToken(
+                        header.first_token, logprobs, header.num_cached_tokens, header.first_block
+                    )
                 elif item.HasField("trailer"):
                     if assembler is None:
                         raise PrefillError(f"{self.name}: trailer before the header")
@@ -198,7 +211,7 @@ class LocalPrefiller(Prefiller):
         install_connector(loop.engine)
 
     async def prefill(
-        self, request: Request, dst: KVLayout, sharding, timeout: float | None = None
+        self, request: Request, dst: KVLayout, sharding, timeout: float | None = None, held: list[int] = ()
     ) -> AsyncIterator[FirstToken | KVChunk]:
         lora = request.lora
         try:
@@ -213,11 +226,12 @@ class LocalPrefiller(Prefiller):
             raise PrefillError(f"{self.name}: {e}", replica_down=False) from e
         mine.seed = request.seed
         head_map = kvtransfer.head_map(self.src, dst)
-        result = await prefill_on_engine(self.loop, mine, head_map, kvtransfer.LOCAL_CHUNK_BYTES)
-        first = result.first
-        yield FirstToken(
-            first.new_token_ids[0], first.logprobs[0] if first.logprobs else None, first.num_cached_tokens
+        result = await prefill_on_engine(
+            self.loop, mine, head_map, kvtransfer.LOCAL_CHUNK_BYTES, first_block=len(held)
         )
+        first = result.first
+        logprobs = first.logprobs[0] if first.logprobs else None
+        yield FirstToken(first.new_token_ids[0], logprobs, first.num_cached_tokens, len(held))
         chunks = result.chunks
         while chunks:
             yield kvtransfer.move_chunk(chunks.pop(0), sharding)

@@ -21,8 +21,8 @@ from services.kv import engine_layout
 @dataclasses.dataclass
 class PrefillResult:
     first: RequestOutput  # the first token (and its logprobs)
-    chunks: list[KVChunk]  # the prompt's KV in frame-plan order, on the prefill mesh
-    num_tokens: int
+    chunks: list[KVChunk]  # the prompt's KV from first_block on, in frame-plan order, on the prefill mesh
+    num_tokens: int  # tokens the chunks carry
 
 
 def install_connector(engine: LLMEngine) -> None:
@@ -35,12 +35,14 @@ async def prefill_on_engine(
     request: Request,
     head_map: HeadMap | None = None,
     max_frame_bytes: int = MAX_FRAME_BYTES,
+    first_block: int = 0,
 ) -> PrefillResult:
     """`request` comes from engine.make_request with the caller's seed. Cancelling frees its blocks.
 
     The request is cut to one token (its stop conditions are the decode side's business); when it
-    finishes, the connector gathers its prompt's KV (heads converted by `head_map`, in chunks of at most
-    `max_frame_bytes`) and its blocks go back to the prefix cache at once (the chunks are copies).
+    finishes, the connector gathers the KV of its prompt's blocks from `first_block` on (the receiver
+    holds the ones before; heads converted by `head_map`, in chunks of at most `max_frame_bytes`) and its
+    blocks go back to the prefix cache at once (the chunks are copies).
     """
     request.params = dataclasses.replace(request.params, max_tokens=1)
     rid = request.request_id
@@ -48,7 +50,7 @@ async def prefill_on_engine(
     taken = False
 
     def add(engine: LLMEngine) -> None:
-        engine.kv_connector.expect(rid, head_map, max_frame_bytes)
+        engine.kv_connector.expect(rid, head_map, max_frame_bytes, first_block)
         engine.add_prepared_request(request)
 
     try:
@@ -56,7 +58,8 @@ async def prefill_on_engine(
         first = await outputs.get()  # a one-token request: it ends with this output
         chunks = await loop.call(lambda e: e.kv_connector.take(rid))
         taken = True
-        return PrefillResult(first, chunks, len(request.prompt_ids))
+        num_tokens = len(request.prompt_ids) - first_block * loop.engine.config.block_size
+        return PrefillResult(first, chunks, num_tokens)
     finally:
         loop.close_stream(rid)
         if not taken:

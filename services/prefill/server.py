@@ -5,7 +5,9 @@ Request lifecycle:
     ...) gets FAILED_PRECONDITION naming what differs. Each Prefill request repeats the fingerprint.
  2. Prefill: the prompt joins the engine's queue (bounded: RESOURCE_EXHAUSTED when full) as a request of
     one token; the engine batches and chunks it with other prompts, and computes only what its prefix
-    cache lacks (the whole prompt's KV is still sent).
+    cache lacks. The KV sent starts after the leading blocks the decode side holds (held_block_hashes,
+    checked against the prompt's own block hashes: INVALID_ARGUMENT otherwise); the header's first_block
+    says where.
  3. The first token is sampled with the request's own parameters and resolved seed, so it is the token a
     colocated engine would pick. A LoRA request runs with its adapter, which must be loaded here with the
     decode side's fingerprint (NOT_FOUND / FAILED_PRECONDITION otherwise); the header names it.
@@ -31,6 +33,7 @@ import grpc
 
 import kvtransfer
 from engine.engine import LLMEngine
+from engine.kv_cache_manager import hash_blocks
 from engine.sampling_params import InvalidRequestError
 from pdserve.v1 import admin_pb2_grpc
 from pdserve.v1 import prefill_pb2 as pb
@@ -125,13 +128,21 @@ class PrefillService(pb_grpc.PrefillServicer):
         except InvalidRequestError as e:  # NOT_FOUND / FAILED_PRECONDITION: the adapter is not here as asked
             await context.abort(grpc.StatusCode[e.status], str(e))
         engine_request.seed = request.seed
-        result = await prefill_on_engine(self.loop, engine_request)
+        first_block = len(request.held_block_hashes)
+        if first_block:
+            problem = held_blocks_problem(
+                engine_request, list(request.held_block_hashes), self.layout.block_size
+            )
+            if problem:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"held_block_hashes: {problem}")
+        result = await prefill_on_engine(self.loop, engine_request, first_block=first_block)
         self.metrics.prefill.observe(time.perf_counter() - start)
         output, chunks, num_tokens = result.first, result.chunks, result.num_tokens
         header = pb.PrefillHeader(
             request_id=rid,
             first_token=output.new_token_ids[0],
-            prompt_len=num_tokens,
+            prompt_len=len(engine_request.prompt_ids),
+            first_block=first_block,
             layout_json=self.layout_json,
             lora_adapter=request.lora_adapter,
             lora_fingerprint=engine_request.lora.fingerprint if engine_request.lora else "",
@@ -154,6 +165,16 @@ class PrefillService(pb_grpc.PrefillServicer):
                 num_frames=num_frames, num_bytes=num_bytes, prefill_seconds=time.perf_counter() - start
             )
         )
+
+
+def held_blocks_problem(request, held: list[int], block_size: int) -> str | None:
+    """Why the decode side's held blocks cannot stand for the prompt's head (None: they can): they must be
+    the prompt's own leading block hashes (same tokens, same adapter) and leave a token to compute."""
+    if len(held) * block_size >= len(request.prompt_ids):
+        return f"{len(held)} blocks of {block_size} tokens cover all {len(request.prompt_ids)} prompt tokens"
+    if hash_blocks(request.prompt_ids[: len(held) * block_size], block_size, request.cache_key) != held:
+        return "not the hashes of the prompt's leading blocks (with its adapter)"
+    return None
 
 
 def add_to_server(server: grpc.aio.Server, service: PrefillService) -> None:

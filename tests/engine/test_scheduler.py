@@ -145,11 +145,13 @@ class Recorder(KVConnector):
     def __init__(self, hold=False):
         self.allocated, self.finished, self.hold = [], [], hold
 
-    def num_external_tokens(self, request):
-        return len(request.prompt_ids) if request.request_id.startswith("remote") else 0
+    def num_external_tokens(self, request, num_cached_tokens):
+        remote = request.request_id.startswith("remote")
+        return len(request.prompt_ids) - num_cached_tokens if remote else 0
 
-    def on_blocks_allocated(self, request, block_ids):
-        self.allocated.append((request.request_id, list(block_ids)))
+    def on_blocks_allocated(self, request, block_ids, num_external_tokens):
+        if num_external_tokens:
+            self.allocated.append((request.request_id, list(block_ids)))
 
     def request_finished(self, request):
         self.finished.append(request.request_id)
@@ -200,3 +202,28 @@ def test_a_remote_request_is_admitted_while_a_long_prompt_is_chunked():
     step = sched.schedule()
     assert [(r.request_id, r.num_past) for r in step.rows] == [("long", 8)]
     assert [rid for rid, _ in connector.allocated] == ["remote-1"]  # its transfer can start now
+
+
+def test_remote_kv_fills_only_the_blocks_after_the_decode_sides_cached_prefix():
+    from engine.kv_connector import DecodeConnector
+
+    connector = DecodeConnector(block_size=4, local_below=3)
+    ready = {}
+    sched = Scheduler(EngineConfig(**{**CONFIG.__dict__, "max_prefill_tokens": 16}), connector=connector)
+    sched.add(make("turn1", 10, max_tokens=1))  # computed here (no connector expectation): cached
+    run(sched, sched.schedule())
+    for rid, prompt in [("turn2", [*range(10), 50, 51, 52, 53, 54, 55]), ("hit", [*range(8), 60, 61])]:
+        connector.expect(rid, lambda n, rid=rid: ready.__setitem__(rid, n))
+        sched.add(make(rid, prompt))
+    connector.expect("short", lambda n: ready.__setitem__("short", n))
+    sched.add(make("short", [70, 71]))
+    step = sched.schedule()
+    # turn2: blocks 0-1 cached here, 8 tokens arrive; hit: 2 tokens left (<= a block): computed here,
+    # after its cached head; short: below local_below
+    assert ready == {"turn2": 8, "hit": 0, "short": 0}
+    turn2 = sched.requests["turn2"]
+    assert turn2.status is Status.WAITING_FOR_REMOTE_KV and turn2.num_computed == 8
+    assert sched.block_ids("turn2")[:2] == sched.block_ids("hit")[:2]  # both share turn1's blocks
+    assert [(r.request_id, r.num_past) for r in step.rows] == [("hit", 8)]
+    sched.remote_kv_failed("turn2")  # the fallback computes the rest here, after the cached prefix
+    assert turn2.num_computed == 8 and turn2.status is Status.RUNNING

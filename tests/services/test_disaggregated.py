@@ -37,7 +37,9 @@ SEEDED = [dict(max_tokens=16, temperature=0.9, top_p=0.9, seed=11 + i, ignore_eo
 
 def test_disaggregated_equals_colocated_greedy_and_seeded(decode, prefill, colocated, loaded_model):
     client = Client(decode.address)
-    seeded = list(zip(prompts(loaded_model.tokenizer)[1:4], SEEDED, strict=True))
+    lead = loaded_model.tokenizer.encode("Seeded:")  # other prompts: a repeat would be served from the
+    seeded_prompts = [lead + ids for ids in prompts(loaded_model.tokenizer)[1:4]]  # decode server's cache
+    seeded = list(zip(seeded_prompts, SEEDED, strict=True))
     colocated.prepare([(ids, GREEDY) for ids in prompts(loaded_model.tokenizer)] + seeded)
     for ids in prompts(loaded_model.tokenizer):
         got = client.generate(ids, **GREEDY)
@@ -61,24 +63,37 @@ def test_chat_and_text_deltas_stream(decode):
     assert responses[-1].usage.completion_tokens == 8
 
 
-def test_a_conversation_reuses_its_prefix_and_reports_it(decode, prefill, colocated, loaded_model):
-    """Turn 2 carries turn 1 (prompt and answer): the prefill server computes only what it has not
-    (turn 1's prompt is cached there; the answer was decoded elsewhere), the response reports the cached
-    tokens, the tokens are still the colocated engine's."""
+def test_a_conversation_reuses_its_prefix_and_transfers_only_what_decode_lacks(
+    decode, prefill, colocated, loaded_model
+):
+    """Turn 2 carries turn 1 (prompt and answer): the prefill server computes only what it has not cached
+    (turn 1's prompt; the answer was decoded elsewhere) and sends only the blocks the decode server lacks;
+    the response reports the prefill server's cached tokens; a repeat of turn 2 is served from the decode
+    server's cache without a Prefill call. The tokens are the colocated engine's every time."""
     tokenize = loaded_model.tokenizer.encode
     turn1 = tokenize("A conversation about prefix caching. " * 12 + "First question?")
-    client = Client(decode.address)
+    client, decode_admin, prefill_admin = (
+        Client(decode.address),
+        Client(decode.address),
+        Client(prefill.address),
+    )
+    sent = lambda: decode_admin.stats().kv_transfer_bytes_total  # noqa: E731
+    before = sent()
     first = client.generate(turn1, **GREEDY)
-    turn2 = turn1 + first.token_ids + tokenize(" Second question?")
-    before = Client(prefill.address).stats()
+    turn1_bytes = sent() - before
+    turn2 = turn1 + first.token_ids + tokenize(" Second question? Tell me more about it, please.")
+    before, hits = sent(), prefill_admin.stats().prefix_cache_hits_total
     second = client.generate(turn2, **GREEDY)
-    after = Client(prefill.address).stats()
     assert second.token_ids == colocated(turn2, **GREEDY)
-    assert second.cached_prompt_tokens == len(turn1) // 16 * 16  # whole blocks of turn 1
-    assert second.cached_prompt_tokens % 16 == 0 and second.prompt_tokens == len(turn2)
-    hits = after.prefix_cache_hits_total - before.prefix_cache_hits_total
-    assert hits == second.cached_prompt_tokens
-    assert Client(decode.address).stats().num_cached_blocks > 0  # the received blocks stay cached
+    assert second.cached_prompt_tokens == len(turn1) // 16 * 16  # the prefill server's hit: turn 1's blocks
+    assert prefill_admin.stats().prefix_cache_hits_total - hits == second.cached_prompt_tokens
+    # the decode server holds turn 1's 5 prompt and answer blocks: 2 of turn 2's 7 blocks are sent, not 7
+    assert 0 < sent() - before < turn1_bytes / 2
+    requests = prefill_admin.stats().num_requests_total
+    again = client.generate(turn2, **GREEDY)
+    assert again.token_ids == second.token_ids and prefill_admin.stats().num_requests_total == requests
+    assert again.cached_prompt_tokens >= len(turn2) - 16  # found here: at most a block computed
+    assert decode_admin.stats().num_cached_blocks > 0
     assert_all_free(decode.address, prefill.address)
 
 
