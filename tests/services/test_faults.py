@@ -227,9 +227,9 @@ def test_damaged_kv_frames_are_never_decoded(faulty, daemons, reference):
     to any frame: the assembler fuzz in tests/kvtransfer/test_codec.py.)"""
     decode = daemons.decode(faulty.address, "decode-fuzz")
     client = Client(decode.address)
-    prompt = make_prompts(1, seed=8)[0]
-    for offset, xor, cut in [(9, 0xFF, 0), (4000, 0x01, 7)]:
-        damage = f"fuzz:{offset}:{xor}:{cut}"
+    damages = [(9, 0xFF, 0), (4000, 0x01, 7)]
+    for prompt, (offset, xor, cut) in zip(make_prompts(2, seed=8), damages, strict=True):  # other prompts:
+        damage = f"fuzz:{offset}:{xor}:{cut}"  # a repeat would be served from the decode server's cache
         assert client.generate(prompt, max_tokens=4, ignore_eos=True, request_id=damage).token_ids == (
             reference(prompt, 4)
         )
