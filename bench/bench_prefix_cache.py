@@ -6,8 +6,11 @@
    turns, a 1,024-token system prompt shared by all, 64-token user turns, 32-token answers; each turn's
    prompt is the whole conversation so far. The same workload against a pair started with
    --no-prefix-caching. Reports TTFT p50 of turn 1 and of turns >= 2, and the prompt tokens the prefill
-   server computed (looked up minus found, from its Admin stats). Targets: TTFT p50 of turns >= 2 at least
-   4x lower with caching; at least 70% fewer prompt tokens computed.
+   server computed (looked up minus found, from its Admin stats), and the KV bytes the decode server
+   received for turns >= 2; then the same against one decode-server prefilling locally (colocated, caching
+   on). Targets: TTFT p50 of turns >= 2 at least 4x lower with caching; at least 70% fewer prompt tokens
+   computed; KV bytes of turns >= 2 at least 70% fewer than full transfers (caching off); TTFT p50 of turns
+   >= 2 disaggregated at most 1.15x colocated.
 2. No reuse (random prompts), one engine per setting in this process, runs interleaved: prefill
    throughput (batches of 512-token prompts, one token each) and decode throughput (8 streams of 64
    tokens). Target: caching on within 3% of off.
@@ -21,6 +24,7 @@ import dataclasses
 import json
 import statistics
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -37,13 +41,19 @@ def tokens(n: int, rng: np.random.Generator) -> list[int]:
     return rng.integers(100, 40000, n).tolist()
 
 
-def conversations(client: Client, num: int, turns: int, system: list[int], seed: int) -> list[list[dict]]:
-    """Runs `num` conversations concurrently (turns in order within each); returns per-turn records."""
+def conversations(
+    client: Client, num: int, turns: int, system: list[int], seed: int, after_turn1=None
+) -> list[list[dict]]:
+    """Runs `num` conversations concurrently (turns in order within each); returns per-turn records.
+    `after_turn1()` runs once every conversation has had its first turn (before any second turn)."""
+    barrier = threading.Barrier(num, action=after_turn1)
 
     def one(c: int) -> list[dict]:
         rng = np.random.default_rng(seed * 1000 + c)
         history, out = list(system), []
         for turn in range(turns):
+            if turn == 1:
+                barrier.wait()
             history += tokens(64, rng)
             result = client.generate(history, max_tokens=32, ignore_eos=True, temperature=0.0)
             out.append({"turn": turn + 1, "ttft_s": result.ttft_s, "cached": result.cached_prompt_tokens})
@@ -55,20 +65,38 @@ def conversations(client: Client, num: int, turns: int, system: list[int], seed:
 
 
 def chat_study(gguf: Path, logs: Path, num: int, turns: int) -> dict:
+    """Disaggregated with caching on and off, and colocated (`--prefill local`) with caching on."""
     results = {}
-    for setting, extra in (("caching_on", []), ("caching_off", ["--no-prefix-caching"])):
+    settings = (
+        ("caching_on", [], True),
+        ("caching_off", ["--no-prefix-caching"], True),
+        ("colocated_caching_on", [], False),
+    )
+    for setting, extra, disaggregated in settings:
         args = [*ENGINE_ARGS, *extra]
-        pf = prefill_server(gguf, logs, name=f"prefill-{setting}", engine_args=args)
-        dc = decode_server(gguf, pf.address, logs, name=f"decode-{setting}", engine_args=args)
+        pf = (
+            prefill_server(gguf, logs, name=f"prefill-{setting}", engine_args=args) if disaggregated else None
+        )
+        target = pf.address if pf else "local"
+        dc = decode_server(gguf, target, logs, name=f"decode-{setting}", engine_args=args)
         try:
-            client = Client(dc.address)
+            client, stats_of = Client(dc.address), Client((pf or dc).address)
             conversations(client, 2, 2, tokens(1024, np.random.default_rng(99)), seed=99)  # compile shapes
-            before = Client(pf.address).stats()
-            records = conversations(client, num, turns, tokens(1024, np.random.default_rng(1)), seed=1)
-            after = Client(pf.address).stats()
+            marks = [stats_of.stats(), Client(dc.address).stats()]
+            records = conversations(
+                client,
+                num,
+                turns,
+                tokens(1024, np.random.default_rng(1)),
+                seed=1,
+                after_turn1=lambda: marks.append(Client(dc.address).stats()),
+            )
+            after, decode_after = stats_of.stats(), Client(dc.address).stats()
         finally:
             dc.terminate()
-            pf.terminate()
+            if pf:
+                pf.terminate()
+        before, decode_before, decode_turn1 = marks
         flat = [r for conv in records for r in conv]
         looked_up = after.prefix_cache_queries_total - before.prefix_cache_queries_total
         found = after.prefix_cache_hits_total - before.prefix_cache_hits_total
@@ -78,11 +106,17 @@ def chat_study(gguf: Path, logs: Path, num: int, turns: int) -> dict:
             "prompt_tokens": looked_up,
             "prompt_tokens_computed": looked_up - found,
             "cached_tokens_reported": sum(r["cached"] for r in flat),
+            "kv_bytes_turn1": decode_turn1.kv_transfer_bytes_total - decode_before.kv_transfer_bytes_total,
+            "kv_bytes_later_turns": decode_after.kv_transfer_bytes_total
+            - decode_turn1.kv_transfer_bytes_total,
         }
         print(json.dumps({setting: results[setting]}), flush=True)
     on, off = results["caching_on"], results["caching_off"]
     results["ttft_later_turns_off_over_on"] = off["ttft_p50_later_turns_s"] / on["ttft_p50_later_turns_s"]
     results["prompt_tokens_computed_saved"] = 1 - on["prompt_tokens_computed"] / off["prompt_tokens_computed"]
+    results["kv_bytes_later_turns_saved"] = 1 - on["kv_bytes_later_turns"] / off["kv_bytes_later_turns"]
+    colocated = results["colocated_caching_on"]["ttft_p50_later_turns_s"]
+    results["ttft_later_turns_disaggregated_over_colocated"] = on["ttft_p50_later_turns_s"] / colocated
     return results
 
 
