@@ -89,7 +89,7 @@ def chat_study(gguf: Path, logs: Path, num: int, turns: int) -> dict:
                 turns,
                 tokens(1024, np.random.default_rng(1)),
                 seed=1,
-                after_turn1=lambda: marks.append(Client(dc.address).stats()),
+                after_turn1=lambda marks=marks, address=dc.address: marks.append(Client(address).stats()),
             )
             after, decode_after = stats_of.stats(), Client(dc.address).stats()
         finally:
