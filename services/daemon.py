@@ -139,7 +139,12 @@ def decode_args(parser: argparse.ArgumentParser) -> None:
         default="local",
         help="prefill servers: ADDR[,ADDR...] (host:port or dns:///name:port), or `local` (colocated)",
     )
-    parser.add_argument("--local-prefill-below", type=int, default=0, help="prefill shorter prompts here")
+    parser.add_argument(
+        "--local-prefill-below",
+        type=int,
+        default=0,
+        help="prefill here the prompts with fewer tokens than this beyond what this server has cached",
+    )
     parser.add_argument("--max-queue", type=int, default=256)
     parser.add_argument("--no-fallback-local", action="store_true", help="UNAVAILABLE when prefill fails")
     parser.add_argument(
