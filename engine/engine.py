@@ -50,6 +50,9 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.lora_slots)
         self._streams: dict[str, OutputStream] = {}
         self._ids = itertools.count()
+        # The last step found nothing to run: queued requests wait for blocks or slots, and only a command
+        # (an abort, arriving KV, a new request) can change that. The engine thread may sleep until one.
+        self.stalled = False
 
     @classmethod
     def from_model(
@@ -138,6 +141,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One model step for the scheduled requests; returns what each produced."""
         scheduled = self.scheduler.schedule()
+        self.stalled = scheduled is None
         if scheduled is None:
             return []
         sampled = self._execute(scheduled)

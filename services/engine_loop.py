@@ -78,7 +78,7 @@ class EngineLoop:
     def _run(self) -> None:
         engine = self.engine
         while True:
-            block = not engine.has_unfinished
+            block = not engine.has_unfinished or engine.stalled  # nothing a step could do: wait for a command
             try:
                 command = self._commands.get(block=block, timeout=None)
             except queue.Empty:

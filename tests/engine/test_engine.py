@@ -145,3 +145,18 @@ def test_abort_reason_is_recorded(make_engine):
     request = engine._streams[rid].request
     engine.abort(rid)
     assert request.finish_reason is FinishReason.ABORT
+
+
+def test_a_request_that_cannot_be_admitted_stalls_the_engine_until_blocks_return(make_engine):
+    """No step can run while the only request waits for blocks: the engine says so (its thread then sleeps
+    until a command arrives instead of spinning) and runs it once the blocks are back."""
+    engine = make_engine()
+    pool = engine.scheduler.kv.pool
+    held = pool.allocate(pool.num_available)  # another holder has every block
+    rid = engine.add_request("Hello there", SamplingParams(temperature=0, max_tokens=2))
+    assert engine.step() == [] and engine.stalled and engine.has_unfinished
+    pool.release(held)
+    outputs = []
+    while engine.has_unfinished:
+        outputs += engine.step()
+    assert not engine.stalled and [o.request_id for o in outputs] == [rid, rid]
