@@ -22,7 +22,6 @@ The daemons' paths, end to end (class DaemonPaths), with the default model's rea
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import subprocess
 import sys
@@ -147,22 +146,6 @@ def numpy_copy_time(nbytes: int, repeats: int) -> float:
     dst = np.empty_like(src)
     np.copyto(dst, src)  # touch the pages first
     return best_time(lambda: np.copyto(dst, src), repeats)
-
-
-def rss_bytes(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(field)
-
-
-def peak_extra(fn) -> int:
-    """Rise of peak RSS over the RSS before fn() (the kernel's peak counter is reset first)."""
-    ctypes.CDLL("libc.so.6").malloc_trim(0)  # free heap pages out of RSS, so that reusing them counts
-    Path("/proc/self/clear_refs").write_text("5")
-    before = rss_bytes("VmRSS")
-    fn()
-    return rss_bytes("VmHWM") - before
 
 
 class Bench:

@@ -99,12 +99,12 @@ class KVCacheManager:
         num_tokens: int,
         cached: Sequence[int] = (),
         token_ids: Sequence[int] = (),
-        extra_key: str | None = None,
     ) -> bool:
         """Grows the request's table to hold `num_tokens` tokens (check and do: False changes nothing).
 
-        On a request's first allocation, `cached` are blocks from lookup(token_ids, extra_key): they are
-        shared (one more reference each) and become the head of its table.
+        On a request's first allocation, `cached` are the blocks lookup() found for `token_ids` (counted
+        in the prefix-cache stats): they are shared (one more reference each) and become the head of its
+        table.
         """
         if not self.can_allocate(request_id, num_tokens, cached):
             return False
@@ -114,9 +114,7 @@ class KVCacheManager:
             if cached:
                 self.pool.touch(cached)
                 table.block_ids = list(cached)
-                table.hashes = hash_blocks(
-                    token_ids[: len(cached) * self.block_size], self.block_size, extra_key
-                )
+                table.hashes = [self.pool.block_hash[b] for b in cached]  # found by them: no rehashing
                 table.num_registered = len(cached)
                 self.stats.hits += len(cached) * self.block_size
             self.stats.queries += len(token_ids)

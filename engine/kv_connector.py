@@ -83,10 +83,6 @@ class PrefillConnector(KVConnector):
         self._expected.pop(request_id, None)
         self._outbox.pop(request_id, None)
 
-    @property
-    def num_pending(self) -> int:
-        return len(self._outbox)
-
     def request_finished(self, request: Request) -> bool:
         return request.request_id in self._expected
 

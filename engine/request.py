@@ -69,11 +69,6 @@ class Request:
         return self.num_tokens - self.num_computed
 
     @property
-    def prefilling(self) -> bool:
-        """More than one token lacks KV: the next step for it is a prefill chunk."""
-        return self.num_uncomputed > 1
-
-    @property
     def cache_key(self) -> str | None:
         """What else besides the tokens the KV depends on (prefix cache hashes): the adapter's weights."""
         return None if self.lora is None else self.lora.fingerprint

@@ -177,10 +177,15 @@ class Scheduler:
         """Applies a step: every row's tokens are now computed (full blocks enter the prefix cache); each
         sampling row's token is appended and handed to `sink`; finished requests leave."""
         outputs = []
+        bs = self.config.block_size
         for row in output.rows:
             request = self.requests[row.request_id]
+            before = request.num_computed
             request.num_computed += len(row.tokens)
-            self.kv.cache_blocks(request.request_id, request.all_ids, request.num_computed, request.cache_key)
+            if request.num_computed // bs > before // bs:  # a block filled up (decode: 1 step in bs)
+                self.kv.cache_blocks(
+                    request.request_id, request.all_ids, request.num_computed, request.cache_key
+                )
             if row.samples:
                 token, logprobs = sampled[row.request_id]
                 outputs.append(self._append_token(request, token, logprobs, sink))
@@ -274,7 +279,7 @@ class Scheduler:
             if not self.pin_adapter(request):
                 passed.append(request)
                 continue
-            self.kv.allocate(rid, num_tokens, cached, request.all_ids, key)
+            self.kv.allocate(rid, num_tokens, cached, request.all_ids)
             request.num_computed = num_cached
             if request.status is Status.WAITING:
                 request.num_cached_tokens = num_cached

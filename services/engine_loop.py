@@ -49,7 +49,7 @@ class EngineLoop:
             except BaseException as e:  # noqa: BLE001 - handed to the caller
                 loop.call_soon_threadsafe(_set_exception, future, e)
             else:
-                loop.call_soon_threadsafe(_set_result, future, result)
+                loop.call_soon_threadsafe(set_result, future, result)
 
         self._commands.put(run)
         return await future
@@ -109,7 +109,9 @@ class EngineLoop:
                 loop.call_soon_threadsafe(outputs_queue.put_nowait, output)
 
 
-def _set_result(future: asyncio.Future, result: Any) -> None:
+def set_result(future: asyncio.Future, result: Any) -> None:
+    """Resolves `future` unless it is already done (cancelled by its waiter): call it with the event loop's
+    call_soon_threadsafe from another thread."""
     if not future.done():
         future.set_result(result)
 

@@ -28,7 +28,7 @@ from engine.sampling_params import InvalidRequestError
 from kvtransfer import KVChunk, chunk_sharding
 from services.admin import Counters
 from services.decode.prefill_pool import FirstToken, LocalPrefiller, Prefiller, PrefillError, PrefillPool
-from services.engine_loop import EngineLoop
+from services.engine_loop import EngineLoop, set_result
 from services.kv import engine_layout
 from services.metrics import Metrics
 from services.security import PLAINTEXT, ChannelSecurity
@@ -206,7 +206,7 @@ class GenerationCore:
                 return False
             if on_blocks is not None:
                 engine.kv_connector.expect(
-                    request.request_id, lambda n: aloop.call_soon_threadsafe(_set_result, on_blocks, n)
+                    request.request_id, lambda n: aloop.call_soon_threadsafe(set_result, on_blocks, n)
                 )
             engine.add_prepared_request(request)
             return True
@@ -286,11 +286,6 @@ class GenerationCore:
             return first, started, nbytes
         finally:
             replica.outstanding -= 1
-
-
-def _set_result(future: asyncio.Future, result) -> None:
-    if not future.done():
-        future.set_result(result)
 
 
 def _starter(request_id: str, first: FirstToken):

@@ -132,7 +132,7 @@ class CacheMachine(RuleBasedStateMachine):
         hits = self.kv.lookup(tokens, adapter)
         for i, block in enumerate(hits):
             assert self.written[block] == (adapter, *tokens[: (i + 1) * self.BLOCK]), "stale cached block"
-        if self.kv.allocate(rid, len(tokens), hits, tokens, adapter):
+        if self.kv.allocate(rid, len(tokens), hits, tokens):
             assert self.kv.block_ids(rid)[: len(hits)] == hits
             self.requests[rid] = (adapter, tokens)
             self.computed[rid] = len(hits) * self.BLOCK
