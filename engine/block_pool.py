@@ -12,7 +12,7 @@ that is not referenced raises: double frees surface as bugs instead of silent co
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 
 def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
@@ -28,6 +28,7 @@ class BlockPool:
 
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
+        self.on_evict: Callable[[int], None] | None = None  # told each evicted block's hash
         self.ref_counts = [0] * num_blocks
         self.block_hash: list[int | None] = [None] * num_blocks
         self._free: collections.deque[int] = collections.deque(range(num_blocks))
@@ -90,6 +91,8 @@ class BlockPool:
             else:
                 b, _ = self._lru.popitem(last=False)
                 del self._by_hash[self.block_hash[b]]
+                if self.on_evict is not None:
+                    self.on_evict(self.block_hash[b])
                 self.block_hash[b] = None
                 self.num_evictions += 1
             self.ref_counts[b] = 1

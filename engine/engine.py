@@ -17,6 +17,7 @@ import numpy as np
 
 from engine.config import EngineConfig
 from engine.kv_connector import KVConnector
+from engine.kv_events import KVEvent
 from engine.lora import AdapterRegistry, LoraSlots
 from engine.models import LoadedModel, load_model
 from engine.output import OutputStream, RequestOutput
@@ -184,6 +185,15 @@ class LLMEngine:
         if output.finished:
             del self._streams[request.request_id]
         return output
+
+    # ---- what the prefix cache gains and loses (engine.kv_events) --------------------------------------
+    def record_kv_events(self) -> None:
+        """Starts keeping KV cache events (the first: AllBlocksCleared) for take_kv_events."""
+        self.scheduler.kv.record_events()
+
+    def take_kv_events(self) -> list[KVEvent]:
+        """The KV cache events since the last call, oldest first."""
+        return self.scheduler.kv.take_events()
 
     # ---- KV from elsewhere (the decode role; see engine.kv_connector) ---------------------------------
     @property

@@ -7,7 +7,8 @@ prefix (`lookup`) and takes those blocks with a reference each (`allocate`); it 
 Blocks are registered in the cache as they fill with computed tokens (`cache_blocks`), prompt and
 generated tokens alike; a partial last block is never shared. A finished, aborted or preempted request
 gives its references back (`free`); its hashed blocks stay cached, in an LRU set, until allocation needs
-them. No device code; the scheduler is the only caller.
+them. With `record_events()`, what the cache gains and loses is kept as KV events (engine/kv_events.py)
+until `take_events()`. No device code; the scheduler is the only caller.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from engine.block_pool import BlockPool, blocks_for_tokens
+from engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 
 def hash_block(parent: int | None, token_ids: Sequence[int], extra_key: str | None = None) -> int:
@@ -64,6 +66,27 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.stats = PrefixCacheStats()
         self._tables: dict[str, _Table] = {}
+        self._events: list[KVEvent] | None = None
+
+    def record_events(self) -> None:
+        """Starts keeping KV events; the first says the cache is empty (it may not be: cached blocks
+        registered before are forgotten by readers, and found by lookups here until evicted)."""
+        if self._events is None:
+            self._events = [AllBlocksCleared()]
+            self.pool.on_evict = self._record_removed
+
+    def take_events(self) -> list[KVEvent]:
+        """The events since the last call, oldest first (none unless recording)."""
+        if self._events is None:
+            return []
+        events, self._events = self._events, []
+        return events
+
+    def _record_removed(self, block_hash: int) -> None:
+        if self._events and isinstance(self._events[-1], BlockRemoved):
+            self._events[-1].block_hashes.append(block_hash)
+        else:
+            self._events.append(BlockRemoved([block_hash]))
 
     @property
     def num_blocks(self) -> int:
@@ -124,9 +147,15 @@ class KVCacheManager:
         return True
 
     def cache_blocks(
-        self, request_id: str, token_ids: Sequence[int], num_computed: int, extra_key: str | None = None
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        num_computed: int,
+        extra_key: str | None = None,
+        lora_name: str | None = None,
     ) -> None:
-        """Registers the request's blocks that are now full of computed tokens (token_ids: all of them)."""
+        """Registers the request's blocks that are now full of computed tokens (token_ids: all of them).
+        `lora_name`: the adapter `extra_key` fingerprints, named in the events."""
         table = self._tables.get(request_id)
         if not self.enable_caching or table is None:
             return
@@ -136,9 +165,35 @@ class KVCacheManager:
         table.hashes = hash_blocks(
             token_ids[: num_full * self.block_size], self.block_size, extra_key, table.hashes
         )
-        for i in range(table.num_registered, num_full):
-            self.pool.register(table.block_ids[i], table.hashes[i])
+        stored = [
+            i
+            for i in range(table.num_registered, num_full)
+            if self.pool.register(table.block_ids[i], table.hashes[i])
+        ]
         table.num_registered = num_full
+        if self._events is not None and stored:
+            self._record_stored(table.hashes, stored, token_ids, lora_name)
+
+    def _record_stored(self, hashes, stored: list[int], token_ids, lora_name: str | None) -> None:
+        """One BlockStored per run of consecutive newly registered blocks (a block that was already
+        cached in another copy is not stored again)."""
+        bs = self.block_size
+        runs: list[list[int]] = []
+        for i in stored:
+            if runs and runs[-1][-1] == i - 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        for run in runs:
+            self._events.append(
+                BlockStored(
+                    block_hashes=[hashes[i] for i in run],
+                    parent_hash=hashes[run[0] - 1] if run[0] else None,
+                    token_ids=list(token_ids[run[0] * bs : (run[-1] + 1) * bs]),
+                    block_size=bs,
+                    lora_name=lora_name,
+                )
+            )
 
     def free(self, request_id: str) -> None:
         """Gives back the request's references (idempotent). Its cached blocks are kept, tail first in the

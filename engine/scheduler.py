@@ -108,6 +108,12 @@ class Scheduler:
         self._finish(request, send=False)
         return request
 
+    def _cache_blocks(self, request: Request) -> None:
+        lora_name = request.lora.name if request.lora else None
+        self.kv.cache_blocks(
+            request.request_id, request.all_ids, request.num_computed, request.cache_key, lora_name
+        )
+
     def remote_kv_arrived(
         self, request_id: str, token: int, logprobs: TokenLogprobs | None, sink: TokenSink
     ) -> RequestOutput:
@@ -118,7 +124,7 @@ class Scheduler:
             raise ValueError(f"request {request_id!r} is {request.status.value}, not waiting for KV")
         self.remote.remove(request)
         request.num_computed = len(request.prompt_ids)
-        self.kv.cache_blocks(request_id, request.all_ids, request.num_computed, request.cache_key)
+        self._cache_blocks(request)
         request.status = Status.RUNNING
         self.running.append(request)
         return self._append_token(request, token, logprobs, sink)
@@ -183,9 +189,7 @@ class Scheduler:
             before = request.num_computed
             request.num_computed += len(row.tokens)
             if request.num_computed // bs > before // bs:  # a block filled up (decode: 1 step in bs)
-                self.kv.cache_blocks(
-                    request.request_id, request.all_ids, request.num_computed, request.cache_key
-                )
+                self._cache_blocks(request)
             if row.samples:
                 token, logprobs = sampled[row.request_id]
                 outputs.append(self._append_token(request, token, logprobs, sink))

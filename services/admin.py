@@ -28,9 +28,18 @@ class Counters:
     num_transfer_failures_total: int = 0
     num_local_fallbacks_total: int = 0  # decode: prefilled here after every replica failed
     outcomes: dict[str, int] = dataclasses.field(default_factory=dict)  # finish reason / error -> count
+    # decode: prefills routed, by reason ("prefix": for the blocks a replica holds; "load": least busy)
+    routes: dict[str, int] = dataclasses.field(default_factory=dict)
+    route_expected_hit_tokens_total: int = 0  # prompt tokens the chosen replicas held, per their events
+    route_actual_hit_tokens_total: int = 0  # prompt tokens they found in their prefix caches
 
     def count_outcome(self, outcome: str) -> None:
         self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
+
+    def count_route(self, reason: str, expected_hit_tokens: int, actual_hit_tokens: int) -> None:
+        self.routes[reason] = self.routes.get(reason, 0) + 1
+        self.route_expected_hit_tokens_total += expected_hit_tokens
+        self.route_actual_hit_tokens_total += actual_hit_tokens
 
 
 class AdminService(pb_grpc.AdminServicer):

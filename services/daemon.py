@@ -60,6 +60,13 @@ def common_args(parser: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="Admin.LoadLoraAdapter reads adapters inside DIR only (default: any)",
     )
+    events = parser.add_argument_group("KV cache events (ZMQ, vLLM's format: llm-d's router reads them)")
+    events.add_argument("--kv-events-port", type=int, default=5557, help="PUB port (0: any free one)")
+    events.add_argument(
+        "--kv-events-replay-port", type=int, default=5558, help="replay (ROUTER) port (0: any free one)"
+    )
+    events.add_argument("--kv-events-pod", help="pod name in the topic (default: $POD_IP or host, :port)")
+    events.add_argument("--no-kv-events", action="store_true", help="publish no KV cache events")
     tls = parser.add_argument_group("TLS of the listening port (default: plaintext)")
     tls.add_argument("--tls-cert", metavar="PEM", help="server certificate chain")
     tls.add_argument("--tls-key", metavar="PEM", help="server private key")
@@ -89,6 +96,14 @@ def server_security(args: argparse.Namespace, allowed_peers=()):
         return security
     except (ValueError, OSError) as e:
         raise SystemExit(f"error: {e}") from e
+
+
+def kv_events_config(args: argparse.Namespace):
+    from services.kv_events import KVEventsConfig
+
+    if args.no_kv_events:
+        return None
+    return KVEventsConfig(args.kv_events_port, args.kv_events_replay_port, args.kv_events_pod)
 
 
 def build_engine(args: argparse.Namespace, devices=None):
@@ -128,6 +143,7 @@ def prefill_main(argv: list[str] | None = None, service_class=None) -> int:
             security=security,
             metrics_port=args.metrics_port,
             lora_root=args.lora_root,
+            kv_events=kv_events_config(args),
         )
     )
     return 0
@@ -144,6 +160,18 @@ def decode_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=0,
         help="prefill here the prompts with fewer tokens than this beyond what this server has cached",
+    )
+    parser.add_argument(
+        "--prefill-routing",
+        choices=["prefix", "least-outstanding"],
+        default="prefix",
+        help="prefix: by the prompt blocks each replica holds (its KV events) against its queued work",
+    )
+    parser.add_argument(
+        "--prefill-routing-load-weight",
+        type=float,
+        default=1.0,
+        help="prefix routing: weight of a replica's queued prompt tokens against the tokens it lacks",
     )
     parser.add_argument("--max-queue", type=int, default=256)
     parser.add_argument("--no-fallback-local", action="store_true", help="UNAVAILABLE when prefill fails")
@@ -194,11 +222,21 @@ def decode_main(argv: list[str] | None = None) -> int:
     prefill_security = prefill_channel_security(args)
     prepare_process(args, max(args.cpu_devices, args.tp))
     from services.decode.core import GenerationCore
+    from services.decode.prefill_pool import Routing
+
+    try:
+        routing = Routing(args.prefill_routing, args.prefill_routing_load_weight)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from e
 
     engine = build_engine(args)
     targets = None if args.prefill == "local" else [t for t in args.prefill.split(",") if t]
     core = GenerationCore.for_engine(
-        engine, prefill_targets=targets, config=decode_config(args), prefill_security=prefill_security
+        engine,
+        prefill_targets=targets,
+        config=decode_config(args),
+        prefill_security=prefill_security,
+        routing=routing,
     )
     run_decode_server(core, args, security)
     return 0
@@ -219,6 +257,7 @@ def run_decode_server(core, args: argparse.Namespace, security) -> None:
             metrics_port=args.metrics_port,
             http_port=args.http_port,
             lora_root=args.lora_root,
+            kv_events=kv_events_config(args),
         )
     )
 

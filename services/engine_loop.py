@@ -28,6 +28,17 @@ class EngineLoop:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._stopped = threading.Event()
+        self._kv_events: Callable[[list], None] | None = None
+
+    def publish_kv_events(self, sink: Callable[[list], None]) -> None:
+        """The engine's KV cache events go to `sink` from the next command on (called on the engine
+        thread after the commands and steps that made them; it must not block)."""
+
+        def install() -> None:
+            self.engine.record_kv_events()
+            self._kv_events = sink
+
+        self._commands.put(install)
 
     def start(self) -> None:
         self._thread.start()
@@ -99,6 +110,10 @@ class EngineLoop:
                     log.exception("%s: engine step failed", self.name)
                     raise
                 self.publish(outputs)
+            if self._kv_events is not None:
+                events = engine.take_kv_events()
+                if events:
+                    self._kv_events(events)
 
     def publish(self, outputs: list[RequestOutput]) -> None:
         """Hands outputs to their streams (engine thread)."""

@@ -24,6 +24,9 @@ ENGINE_ARGS = [
     "--max-prefill-tokens",
     "256",
 ]
+# KV cache events on any free ports: daemons of a test or benchmark share one host (the defaults are
+# fixed ports, one daemon a pod)
+EPHEMERAL_KV_EVENTS = ["--kv-events-port", "0", "--kv-events-replay-port", "0"]
 _READY = re.compile(r"ready on ([0-9.]+):(\d+)")
 _EXTRA_PORT = re.compile(r"^(metrics|http) on ([0-9.]+):(\d+)")  # printed before "ready on"
 
@@ -127,7 +130,8 @@ def prefill_server(
     engine_args=ENGINE_ARGS,
     cpus: str | None = None,
 ) -> Daemon:
-    argv = ["prefill-server", "--model", str(gguf), "--port", "0", "--no-warmup", *engine_args, *extra]
+    argv = ["prefill-server", "--model", str(gguf), "--port", "0", "--no-warmup", *EPHEMERAL_KV_EVENTS]
+    argv += [*engine_args, *extra]
     return Daemon(argv, name, log_dir, cpus=cpus)
 
 
@@ -135,7 +139,7 @@ def decode_server(
     gguf: Path, prefill: str, log_dir: Path, name="decode", extra=(), engine_args=ENGINE_ARGS, cpus=None
 ) -> Daemon:
     argv = ["decode-server", "--model", str(gguf), "--port", "0", "--no-warmup", "--prefill", prefill]
-    return Daemon([*argv, *engine_args, *extra], name, log_dir, cpus=cpus)
+    return Daemon([*argv, *EPHEMERAL_KV_EVENTS, *engine_args, *extra], name, log_dir, cpus=cpus)
 
 
 def serve_daemon(
@@ -145,7 +149,7 @@ def serve_daemon(
     for both."""
     cpu_devices = max(int(d) for d in decode_devices.split(",")) + 1
     argv = ["serve", "--model", str(gguf), "--port", "0", "--no-warmup", "--cpu-devices", str(cpu_devices)]
-    argv += ["--prefill-devices", "0", "--decode-devices", decode_devices]
+    argv += ["--prefill-devices", "0", "--decode-devices", decode_devices, *EPHEMERAL_KV_EVENTS]
     return Daemon([*argv, *engine_args, *extra], name, log_dir)
 
 

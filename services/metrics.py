@@ -88,6 +88,22 @@ class _StateCollector:
             "requests prefilled locally after every replica failed",
             c.num_local_fallbacks_total,
         )
+        yield counter(
+            "pdserve_prefill_route_expected_hit_tokens",
+            "prompt tokens the chosen prefill replicas held, per their KV events",
+            c.route_expected_hit_tokens_total,
+        )
+        yield counter(
+            "pdserve_prefill_route_actual_hit_tokens",
+            "prompt tokens the chosen prefill replicas found in their prefix caches",
+            c.route_actual_hit_tokens_total,
+        )
+        routes = CounterMetricFamily(
+            "pdserve_prefill_routes", "prefills routed to a replica, by reason", labels=["role", "reason"]
+        )
+        for reason, count in sorted(c.routes.items()):
+            routes.add_metric([role, reason], count)
+        yield routes
         outcomes = CounterMetricFamily(
             "pdserve_requests", "finished requests by outcome", labels=["role", "outcome"]
         )

@@ -14,12 +14,18 @@ class HandshakeRequest(_message.Message):
     def __init__(self, layout_json: _Optional[str] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("layout_json", "fingerprint")
+    __slots__ = ("layout_json", "fingerprint", "kv_events_port", "kv_events_replay_port", "kv_events_topic")
     LAYOUT_JSON_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    KV_EVENTS_PORT_FIELD_NUMBER: _ClassVar[int]
+    KV_EVENTS_REPLAY_PORT_FIELD_NUMBER: _ClassVar[int]
+    KV_EVENTS_TOPIC_FIELD_NUMBER: _ClassVar[int]
     layout_json: str
     fingerprint: str
-    def __init__(self, layout_json: _Optional[str] = ..., fingerprint: _Optional[str] = ...) -> None: ...
+    kv_events_port: int
+    kv_events_replay_port: int
+    kv_events_topic: str
+    def __init__(self, layout_json: _Optional[str] = ..., fingerprint: _Optional[str] = ..., kv_events_port: _Optional[int] = ..., kv_events_replay_port: _Optional[int] = ..., kv_events_topic: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_ids", "sampling", "seed", "layout_fingerprint", "lora_adapter", "stop", "lora_fingerprint", "held_block_hashes")

@@ -27,7 +27,15 @@ from engine.request import Request
 from engine.sampling_params import InvalidRequestError
 from kvtransfer import KVChunk, chunk_sharding
 from services.admin import Counters
-from services.decode.prefill_pool import FirstToken, LocalPrefiller, Prefiller, PrefillError, PrefillPool
+from services.decode.prefill_pool import (
+    FirstToken,
+    LocalPrefiller,
+    Prefiller,
+    PrefillError,
+    PrefillPool,
+    Route,
+    Routing,
+)
 from services.engine_loop import EngineLoop, set_result
 from services.kv import engine_layout
 from services.metrics import Metrics
@@ -85,16 +93,17 @@ class GenerationCore:
         local_prefiller: Prefiller | None = None,
         config: DecodeConfig = DecodeConfig(),
         prefill_security: ChannelSecurity = PLAINTEXT,
+        routing: Routing | None = None,
     ) -> GenerationCore:
-        """`prefill_targets`: ADDR or dns:///NAME:PORT of prefill servers; `local_prefiller`: an engine of
-        this process instead (`pdserve serve`); neither: colocated."""
+        """`prefill_targets`: ADDR or dns:///NAME:PORT of prefill servers (chosen per `routing`);
+        `local_prefiller`: an engine of this process instead (`pdserve serve`); neither: colocated."""
         layout = engine_layout(engine)
         engine.set_kv_connector(DecodeConnector(engine.config.block_size, config.local_prefill_below))
         pool = None
         if local_prefiller is not None:
             pool = PrefillPool.of(local_prefiller, layout)
         elif prefill_targets:
-            pool = PrefillPool(prefill_targets, layout, prefill_security)
+            pool = PrefillPool(prefill_targets, layout, prefill_security, routing or Routing())
         return cls(EngineLoop(engine, name="decode-engine"), pool, config)
 
     @property
@@ -162,11 +171,12 @@ class GenerationCore:
         start, token_times, outcome = time.monotonic(), [], "abort"
         outputs = self.loop.open_stream(rid)
         pending = []  # the first token of a remote prefill: ahead of anything the engine queued since
+        routed: dict = {}  # where it was prefilled, for the log line
         try:
             if self.pool is None:  # colocated
                 await self._enqueue(engine_request)
             else:
-                first = await self._remote_prefill(engine_request, time_remaining)
+                first = await self._remote_prefill(engine_request, time_remaining, routed)
                 if first is not None:
                     pending.append(first)
             while True:
@@ -190,6 +200,7 @@ class GenerationCore:
                     "outcome": outcome,
                     "prompt_tokens": len(engine_request.prompt_ids),
                     "output_tokens": len(token_times),
+                    **routed,
                 },
             )
             if self.metrics is not None and outcome in ("stop", "length"):
@@ -216,9 +227,12 @@ class GenerationCore:
                 grpc.StatusCode.RESOURCE_EXHAUSTED, f"admission queue full ({max_queue})", retry_after_ms=500
             )
 
-    async def _remote_prefill(self, request: Request, time_remaining: float | None) -> RequestOutput | None:
+    async def _remote_prefill(
+        self, request: Request, time_remaining: float | None, routed: dict
+    ) -> RequestOutput | None:
         """Queues the request for blocks, streams the KV of the prompt blocks it lacks in from a replica
-        (after those found in this engine's prefix cache) and starts its decoding.
+        (after those found in this engine's prefix cache) and starts its decoding. `routed` receives the
+        replica chosen, the prompt tokens it was expected to hold and those it did.
 
         Returns the first token's output, or None when the request is computed here: short or nearly all
         cached (DecodeConnector), or no replica could prefill it (fallback).
@@ -229,17 +243,20 @@ class GenerationCore:
         num_external = await allocated
         if not num_external:
             return None
-        bs = self.engine.config.block_size
-        first_block = (len(request.prompt_ids) - num_external) // bs
-        held = hash_blocks(request.prompt_ids[: first_block * bs], bs, request.cache_key)
+        bs, num_tokens = self.engine.config.block_size, len(request.prompt_ids)
+        first_block = (num_tokens - num_external) // bs
+        # the prompt's blocks a prefix cache can serve (never the last token): routing and the held head
+        hashes = hash_blocks(request.prompt_ids[:-1], bs, request.cache_key)
+        held = hashes[:first_block]
         tried: set[str] = set()
         for _ in range(self.config.max_attempts):
-            replica = self.pool.pick(exclude=tried)
-            if replica is None:
+            route = self.pool.pick(exclude=tried, block_hashes=hashes, num_tokens=num_tokens)
+            if route is None:
                 break
+            replica = route.replica
             tried.add(replica.name)
             try:
-                first, started, nbytes = await self._transfer(replica, request, time_remaining, held)
+                first, started, nbytes = await self._transfer(route, request, time_remaining, held)
             except PrefillError as e:
                 if e.replica_down:
                     replica.mark_failed()
@@ -249,6 +266,7 @@ class GenerationCore:
                 )
                 continue
             output = await self.loop.call(_starter(rid, first))  # after every chunk's insert, in order
+            self._count_route(route, first.num_cached_tokens, hashes, routed)
             self.counters.num_transfers_total += 1
             self.counters.kv_transfer_seconds_total += time.perf_counter() - started
             self.counters.kv_transfer_bytes_total += nbytes
@@ -261,15 +279,28 @@ class GenerationCore:
             grpc.StatusCode.UNAVAILABLE, f"no prefill replica could serve the request (tried {sorted(tried)})"
         )
 
+    def _count_route(self, route: Route, actual: int, hashes: list[int], routed: dict) -> None:
+        """Counts the choice and its hit. A replica that held less than its events said is corrected and
+        greeted again before its next prefill (it may have restarted with other event ports)."""
+        expected = route.expected_hit_tokens
+        self.counters.count_route(route.reason, expected, actual)
+        routed.update(replica=route.replica.name, expected_hit_tokens=expected, actual_hit_tokens=actual)
+        bs = self.engine.config.block_size
+        if actual < expected:
+            route.replica.held_less(hashes[actual // bs : expected // bs])
+
     async def _transfer(
-        self, replica: Prefiller, request: Request, timeout: float | None, held: list[int]
+        self, route: Route, request: Request, timeout: float | None, held: list[int]
     ) -> tuple[FirstToken, float, int]:
         """One attempt: (first token, perf_counter at its arrival, KV bytes received). On failure the
         request's blocks stay allocated (to be refilled by the next try).
 
         Closing the prefill stream (aclosing) cancels it at once when this request is cancelled.
         """
+        replica = route.replica
+        work = len(request.prompt_ids) - route.expected_hit_tokens
         replica.outstanding += 1
+        replica.pending_tokens += work
         try:
             first, started, nbytes = None, 0.0, 0
             async with contextlib.aclosing(
@@ -286,6 +317,7 @@ class GenerationCore:
             return first, started, nbytes
         finally:
             replica.outstanding -= 1
+            replica.pending_tokens -= work
 
 
 def _starter(request_id: str, first: FirstToken):

@@ -1,5 +1,6 @@
 """Where a decode server gets its prompts prefilled: remote prefill servers (gRPC) or an engine in this
-process (`pdserve serve`), behind one interface, and the pool that picks a replica.
+process (`pdserve serve`), behind one interface, and the pool that picks a replica (`Routing`: by the
+prompt blocks each replica holds, per its KV events, and the work queued on it).
 
 `Prefiller.prefill(request, dst_layout, dst_sharding, held=...)` yields, in order: a FirstToken, then
 KVChunks already placed on the decode mesh in the decode layout, carrying the prompt's tokens from block
@@ -26,6 +27,7 @@ from engine.sampling_params import InvalidRequestError
 from kvtransfer import KVChunk, KVLayout
 from pdserve.v1 import prefill_pb2 as pb
 from services import sampling, wire
+from services.decode.prefix_index import ReplicaCache, follow
 from services.engine_loop import EngineLoop
 from services.grpc_server import channel_options
 from services.prefill.runner import install_connector, prefill_on_engine
@@ -58,15 +60,25 @@ class FirstToken:
 
 class Prefiller(abc.ABC):
     name: str
-    outstanding: int = 0  # requests in flight: the pool picks the replica with the fewest
+    outstanding: int = 0  # requests in flight from this decode server
+    pending_tokens: int = 0  # of those, the prompt tokens it is expected to compute (not cached there)
     down_until: float = 0.0  # after a failure the replica is avoided until then (monotonic seconds)
+    cache: ReplicaCache | None = None  # what its prefix cache holds, per its KV events (None: unknown)
 
     @property
     def healthy(self) -> bool:
         return time.monotonic() >= self.down_until
 
     def mark_failed(self, backoff_s: float = 2.0) -> None:
+        """The replica failed (unreachable, died): avoided for a while; what it cached may be gone."""
         self.down_until = time.monotonic() + backoff_s
+        if self.cache is not None:
+            self.cache.forget()
+
+    def held_less(self, missing: list[int]) -> None:
+        """A prefill here found the blocks `missing` uncached although the events said they were."""
+        if self.cache is not None:
+            self.cache.forget(missing)
 
     @abc.abstractmethod
     def prefill(
@@ -88,10 +100,14 @@ class RemotePrefiller(Prefiller):
         dst: KVLayout,
         deadline_s: float = 120.0,
         security: ChannelSecurity = PLAINTEXT,
+        events_resync_s: float = 2.0,
     ):
         self.name = target
         self.dst = dst
         self.deadline_s = deadline_s
+        self.events_resync_s = events_resync_s
+        self._follower: asyncio.Task | None = None
+        self._events_endpoint = ""
         self.channel = security.open(
             target,
             options=[
@@ -117,8 +133,17 @@ class RemotePrefiller(Prefiller):
         )
         self.src: KVLayout | None = None
 
+    def mark_failed(self, backoff_s: float = 2.0) -> None:
+        super().mark_failed(backoff_s)
+        self.src = None  # greet it again: it may be a new process (other layout, other event ports)
+
+    def held_less(self, missing: list[int]) -> None:
+        super().held_less(missing)
+        self.src = None  # its events may come from elsewhere now (a restart on other event ports)
+
     async def handshake(self) -> KVLayout:
-        """Compares layouts; raises PrefillError (naming the differences) when they do not fit."""
+        """Compares layouts (raises PrefillError naming the differences when they do not fit) and follows
+        the replica's KV events when it publishes them."""
         try:
             reply = await self._handshake(pb.HandshakeRequest(layout_json=self.dst.to_json()), timeout=10)
         except grpc.aio.AioRpcError as e:
@@ -129,7 +154,24 @@ class RemotePrefiller(Prefiller):
         except kvtransfer.LayoutMismatchError as e:
             raise PrefillError(f"{self.name}: {e}") from e
         self.src = src
+        if reply.kv_events_port:
+            self._follow_events(reply)
         return src
+
+    def _follow_events(self, reply: pb.HandshakeResponse) -> None:
+        host = self.name.rpartition(":")[0]
+        endpoint = f"tcp://{host}:{reply.kv_events_port}"
+        if self._follower is not None and not self._follower.done() and endpoint == self._events_endpoint:
+            return
+        if self._follower is not None:
+            self._follower.cancel()
+        self.cache = ReplicaCache(self.name)
+        self._events_endpoint = endpoint
+        replay_endpoint = f"tcp://{host}:{reply.kv_events_replay_port}"
+        self._follower = asyncio.create_task(
+            follow(self.cache, endpoint, replay_endpoint, reply.kv_events_topic, self.events_resync_s),
+            name=f"kv-events {self.name}",
+        )
 
     async def prefill(
         self, request: Request, dst: KVLayout, sharding, timeout: float | None = None, held: list[int] = ()
@@ -193,6 +235,8 @@ class RemotePrefiller(Prefiller):
             call.cancel()
 
     async def close(self) -> None:
+        if self._follower is not None:
+            self._follower.cancel()
         await self.channel.close()
 
 
@@ -246,18 +290,57 @@ def _check_adapter(request: Request, name: str, fingerprint: str, replica: str) 
         )
 
 
+@dataclasses.dataclass(frozen=True)
+class Routing:
+    """How the pool picks a replica for a prompt (`--prefill-routing`, `--prefill-routing-load-weight`).
+
+    "prefix": each healthy replica's cost is the prompt tokens it would compute plus `load_weight` times
+    the prompt tokens it is already computing for this decode server:
+        cost = (prompt tokens - tokens of the leading prompt blocks it holds) + load_weight * pending
+    (with load_weight 1: the tokens of prefill work ahead of this prompt's last one on that replica); the
+    cheapest wins, fewer requests in flight breaking ties. When no replica holds any of the prompt:
+    the one with the fewest requests in flight, in turns among equals (so that prefixes seen for the
+    first time spread over the replicas). "least-outstanding": always the latter.
+    """
+
+    policy: str = "prefix"
+    load_weight: float = 1.0
+    events_resync_s: float = 2.0  # a quiet event stream is checked against the replay socket this often
+
+    def __post_init__(self):
+        if self.policy not in ("prefix", "least-outstanding"):
+            raise ValueError(f"prefill routing {self.policy!r}: prefix or least-outstanding")
+        if self.load_weight < 0:
+            raise ValueError(f"prefill routing load weight {self.load_weight} < 0")
+
+
+@dataclasses.dataclass
+class Route:
+    replica: Prefiller
+    expected_hit_tokens: int  # prompt tokens the replica holds, per its events
+    reason: str  # "prefix": chosen for what it holds; "load": nothing held anywhere, the least busy
+
+
 class PrefillPool:
-    """Prefill replicas; `pick()` returns the healthy one with the least outstanding work.
+    """Prefill replicas; `pick()` chooses one per `routing`.
 
     Targets are host:port, or dns:///name:port (a Kubernetes headless service): every address the name
     resolves to becomes a replica, re-resolved by `refresh()`. `security`: TLS / mutual TLS to the replicas.
     """
 
-    def __init__(self, targets: list[str], dst: KVLayout, security: ChannelSecurity = PLAINTEXT):
+    def __init__(
+        self,
+        targets: list[str],
+        dst: KVLayout,
+        security: ChannelSecurity = PLAINTEXT,
+        routing: Routing = Routing(),
+    ):
         self.targets = targets
         self.dst = dst
         self.security = security
+        self.routing = routing
         self.replicas: dict[str, Prefiller] = {}
+        self._turn = 0
 
     @classmethod
     def of(cls, replica: Prefiller, dst: KVLayout) -> PrefillPool:
@@ -278,15 +361,39 @@ class PrefillPool:
     async def refresh(self) -> None:
         wanted = {addr for target in self.targets for addr in self.resolve(target)}
         for addr in wanted - self.replicas.keys():
-            self.replicas[addr] = RemotePrefiller(addr, self.dst, security=self.security)
+            self.replicas[addr] = RemotePrefiller(
+                addr, self.dst, security=self.security, events_resync_s=self.routing.events_resync_s
+            )
         for addr in self.replicas.keys() - wanted:
             await self.replicas.pop(addr).close()
 
-    def pick(self, exclude: set[str] = frozenset()) -> Prefiller | None:
+    def pick(
+        self, exclude: set[str] = frozenset(), block_hashes: list[int] = (), num_tokens: int = 0
+    ) -> Route | None:
+        """The replica for a prompt of `num_tokens` tokens whose full blocks hash to `block_hashes`
+        (kv_cache_manager.hash_blocks), among the healthy ones not in `exclude` (all not excluded when
+        none is healthy); None when there is none."""
         candidates = [r for r in self.replicas.values() if r.healthy and r.name not in exclude]
         if not candidates:
             candidates = [r for r in self.replicas.values() if r.name not in exclude]
-        return min(candidates, key=lambda r: r.outstanding, default=None)
+        if not candidates:
+            return None
+        hits = {r.name: 0 for r in candidates}
+        if self.routing.policy == "prefix" and block_hashes:
+            for r in candidates:
+                if r.cache is not None:
+                    hits[r.name] = r.cache.matched_blocks(block_hashes) * self.dst.block_size
+        if not any(hits.values()):
+            least = min(r.outstanding for r in candidates)
+            tied = [r for r in candidates if r.outstanding == least]
+            self._turn += 1
+            return Route(tied[self._turn % len(tied)], 0, "load")
+        weight = self.routing.load_weight
+        best = min(
+            candidates,
+            key=lambda r: (num_tokens - hits[r.name] + weight * r.pending_tokens, r.outstanding),
+        )
+        return Route(best, hits[best.name], "prefix" if hits[best.name] else "load")
 
     async def close(self) -> None:
         for replica in self.replicas.values():

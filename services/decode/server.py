@@ -36,6 +36,7 @@ from services.admin import AdminService
 from services.decode.core import GenerationCore, ServiceError
 from services.decode.openai_api import OpenAIFrontend
 from services.grpc_server import RunningServer
+from services.kv_events import KVEventsConfig, start_publishing
 from services.security import ServerSecurity
 
 SERVICE_NAME = "pdserve.v1.Generation"
@@ -110,11 +111,13 @@ async def serve(
     metrics_port: int | None = None,
     http_port: int | None = None,
     lora_root: str | None = None,
+    kv_events: KVEventsConfig | None = None,
 ) -> None:
     """Serves Generate (and Admin, and optionally /metrics and the OpenAI HTTP API) over `core` until
     `stop` is set; then refuses new requests and lets running ones finish.
 
-    `security`: TLS / mutual TLS and bearer tokens of the public port (default: plaintext, open)."""
+    `security`: TLS / mutual TLS and bearer tokens of the public port (default: plaintext, open).
+    `kv_events`: publish this engine's KV cache events (None: do not)."""
     await core.start()
     if metrics_port is not None:
         print(f"metrics on {host}:{core.metrics.serve(metrics_port, host)}", flush=True)
@@ -131,6 +134,7 @@ async def serve(
 
     running = await RunningServer.start([SERVICE_NAME, ADMIN_SERVICE], register, host, port, security)
     bound = running.port
+    publisher = None if kv_events is None else start_publishing(core.loop, kv_events, host, bound)
     print(f"decode-server ready on {host}:{bound} (prefill: {core.prefill_mode})", flush=True)
     if on_ready is not None:
         on_ready(f"{host}:{bound}")
@@ -142,3 +146,5 @@ async def serve(
     if http is not None:
         await http.stop()
     await core.close()
+    if publisher is not None:
+        publisher.close()

@@ -44,6 +44,7 @@ from services.admin import AdminService, Counters
 from services.engine_loop import EngineLoop
 from services.grpc_server import RunningServer
 from services.kv import engine_layout
+from services.kv_events import KVEventPublisher, KVEventsConfig, start_publishing
 from services.metrics import Metrics
 from services.prefill.runner import install_connector, prefill_on_engine
 from services.security import ServerSecurity
@@ -67,6 +68,8 @@ class PrefillService(pb_grpc.PrefillServicer):
         self.num_active = 0
         self.metrics = Metrics("prefill", loop, counters)
         self.draining = False
+        self.kv_events: KVEventPublisher | None = None
+        self.kv_events_settled = asyncio.Event()  # set once serve() knows whether it publishes
 
     @classmethod
     def for_engine(cls, engine: LLMEngine, **kwargs) -> PrefillService:
@@ -81,7 +84,13 @@ class PrefillService(pb_grpc.PrefillServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except (ValueError, KeyError, TypeError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"layout_json: {e}")
-        return pb.HandshakeResponse(layout_json=self.layout_json, fingerprint=self.fingerprint)
+        reply = pb.HandshakeResponse(layout_json=self.layout_json, fingerprint=self.fingerprint)
+        await self.kv_events_settled.wait()
+        if self.kv_events is not None:
+            reply.kv_events_port = self.kv_events.port
+            reply.kv_events_replay_port = self.kv_events.replay_port
+            reply.kv_events_topic = self.kv_events.topic.decode()
+        return reply
 
     async def Prefill(self, request: pb.PrefillRequest, context):
         if isinstance(request, wire.Unparsable):
@@ -206,11 +215,13 @@ async def serve(
     metrics_port: int | None = None,
     security: ServerSecurity | None = None,
     lora_root: str | None = None,
+    kv_events: KVEventsConfig | None = None,
 ):
     """Serves `service` (and Admin, and optionally /metrics) until `stop` is set, then drains: refuses
     new prefills, finishes running ones.
 
-    `security`: TLS / mutual TLS of the port and the client names allowed (default: plaintext, open)."""
+    `security`: TLS / mutual TLS of the port and the client names allowed (default: plaintext, open).
+    `kv_events`: publish the KV cache events (None: do not); Handshake tells decode servers where."""
     loop, counters = service.loop, service.counters
     loop.start()
     if metrics_port is not None:
@@ -223,6 +234,9 @@ async def serve(
 
     running = await RunningServer.start([SERVICE_NAME, ADMIN_SERVICE], register, host, port, security)
     bound = running.port
+    if kv_events is not None:
+        service.kv_events = start_publishing(loop, kv_events, host, bound)
+    service.kv_events_settled.set()
     log.info("prefill-server listening on %s:%d", host, bound)
     print(f"prefill-server ready on {host}:{bound}", flush=True)
     if on_ready is not None:
@@ -231,3 +245,5 @@ async def serve(
     service.draining = True
     await running.stop(grace_s)
     loop.stop()
+    if service.kv_events is not None:
+        service.kv_events.close()

@@ -8,6 +8,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from engine.block_pool import BlockPool, OutOfBlocksError, blocks_for_tokens
 from engine.kv_cache_manager import KVCacheManager, hash_block, hash_blocks
+from engine.kv_events import AllBlocksCleared, BlockRemoved
 
 pytestmark = pytest.mark.fast
 
@@ -120,6 +121,8 @@ class CacheMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         self.kv = KVCacheManager(12, self.BLOCK)
+        self.kv.record_events()
+        self.published: set[int] = set()  # what a reader of the events believes is cached
         self.requests: dict[str, list[int]] = {}  # holding blocks -> their tokens
         self.computed: dict[str, int] = {}
         self.written: dict[int, tuple[int, ...]] = {}
@@ -149,7 +152,7 @@ class CacheMachine(RuleBasedStateMachine):
             assert self.kv.pool.ref_counts[block] == 1, "wrote into a shared block"
             self.written[block] = (adapter, *tokens[: (pos // self.BLOCK + 1) * self.BLOCK])
         self.computed[rid] = done
-        self.kv.cache_blocks(rid, tokens, done, adapter)
+        self.kv.cache_blocks(rid, tokens, done, adapter, lora_name=adapter)
 
     @precondition(lambda self: self.requests)
     @rule(data=st.data())
@@ -157,6 +160,30 @@ class CacheMachine(RuleBasedStateMachine):
         rid = data.draw(st.sampled_from(sorted(self.requests)))
         self.kv.free(rid)
         del self.requests[rid], self.computed[rid]
+
+    @invariant()
+    def events_tell_a_reader_exactly_what_is_cached(self):
+        for event in self.kv.take_events():
+            if isinstance(event, AllBlocksCleared):
+                self.published.clear()
+            elif isinstance(event, BlockRemoved):
+                assert set(event.block_hashes) <= self.published
+                self.published -= set(event.block_hashes)
+            else:
+                assert event.parent_hash is None or event.parent_hash in self.published
+                tokens = event.token_ids
+                assert len(tokens) == len(event.block_hashes) * self.BLOCK
+                start = [] if event.parent_hash is None else [event.parent_hash]
+                # the hashes are the chain of these tokens after the parent, with the adapter
+                assert (
+                    hash_blocks([0] * len(start) * self.BLOCK + tokens, self.BLOCK, event.lora_name, start)[
+                        len(start) :
+                    ]
+                    == event.block_hashes
+                )
+                assert not set(event.block_hashes) & self.published
+                self.published |= set(event.block_hashes)
+        assert self.published == set(self.kv.pool._by_hash)
 
     @invariant()
     def consistent(self):

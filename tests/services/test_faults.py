@@ -17,7 +17,7 @@ import grpc
 import pytest
 
 from services.client import Client, build_request
-from services.launch import ENGINE_ARGS, Daemon
+from services.launch import ENGINE_ARGS, EPHEMERAL_KV_EVENTS, Daemon
 from tests.helpers import wait_all_free
 
 pytestmark = pytest.mark.daemon
@@ -48,7 +48,7 @@ def reference(colocated):
 
 @pytest.fixture(scope="module")
 def faulty(gguf_path, log_dir):
-    argv = ["--model", str(gguf_path), "--port", "0", "--no-warmup", *ENGINE_ARGS]
+    argv = ["--model", str(gguf_path), "--port", "0", "--no-warmup", *EPHEMERAL_KV_EVENTS, *ENGINE_ARGS]
     daemon = Daemon(argv, "faulty-prefill", log_dir, entry="tests.services.faulty_prefill:main")
     yield daemon
     assert daemon.terminate() == 0

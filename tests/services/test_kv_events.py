@@ -1,0 +1,163 @@
+"""KV cache events without a model: the wire format (vLLM's, as llm-d's router reads it), a real publisher's
+ZMQ sockets on loopback followed by the decode side's index through restarts, gaps and a cut stream."""
+
+import asyncio
+
+import msgpack
+import pytest
+
+from engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from services.decode.prefix_index import ReplicaCache, follow, replay
+from services.kv_events import KVEventPublisher, decode_batch, encode_batch, topic
+
+pytestmark = pytest.mark.fast
+
+BIG = 2**63 + 5
+
+
+def test_batches_are_vllms_tagged_arrays_with_8_byte_hashes():
+    events = [BlockStored([BIG, 7], None, [1, 2, 3, 4], 2, "ad"), BlockRemoved([7]), AllBlocksCleared()]
+    raw = msgpack.unpackb(encode_batch(events, timestamp=1.5), raw=False)
+    assert raw == [
+        1.5,
+        [
+            [
+                "BlockStored",
+                [BIG.to_bytes(8, "big"), (7).to_bytes(8, "big")],
+                None,
+                [1, 2, 3, 4],
+                2,
+                None,
+                "GPU",
+                "ad",
+            ],
+            ["BlockRemoved", [(7).to_bytes(8, "big")], "GPU"],
+            ["AllBlocksCleared"],
+        ],
+        0,
+    ]
+    assert decode_batch(encode_batch(events))[1] == events
+    # vLLM's own batches: integer hashes, the older field lists (no medium, no lora_name), extra trailing ones
+    vllm = msgpack.packb(
+        [
+            2.0,
+            [
+                ["BlockStored", [BIG, 3], 9, [5, 6], 1, None],
+                ["BlockRemoved", [3]],
+                ["BlockStored", [4], None, [7], 1, None, "GPU", None, None, 0, None, None],
+            ],
+        ]
+    )
+    assert decode_batch(vllm)[1] == [
+        BlockStored([BIG, 3], 9, [5, 6], 1),
+        BlockRemoved([3]),
+        BlockStored([4], None, [7], 1),
+    ]
+    for bad in (b"\xc1", msgpack.packb([1.0, [["Nope"]]]), msgpack.packb([1.0, [["BlockRemoved", ["x"]]]])):
+        with pytest.raises(ValueError):
+            decode_batch(bad)
+    assert topic("10.0.0.7:8000", "smollm2") == "kv@10.0.0.7:8000@smollm2"
+    with pytest.raises(ValueError):
+        topic("a@b", "m")
+
+
+def _batch(seq, events):
+    payload = encode_batch(events, timestamp=float(seq))
+    return seq, payload, events
+
+
+def test_index_applies_in_order_and_rebuilds_after_a_restart_or_lost_batches():
+    cache = ReplicaCache("r")
+    b0, b1 = _batch(0, [AllBlocksCleared()]), _batch(1, [BlockStored([1, 2], None, [0, 0], 1)])
+    cache.rebuild([b0, b1])
+    assert cache.hashes == {1, 2} and cache.last_seq == 1 and cache.matched_blocks([1, 2, 3]) == 2
+    b2 = _batch(2, [BlockRemoved([2]), BlockStored([3], 1, [0], 1)])
+    assert cache.is_next(2, b2[1]) is True
+    cache.apply(*b2)
+    assert cache.is_next(2, b2[1]) is None  # a duplicate (seen again after a replay)
+    assert cache.is_next(5, b"x") is False  # a gap
+    cache.rebuild([b2, _batch(3, [BlockStored([4], None, [0], 1)])])  # the replay continues where we are
+    assert cache.hashes == {1, 3, 4} and cache.num_resyncs == 0
+    cache.rebuild([_batch(0, [AllBlocksCleared()])])  # restarted: its history starts over, empty
+    assert cache.hashes == set() and cache.last_seq == 0 and cache.num_resyncs == 1
+    assert cache.is_next(2, b2[1]) is False  # the old instance's batch 2 is not this one's
+    cache.apply(*_batch(1, [BlockStored([8], None, [0], 1)]))
+    cache.rebuild([_batch(7, [BlockStored([9], None, [0], 1)])])  # batches 2-6 lost beyond the buffer
+    assert cache.hashes == {9} and cache.num_resyncs == 2
+
+
+async def _until(predicate, timeout=10.0):
+    async with asyncio.timeout(timeout):
+        while not predicate():
+            await asyncio.sleep(0.02)
+
+
+def test_a_follower_tracks_a_publisher_through_its_restart_and_a_cut_stream():
+    async def main():
+        name = topic("127.0.0.1:1", "m")
+        pub = KVEventPublisher(name, port=0, replay_port=0)
+        port, replay_port = pub.port, pub.replay_port
+        pub.publish([AllBlocksCleared()])
+        pub.publish([BlockStored([1, 2], None, [0, 0], 1)])
+        cache = ReplicaCache("r")
+        task = asyncio.create_task(
+            follow(cache, f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{replay_port}", name, resync_s=0.2)
+        )
+        try:
+            await _until(lambda: cache.hashes == {1, 2})  # caught up from the replay socket
+            pub.publish([BlockRemoved([1]), BlockStored([3], 2, [0], 1)])
+            await _until(lambda: cache.hashes == {2, 3})  # live
+            assert [seq for seq, *_ in await replay(f"tcp://127.0.0.1:{replay_port}", 1)] == [1, 2]
+            pub.close()  # the stream is cut: the index stays as it was, the follower keeps trying
+            await asyncio.sleep(0.5)
+            assert cache.hashes == {2, 3} and not task.done()
+            pub = KVEventPublisher(name, port=port, replay_port=replay_port)  # restarted, empty cache
+            pub.publish([AllBlocksCleared()])
+            await _until(lambda: cache.hashes == set() and cache.num_resyncs == 1)
+            pub.publish([BlockStored([5], None, [0], 1)])
+            await _until(lambda: cache.hashes == {5})
+        finally:
+            task.cancel()
+            pub.close()
+
+    asyncio.run(main())
+
+
+def test_routing_prefers_the_replica_holding_the_prefix_unless_its_queue_costs_more():
+    from kvtransfer import KVLayout, LayerSpec
+    from services.decode.prefill_pool import PrefillPool, RemotePrefiller, Routing
+
+    async def main():
+        layout = KVLayout("tiny", (LayerSpec(),) * 2, 2, 8, "float32", 4)
+        bs = layout.block_size
+        pool = PrefillPool([], layout, routing=Routing(load_weight=1.0))
+        a, b, c = (RemotePrefiller(f"127.0.0.1:{p}", layout) for p in (1, 2, 3))
+        for r in (a, b, c):
+            pool.replicas[r.name] = r
+            r.cache = ReplicaCache(r.name)
+        prompt = [11, 12, 13, 14]  # block hashes of a 4-block prompt
+        tokens = 4 * bs + 1
+        a.outstanding, b.outstanding = 2, 1
+        assert (pool.pick(block_hashes=prompt, num_tokens=tokens).replica, "load") == (c, "load")
+        c.outstanding = 3
+        route = pool.pick(block_hashes=prompt, num_tokens=tokens)
+        assert (route.replica, route.expected_hit_tokens, route.reason) == (b, 0, "load")  # nobody holds it
+        a.cache.hashes |= {11, 12, 13}
+        b.cache.hashes |= {11, 13, 14}  # not a prefix beyond the first block
+        route = pool.pick(block_hashes=prompt, num_tokens=tokens)
+        assert (route.replica, route.expected_hit_tokens, route.reason) == (a, 3 * bs, "prefix")
+        a.pending_tokens = 3 * bs  # its queue costs more than its longer prefix saves: b's one block wins
+
+        assert pool.pick(block_hashes=prompt, num_tokens=tokens).replica is b
+        assert pool.pick(exclude={b.name}, block_hashes=prompt, num_tokens=tokens).replica is a
+        pool.routing = Routing("least-outstanding")
+        assert pool.pick(block_hashes=prompt, num_tokens=tokens).replica is b
+        pool.routing = Routing()
+        b.mark_failed()  # down: avoided, and what it cached is forgotten
+        assert b.cache.hashes == set() and pool.pick(block_hashes=prompt, num_tokens=tokens).replica is a
+        with pytest.raises(ValueError):
+            Routing("random")
+        for r in (a, b, c):
+            await r.close()
+
+    asyncio.run(main())
