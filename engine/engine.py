@@ -147,7 +147,14 @@ class LLMEngine:
             return []
         sampled = self._execute(scheduled)
         outputs = self.scheduler.update_from_output(scheduled, sampled, self._on_token)
-        for request in list(self.scheduler.sending):  # the connector's worker side: hand the KV over
+        # the connector's worker side: hand over the KV of prompts computed in part, then of finished ones
+        for row in scheduled.rows if scheduled.prefill else ():
+            request = self.scheduler.requests.get(row.request_id)
+            if request is not None and request.status is Status.RUNNING and not row.samples:
+                self.kv_connector.save_kv(
+                    self.runner.cache, request, self.scheduler.block_ids(request.request_id)
+                )
+        for request in list(self.scheduler.sending):
             self.kv_connector.send_kv(
                 self.runner.cache, request, self.scheduler.block_ids(request.request_id)
             )

@@ -10,11 +10,14 @@ it admits and finishes requests) and a worker side (called on the engine thread 
                                    now (cached prefix first): a transfer may start
     request_finished(request)      True: keep the finished request's blocks until its KV is sent
   worker side
-    send_kv(cache, request, block_ids)   prefill role: hand the KV of a finished request to a sender
+    save_kv(cache, request, block_ids)   prefill role: a step computed part of a request's prompt (more
+                                   to come): hand the KV now complete to a sender
+    send_kv(cache, request, block_ids)   prefill role: the request finished: hand over the rest
     load_kv(cache, block_ids, chunk)     decode role: write an arriving chunk into a request's blocks
 
-Implementations: `KVConnector` (none: colocated), `PrefillConnector` (finished prompts' KV is gathered
-for the sender: the prefill-server's gRPC stream, or `pdserve serve`'s device-to-device path) and
+Implementations: `KVConnector` (none: colocated), `PrefillConnector` (prompts' KV is gathered for the
+sender as the prefill chunks compute it: the prefill-server's gRPC stream, or `pdserve serve`'s
+device-to-device path) and
 `DecodeConnector` (requests expected from a prefill replica wait in WAITING_FOR_REMOTE_KV; arriving
 chunks are inserted (LLMEngine.load_kv); the first token starts them: LLMEngine.remote_kv_arrived).
 The daemons own the wire (services/); connectors own what the engine does with the KV.
@@ -22,11 +25,14 @@ The daemons own the wire (services/); connectors own what the engine does with t
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 
 import kvtransfer
 from engine.request import Request
 from kvtransfer import HeadMap, KVChunk, KVLayout
+
+ChunkSink = Callable[[list[KVChunk], bool], None]  # (chunks in plan order, whether they are the last)
 
 
 class KVConnector:
@@ -43,6 +49,13 @@ class KVConnector:
     def request_finished(self, request: Request) -> bool:
         return False
 
+    def forget(self, request_id: str) -> None:
+        """Whatever the connector keeps for the request is dropped (it ended, or its caller gave up)."""
+        return None
+
+    def save_kv(self, cache, request: Request, block_ids: Sequence[int]) -> None:
+        return None
+
     def send_kv(self, cache, request: Request, block_ids: Sequence[int]) -> None:
         return None
 
@@ -50,50 +63,78 @@ class KVConnector:
         raise NotImplementedError(f"{type(self).__name__} receives no KV")
 
 
+@dataclasses.dataclass
+class _Outgoing:
+    sink: ChunkSink
+    head_map: HeadMap | None
+    max_frame_bytes: int
+    first_block: int
+    plan: tuple = ()  # the frame plan of the prompt's tokens from first_block on (made at the first send)
+    sent: int = 0  # frames of the plan handed to the sink so far
+
+
 class PrefillConnector(KVConnector):
-    """Prefill role: for each request the sender expects, its prompt's KV is gathered when it finishes
-    (kvtransfer.gather_request: copies, dispatched at once, in the sender's frame plan, heads converted
-    by `head_map` when given) and kept until the sender takes it; the blocks then return to the cache.
-    Engine thread only."""
+    """Prefill role: for each request a sender expects, its prompt's KV goes to the sender's sink as it is
+    computed: after every step that computed part of the prompt, the frames of the plan whose tokens are
+    all computed (kvtransfer.gather_request: copies, dispatched at once, heads converted by `head_map`
+    when given); when the request finishes, the rest, marked last, and the request's blocks go back to the
+    cache. A prompt found cached here is sent from the first step. Engine thread only."""
 
     def __init__(self, layout: KVLayout):
         self.layout = layout
-        self._expected: dict[str, tuple[HeadMap | None, int, int]] = {}
-        self._outbox: dict[str, list[KVChunk]] = {}
+        self._outgoing: dict[str, _Outgoing] = {}
 
     def expect(
         self,
         request_id: str,
+        sink: ChunkSink,
         head_map: HeadMap | None = None,
         max_frame_bytes: int = kvtransfer.MAX_FRAME_BYTES,
         first_block: int = 0,
     ) -> None:
         """The sender wants the request's KV: the prompt's blocks from `first_block` on (the receiver
         holds those before), heads converted by `head_map`, in the frame plan of `max_frame_bytes` (the
-        wire's frames, or kvtransfer.LOCAL_CHUNK_BYTES device to device)."""
-        self._expected[request_id] = (head_map, max_frame_bytes, first_block)
-
-    def take(self, request_id: str) -> list[KVChunk]:
-        """The gathered chunks of a finished request (KeyError: it did not finish)."""
-        self._expected.pop(request_id, None)
-        return self._outbox.pop(request_id)
+        wire's frames, or kvtransfer.LOCAL_CHUNK_BYTES device to device). `sink(chunks, last)` is called
+        on the engine thread and must not block."""
+        self._outgoing[request_id] = _Outgoing(sink, head_map, max_frame_bytes, first_block)
 
     def forget(self, request_id: str) -> None:
-        """The sender gave up (cancelled): drop whatever is kept for the request."""
-        self._expected.pop(request_id, None)
-        self._outbox.pop(request_id, None)
+        self._outgoing.pop(request_id, None)
 
     def request_finished(self, request: Request) -> bool:
-        return request.request_id in self._expected
+        return request.request_id in self._outgoing
+
+    def save_kv(self, cache, request: Request, block_ids: Sequence[int]) -> None:
+        out = self._outgoing.get(request.request_id)
+        if out is not None:
+            self._send(cache, request, block_ids, out, request.num_computed, last=False)
 
     def send_kv(self, cache, request: Request, block_ids: Sequence[int]) -> None:
-        head_map, max_frame_bytes, first_block = self._expected[request.request_id]
+        out = self._outgoing.pop(request.request_id)
+        self._send(cache, request, block_ids, out, len(request.prompt_ids), last=True)
+
+    def _send(self, cache, request: Request, block_ids, out: _Outgoing, computed: int, last: bool) -> None:
         bs = self.layout.block_size
-        num_tokens = len(request.prompt_ids) - first_block * bs
-        blocks = list(block_ids[first_block : kvtransfer.plan.cdiv(len(request.prompt_ids), bs)])
-        self._outbox[request.request_id] = kvtransfer.gather_request(
-            cache, self.layout, blocks, num_tokens, max_frame_bytes=max_frame_bytes, head_map=head_map
-        )
+        num_tokens = len(request.prompt_ids) - out.first_block * bs
+        if not out.plan:
+            out.plan = kvtransfer.plan_frames(self.layout, num_tokens, out.max_frame_bytes)
+        done = out.sent
+        while done < len(out.plan) and out.plan[done].token_end <= computed - out.first_block * bs:
+            done += 1
+        ready, out.sent = out.plan[out.sent : done], done
+        chunks = []
+        if ready:
+            chunks = kvtransfer.gather_request(
+                cache,
+                self.layout,
+                list(block_ids[out.first_block :]),
+                num_tokens,
+                max_frame_bytes=out.max_frame_bytes,
+                head_map=out.head_map,
+                frames=ready,
+            )
+        if chunks or last:
+            out.sink(chunks, last)
 
 
 class DecodeConnector(KVConnector):

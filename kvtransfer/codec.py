@@ -1,7 +1,7 @@
 """Wire codec: a request's KV chunks <-> a stream of frames (protobuf header + raw payload).
 
 Frame on the wire: [u32 LE header length][u32 LE crc32c(header)][KVFrameHeader][payload]. The encoder
-follows plan.plan_frames, so frames arrive by layer then by token and each can be inserted on arrival.
+follows plan.plan_frames, so frames arrive by token (then by layer) and each can be inserted on arrival.
 The assembler verifies every frame (order, duplicates, crc, shape, range) before it becomes a chunk; a
 frame that fails is reported with a FrameError and never turned into a chunk.
 """

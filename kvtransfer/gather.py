@@ -18,6 +18,7 @@ from kvtransfer.bits import as_bits, from_bits
 from kvtransfer.layout import HeadMap, KVLayout
 from kvtransfer.plan import (
     MAX_FRAME_BYTES,
+    FramePlan,
     KVChunk,
     block_runs,
     bucket_blocks,
@@ -117,13 +118,22 @@ def gather_request(
     *,
     max_frame_bytes: int = MAX_FRAME_BYTES,
     head_map: HeadMap | None = None,
+    frames: Sequence[FramePlan] | None = None,
 ) -> list[KVChunk]:
-    """A whole request as the chunks of its frame plan (see plan.plan_frames), all dispatched at once.
+    """A request of `num_tokens` tokens as the chunks of its frame plan (see plan.plan_frames), all
+    dispatched at once; `frames`: only these entries of the plan (streaming a prompt as it computes:
+    `block_ids` need only reach their last block).
 
     Holding the returned chunks keeps the request's KV alive even if the engine later donates `cache`.
     """
-    if len(block_ids) != cdiv(num_tokens, layout.block_size):
-        raise ValueError(f"{len(block_ids)} blocks for {num_tokens} tokens of block size {layout.block_size}")
+    if frames is None:
+        frames = plan_frames(layout, num_tokens, max_frame_bytes)
+        if len(block_ids) != cdiv(num_tokens, layout.block_size):
+            raise ValueError(
+                f"{len(block_ids)} blocks for {num_tokens} tokens of block size {layout.block_size}"
+            )
+    elif frames and len(block_ids) < max(p.block_start + p.num_blocks for p in frames):
+        raise ValueError(f"{len(block_ids)} blocks do not reach the frames' last block")
     return [
         gather(
             cache,
@@ -135,5 +145,5 @@ def gather_request(
             head_map=head_map,
             bucket=p.bucket,
         )
-        for p in plan_frames(layout, num_tokens, max_frame_bytes)
+        for p in frames
     ]

@@ -123,13 +123,15 @@ def chunk_geometry(layout: KVLayout, num_layers: int, budget: int) -> tuple[int,
 def plan_frames(
     layout: KVLayout, num_tokens: int, max_frame_bytes: int = MAX_FRAME_BYTES
 ) -> tuple[FramePlan, ...]:
-    """The chunks of a request, in the order they are sent: by layer group, then by token.
+    """The chunks of a request, in the order they are sent: by the token they end at, then by layer, so
+    a prefix of the plan covers the KV of a prefix of the tokens (the sender streams each frame as soon
+    as the prefill chunks computing its tokens have run).
 
-    Fixed geometry (chunk_geometry): every chunk of a layer group holds the same number of blocks (as many
-    as fit the budget) except the group's last, whose bucket is the next power of two capped at that
-    number, so each stage copies (almost) only real bytes and a model compiles a handful of chunk shapes
-    whatever the request length. Each chunk's payload (bucketed) fits max_frame_bytes -
-    HEADER_RESERVE_BYTES. Sliding window layers start at their first needed block.
+    Fixed geometry (chunk_geometry): every chunk of a layer group (the layers that need the same blocks)
+    holds the same number of blocks (as many as fit the budget) except the group's last, whose bucket is
+    the next power of two capped at that number, so each stage copies (almost) only real bytes and a
+    model compiles a handful of chunk shapes whatever the request length. Each chunk's payload (bucketed)
+    fits max_frame_bytes - HEADER_RESERVE_BYTES. Sliding window layers start at their first needed block.
     """
     budget = max_frame_bytes - HEADER_RESERVE_BYTES
     if layout.block_bytes > budget:
@@ -138,25 +140,29 @@ def plan_frames(
         )
     total_blocks = cdiv(num_tokens, layout.block_size)
     bs = layout.block_size
-    plans: list[FramePlan] = []
+    chunks: list[tuple[int, int, int, int, int]] = []  # layer, layers, block, blocks, bucket
     for layer_start, layer_end, first_block in _layer_segments(layout, num_tokens) if total_blocks else []:
         group, full = chunk_geometry(layout, layer_end - layer_start, budget)
         for layer in range(layer_start, layer_end, group):
             for block in range(first_block, total_blocks, full):
                 nblocks = min(full, total_blocks - block)
-                plans.append(
-                    FramePlan(
-                        len(plans),
-                        layer,
-                        min(group, layer_end - layer),
-                        block,
-                        nblocks,
-                        block * bs,
-                        min(nblocks * bs, num_tokens - block * bs),
-                        bucket_blocks(nblocks, full),
-                    )
+                chunks.append(
+                    (layer, min(group, layer_end - layer), block, nblocks, bucket_blocks(nblocks, full))
                 )
-    return tuple(plans)
+    chunks.sort(key=lambda c: (c[2] + c[3], c[0]))  # by last block, then by layer
+    return tuple(
+        FramePlan(
+            seq,
+            layer,
+            nlayers,
+            block,
+            nblocks,
+            block * bs,
+            min(nblocks * bs, num_tokens - block * bs),
+            bucket,
+        )
+        for seq, (layer, nlayers, block, nblocks, bucket) in enumerate(chunks)
+    )
 
 
 def chunk_shapes(layout: KVLayout, max_request_blocks: int, max_frame_bytes: int = MAX_FRAME_BYTES) -> set:

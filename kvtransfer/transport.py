@@ -13,7 +13,7 @@ bench/bench_kvtransfer.py measures.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import jax
 import numpy as np
@@ -30,15 +30,17 @@ def encode_request(
     request_id: str,
     layout: KVLayout,
     num_tokens: int,
-    chunks: list[KVChunk],
+    chunks: Iterable[KVChunk],
     max_frame_bytes: int = MAX_FRAME_BYTES,
     lead: Callable[[int], bytes] | None = None,
 ) -> Iterator[bytes]:
-    """The serialized frames of one request (chunks: its gather_request output, same max_frame_bytes), in
-    plan order; `lead(frame_size)` puts the caller's message prefix before each, in the same copy. Each
-    chunk is dropped from `chunks` once framed, so its memory goes as the stream advances."""
+    """The serialized frames of one request (chunks: its gather_request output, same max_frame_bytes, or
+    an iterator that yields them as they are computed), in plan order; `lead(frame_size)` puts the
+    caller's message prefix before each, in the same copy. A list's chunks are dropped from it once
+    framed, so their memory goes as the stream advances."""
     encoder = FrameEncoder(request_id, layout, num_tokens, max_frame_bytes)
-    for frame in encoder.frames(_drain(chunks)):
+    source = _drain(chunks) if isinstance(chunks, list) else chunks
+    for frame in encoder.frames(source):
         data = serialize_frame(frame, lead)
         del frame
         yield data

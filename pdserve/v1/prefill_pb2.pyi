@@ -50,36 +50,36 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParameters, _Mapping]] = ..., seed: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., lora_adapter: _Optional[str] = ..., stop: _Optional[_Union[_generation_pb2.StopConditions, _Mapping]] = ..., lora_fingerprint: _Optional[str] = ..., held_block_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrefillHeader(_message.Message):
-    __slots__ = ("request_id", "first_token", "prompt_len", "layout_json", "first_logprobs", "lora_adapter", "lora_fingerprint", "num_cached_tokens", "first_block")
+    __slots__ = ("request_id", "prompt_len", "layout_json", "lora_adapter", "lora_fingerprint", "first_block")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_JSON_FIELD_NUMBER: _ClassVar[int]
-    FIRST_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     LORA_ADAPTER_FIELD_NUMBER: _ClassVar[int]
     LORA_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
-    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    first_token: int
     prompt_len: int
     layout_json: str
-    first_logprobs: _generation_pb2.TokenLogprobs
     lora_adapter: str
     lora_fingerprint: str
-    num_cached_tokens: int
     first_block: int
-    def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[int] = ..., prompt_len: _Optional[int] = ..., layout_json: _Optional[str] = ..., first_logprobs: _Optional[_Union[_generation_pb2.TokenLogprobs, _Mapping]] = ..., lora_adapter: _Optional[str] = ..., lora_fingerprint: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., first_block: _Optional[int] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., prompt_len: _Optional[int] = ..., layout_json: _Optional[str] = ..., lora_adapter: _Optional[str] = ..., lora_fingerprint: _Optional[str] = ..., first_block: _Optional[int] = ...) -> None: ...
 
 class PrefillTrailer(_message.Message):
-    __slots__ = ("num_frames", "num_bytes", "prefill_seconds")
+    __slots__ = ("num_frames", "num_bytes", "prefill_seconds", "first_token", "first_logprobs", "num_cached_tokens")
     NUM_FRAMES_FIELD_NUMBER: _ClassVar[int]
     NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
     PREFILL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    FIRST_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     num_frames: int
     num_bytes: int
     prefill_seconds: float
-    def __init__(self, num_frames: _Optional[int] = ..., num_bytes: _Optional[int] = ..., prefill_seconds: _Optional[float] = ...) -> None: ...
+    first_token: int
+    first_logprobs: _generation_pb2.TokenLogprobs
+    num_cached_tokens: int
+    def __init__(self, num_frames: _Optional[int] = ..., num_bytes: _Optional[int] = ..., prefill_seconds: _Optional[float] = ..., first_token: _Optional[int] = ..., first_logprobs: _Optional[_Union[_generation_pb2.TokenLogprobs, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefillMessage(_message.Message):
     __slots__ = ("header", "kv_frame", "trailer")

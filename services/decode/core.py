@@ -292,8 +292,8 @@ class GenerationCore:
     async def _transfer(
         self, route: Route, request: Request, timeout: float | None, held: list[int]
     ) -> tuple[FirstToken, float, int]:
-        """One attempt: (first token, perf_counter at its arrival, KV bytes received). On failure the
-        request's blocks stay allocated (to be refilled by the next try).
+        """One attempt: (first token, perf_counter when the first KV arrived, KV bytes received). On
+        failure the request's blocks stay allocated (to be refilled by the next try).
 
         Closing the prefill stream (aclosing) cancels it at once when this request is cancelled.
         """
@@ -302,19 +302,20 @@ class GenerationCore:
         replica.outstanding += 1
         replica.pending_tokens += work
         try:
-            first, started, nbytes = None, 0.0, 0
+            first, started, nbytes = None, None, 0
             async with contextlib.aclosing(
                 replica.prefill(request, self.layout, self.sharding, timeout, held)
             ) as items:
                 async for item in items:
                     if isinstance(item, FirstToken):
-                        first, started = item, time.perf_counter()
-                    else:
+                        first = item
+                    else:  # inserted as it arrives (on the engine thread, in order)
+                        started = started or time.perf_counter()
                         nbytes += item.data.nbytes
-                        self.loop.submit(_loader(request.request_id, item, first.first_block))
+                        self.loop.submit(_loader(request.request_id, item, len(held)))
             if first is None:
                 raise PrefillError(f"{replica.name}: no first token")
-            return first, started, nbytes
+            return first, started or time.perf_counter(), nbytes
         finally:
             replica.outstanding -= 1
             replica.pending_tokens -= work

@@ -2,11 +2,11 @@
 process (`pdserve serve`), behind one interface, and the pool that picks a replica (`Routing`: by the
 prompt blocks each replica holds, per its KV events, and the work queued on it).
 
-`Prefiller.prefill(request, dst_layout, dst_sharding, held=...)` yields, in order: a FirstToken, then
-KVChunks already placed on the decode mesh in the decode layout, carrying the prompt's tokens from block
-`FirstToken.first_block` on (the blocks before it are the `held` ones, which the decode side has), then
-returns. Any failure raises PrefillError and
-nothing yielded so far may be used: the caller frees the blocks it reserved and retries elsewhere.
+`Prefiller.prefill(request, dst_layout, dst_sharding, held=...)` yields, in order: KVChunks already placed
+on the decode mesh in the decode layout, carrying the prompt's tokens from block len(held) on (the blocks
+before are the `held` ones, which the decode side has), each as soon as the replica has computed and sent
+it, then the FirstToken, which confirms them all. Any failure raises PrefillError and nothing yielded so
+far may be used: the caller rewrites the same blocks from another replica, or prefills them itself.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from services import sampling, wire
 from services.decode.prefix_index import ReplicaCache, follow
 from services.engine_loop import EngineLoop
 from services.grpc_server import channel_options
-from services.prefill.runner import install_connector, prefill_on_engine
+from services.prefill.runner import PrefillStream, install_connector
 from services.security import PLAINTEXT, ChannelSecurity
 
 log = logging.getLogger(__name__)
@@ -55,7 +55,6 @@ class FirstToken:
     token: int
     logprobs: TokenLogprobs | None
     num_cached_tokens: int = 0  # prompt tokens the replica found in its prefix cache
-    first_block: int = 0  # the chunks that follow start at this block of the prompt
 
 
 class Prefiller(abc.ABC):
@@ -212,16 +211,15 @@ class RemotePrefiller(Prefiller):
                     assembler = kvtransfer.FrameAssembler(
                         request.request_id, num_tokens, src, dst, sharding=sharding
                     )
-                    logprobs = None
-                    if header.HasField("first_logprobs"):
-                        logprobs = wire.logprobs_from_proto(header.first_logprobs)
-                    yield FirstToken(
-                        header.first_token, logprobs, header.num_cached_tokens, header.first_block
-                    )
                 elif item.HasField("trailer"):
                     if assembler is None:
                         raise PrefillError(f"{self.name}: trailer before the header")
                     assembler.finish()
+                    trailer = item.trailer
+                    logprobs = None
+                    if trailer.HasField("first_logprobs"):
+                        logprobs = wire.logprobs_from_proto(trailer.first_logprobs)
+                    yield FirstToken(trailer.first_token, logprobs, trailer.num_cached_tokens)
                     return
             raise PrefillError(f"{self.name}: stream ended without a trailer")
         except grpc.aio.AioRpcError as e:
@@ -269,16 +267,18 @@ class LocalPrefiller(Prefiller):
         except InvalidRequestError as e:
             raise PrefillError(f"{self.name}: {e}", replica_down=False) from e
         mine.seed = request.seed
-        head_map = kvtransfer.head_map(self.src, dst)
-        result = await prefill_on_engine(
-            self.loop, mine, head_map, kvtransfer.LOCAL_CHUNK_BYTES, first_block=len(held)
+        stream = PrefillStream(
+            self.loop, mine, kvtransfer.head_map(self.src, dst), kvtransfer.LOCAL_CHUNK_BYTES, len(held)
         )
-        first = result.first
+        try:
+            await stream.start()
+            async for chunk in stream.achunks():  # each as its tokens are computed
+                yield kvtransfer.move_chunk(chunk, sharding)
+            first = await stream.first_token()
+        finally:
+            stream.close()
         logprobs = first.logprobs[0] if first.logprobs else None
-        yield FirstToken(first.new_token_ids[0], logprobs, first.num_cached_tokens, len(held))
-        chunks = result.chunks
-        while chunks:
-            yield kvtransfer.move_chunk(chunks.pop(0), sharding)
+        yield FirstToken(first.new_token_ids[0], logprobs, first.num_cached_tokens)
 
 
 def _check_adapter(request: Request, name: str, fingerprint: str, replica: str) -> None:

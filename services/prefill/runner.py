@@ -1,13 +1,17 @@
-"""One prefill on an engine running in an EngineLoop: queue the prompt, await its first token, take its KV.
+"""One prefill on an engine running in an EngineLoop: queue the prompt, receive its KV as the prefill chunks
+compute it, then its first token.
 
-Shared by the prefill-server (which then frames the KV for gRPC) and the in-process prefill of
-`pdserve serve` (which moves the gathered device arrays to the decode mesh). The engine's
-PrefillConnector (installed with `install_connector`) gathers a finished request's KV for the sender.
+Shared by the prefill-server (which frames the KV for gRPC on a producer thread while the next chunk
+computes) and the in-process prefill of `pdserve serve` (which moves the gathered device arrays to the
+decode mesh). The engine's PrefillConnector (installed with `install_connector`) hands the chunks over.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import queue
+from collections.abc import Iterator
 
 from engine.engine import LLMEngine
 from engine.kv_connector import PrefillConnector
@@ -17,50 +21,82 @@ from kvtransfer import MAX_FRAME_BYTES, HeadMap, KVChunk
 from services.engine_loop import EngineLoop
 from services.kv import engine_layout
 
-
-@dataclasses.dataclass
-class PrefillResult:
-    first: RequestOutput  # the first token (and its logprobs)
-    chunks: list[KVChunk]  # the prompt's KV from first_block on, in frame-plan order, on the prefill mesh
-    num_tokens: int  # tokens the chunks carry
+_CLOSED = object()
 
 
 def install_connector(engine: LLMEngine) -> None:
-    """Makes `engine` a prefill engine: finished requests' KV goes to the sender that expects it."""
+    """Makes `engine` a prefill engine: the KV of the requests a sender expects goes to that sender."""
     engine.set_kv_connector(PrefillConnector(engine_layout(engine)))
 
 
-async def prefill_on_engine(
-    loop: EngineLoop,
-    request: Request,
-    head_map: HeadMap | None = None,
-    max_frame_bytes: int = MAX_FRAME_BYTES,
-    first_block: int = 0,
-) -> PrefillResult:
-    """`request` comes from engine.make_request with the caller's seed. Cancelling frees its blocks.
+class PrefillStream:
+    """One request prefilled on `loop`'s engine, its prompt's KV from `first_block` on (the receiver holds
+    the blocks before; heads converted by `head_map`, in the frame plan of `max_frame_bytes`).
 
-    The request is cut to one token (its stop conditions are the decode side's business); when it
-    finishes, the connector gathers the KV of its prompt's blocks from `first_block` on (the receiver
-    holds the ones before; heads converted by `head_map`, in chunks of at most `max_frame_bytes`) and its
-    blocks go back to the prefix cache at once (the chunks are copies).
+    `request` comes from engine.make_request with the caller's seed; it is cut to one token (its stop
+    conditions are the decode side's business). Use: `await start()`; take the chunks (`chunks()` on a
+    thread, or `achunks()`), which arrive while later prompt chunks compute; `await first_token()`;
+    `close()` always (it aborts the request and frees its blocks when it has not finished).
     """
-    request.params = dataclasses.replace(request.params, max_tokens=1)
-    rid = request.request_id
-    outputs = loop.open_stream(rid)
-    taken = False
 
-    def add(engine: LLMEngine) -> None:
-        engine.kv_connector.expect(rid, head_map, max_frame_bytes, first_block)
-        engine.add_prepared_request(request)
+    def __init__(
+        self,
+        loop: EngineLoop,
+        request: Request,
+        head_map: HeadMap | None = None,
+        max_frame_bytes: int = MAX_FRAME_BYTES,
+        first_block: int = 0,
+    ):
+        request.params = dataclasses.replace(request.params, max_tokens=1)
+        self.loop, self.request = loop, request
+        self.head_map, self.max_frame_bytes, self.first_block = head_map, max_frame_bytes, first_block
+        self.num_tokens = len(request.prompt_ids) - first_block * loop.engine.config.block_size
+        self._chunks: queue.Queue = queue.Queue()  # KVChunk ..., then None (all sent) or _CLOSED
+        self._outputs: asyncio.Queue | None = None
+        self._finished = False
 
-    try:
-        await loop.call(add)
-        first = await outputs.get()  # a one-token request: it ends with this output
-        chunks = await loop.call(lambda e: e.kv_connector.take(rid))
-        taken = True
-        num_tokens = len(request.prompt_ids) - first_block * loop.engine.config.block_size
-        return PrefillResult(first, chunks, num_tokens)
-    finally:
-        loop.close_stream(rid)
-        if not taken:
-            loop.submit(lambda e: (e.kv_connector.forget(rid), e.abort(rid)))
+    async def start(self) -> None:
+        rid = self.request.request_id
+        self._outputs = self.loop.open_stream(rid)
+
+        def sink(chunks: list[KVChunk], last: bool) -> None:  # engine thread
+            for chunk in chunks:
+                self._chunks.put(chunk)
+            if last:
+                self._chunks.put(None)
+
+        def add(engine: LLMEngine) -> None:
+            engine.kv_connector.expect(rid, sink, self.head_map, self.max_frame_bytes, self.first_block)
+            engine.add_prepared_request(self.request)
+
+        await self.loop.call(add)
+
+    def chunks(self) -> Iterator[KVChunk]:
+        """The chunks in plan order, blocking until each is computed (a producer thread's source); ends
+        after the last, or early when the stream is closed."""
+        while True:
+            chunk = self._chunks.get()
+            if chunk is None or chunk is _CLOSED:
+                return
+            yield chunk
+
+    async def achunks(self):
+        """chunks() for an asyncio consumer."""
+        while True:
+            chunk = await asyncio.to_thread(self._chunks.get)
+            if chunk is None or chunk is _CLOSED:
+                return
+            yield chunk
+
+    async def first_token(self) -> RequestOutput:
+        """The first token's output (after the last chunk: the request finished with it)."""
+        output = await self._outputs.get()
+        self._finished = True
+        return output
+
+    def close(self) -> None:
+        rid = self.request.request_id
+        self.loop.close_stream(rid)
+        self._chunks.put(_CLOSED)  # wakes a consumer still waiting for chunks
+        if not self._finished:
+            self.loop.submit(lambda e: (e.kv_connector.forget(rid), e.abort(rid)))

@@ -8,13 +8,17 @@ Request lifecycle:
     cache lacks. The KV sent starts after the leading blocks the decode side holds (held_block_hashes,
     checked against the prompt's own block hashes: INVALID_ARGUMENT otherwise); the header's first_block
     says where.
- 3. The first token is sampled with the request's own parameters and resolved seed, so it is the token a
-    colocated engine would pick. A LoRA request runs with its adapter, which must be loaded here with the
-    decode side's fingerprint (NOT_FOUND / FAILED_PRECONDITION otherwise); the header names it.
- 4. When it finishes, the engine's PrefillConnector gathers its KV in layer groups
-    (kvtransfer.gather_request) and its blocks go back to the prefix cache at once: the chunks are copies.
- 5. Off the engine thread the chunks become frames (crc32c, <= 4 MiB; kvtransfer.encode_request, a frame
-    ahead of gRPC); the stream sends a header (first token), the frames in layer order, and a trailer.
+ 3. The stream sends a header (layout, prompt length, first block, adapter), then the KV frames as the
+    prompt computes: after each prefill chunk of the request, the engine's PrefillConnector gathers the
+    frames of the plan whose tokens are all computed (kvtransfer.gather_request: copies), and off the
+    engine thread they become frames (crc32c, <= 4 MiB; kvtransfer.encode_request, a frame ahead of
+    gRPC), sent while the next chunk computes. A cached prefix is sent from the first step.
+ 4. The first token is sampled with the request's own parameters and resolved seed, so it is the token a
+    colocated engine would pick; it ends the request, whose last frames follow it out (its blocks go
+    back to the prefix cache at once), and the trailer carries it with the prefix-cache hit. A LoRA
+    request runs with its adapter, which must be loaded here with the decode side's fingerprint
+    (NOT_FOUND / FAILED_PRECONDITION otherwise); the header names it.
+ 5. The decode side registers the request only on the trailer, which confirms every frame.
  6. A cancelled stream (the decode side gave up or vanished: keepalive pings notice a dead peer) aborts
     the request if it is still queued, which frees its blocks; a frame write that stalls past the lease
     ends the stream too.
@@ -46,7 +50,7 @@ from services.grpc_server import RunningServer
 from services.kv import engine_layout
 from services.kv_events import KVEventPublisher, KVEventsConfig, start_publishing
 from services.metrics import Metrics
-from services.prefill.runner import install_connector, prefill_on_engine
+from services.prefill.runner import PrefillStream, install_connector
 from services.security import ServerSecurity
 
 log = logging.getLogger(__name__)
@@ -144,36 +148,45 @@ class PrefillService(pb_grpc.PrefillServicer):
             )
             if problem:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"held_block_hashes: {problem}")
-        result = await prefill_on_engine(self.loop, engine_request, first_block=first_block)
-        self.metrics.prefill.observe(time.perf_counter() - start)
-        output, chunks, num_tokens = result.first, result.chunks, result.num_tokens
         header = pb.PrefillHeader(
             request_id=rid,
-            first_token=output.new_token_ids[0],
             prompt_len=len(engine_request.prompt_ids),
             first_block=first_block,
             layout_json=self.layout_json,
             lora_adapter=request.lora_adapter,
             lora_fingerprint=engine_request.lora.fingerprint if engine_request.lora else "",
+        )
+        yield pb.PrefillMessage(header=header)
+        stream = PrefillStream(self.loop, engine_request, first_block=first_block)
+        num_frames = num_bytes = 0
+        try:
+            await stream.start()
+            # each chunk is framed on the producer thread as soon as the engine has computed its tokens
+            frames = kvtransfer.encode_request(
+                rid, self.layout, stream.num_tokens, stream.chunks(), lead=wire.kv_frame_lead
+            )
+            async with contextlib.aclosing(kvtransfer.aprefetch(frames)) as messages:
+                async for message in messages:
+                    num_frames += 1
+                    num_bytes += len(message)
+                    yield message
+            output = await stream.first_token()
+        finally:
+            stream.close()
+        self.metrics.prefill.observe(time.perf_counter() - start)
+        log.info(
+            "prefilled", extra={"request_id": rid, "prompt_tokens": stream.num_tokens, "frames": num_frames}
+        )
+        trailer = pb.PrefillTrailer(
+            num_frames=num_frames,
+            num_bytes=num_bytes,
+            prefill_seconds=time.perf_counter() - start,
+            first_token=output.new_token_ids[0],
             num_cached_tokens=output.num_cached_tokens,
         )
         if output.logprobs:
-            header.first_logprobs.CopyFrom(wire.logprobs_to_proto(output.logprobs[0]))
-        yield pb.PrefillMessage(header=header)
-        frames = kvtransfer.encode_request(rid, self.layout, num_tokens, chunks, lead=wire.kv_frame_lead)
-        del chunks  # the frames drain them: each chunk's memory goes once it is framed
-        num_frames = num_bytes = 0
-        async with contextlib.aclosing(kvtransfer.aprefetch(frames)) as messages:  # a frame ahead of gRPC
-            async for message in messages:
-                num_frames += 1
-                num_bytes += len(message)
-                yield message
-        log.info("prefilled", extra={"request_id": rid, "prompt_tokens": num_tokens, "frames": num_frames})
-        yield pb.PrefillMessage(
-            trailer=pb.PrefillTrailer(
-                num_frames=num_frames, num_bytes=num_bytes, prefill_seconds=time.perf_counter() - start
-            )
-        )
+            trailer.first_logprobs.CopyFrom(wire.logprobs_to_proto(output.logprobs[0]))
+        yield pb.PrefillMessage(trailer=trailer)
 
 
 def held_blocks_problem(request, held: list[int], block_size: int) -> str | None:

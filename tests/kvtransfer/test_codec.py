@@ -65,10 +65,10 @@ def test_round_trip_bfloat16_with_heads_padded_from_tp2_to_tp4():
 
 
 def test_header_records_ranges_blocks_shape_dtype_and_crc():
-    frame = deserialize_frame(wire_frames()[3])
+    frame = deserialize_frame(wire_frames()[6])  # token-major: 2 layer groups a block, 4th block's first
     h = frame.header
     assert (h.seq, h.num_frames, h.layer_start, h.layer_end, h.token_start, h.token_end) == (
-        3,
+        6,
         14,
         0,
         2,
@@ -188,7 +188,7 @@ def test_frames_of_another_request_or_layout_are_refused():
 
 def test_host_assembly_without_a_mesh_pads_tokens_to_a_bucket():
     assembler = FrameAssembler("req", NUM_TOKENS, SRC, DST)
-    chunks = [assembler.add(deserialize_frame(m)) for m in wire_frames()[:7]]
-    chunk = chunks[6]  # tokens 24..25 of layers 0-1: one partly filled block
+    chunks = [assembler.add(deserialize_frame(m)) for m in wire_frames()[:13]]
+    chunk = chunks[12]  # tokens 24..25 of layers 0-1: one partly filled block (token-major order)
     assert isinstance(chunk.data, np.ndarray) and chunk.data.shape == (2, 4, 8, 8) and chunk.num_tokens == 2
     assert (chunk.data[:, 2:] == 0).all() and (chunk.data[:, :2, 6:] == 0).all()  # padding, dummy head

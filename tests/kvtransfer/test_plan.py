@@ -58,8 +58,8 @@ def test_plan_tiles_exactly_the_needed_blocks_in_order_within_the_budget(
         assert p.seq == seq and p.token_start == p.block_start * bs
         assert p.num_tokens == min(p.num_blocks * bs, num_tokens - p.token_start) > 0
         assert p.num_blocks <= p.bucket <= bucket_blocks(p.num_blocks)
-        last_of_group = seq + 1 == len(plan) or plan[seq + 1].layer_start != p.layer_start
-        assert last_of_group or p.num_blocks == p.bucket  # only a group's last chunk is padded
+        last_of_its_layers = p.block_start + p.num_blocks == nblocks
+        assert last_of_its_layers or p.num_blocks == p.bucket  # only the last chunk of its layers is padded
         assert p.num_layers * p.bucket * layout.block_bytes <= max_frame_bytes - HEADER_RESERVE_BYTES
         assert frame_payload_bytes(layout, p) <= max_frame_bytes - HEADER_RESERVE_BYTES
         covered[p.layer_start : p.layer_end, p.block_start : p.block_start + p.num_blocks] += 1
@@ -67,8 +67,8 @@ def test_plan_tiles_exactly_the_needed_blocks_in_order_within_the_budget(
     for layer in range(layout.num_cache_layers):
         needed[layer, layout.first_needed_block(layer, num_tokens) :] = 1
     np.testing.assert_array_equal(covered, needed)
-    order = [(p.layer_start, p.token_start) for p in plan]
-    assert order == sorted(order)
+    order = [(p.token_end, p.layer_start) for p in plan]
+    assert order == sorted(order)  # token-major: a prefix of the plan is the KV of a prefix of the tokens
 
 
 def test_full_chunks_of_all_layers_and_one_padded_last_chunk():
@@ -85,8 +85,8 @@ def test_layers_too_big_for_one_block_per_frame_go_in_groups_of_one_block():
     layout = make_layout()  # 4 layers, 768 B per block and layer: 3 layers of a block fit
     plan = plan_frames(layout, 4 * 5, HEADER_RESERVE_BYTES + 768 * 3)
     assert [(p.layer_start, p.num_layers, p.block_start, p.bucket) for p in plan] == [
-        (0, 3, b, 1) for b in range(5)
-    ] + [(3, 1, b, 1) for b in range(5)]
+        (layer, n, b, 1) for b in range(5) for layer, n in ((0, 3), (3, 1))
+    ]
 
 
 def test_chunk_shapes_stay_few_for_1_to_512_blocks():

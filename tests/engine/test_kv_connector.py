@@ -1,0 +1,63 @@
+"""The prefill connector with the real model: a prompt longer than one chunk hands its KV over chunk by
+chunk as it computes, each piece only once its tokens are computed, and the pieces are the cache's final
+KV of those blocks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kvtransfer
+from engine.kv_connector import PrefillConnector
+from engine.request import Status
+from engine.sampling_params import SamplingParams
+from services.kv import engine_layout
+
+pytestmark = pytest.mark.model
+
+
+def test_a_long_prompt_is_handed_over_per_chunk_from_the_first_block_asked(make_engine, small_config):
+    engine = make_engine()
+    layout, bs = engine_layout(engine), small_config.block_size
+    prompt = np.random.default_rng(7).integers(100, 30000, 600).tolist()  # 3 chunks of <= 256 tokens
+    first_block = 3  # the receiver holds the first 3 blocks
+    calls = []
+    connector, original = PrefillConnector(layout), engine.kv_connector
+    engine.set_kv_connector(connector)
+    try:
+        request = engine.make_request(prompt, SamplingParams(temperature=0, max_tokens=1), "streamed")
+
+        def sink(chunks, last):
+            held = engine.scheduler.requests["streamed"]
+            calls.append((held.num_computed, held.status, chunks, last))
+
+        connector.expect("streamed", sink, first_block=first_block)
+        engine.add_prepared_request(request)
+        while engine.has_unfinished:
+            engine.step()
+    finally:
+        engine.set_kv_connector(original)
+    assert [(computed, last) for computed, _, _, last in calls] == [(256, False), (512, False), (600, True)]
+    assert calls[0][1] is Status.RUNNING and calls[-1][1] is Status.FINISHED_SENDING
+    for computed, _, chunks, _ in calls:  # nothing handed over before its tokens were computed
+        assert all(first_block * bs + c.token_start + c.num_tokens <= computed for c in chunks)
+    chunks = [c for *_, cs, _ in calls for c in cs]
+    plan = kvtransfer.plan_frames(layout, 600 - first_block * bs)
+    assert [(c.layer_start, c.token_start, c.num_tokens) for c in chunks] == [
+        (p.layer_start, p.token_start, p.num_tokens) for p in plan
+    ]
+    # the blocks are cached now: what was handed over early is their final KV
+    blocks = engine.scheduler.kv.lookup(prompt + [0])[first_block:]
+    for c, p in zip(chunks, plan, strict=True):
+        if p.block_start + p.num_blocks > len(blocks):
+            continue  # the partial last block is not cached
+        expected = kvtransfer.gather(
+            engine.runner.cache,
+            blocks[p.block_start : p.block_start + p.num_blocks],
+            p.num_tokens,
+            layer_start=p.layer_start,
+            num_layers=p.num_layers,
+            token_start=p.token_start,
+            bucket=p.bucket,
+        )
+        np.testing.assert_array_equal(np.asarray(c.valid()), np.asarray(expected.valid()))
