@@ -3,7 +3,8 @@
 It is the real prefill-server (same engine, same service) whose Prefill stream is altered per request,
 cycling through FAULTS by request count: a corrupted payload byte, a frame cut short, a frame sent twice,
 the trailer dropped, a stream that dies after the first frame, and one healthy stream. A request whose id
-reads `fuzz:<offset>:<xor>:<cut>` instead gets exactly that damage on its first frame (hypothesis drives it).
+reads `fuzz:<offset>:<xor>:<cut>` instead gets exactly that damage on its first frame (hypothesis drives it);
+`die:<n>:...` dies after its n-th frame (between two prompt chunks of a long prompt).
 Run: python -c "from tests.services.faulty_prefill import main; main()" ARGS... (prefill-server's flags)
 """
 
@@ -22,6 +23,14 @@ class FaultyPrefillService(prefill_server.PrefillService):
         if request.request_id.startswith("fuzz:"):
             async for message in self._fuzzed(request, context):
                 yield message
+            return
+        if request.request_id.startswith("die:"):
+            after, frames = int(request.request_id.split(":")[1]), 0
+            async for message in super()._prefill(request, context):
+                yield message
+                frames += isinstance(message, bytes)
+                if frames == after:
+                    raise RuntimeError(f"injected: prefill died after frame {after}")
             return
         frames = 0
         async for message in super()._prefill(request, context):

@@ -221,10 +221,13 @@ def test_overload_is_resource_exhausted_then_sigterm_drains(prefill, daemons):
     assert decode.terminate() == 0
 
 
-def test_damaged_kv_frames_are_never_decoded(faulty, daemons, reference):
-    """A damaged first frame (a header byte; a payload byte and a cut) is detected end to end: the request
-    is prefilled again elsewhere (here: locally) and its tokens equal the colocated engine's. (Any damage
-    to any frame: the assembler fuzz in tests/kvtransfer/test_codec.py.)"""
+def test_damaged_kv_frames_are_never_decoded(faulty, daemons, reference, loaded_model):
+    """A damaged first frame (a header byte; a payload byte and a cut), a replica that dies between two
+    chunks of a long prompt (the first chunk's frames already inserted), and a damaged frame of a delta
+    transfer (the decode server holds the conversation's head) are detected end to end: the request is
+    prefilled again elsewhere (here: locally, in the same blocks) and its tokens equal the colocated
+    engine's; nothing leaks. (Any damage to any frame: the assembler fuzz in
+    tests/kvtransfer/test_codec.py.)"""
     decode = daemons.decode(faulty.address, "decode-fuzz")
     client = Client(decode.address)
     damages = [(9, 0xFF, 0), (4000, 0x01, 7)]
@@ -233,6 +236,16 @@ def test_damaged_kv_frames_are_never_decoded(faulty, daemons, reference):
         assert client.generate(prompt, max_tokens=4, ignore_eos=True, request_id=damage).token_ids == (
             reference(prompt, 4)
         )
-    assert client.stats().num_transfer_failures_total == 2
+    long_prompt = " ".join(make_prompts(6, seed=21))
+    assert len(loaded_model.tokenizer.encode(long_prompt)) > 2 * 256  # three prefill chunks
+    # the first chunk's 3 frames (5 blocks each) are streamed before the replica dies
+    died = client.generate(long_prompt, max_tokens=4, ignore_eos=True, request_id="die:3:long")
+    assert died.token_ids == reference(long_prompt, 4)
+    head = make_prompts(1, seed=22)[0]
+    client.generate(head, max_tokens=4, ignore_eos=True)  # whatever the replica does, decode caches it
+    turn = head + " " + make_prompts(1, seed=23)[0]
+    damaged = client.generate(turn, max_tokens=4, ignore_eos=True, request_id="fuzz:4000:1:0")
+    assert damaged.token_ids == reference(turn, 4) and damaged.cached_prompt_tokens > 0
+    assert client.stats().num_transfer_failures_total >= 4
     s = wait_all_free(decode.address)
     assert s.num_free_blocks + s.num_cached_blocks == s.num_blocks
