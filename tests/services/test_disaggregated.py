@@ -153,6 +153,40 @@ def test_scattered_decode_blocks(prefill, loaded_model, small_config, colocated)
     assert pool.num_available == len(held[1::2])  # everything the requests took came back (or is cached)
 
 
+def test_a_conversation_over_heterogeneous_tp_moves_only_its_new_blocks(
+    prefill, loaded_model, small_config, colocated
+):
+    """Prefill TP 1 (the shared prefill-server) -> a decode engine of TP 2 over gRPC, heads converted:
+    turn 2 of a conversation moves only the blocks after those the decode side holds; greedy and
+    seeded tokens are the colocated engine's."""
+    import jax
+
+    from engine.engine import LLMEngine
+    from services.decode.core import GenerationCore
+    from services.decode.server import serve
+
+    core = GenerationCore.for_engine(
+        LLMEngine(loaded_model, small_config, jax.devices()[2:4]), prefill_targets=[prefill.address]
+    )
+    tokenize = loaded_model.tokenizer.encode
+    with in_process(lambda stop, ready: serve(core, 0, stop, on_ready=ready)) as address:
+        client = Client(address)
+        for i, kw in enumerate((GREEDY, SEEDED[0])):
+            turn1 = tokenize(LONG[i * 600 : (i + 1) * 600])
+            before = client.stats().kv_transfer_bytes_total
+            first = client.generate(turn1, **kw)
+            assert first.token_ids == colocated(turn1, **kw)
+            full = client.stats().kv_transfer_bytes_total - before
+            turn2 = (
+                turn1 + first.token_ids + tokenize(" What else was in the bag? Tell me all of it, please.")
+            )
+            before = client.stats().kv_transfer_bytes_total
+            assert client.generate(turn2, **kw).token_ids == colocated(turn2, **kw)
+            assert 0 < client.stats().kv_transfer_bytes_total - before < full / 2
+        assert client.stats().num_transfer_failures_total == 0
+        assert_all_free(address, prefill.address)
+
+
 def test_heterogeneous_tp_in_serve_shape(gguf_path, log_dir, daemons, colocated, loaded_model):
     """Prefill TP 1 on device 0 -> decode TP 4 on devices 4-7, one process, KV moved by device_put. (TP 1
     -> TP 2: tests/services/test_lora.py::test_serve_shape_with_adapters.)"""

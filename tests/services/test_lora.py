@@ -102,6 +102,15 @@ def test_disaggregated_equals_colocated_with_adapters(lora_decode, lora_prefill,
     for (text, lora, kw), tokens in zip(jobs, results, strict=True):
         assert tokens == colocated_lora(text, lora_adapter=lora or "", **kw), (text, lora, kw)
     assert results[0] != results[2] != results[4]  # base, alpha, beta differ
+    # the next turn after the long ones: the decode server holds their heads, per adapter (delta transfer)
+    more = " Now tell it all again in other words, and say how the story ends for everyone in it."
+    before = Client(lora_decode.address).stats()
+    for lora, kw in (("alpha", SEEDED), ("beta", GREEDY)):
+        got = client.generate(LONG + more, lora_adapter=lora, **kw).token_ids
+        assert got == colocated_lora(LONG + more, lora_adapter=lora, **kw), lora
+    after = Client(lora_decode.address).stats()
+    assert after.num_transfers_total - before.num_transfers_total == 2
+    assert after.prefix_cache_hits_total - before.prefix_cache_hits_total >= 2 * 256  # held: not sent
     stats = Client(lora_decode.address).stats()
     assert stats.num_transfer_failures_total == failures  # every one prefilled remotely, with its adapter
     assert stats.num_free_blocks + stats.num_cached_blocks == stats.num_blocks
