@@ -27,6 +27,8 @@ class Counters:
     kv_transfer_bytes_total: int = 0
     num_transfer_failures_total: int = 0
     num_local_fallbacks_total: int = 0  # decode: prefilled here after every replica failed
+    kv_frames_sent_total: int = 0  # prefill
+    kv_frames_after_compute_total: int = 0  # prefill: gathered when the prompt's last chunk computed
     outcomes: dict[str, int] = dataclasses.field(default_factory=dict)  # finish reason / error -> count
     # decode: prefills routed, by reason ("prefix": for the blocks a replica holds; "load": least busy)
     routes: dict[str, int] = dataclasses.field(default_factory=dict)
@@ -112,6 +114,10 @@ class AdminService(pb_grpc.AdminServicer):
                 kv_transfer_seconds_total=self.counters.kv_transfer_seconds_total,
                 kv_transfer_bytes_total=self.counters.kv_transfer_bytes_total,
                 num_transfer_failures_total=self.counters.num_transfer_failures_total,
+                kv_frames_sent_total=self.counters.kv_frames_sent_total,
+                kv_frames_after_compute_total=self.counters.kv_frames_after_compute_total,
+                route_expected_hit_tokens_total=self.counters.route_expected_hit_tokens_total,
+                route_actual_hit_tokens_total=self.counters.route_actual_hit_tokens_total,
             )
 
         return await self.loop.call(snapshot)

@@ -88,6 +88,12 @@ class _StateCollector:
             "requests prefilled locally after every replica failed",
             c.num_local_fallbacks_total,
         )
+        yield counter("pdserve_kv_frames_sent", "KV frames sent to decode servers", c.kv_frames_sent_total)
+        yield counter(
+            "pdserve_kv_frames_after_compute",
+            "KV frames gathered when a prompt's last chunk was computed (the rest streamed during compute)",
+            c.kv_frames_after_compute_total,
+        )
         yield counter(
             "pdserve_prefill_route_expected_hit_tokens",
             "prompt tokens the chosen prefill replicas held, per their KV events",

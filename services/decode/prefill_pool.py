@@ -47,7 +47,11 @@ class PrefillError(RuntimeError):
 
 
 # Refusals of one request (its adapter is missing or differs there), not a sign of a broken replica.
-_REQUEST_REFUSALS = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION)
+_REQUEST_REFUSALS = (
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.INVALID_ARGUMENT,
+)
 
 
 @dataclasses.dataclass

@@ -54,6 +54,7 @@ class PrefillStream:
         self._chunks: queue.Queue = queue.Queue()  # KVChunk ..., then None (all sent) or _CLOSED
         self._outputs: asyncio.Queue | None = None
         self._finished = False
+        self.num_chunks_after_compute = 0  # handed over when the last prompt chunk was computed
 
     async def start(self) -> None:
         rid = self.request.request_id
@@ -63,6 +64,7 @@ class PrefillStream:
             for chunk in chunks:
                 self._chunks.put(chunk)
             if last:
+                self.num_chunks_after_compute = len(chunks)
                 self._chunks.put(None)
 
         def add(engine: LLMEngine) -> None:

@@ -174,6 +174,8 @@ class PrefillService(pb_grpc.PrefillServicer):
         finally:
             stream.close()
         self.metrics.prefill.observe(time.perf_counter() - start)
+        self.counters.kv_frames_sent_total += num_frames
+        self.counters.kv_frames_after_compute_total += stream.num_chunks_after_compute  # a frame a chunk
         log.info(
             "prefilled", extra={"request_id": rid, "prompt_tokens": stream.num_tokens, "frames": num_frames}
         )

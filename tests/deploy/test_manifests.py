@@ -187,7 +187,7 @@ def test_network_policy_admits_only_decode_to_prefill(overlay):
             assert ports == [9090], rule  # metrics scraping
     assert any(
         p["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "decode"
-        and [x["port"] for x in r["ports"]] == [50051]
+        and [x["port"] for x in r["ports"]] == [50051, 5557, 5558]  # gRPC, KV events and their replay
         for r in policy["ingress"]
         for p in r["from"]
         if "podSelector" in p
