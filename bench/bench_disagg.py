@@ -2,10 +2,13 @@
 
     .venv/bin/python bench/bench_disagg.py [--quick] [--json OUT]
 
-1. TTFT for prompts of 128, 512 and 2048 tokens: decode-server -> prefill-server (disaggregated) against a
-   decode-server prefilling locally (colocated), both sharing the machine's cores; median of the runs.
-   KV transfer time (first token's arrival to the last frame, from the decode server's admin stats) as a
-   fraction of the disaggregated TTFT. Targets: <= 1.10x at 2048, <= 1.25x at 128.
+1. TTFT for prompts of 128, 512, 2048 and 4096 tokens: decode-server -> prefill-server (disaggregated)
+   against a decode-server prefilling locally (colocated), both sharing the machine's cores; median of the
+   runs. KV transfer time (first frame's arrival to the request's start, from the decode server's admin
+   stats: frames stream while later prompt chunks compute) as a fraction of the disaggregated TTFT, and the
+   KV frames the prefill server had left to send when a prompt's last chunk was computed, against the
+   frames of one chunk (512 tokens). Targets: <= 1.03x at 2048 and 4096, <= 1.25x at 128; at most one
+   chunk's frames in flight after the last chunk.
 2. Interference: TPOT p50/p99 of running requests (8 streams of 96 tokens) while 1024-token prompts
    arrive as a Poisson stream; colocated on both cores vs disaggregated with each role pinned to its
    own core (taskset).
@@ -28,7 +31,9 @@ from engine.models import DEFAULT_MODEL, fetch
 from services.client import Client
 from services.launch import decode_server, prefill_server
 
-ENGINE_ARGS = ["--max-model-len", "4096", "--num-blocks", "640", "--max-num-seqs", "16"]
+ENGINE_ARGS = ["--max-model-len", "4352", "--num-blocks", "640", "--max-num-seqs", "16"]
+CHUNK_TOKENS = 512  # --max-prefill-tokens (the default)
+FRAME_TOKENS = 80  # a frame of the default model in float32: 30 layers x 5 blocks
 
 
 def prompt(length: int, salt: int) -> list[int]:
@@ -47,12 +52,13 @@ def ttft_study(gguf: Path, logs: Path, lengths: list[int], runs: int) -> dict:
         results = {}
         for length in lengths:
             ttft = {"disaggregated": [], "colocated": []}
-            transfer = []
+            transfer, tail = [], []
             for run in range(runs):
-                before = Client(disagg.address).stats()
+                before, sender = Client(disagg.address).stats(), Client(pf.address).stats()
                 ttft["disaggregated"].append(remote.generate(prompt(length, run + 1), max_tokens=1).ttft_s)
-                after = Client(disagg.address).stats()
+                after, sent = Client(disagg.address).stats(), Client(pf.address).stats()
                 transfer.append(after.kv_transfer_seconds_total - before.kv_transfer_seconds_total)
+                tail.append(sent.kv_frames_after_compute_total - sender.kv_frames_after_compute_total)
                 ttft["colocated"].append(local.generate(prompt(length, run + 1), max_tokens=1).ttft_s)
             d, c = statistics.median(ttft["disaggregated"]), statistics.median(ttft["colocated"])
             results[length] = {
@@ -61,6 +67,8 @@ def ttft_study(gguf: Path, logs: Path, lengths: list[int], runs: int) -> dict:
                 "ratio": d / c,
                 "kv_transfer_s": statistics.median(transfer),
                 "kv_transfer_fraction_of_ttft": statistics.median(transfer) / d,
+                "frames_after_last_chunk": max(tail),
+                "frames_of_one_chunk": -(-min(length, CHUNK_TOKENS) // FRAME_TOKENS),
             }
             print(json.dumps({"prompt_tokens": length, **results[length]}), flush=True)
         return results
@@ -153,7 +161,7 @@ def main() -> None:
     logs = Path(tempfile.mkdtemp(prefix="bench-disagg-"))
     result = {}
     if not args.skip_ttft:
-        result["ttft"] = ttft_study(gguf, logs, [128, 512, 2048], 2 if args.quick else 5)
+        result["ttft"] = ttft_study(gguf, logs, [128, 512, 2048, 4096], 2 if args.quick else 5)
     if not args.skip_interference:
         result["interference"] = interference_study(gguf, logs, 15 if args.quick else 40, 0.5, 1024)
     print(json.dumps(result, indent=2))

@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/bench_routing.py [--quick] [--json OUT]
 
-Shared-prefix workload: 16 system prompts of 512 tokens (8 with --quick), each asked 6 times with its own
+Shared-prefix workload: 16 system prompts of 512 tokens (8 with --quick), each asked 12 times (6) with its own
 48-token question, in a shuffled order, 4 requests at a time, through one decode-server over two
 prefill-servers whose caches hold about 60% of the system prompts each (--num-blocks). Each policy runs
 on freshly started daemons (empty caches) with its own prompts. Reports the prefill-side prefix-cache hit
@@ -27,12 +27,13 @@ from services.client import Client
 from services.launch import decode_server, prefill_server
 
 ENGINE_ARGS = ["--max-model-len", "1024", "--max-num-seqs", "8"]
-IN_FLIGHT_BLOCKS = 4 * 36  # 4 requests of 560 tokens
+IN_FLIGHT_BLOCKS = 3 * 36  # requests of 560 tokens in flight on a replica (4 in all, on 2 replicas)
 
 
 def prefill_blocks(num_prefixes: int) -> int:
-    """A replica's cache: room for the requests in flight and about 60% of the system prompts."""
-    return IN_FLIGHT_BLOCKS + int(0.6 * num_prefixes * 512 / 16)
+    """A replica's cache: room for its requests in flight and half the system prompts (the working set
+    fits the two replicas' caches together, not one replica's)."""
+    return IN_FLIGHT_BLOCKS + num_prefixes * 512 // 16 // 2
 
 
 def workload(num_prefixes: int, asks: int, seed: int) -> list[list[int]]:
@@ -96,9 +97,9 @@ def main() -> None:
     args = parser.parse_args()
     gguf = fetch(DEFAULT_MODEL, progress=False)
     logs = Path(tempfile.mkdtemp(prefix="bench-routing-"))
-    num_prefixes = 8 if args.quick else 16
+    num_prefixes, asks = (8, 6) if args.quick else (16, 12)
     result = {
-        policy: run_policy(gguf, logs, policy, workload(num_prefixes, 6, seed), num_prefixes)
+        policy: run_policy(gguf, logs, policy, workload(num_prefixes, asks, seed), num_prefixes)
         for seed, policy in enumerate(("least-outstanding", "prefix"), start=1)
     }
     lo, px = result["least-outstanding"], result["prefix"]

@@ -256,7 +256,7 @@ class GenerationCore:
             replica = route.replica
             tried.add(replica.name)
             try:
-                first, started, nbytes = await self._transfer(route, request, time_remaining, held)
+                first, started, nbytes = await self._transfer(route, request, time_remaining, hashes, held)
             except PrefillError as e:
                 if e.replica_down:
                     replica.mark_failed()
@@ -290,15 +290,18 @@ class GenerationCore:
             route.replica.held_less(hashes[actual // bs : expected // bs])
 
     async def _transfer(
-        self, route: Route, request: Request, timeout: float | None, held: list[int]
+        self, route: Route, request: Request, timeout: float | None, hashes: list[int], held: list[int]
     ) -> tuple[FirstToken, float, int]:
-        """One attempt: (first token, perf_counter when the first KV arrived, KV bytes received). On
-        failure the request's blocks stay allocated (to be refilled by the next try).
+        """One attempt: (first token, perf_counter when the first KV arrived, KV bytes received).
+        `hashes`: the prompt's block hashes; `held`: the leading ones this engine holds. On failure the
+        request's blocks stay allocated (to be refilled by the next try).
 
         Closing the prefill stream (aclosing) cancels it at once when this request is cancelled.
         """
         replica = route.replica
         work = len(request.prompt_ids) - route.expected_hit_tokens
+        if replica.cache is not None:  # the blocks it is about to hold: the next such prompt goes there
+            replica.cache.expect(hashes)
         replica.outstanding += 1
         replica.pending_tokens += work
         try:

@@ -18,6 +18,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+import time
 import zlib
 
 import zmq
@@ -29,35 +30,54 @@ from services.kv_events import END_OF_REPLAY, decode_batch
 log = logging.getLogger(__name__)
 
 _REMEMBERED = 1024  # batches whose digest is kept, to tell a duplicate from a restart
+EXPECTED_TTL_S = 30.0  # how long blocks of a prompt routed to a replica count as held without an event
 
 
 class ReplicaCache:
-    """The block hashes one replica's prefix cache holds, per its events."""
+    """The block hashes one replica's prefix cache holds, per its events, and those it is about to hold:
+    the blocks of prompts just routed to it (`expect`), counted until its events confirm them or
+    EXPECTED_TTL_S passes, so that a burst of requests sharing a new prefix goes to one replica."""
 
     def __init__(self, name: str):
         self.name = name
         self.hashes: set[int] = set()
+        self._expected: collections.OrderedDict[int, float] = collections.OrderedDict()  # -> deadline
         self.last_seq: int | None = None  # the last batch applied
         self._digests: collections.OrderedDict[int, int] = collections.OrderedDict()
         self.num_batches = 0
         self.num_resyncs = 0  # entries dropped and rebuilt (restart, lost batches)
 
     def matched_blocks(self, hashes: list[int]) -> int:
-        """How many of the leading `hashes` (a prompt's chained block hashes) the replica holds."""
+        """How many of the leading `hashes` (a prompt's chained block hashes) the replica holds (or is
+        expected to)."""
+        now = time.monotonic()
+        while self._expected and next(iter(self._expected.values())) <= now:  # oldest first (one TTL)
+            self._expected.popitem(last=False)
         n = 0
         for h in hashes:
-            if h not in self.hashes:
+            if h not in self.hashes and self._expected.get(h, 0.0) <= now:
                 break
             n += 1
         return n
+
+    def expect(self, hashes: list[int], ttl_s: float = EXPECTED_TTL_S) -> None:
+        """The replica is computing a prompt with these block hashes: count them as held for a while."""
+        deadline = time.monotonic() + ttl_s
+        for h in hashes:
+            if h not in self.hashes:
+                self._expected.pop(h, None)
+                self._expected[h] = deadline  # insertion order is deadline order for one TTL
 
     def forget(self, hashes: list[int] = None) -> None:
         """Drops `hashes` (all when None): the replica was found not to hold them (a smaller actual hit,
         a replica that went down)."""
         if hashes is None:
             self.hashes.clear()
+            self._expected.clear()
         else:
             self.hashes.difference_update(hashes)
+            for h in hashes:
+                self._expected.pop(h, None)
 
     def is_next(self, seq: int, payload: bytes) -> bool | None:
         """True: `seq` is the next batch; None: a batch already applied (a duplicate); False: the stream
@@ -74,10 +94,15 @@ class ReplicaCache:
         for event in events:
             if isinstance(event, BlockStored):
                 self.hashes.update(event.block_hashes)
+                for h in event.block_hashes:
+                    self._expected.pop(h, None)
             elif isinstance(event, BlockRemoved):
                 self.hashes.difference_update(event.block_hashes)
+                for h in event.block_hashes:
+                    self._expected.pop(h, None)
             elif isinstance(event, AllBlocksCleared):
                 self.hashes.clear()
+                self._expected.clear()
         self.last_seq = seq
         self._digests[seq] = zlib.crc32(payload)
         while len(self._digests) > _REMEMBERED:
@@ -100,6 +125,7 @@ class ReplicaCache:
                 self.num_resyncs += 1
                 log.info("KV events of %s: resynchronised (restart or lost batches)", self.name)
             self.hashes.clear()
+            self._expected.clear()
             self._digests.clear()
             self.last_seq = None
         for seq, payload, events in batches:

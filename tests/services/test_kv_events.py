@@ -84,6 +84,14 @@ def test_index_applies_in_order_and_rebuilds_after_a_restart_or_lost_batches():
     cache.apply(*_batch(1, [BlockStored([8], None, [0], 1)]))
     cache.rebuild([_batch(7, [BlockStored([9], None, [0], 1)])])  # batches 2-6 lost beyond the buffer
     assert cache.hashes == {9} and cache.num_resyncs == 2
+    # a prompt just routed here counts as held until its events come, or for a while
+    cache.expect([9, 10, 11])
+    cache.expect([20], ttl_s=0.0)
+    assert cache.matched_blocks([9, 10, 11, 12]) == 3 and cache.matched_blocks([20]) == 0
+    cache.apply(*_batch(8, [BlockStored([10], 9, [0], 1), BlockRemoved([11])]))
+    assert cache.matched_blocks([9, 10, 11]) == 2 and cache.hashes == {9, 10}
+    cache.forget([10])
+    assert cache.matched_blocks([9, 10]) == 1
 
 
 async def _until(predicate, timeout=10.0):
