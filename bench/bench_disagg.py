@@ -37,7 +37,8 @@ FRAME_TOKENS = 80  # a frame of the default model in float32: 30 layers x 5 bloc
 
 
 def prompt(length: int, salt: int) -> list[int]:
-    return np.random.default_rng(salt).integers(100, 40000, length).tolist()
+    """Random tokens; prompts of different lengths or salts share no prefix (nothing cached is reused)."""
+    return np.random.default_rng((length, salt)).integers(100, 40000, length).tolist()
 
 
 def ttft_study(gguf: Path, logs: Path, lengths: list[int], runs: int) -> dict:

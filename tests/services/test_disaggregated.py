@@ -157,8 +157,9 @@ def test_a_conversation_over_heterogeneous_tp_moves_only_its_new_blocks(
     prefill, loaded_model, small_config, colocated
 ):
     """Prefill TP 1 (the shared prefill-server) -> a decode engine of TP 2 over gRPC, heads converted:
-    turn 2 of a conversation moves only the blocks after those the decode side holds; greedy and
-    seeded tokens are the colocated engine's."""
+    turn 2 of a conversation (two prefill chunks; the held head covers part of the first) moves only the
+    blocks after those the decode side holds, streamed per chunk; greedy and seeded tokens are the
+    colocated engine's."""
     import jax
 
     from engine.engine import LLMEngine
@@ -177,12 +178,13 @@ def test_a_conversation_over_heterogeneous_tp_moves_only_its_new_blocks(
             first = client.generate(turn1, **kw)
             assert first.token_ids == colocated(turn1, **kw)
             full = client.stats().kv_transfer_bytes_total - before
-            turn2 = (
-                turn1 + first.token_ids + tokenize(" What else was in the bag? Tell me all of it, please.")
-            )
+            turn2 = turn1 + first.token_ids + tokenize(" And then? " + LONG[1200 - i * 100 : 2000 - i * 100])
+            assert len(turn2) > 256 > len(turn1)
             before = client.stats().kv_transfer_bytes_total
             assert client.generate(turn2, **kw).token_ids == colocated(turn2, **kw)
-            assert 0 < client.stats().kv_transfer_bytes_total - before < full / 2
+            per_token = full / len(turn1)  # frames carry exactly their tokens' KV
+            held = len(turn1) // 16 * 16  # at least turn 1's full blocks
+            assert 0 < client.stats().kv_transfer_bytes_total - before <= per_token * (len(turn2) - held)
         assert client.stats().num_transfer_failures_total == 0
         assert_all_free(address, prefill.address)
 
