@@ -71,51 +71,50 @@ class _StateCollector:
         yield counter(
             "pdserve_lora_slot_loads", "adapters written into a device slot", slots.num_loads if slots else 0
         )
-        yield counter(
-            "pdserve_kv_transfer_bytes", "KV bytes received from prefill servers", c.kv_transfer_bytes_total
-        )
-        yield counter(
-            "pdserve_kv_transfer_seconds", "seconds spent receiving KV", c.kv_transfer_seconds_total
-        )
-        yield counter("pdserve_kv_transfers", "KV transfers completed", c.num_transfers_total)
-        yield counter(
-            "pdserve_kv_transfer_failures",
-            "prefill attempts that failed and were retried",
-            c.num_transfer_failures_total,
-        )
-        yield counter(
-            "pdserve_prefill_local_fallbacks",
-            "requests prefilled locally after every replica failed",
-            c.num_local_fallbacks_total,
-        )
-        yield counter("pdserve_kv_frames_sent", "KV frames sent to decode servers", c.kv_frames_sent_total)
-        yield counter(
-            "pdserve_kv_frames_after_compute",
-            "KV frames gathered when a prompt's last chunk was computed (the rest streamed during compute)",
-            c.kv_frames_after_compute_total,
-        )
-        yield counter(
-            "pdserve_prefill_route_expected_hit_tokens",
-            "prompt tokens the chosen prefill replicas held, per their KV events",
-            c.route_expected_hit_tokens_total,
-        )
-        yield counter(
-            "pdserve_prefill_route_actual_hit_tokens",
-            "prompt tokens the chosen prefill replicas found in their prefix caches",
-            c.route_actual_hit_tokens_total,
-        )
-        routes = CounterMetricFamily(
-            "pdserve_prefill_routes", "prefills routed to a replica, by reason", labels=["role", "reason"]
-        )
-        for reason, count in sorted(c.routes.items()):
-            routes.add_metric([role, reason], count)
-        yield routes
-        outcomes = CounterMetricFamily(
-            "pdserve_requests", "finished requests by outcome", labels=["role", "outcome"]
-        )
-        for outcome, count in sorted(c.outcomes.items()):
-            outcomes.add_metric([role, outcome], count)
-        yield outcomes
+        for name, doc, field in _COUNTERS:
+            yield counter(name, doc, getattr(c, field))
+        for name, doc, label, values in (
+            ("pdserve_prefill_routes", "prefills routed to a replica, by reason", "reason", c.routes),
+            ("pdserve_requests", "finished requests by outcome", "outcome", c.outcomes),
+        ):
+            family = CounterMetricFamily(name, doc, labels=["role", label])
+            for value, count in sorted(values.items()):
+                family.add_metric([role, value], count)
+            yield family
+
+
+# Counters of services.admin.Counters: (metric name, help, Counters field)
+_COUNTERS = (
+    ("pdserve_kv_transfer_bytes", "KV bytes received from prefill servers", "kv_transfer_bytes_total"),
+    ("pdserve_kv_transfer_seconds", "seconds spent receiving KV", "kv_transfer_seconds_total"),
+    ("pdserve_kv_transfers", "KV transfers completed", "num_transfers_total"),
+    (
+        "pdserve_kv_transfer_failures",
+        "prefill attempts that failed and were retried",
+        "num_transfer_failures_total",
+    ),
+    (
+        "pdserve_prefill_local_fallbacks",
+        "requests prefilled locally after every replica failed",
+        "num_local_fallbacks_total",
+    ),
+    ("pdserve_kv_frames_sent", "KV frames sent to decode servers", "kv_frames_sent_total"),
+    (
+        "pdserve_kv_frames_after_compute",
+        "KV frames gathered when a prompt's last chunk was computed (the rest streamed during compute)",
+        "kv_frames_after_compute_total",
+    ),
+    (
+        "pdserve_prefill_route_expected_hit_tokens",
+        "prompt tokens the chosen prefill replicas held, per their KV events",
+        "route_expected_hit_tokens_total",
+    ),
+    (
+        "pdserve_prefill_route_actual_hit_tokens",
+        "prompt tokens the chosen prefill replicas found in their prefix caches",
+        "route_actual_hit_tokens_total",
+    ),
+)
 
 
 class Metrics:
