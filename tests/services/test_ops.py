@@ -74,9 +74,16 @@ def test_metrics_move_under_load(decode, prefill):
         and m["pdserve_request_duration_seconds_sum"] > 0
     )
     assert m['pdserve_kv_blocks_free{role="decode"}'] > 0 and 'pdserve_decode_queue_depth{role="decode"}' in m
-    p = scrape(prefill.addresses["metrics"]) if "metrics" in prefill.addresses else None
-    if p is not None:
-        assert p["pdserve_prefill_duration_seconds_count"] >= 6
+    routed = sum(v for k, v in m.items() if k.startswith("pdserve_prefill_routes_total{"))
+    assert routed >= 6 and 'pdserve_prefill_route_actual_hit_tokens_total{role="decode"}' in m
+    p = scrape(prefill.addresses["metrics"])
+    assert p["pdserve_prefill_duration_seconds_count"] >= 6
+    assert p['pdserve_kv_frames_sent_total{role="prefill"}'] >= 6
+    assert (
+        0
+        < p['pdserve_kv_frames_after_compute_total{role="prefill"}']
+        <= p['pdserve_kv_frames_sent_total{role="prefill"}']
+    )
 
 
 def test_openai_client_completions_and_chat(decode, make_engine, loaded_model, openai):
