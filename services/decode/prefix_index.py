@@ -137,6 +137,7 @@ async def replay(endpoint: str, start: int, timeout_s: float = 2.0) -> list[tupl
     ValueError (a bad batch) or zmq.ZMQError."""
     socket = zmq.asyncio.Context.instance().socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.IPV6, 1)  # replicas behind dns:/// may have IPv6 addresses
     try:
         socket.connect(endpoint)
         batches = []
@@ -159,6 +160,7 @@ async def follow(
     """Keeps `cache` current from a replica's event stream until cancelled (never raises otherwise)."""
     socket = zmq.asyncio.Context.instance().socket(zmq.SUB)
     socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.IPV6, 1)
     socket.setsockopt(zmq.SUBSCRIBE, topic.encode())
     socket.setsockopt(zmq.RECONNECT_IVL_MAX, 2_000)
     socket.connect(endpoint)
