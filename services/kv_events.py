@@ -194,6 +194,9 @@ class KVEventPublisher:
 
 
 def _bind(socket: zmq.Socket, host: str, port: int) -> int:
+    if ":" in host:  # an IPv6 address
+        socket.setsockopt(zmq.IPV6, 1)
+        host = f"[{host}]"
     if port == 0:
         return socket.bind_to_random_port(f"tcp://{host}")
     socket.bind(f"tcp://{host}:{port}")
