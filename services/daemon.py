@@ -61,9 +61,13 @@ def common_args(parser: argparse.ArgumentParser) -> None:
         help="Admin.LoadLoraAdapter reads adapters inside DIR only (default: any)",
     )
     events = parser.add_argument_group("KV cache events (ZMQ, vLLM's format: llm-d's router reads them)")
-    events.add_argument("--kv-events-port", type=int, default=5557, help="PUB port (0: any free one)")
     events.add_argument(
-        "--kv-events-replay-port", type=int, default=5558, help="replay (ROUTER) port (0: any free one)"
+        "--kv-events-port",
+        type=int,
+        help="PUB port (default 5557, or a free one when another daemon of this host has it; 0: any)",
+    )
+    events.add_argument(
+        "--kv-events-replay-port", type=int, help="replay (ROUTER) port (default 5558, likewise; 0: any)"
     )
     events.add_argument("--kv-events-pod", help="pod name in the topic (default: $POD_IP or host, :port)")
     events.add_argument("--no-kv-events", action="store_true", help="publish no KV cache events")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import errno
 import logging
 import os
 import queue
@@ -119,15 +120,16 @@ class KVEventPublisher:
     """Binds the PUB and replay sockets and publishes batches from its own thread (ZMQ sockets belong to
     one thread): `publish(events)` is called by the engine thread and never blocks.
 
-    `port` / `replay_port` 0: any free port (see `.port`, `.replay_port` once started). The last
-    `buffer_batches` batches are kept for replay."""
+    `port` / `replay_port` 0: any free port; None: the default port, or any free port when another
+    daemon of this host has it (see `.port`, `.replay_port` once bound). The last `buffer_batches`
+    batches are kept for replay. Raises zmq.ZMQError when a port given cannot be bound."""
 
     def __init__(
         self,
         topic: str,
         host: str = "127.0.0.1",
-        port: int = DEFAULT_PORT,
-        replay_port: int = DEFAULT_REPLAY_PORT,
+        port: int | None = None,
+        replay_port: int | None = None,
         buffer_batches: int = 10_000,
     ):
         self.topic = topic.encode()
@@ -137,8 +139,12 @@ class KVEventPublisher:
         self._pub.setsockopt(zmq.LINGER, 0)
         self._replay = self._context.socket(zmq.ROUTER)
         self._replay.setsockopt(zmq.LINGER, 0)
-        self.port = _bind(self._pub, host, port)
-        self.replay_port = _bind(self._replay, host, replay_port)
+        try:
+            self.port = _bind(self._pub, host, port, DEFAULT_PORT)
+            self.replay_port = _bind(self._replay, host, replay_port, DEFAULT_REPLAY_PORT)
+        except zmq.ZMQError:
+            self._context.destroy(linger=0)
+            raise
         self._buffer: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=buffer_batches)
         self._queue: queue.Queue[list[KVEvent] | None] = queue.Queue()
         self._seq = 0
@@ -193,24 +199,34 @@ class KVEventPublisher:
         self._replay.send_multipart((identity, b"", END_OF_REPLAY, b""))
 
 
-def _bind(socket: zmq.Socket, host: str, port: int) -> int:
+def _bind(socket: zmq.Socket, host: str, port: int | None, default: int) -> int:
     if ":" in host:  # an IPv6 address
         socket.setsockopt(zmq.IPV6, 1)
         host = f"[{host}]"
     if port == 0:
         return socket.bind_to_random_port(f"tcp://{host}")
-    socket.bind(f"tcp://{host}:{port}")
-    return port
+    try:
+        socket.bind(f"tcp://{host}:{port or default}")
+    except zmq.ZMQError as e:
+        if port is not None or e.errno != errno.EADDRINUSE:
+            raise
+        # the default port, taken by another daemon of this host (a prefill-server and a decode-server
+        # side by side): any free one (decode servers learn it from the Handshake)
+        bound = socket.bind_to_random_port(f"tcp://{host}")
+        log.warning("KV events: port %d is taken on %s, publishing on %d", default, host, bound)
+        return bound
+    return port or default
 
 
 @dataclasses.dataclass(frozen=True)
 class KVEventsConfig:
-    """Where a daemon publishes (`--kv-events-port`, `--kv-events-replay-port`; 0: any free port) and the
-    pod name of its topic (`--kv-events-pod`; default: $POD_IP, else the listening host, and the serving
-    port: what llm-d's router matches to the endpoint it scores)."""
+    """Where a daemon publishes (`--kv-events-port`, `--kv-events-replay-port`; 0: any free port; None:
+    5557 and 5558, or free ones when another daemon of the host has them) and the pod name of its topic
+    (`--kv-events-pod`; default: $POD_IP, else the listening host, and the serving port: what llm-d's
+    router matches to the endpoint it scores)."""
 
-    port: int = DEFAULT_PORT
-    replay_port: int = DEFAULT_REPLAY_PORT
+    port: int | None = None
+    replay_port: int | None = None
     pod: str | None = None
 
 

@@ -61,6 +61,20 @@ def test_batches_are_vllms_tagged_arrays_with_8_byte_hashes():
         topic("a@b", "m")
 
 
+def test_the_default_ports_fall_back_to_free_ones_on_a_shared_host_and_a_port_given_must_bind():
+    import zmq
+
+    first = KVEventPublisher(topic("a:1", "m"))  # 5557 / 5558, unless something else of this host has them
+    second = KVEventPublisher(topic("a:2", "m"))  # a prefill-server and a decode-server side by side
+    try:
+        assert len({first.port, first.replay_port, second.port, second.replay_port}) == 4
+        with pytest.raises(zmq.ZMQError):
+            KVEventPublisher(topic("a:3", "m"), port=first.port)
+    finally:
+        first.close()
+        second.close()
+
+
 def _batch(seq, events):
     payload = encode_batch(events, timestamp=float(seq))
     return seq, payload, events
