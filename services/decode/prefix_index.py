@@ -165,11 +165,17 @@ async def follow(
     socket.setsockopt(zmq.RECONNECT_IVL_MAX, 2_000)
     socket.connect(endpoint)
 
+    replaying = True  # the last replay worked (a failing one is logged once, until one works again)
+
     async def resync() -> None:
+        nonlocal replaying
         try:
             cache.rebuild(await replay(replay_endpoint, cache.last_seq or 0))
+            replaying = True
         except (TimeoutError, ValueError, zmq.ZMQError) as e:
-            log.info("KV events of %s: replay failed: %s", cache.name, e)
+            if replaying:
+                log.info("KV events of %s: replay failed: %s %s", cache.name, type(e).__name__, e)
+            replaying = False
 
     try:
         await resync()
