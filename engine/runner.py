@@ -200,11 +200,12 @@ class ModelRunner:
         return len(shapes) + len(sampler_shapes)
 
     def _compile_step(self, rows: list[Row]) -> None:
-        """Runs a step whose rows write nothing (all writes out of range), compiling its shape."""
+        """Compiles (or loads from the persistent cache) the step of these rows' shape, ahead of time:
+        nothing runs, the cache is untouched, and a later step of that shape finds the executable."""
         c = self.config
         b, t, p = self._shape_for(rows)
         zeros = np.zeros
-        _, self.cache = self._step(
+        _jitted_step.lower(
             self.weights,
             self.lora_weights,
             self.cache,
@@ -215,4 +216,5 @@ class ModelRunner:
             np.full((b, t), c.num_blocks, np.int32),
             zeros((b, t), np.int32),
             np.full(b, -1, np.int32),
-        )
+            cfg=self.model,
+        ).compile()
