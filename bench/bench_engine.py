@@ -64,8 +64,9 @@ def hf_figures(gguf, prompt_len: int, decode_steps: int) -> dict:
     return {"prefill_s": prefill, "decode_step_s": decode}
 
 
-def pdserve_decode_step(engine, batch: int, steps: int, lora: list[str | None] | None = None) -> float:
-    """Seconds per decode step with `batch` running requests (32-token prompts), sampling included.
+def decode_step_times(engine, batch: int, steps: int, lora: list[str | None] | None = None) -> list[float]:
+    """Seconds of each of `steps` decode steps with `batch` running requests (32-token prompts, greedy),
+    sampling included; the requests are aborted afterwards.
 
     `lora`: the adapter of each request, cycled (default: the base model for all)."""
     from engine.sampling_params import SamplingParams
@@ -79,13 +80,19 @@ def pdserve_decode_step(engine, batch: int, steps: int, lora: list[str | None] |
     while engine.scheduler.waiting or engine.scheduler.prefilling:
         engine.step()
     engine.step()  # first decode step after the last prefill
-    t0 = time.perf_counter()
+    times = []
     for _ in range(steps):
+        t0 = time.perf_counter()
         engine.step()
-    elapsed = (time.perf_counter() - t0) / steps
+        times.append(time.perf_counter() - t0)
     for request in list(engine.scheduler.running):
         engine.abort(request.request_id)
-    return elapsed
+    return times
+
+
+def pdserve_decode_step(engine, batch: int, steps: int, lora: list[str | None] | None = None) -> float:
+    """Mean seconds per decode step (see decode_step_times)."""
+    return sum(decode_step_times(engine, batch, steps, lora)) / steps
 
 
 def main() -> None:

@@ -23,7 +23,7 @@ import statistics
 import time
 
 import jax
-import numpy as np
+from bench_engine import decode_step_times  # bench/ is on the path when a script of it runs
 
 
 def timed(table: dict, key: str, fn, wait: bool = False):
@@ -38,32 +38,11 @@ def timed(table: dict, key: str, fn, wait: bool = False):
     return run
 
 
-def decode_steps(engine, batch: int, steps: int) -> list[float]:
-    """Per-step wall times of `steps` decode steps with `batch` running requests."""
-    from engine.sampling_params import SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
-    rng = np.random.default_rng(batch)
-    for _ in range(batch):
-        engine.add_request(rng.integers(100, 40000, 32).tolist(), params)
-    while engine.scheduler.waiting or engine.scheduler.prefilling:
-        engine.step()
-    engine.step()
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - t0)
-    for request in list(engine.scheduler.running):
-        engine.abort(request.request_id)
-    return times
-
-
 def breakdown(engine, batch: int, steps: int) -> dict:
     import engine.runner as runner_module
 
     runner, scheduler = engine.runner, engine.scheduler
-    plain = decode_steps(engine, batch, steps)  # no waits: the step as it runs
+    plain = decode_step_times(engine, batch, steps)  # no waits: the step as it runs
     parts = collections.defaultdict(list)
     originals = (scheduler.schedule, scheduler.update_from_output, runner._step, runner.forward)
     original_sample_fn, original_sample = runner_module.sample, runner.sample
@@ -74,7 +53,7 @@ def breakdown(engine, batch: int, steps: int) -> dict:
     runner_module.sample = timed(parts, "sampling_kernel", runner_module.sample, wait=True)
     runner.sample = timed(parts, "sample", runner.sample)
     try:
-        waited = decode_steps(engine, batch, steps)
+        waited = decode_step_times(engine, batch, steps)
     finally:
         scheduler.schedule, scheduler.update_from_output, runner._step, runner.forward = originals
         runner_module.sample, runner.sample = original_sample_fn, original_sample
