@@ -10,8 +10,9 @@
    frames of one chunk (512 tokens). Targets: <= 1.03x at 2048 and 4096, <= 1.25x at 128; at most one
    chunk's frames in flight after the last chunk.
 2. Interference: TPOT p50/p99 of running requests (8 streams of 96 tokens) while 1024-token prompts
-   arrive as a Poisson stream; colocated on both cores vs disaggregated with each role pinned to its
-   own core (taskset).
+   arrive as a Poisson stream; colocated on both cores (at each `--budgets` step token budget) vs
+   disaggregated with each role pinned to its own core (taskset). Issue 14's target: colocated TPOT
+   p99 / p50 <= 2.5 at equal or better throughput (tokens streamed in the window).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from services.client import Client
 from services.launch import decode_server, prefill_server
 
 ENGINE_ARGS = ["--max-model-len", "4352", "--num-blocks", "640", "--max-num-seqs", "16"]
-CHUNK_TOKENS = 512  # --max-prefill-tokens (the default)
+CHUNK_TOKENS = 512  # --max-num-batched-tokens (the default): the prefill server's chunk
 FRAME_TOKENS = 80  # a frame of the default model in float32: 30 layers x 5 blocks
 
 
@@ -129,15 +130,25 @@ def warmed(address: str, long_len: int) -> Client:
     return client
 
 
-def interference_study(gguf: Path, logs: Path, duration_s: float, rate: float, long_len: int) -> dict:
+def interference_study(
+    gguf: Path, logs: Path, duration_s: float, rate: float, long_len: int, budgets: list[int], disagg: bool
+) -> dict:
+    """Colocated on both cores at each step token budget, then (`disagg`) disaggregated at the default."""
     out = {}
-    coloc = decode_server(gguf, "local", logs, name="coloc-2cores", engine_args=ENGINE_ARGS, cpus="0,1")
-    try:
-        out["colocated_2_cores"] = interference_run(
-            warmed(coloc.address, long_len), duration_s, rate, long_len
+    for budget in budgets:
+        engine_args = [*ENGINE_ARGS, "--max-num-batched-tokens", str(budget)]
+        coloc = decode_server(
+            gguf, "local", logs, name=f"coloc-{budget}", engine_args=engine_args, cpus="0,1"
         )
-    finally:
-        coloc.terminate()
+        try:
+            out[f"colocated_2_cores_budget_{budget}"] = interference_run(
+                warmed(coloc.address, long_len), duration_s, rate, long_len
+            )
+            print(json.dumps(out), flush=True)
+        finally:
+            coloc.terminate()
+    if not disagg:
+        return out
     pf = prefill_server(gguf, logs, name="prefill-core0", engine_args=ENGINE_ARGS, cpus="0")
     dc = decode_server(gguf, pf.address, logs, name="decode-core1", engine_args=ENGINE_ARGS, cpus="1")
     try:
@@ -157,6 +168,14 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     parser.add_argument("--skip-ttft", action="store_true")
     parser.add_argument("--skip-interference", action="store_true")
+    parser.add_argument(
+        "--budgets",
+        default="512",
+        help="step token budgets of the colocated interference runs (comma-separated)",
+    )
+    parser.add_argument(
+        "--colocated-only", action="store_true", help="interference: skip the disaggregated run"
+    )
     args = parser.parse_args()
     gguf = fetch(DEFAULT_MODEL, progress=False)
     logs = Path(tempfile.mkdtemp(prefix="bench-disagg-"))
@@ -164,7 +183,10 @@ def main() -> None:
     if not args.skip_ttft:
         result["ttft"] = ttft_study(gguf, logs, [128, 512, 2048, 4096], 2 if args.quick else 5)
     if not args.skip_interference:
-        result["interference"] = interference_study(gguf, logs, 15 if args.quick else 40, 0.5, 1024)
+        budgets = [int(b) for b in args.budgets.split(",")]
+        result["interference"] = interference_study(
+            gguf, logs, 15 if args.quick else 40, 0.5, 1024, budgets, not args.colocated_only
+        )
     print(json.dumps(result, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))

@@ -64,9 +64,11 @@ def hf_figures(gguf, prompt_len: int, decode_steps: int) -> dict:
     return {"prefill_s": prefill, "decode_step_s": decode}
 
 
-def decode_step_times(engine, batch: int, steps: int, lora: list[str | None] | None = None) -> list[float]:
-    """Seconds of each of `steps` decode steps with `batch` running requests (32-token prompts, greedy),
-    sampling included; the requests are aborted afterwards.
+def decode_step_times(
+    engine, batch: int, steps: int, lora: list[str | None] | None = None, prompt_len: int = 32
+) -> list[float]:
+    """Seconds of each of `steps` decode steps with `batch` running requests (`prompt_len`-token prompts,
+    greedy), sampling included; the requests are aborted afterwards.
 
     `lora`: the adapter of each request, cycled (default: the base model for all)."""
     from engine.sampling_params import SamplingParams
@@ -75,7 +77,7 @@ def decode_step_times(engine, batch: int, steps: int, lora: list[str | None] | N
     rng = np.random.default_rng(batch)
     for i in range(batch):
         engine.add_request(
-            rng.integers(100, 40000, 32).tolist(), params, lora=lora[i % len(lora)] if lora else None
+            rng.integers(100, 40000, prompt_len).tolist(), params, lora=lora[i % len(lora)] if lora else None
         )
     while engine.scheduler.waiting or engine.scheduler.prefilling:
         engine.step()
@@ -112,7 +114,7 @@ def main() -> None:
     gguf = fetch(DEFAULT_MODEL, progress=False)
     batches = [int(b) for b in args.batches.split(",")]
     config = EngineConfig(
-        num_blocks=1024, max_model_len=1024, max_num_seqs=max(batches), max_prefill_tokens=512
+        num_blocks=1024, max_model_len=1024, max_num_seqs=max(batches), max_num_batched_tokens=512
     )
     t0 = time.perf_counter()
     engine = LLMEngine.from_model(str(gguf), config, warmup=False)

@@ -67,7 +67,7 @@ def _engine_config():
     from engine.config import EngineConfig
 
     # 4,096 tokens (180 MiB of float32 KV) fit a request; the prefix cache keeps repeats cheap to compute.
-    return EngineConfig(max_model_len=4096, num_blocks=512, max_num_seqs=4, max_prefill_tokens=512)
+    return EngineConfig(max_model_len=4096, num_blocks=512, max_num_seqs=4, max_num_batched_tokens=512)
 
 
 def request_blocks(mib: int, seed: int = 0) -> tuple[list[int], list[int], int]:

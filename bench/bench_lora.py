@@ -35,7 +35,9 @@ def main() -> None:
     from engine.models import load_model
 
     model = load_model(None)
-    base = EngineConfig(num_blocks=1024, max_model_len=1024, max_num_seqs=args.batch, max_prefill_tokens=512)
+    base = EngineConfig(
+        num_blocks=1024, max_model_len=1024, max_num_seqs=args.batch, max_num_batched_tokens=512
+    )
     off = LLMEngine(model, base)
     lora = LLMEngine(model, EngineConfig(**{**base.__dict__, "max_loras": 4, "max_lora_rank": args.rank}))
     names = [f"adapter{i}" for i in range(4)]

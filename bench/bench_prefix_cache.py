@@ -130,7 +130,7 @@ def throughput_study(rounds: int) -> dict:
 
     configure_jax()
     model = load_model(None)
-    config = EngineConfig(max_model_len=1024, num_blocks=512, max_num_seqs=8, max_prefill_tokens=512)
+    config = EngineConfig(max_model_len=1024, num_blocks=512, max_num_seqs=8, max_num_batched_tokens=512)
     engines = {
         "on": LLMEngine(model, config),
         "off": LLMEngine(model, dataclasses.replace(config, enable_prefix_caching=False)),

@@ -31,7 +31,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--num-blocks", type=int, default=1024)
     parser.add_argument("--max-num-seqs", type=int, default=32)
-    parser.add_argument("--max-prefill-tokens", type=int, default=512, help="tokens of one prefill chunk")
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        "--max-prefill-tokens",  # its name before steps mixed decode tokens and prefill chunks
+        type=int,
+        default=512,
+        help="token budget of one step: every running request's decode token, then prefill chunks; a "
+        "smaller budget bounds how long a long prompt delays running requests, a larger one prefills faster",
+    )
     parser.add_argument(
         "--no-prefix-caching",
         dest="prefix_caching",
@@ -72,7 +79,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_model_len=args.max_model_len,
         num_blocks=args.num_blocks,
         max_num_seqs=args.max_num_seqs,
-        max_prefill_tokens=args.max_prefill_tokens,
+        max_num_batched_tokens=args.max_num_batched_tokens,
         max_loras=max_loras,
         max_lora_rank=args.max_lora_rank,
         enable_prefix_caching=args.prefix_caching,

@@ -1,13 +1,27 @@
-"""Paged attention: a reference implementation in plain JAX, and the seam where a TPU kernel plugs in.
+"""Ragged paged attention: a reference implementation in plain JAX, and the seam where a TPU kernel plugs in.
 
-A step attends each row's new tokens (a prefill chunk, or one decode token) to
-  * the row's past tokens, read from the paged cache through its block table, and
-  * the new tokens themselves (causal), whose K/V have not been written to the cache yet.
-Both parts share one softmax. The cache is written once per step, after all layers (see engine.model).
+A step is one flat axis of new tokens: the tokens of sequence s are q[cu_q_lens[s]:cu_q_lens[s + 1]]
+(a decode token, or a prefill chunk), and s has kv_lens[s] tokens of context once they are in: the
+first kv_lens[s] - q_len(s) are already in the paged cache, in the blocks `block_tables[s]` lists; the
+new ones are in registers (`k_new`, `v_new`). The arguments are those of JAX's and tpu-inference's
+`ragged_paged_attention` (queries, new keys and values, the paged cache with K/V interleaved on the
+heads axis, kv_lens, page indices, cu_q_lens), plus the layer index of pdserve's stacked cache. The
+model writes the new K/V into the cache once, after all layers (engine.model); a kernel that writes
+them itself is equally valid, the cache it is handed is not read back.
 
-The seam: `set_attention_impl(fn)` swaps `paged_attention` for another function with the same signature,
-e.g. a wrapper around JAX's Pallas ragged paged attention on TPU (jax.experimental.pallas.ops.tpu). The
-reference runs everywhere and is what the tests pin down.
+The reference runs everywhere and is what the tests pin down. Its cost follows the work, not the static
+shape: three parts share one softmax (flash-attention style running max and sum), each looping only as
+far as the step's longest context:
+  * new tokens over new tokens (causal, same sequence): one [T, T] masked product;
+  * single-token sequences (decodes) over their past: all sequences at once, KV_TILE_BLOCKS blocks of
+    their block tables per iteration;
+  * multi-token sequences (prefill chunks after a cached or computed head) over their past: one window
+    of Q_WINDOW queries at a time, against the sequence's past blocks in the same tiles.
+The static shape is (tokens, sequences, block-table width); the number of past blocks read is not part
+of it, so one compiled step serves every context length.
+
+The seam: `set_attention_impl(fn)` swaps the implementation for another function with the same
+signature, e.g. a wrapper around the Pallas kernel on TPU (jax.experimental.pallas.ops.tpu).
 """
 
 from __future__ import annotations
@@ -17,59 +31,142 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-_NEG_INF = -1e30
+_NEG_INF = -1e30  # finite: a fully masked row stays finite (padding tokens), exp(-1e30 - m) == 0
+KV_TILE_BLOCKS = 8  # cache blocks read per iteration of the past loops; block tables are padded to it
+Q_WINDOW = 128  # queries of a prefill chunk attended to its past together
 
 
-def paged_attention_reference(
-    q: jax.Array,  # [B, T, kv_heads, group, head_dim]
-    k_new: jax.Array,  # [B, T, kv_heads, head_dim]
-    v_new: jax.Array,  # [B, T, kv_heads, head_dim]
+def token_sequences(cu_q_lens: jax.Array, num_tokens: int) -> tuple[jax.Array, jax.Array]:
+    """(sequence of each token, clamped to a valid index; whether the token is a real one) [T] each."""
+    num_seqs = cu_q_lens.shape[0] - 1
+    tokens = jnp.arange(num_tokens)
+    seq = jnp.searchsorted(cu_q_lens[1:], tokens, side="right")  # sequences ending at or before t
+    return jnp.minimum(seq, num_seqs - 1), tokens < cu_q_lens[-1]
+
+
+def _merge(a, b):
+    """Two partial softmax states (running max m, sum l, unnormalized output o) of the same queries."""
+    (m1, l1, o1), (m2, l2, o2) = a, b
+    m = jnp.maximum(m1, m2)
+    c1, c2 = jnp.exp(m1 - m), jnp.exp(m2 - m)
+    return m, l1 * c1 + l2 * c2, o1 * c1[..., None] + o2 * c2[..., None]
+
+
+def _attend(q, k, v, mask):
+    """q [..., Q, d] over k, v [..., K, d] with mask [..., Q, K] broadcastable -> one partial state."""
+    s = jnp.where(mask, jnp.einsum("...qd,...kd->...qk", q, k), _NEG_INF)
+    m = jnp.max(s, axis=-1)
+    p = jnp.exp(s - m[..., None])
+    return m, jnp.sum(p, axis=-1), jnp.einsum("...qk,...kd->...qd", p, v)
+
+
+def _empty(shape, d, dtype):
+    return jnp.full(shape, _NEG_INF, dtype), jnp.zeros(shape, dtype), jnp.zeros((*shape, d), dtype)
+
+
+def _past_tile(cache, layer, block_tables, j):
+    """Tile j of each listed sequence's past: K, V [..., kv_heads, tile tokens, head_dim]."""
+    blocks = jax.lax.dynamic_slice_in_dim(block_tables, j * KV_TILE_BLOCKS, KV_TILE_BLOCKS, axis=-1)
+    kv = cache[layer, blocks]  # [..., tile blocks, block_size, 2 * kv_heads, head_dim]
+    *lead, nb, bs, h2, d = kv.shape
+    kv = kv.reshape(*lead, nb * bs, h2 // 2, 2, d)
+    kv = jnp.moveaxis(kv, -4, -2)  # [..., kv_heads, 2, tile tokens, head_dim]
+    return kv[..., 0, :, :], kv[..., 1, :, :]
+
+
+def ragged_paged_attention_reference(
+    q: jax.Array,  # [T, kv_heads, group, head_dim] new tokens' queries, sequences back to back
+    k_new: jax.Array,  # [T, kv_heads, head_dim]
+    v_new: jax.Array,  # [T, kv_heads, head_dim]
     cache: jax.Array,  # [num_layers, num_blocks, block_size, 2 * kv_heads, head_dim]
     layer: jax.Array,  # [] index of this layer in `cache`
-    block_tables: jax.Array,  # [B, P] past blocks of each row (P may be 0)
-    num_past: jax.Array,  # [B] tokens already in the cache for each row
-    num_new: jax.Array,  # [B] valid new tokens in each row (<= T)
-) -> jax.Array:  # [B, T, kv_heads, group, head_dim]
-    """Attention of new tokens over past (paged) and new (in-register) keys; invalid positions masked.
+    kv_lens: jax.Array,  # [S] context of each sequence, new tokens included (0: padding sequence)
+    block_tables: jax.Array,  # [S, P] blocks of each sequence, P a multiple of KV_TILE_BLOCKS
+    cu_q_lens: jax.Array,  # [S + 1] where each sequence's new tokens start; the last: tokens in use
+) -> jax.Array:  # [T, kv_heads, group, head_dim]; rows of padding tokens are finite garbage
+    t, kvh, g, d = q.shape
+    block_size = cache.shape[2]
+    tile = KV_TILE_BLOCKS * block_size
+    q = (q * d**-0.5).transpose(1, 2, 0, 3)  # [kv_heads, group, T, head_dim]
+    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
+    past = kv_lens - q_lens
+    seq, valid = token_sequences(cu_q_lens, t)
+    dtype = jnp.float32
 
-    Each KV head's query rows (group x tokens) are laid out as one matrix, so the scores are plain
-    batched matmuls; that is twice as fast on CPU as a 5-D einsum.
-    """
-    b, t, kvh, g, d = q.shape
-    q = (q * d**-0.5).transpose(0, 2, 3, 1, 4).reshape(b, kvh, g * t, d)  # rows: (group, token)
-    k_new, v_new = k_new.transpose(0, 2, 1, 3), v_new.transpose(0, 2, 1, 3)  # [B, kv_heads, T, head_dim]
-    valid_new = jnp.arange(t)[None, :] < num_new[:, None]  # [B, T]
-    causal = jnp.tril(jnp.ones((t, t), bool))[None] & valid_new[:, None, :]  # [B, Tq, Tk]
-    causal = jnp.broadcast_to(causal[:, None, None], (b, 1, g, t, t)).reshape(b, 1, g * t, t)
-    s_new = jnp.where(causal, jnp.einsum("bkqd,bksd->bkqs", q, k_new), _NEG_INF)
-    if block_tables.shape[1] == 0:
-        out = jnp.einsum("bkqs,bksd->bkqd", jax.nn.softmax(s_new, axis=-1), v_new)
-    else:
-        # One gather straight from the stacked cache: slicing cache[layer] first would copy a whole layer.
-        past = cache[layer, block_tables]  # [B, P, block_size, 2 * kv_heads, head_dim]
-        past = past.reshape(b, -1, kvh, 2, d).transpose(0, 2, 3, 1, 4)  # [B, kv_heads, 2, S, head_dim]
-        k_past, v_past = past[:, :, 0], past[:, :, 1]
-        num_slots = k_past.shape[2]
-        valid_past = jnp.arange(num_slots)[None, :] < num_past[:, None]  # [B, S]
-        s_past = jnp.where(valid_past[:, None, None], jnp.einsum("bkqd,bksd->bkqs", q, k_past), _NEG_INF)
-        probs = jax.nn.softmax(jnp.concatenate([s_past, s_new], axis=-1), axis=-1)
-        out = jnp.einsum("bkqs,bksd->bkqd", probs[..., :num_slots], v_past)
-        out = out + jnp.einsum("bkqs,bksd->bkqd", probs[..., num_slots:], v_new)
-    return out.reshape(b, kvh, g, t, d).transpose(0, 3, 1, 2, 4)
+    # new over new: causal within each sequence
+    tok = jnp.arange(t)
+    mask = (seq[:, None] == seq[None, :]) & (tok[None, :] <= tok[:, None]) & valid[None, :]
+    state = _attend(q, k_new.transpose(1, 0, 2)[:, None], v_new.transpose(1, 0, 2)[:, None], mask)
+
+    # single-token sequences over their past, all together
+    single = (q_lens == 1) & (past > 0)
+    single_past = jnp.where(single, past, 0)
+    first = jnp.where(single, cu_q_lens[:-1], t)  # out of range: dropped by the scatter below
+    q_single = jnp.take(q, jnp.minimum(first, t - 1), axis=2).transpose(2, 0, 1, 3)[:, :, :, None]
+
+    def single_tile(j, acc):
+        k, v = _past_tile(cache, layer, block_tables, j)  # [S, kv_heads, tile, head_dim]
+        pos = j * tile + jnp.arange(tile)
+        m, s, o = _attend(
+            q_single, k[:, :, None], v[:, :, None], pos < single_past[:, None, None, None, None]
+        )
+        return _merge(acc, (m[..., 0], s[..., 0], o[..., 0, :]))
+
+    s_state = jax.lax.fori_loop(
+        0, -(-jnp.max(single_past) // tile), single_tile, _empty((q_lens.shape[0], kvh, g), d, dtype)
+    )
+    m, s, o = (
+        jnp.full((kvh, g, t), _NEG_INF, dtype)
+        .at[:, :, first]
+        .set(s_state[0].transpose(1, 2, 0), mode="drop"),
+        jnp.zeros((kvh, g, t), dtype).at[:, :, first].set(s_state[1].transpose(1, 2, 0), mode="drop"),
+        jnp.zeros((kvh, g, t, d), dtype).at[:, :, first].set(s_state[2].transpose(1, 2, 0, 3), mode="drop"),
+    )
+    state = _merge(state, (m, s, o))
+
+    # multi-token sequences over their past, Q_WINDOW queries at a time
+    windows = jnp.where((q_lens > 1) & (past > 0), -(-q_lens // Q_WINDOW), 0)
+    ends = jnp.cumsum(windows)
+    pad = ((0, 0), (0, 0), (0, Q_WINDOW))
+    q_pad = jnp.pad(q, pad + ((0, 0),))
+    state = tuple(jnp.pad(x, pad + ((0, 0),) * (x.ndim - 3)) for x in state)
+
+    def window(i, state):
+        s = jnp.searchsorted(ends, i, side="right")
+        start = cu_q_lens[s] + (i - (ends[s] - windows[s])) * Q_WINDOW
+        qw = jax.lax.dynamic_slice_in_dim(q_pad, start, Q_WINDOW, axis=2)
+
+        def past_tile(j, acc):
+            k, v = _past_tile(cache, layer, block_tables[s], j)  # [kv_heads, tile, head_dim]
+            pos = j * tile + jnp.arange(tile)
+            return _merge(acc, _attend(qw, k[:, None], v[:, None], pos < past[s]))
+
+        w_state = jax.lax.fori_loop(0, -(-past[s] // tile), past_tile, _empty((kvh, g, Q_WINDOW), d, dtype))
+        old = [jax.lax.dynamic_slice_in_dim(x, start, Q_WINDOW, axis=2) for x in state]
+        rows = start + jnp.arange(Q_WINDOW) < cu_q_lens[s + 1]
+        new = _merge(old, w_state)
+        new = [
+            jnp.where(rows.reshape(-1, *([1] * (x.ndim - 3))), n, x) for n, x in zip(new, old, strict=True)
+        ]
+        return tuple(
+            jax.lax.dynamic_update_slice_in_dim(x, n, start, axis=2) for x, n in zip(state, new, strict=True)
+        )
+
+    m, s, o = jax.lax.fori_loop(0, ends[-1], window, state)
+    out = o[:, :, :t] / s[:, :, :t, None]
+    return out.transpose(2, 0, 1, 3).astype(q.dtype)
 
 
 AttentionFn = Callable[..., jax.Array]
-_impl: AttentionFn = paged_attention_reference
+_impl: AttentionFn = ragged_paged_attention_reference
 
 
 def set_attention_impl(fn: AttentionFn | None) -> None:
-    """Installs a kernel with `paged_attention_reference`'s signature (None restores the reference).
-
-    Must be called before the engine compiles its steps.
-    """
+    """Installs a kernel with `ragged_paged_attention_reference`'s signature (None restores the
+    reference). Must be called before the engine compiles its steps."""
     global _impl
-    _impl = fn or paged_attention_reference
+    _impl = fn or ragged_paged_attention_reference
 
 
-def paged_attention(*args, **kwargs) -> jax.Array:
+def ragged_paged_attention(*args, **kwargs) -> jax.Array:
     return _impl(*args, **kwargs)

@@ -177,9 +177,10 @@ class EngineConfig:
     num_blocks: int = 1024
     max_num_seqs: int = 32  # running requests decoded together
     max_model_len: int = 4096  # prompt + generated tokens of one request
-    max_prefill_tokens: int = 512  # tokens of one prefill chunk (per request row)
-    max_prefill_seqs: int = 4  # requests prefilled in one step
-    min_decode_blocks: int = 4  # smallest context bucket of the decode step, in blocks
+    # The token budget of one step: every running request's decode token first, then prefill chunks up
+    # to the budget. A long prompt delays running requests by at most one budget's compute per token.
+    max_num_batched_tokens: int = 512
+    max_prefill_seqs: int = 4  # prompts being computed at once (chunks in one step)
     tp: int = 1
     dtype: str = "float32"
     max_logprobs: int = 20
@@ -190,8 +191,8 @@ class EngineConfig:
     def __post_init__(self):
         if self.max_model_len % self.block_size:
             raise ValueError("max_model_len must be a multiple of block_size")
-        if self.max_prefill_tokens % self.block_size:
-            raise ValueError("max_prefill_tokens must be a multiple of block_size")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError("max_num_batched_tokens must be >= max_num_seqs (every decode fits a step)")
         if self.max_loras < 0 or self.max_lora_rank < 1:
             raise ValueError("max_loras must be >= 0 and max_lora_rank >= 1")
 
@@ -200,21 +201,13 @@ class EngineConfig:
         return self.max_model_len // self.block_size
 
     @property
-    def decode_batch_buckets(self) -> tuple[int, ...]:
-        return _powers_of_two(1, self.max_num_seqs)
+    def token_buckets(self) -> tuple[int, ...]:
+        """Token counts a step is compiled for: one shape per bucket (engine.runner)."""
+        return _powers_of_two(1, self.max_num_batched_tokens)
 
-    @property
-    def context_block_buckets(self) -> tuple[int, ...]:
-        """Block-table widths the attention is compiled for (the whole context of the longest row)."""
-        return _powers_of_two(min(self.min_decode_blocks, self.max_blocks_per_seq), self.max_blocks_per_seq)
-
-    @property
-    def prefill_token_buckets(self) -> tuple[int, ...]:
-        return _powers_of_two(min(32, self.max_prefill_tokens), self.max_prefill_tokens)
-
-    @property
-    def prefill_batch_buckets(self) -> tuple[int, ...]:
-        return _powers_of_two(1, self.max_prefill_seqs)
+    def seq_bucket(self, num_tokens: int) -> int:
+        """Sequence slots of the step of `num_tokens` tokens (a sequence has at least one token)."""
+        return min(num_tokens, self.max_num_seqs)
 
 
 def bucket_for(value: int, buckets: tuple[int, ...]) -> int:

@@ -148,9 +148,9 @@ class LLMEngine:
         sampled = self._execute(scheduled)
         outputs = self.scheduler.update_from_output(scheduled, sampled, self._on_token)
         # the connector's worker side: hand over the KV of prompts computed in part, then of finished ones
-        for row in scheduled.rows if scheduled.prefill else ():
+        for row in scheduled.rows:
             request = self.scheduler.requests.get(row.request_id)
-            if request is not None and request.status is Status.RUNNING and not row.samples:
+            if not row.samples and request is not None and request.status is Status.RUNNING:
                 self.kv_connector.save_kv(
                     self.runner.cache, request, self.scheduler.block_ids(request.request_id)
                 )
@@ -250,7 +250,7 @@ class LLMEngine:
         try:
             if not self.scheduler.pin_adapter(request):
                 raise RuntimeError("every adapter slot is pinned")
-            step = self.config.max_prefill_tokens
+            step = self.config.max_num_batched_tokens
             for start in range(0, len(prompt_ids), step):
                 chunk = list(prompt_ids[start : start + step])
                 logits = self.runner.forward([Row(chunk, start, kv.block_ids(rid), request.lora_slot)])

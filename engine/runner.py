@@ -15,6 +15,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from engine.attention import KV_TILE_BLOCKS
 from engine.config import EngineConfig, ModelConfig, bucket_for
 from engine.kv_cache import allocate_cache
 from engine.lora import LoraSlots, LoraWeights
@@ -60,76 +61,46 @@ class ModelRunner:
         self.cache = allocate_cache(model, config, mesh)
         self._step = functools.partial(_jitted_step, cfg=model)
 
-    # ---- shapes ---------------------------------------------------------------------------------------
-    def step_shapes(self) -> list[tuple[int, int, int]]:
-        """Every (rows, tokens per row, past blocks) the scheduler can produce."""
+    # ---- shapes ----------------------------------------------------------------------------------------
+    def step_shapes(self) -> list[tuple[int, int]]:
+        """Every (tokens, sequence slots) a step can have: one per token bucket."""
         c = self.config
-        fresh = itertools.product(c.prefill_batch_buckets, c.prefill_token_buckets, [0])
-        continued = itertools.product([1], c.prefill_token_buckets, c.context_block_buckets)
-        decode = itertools.product(c.decode_batch_buckets, [1], c.context_block_buckets)
-        return sorted(set(fresh) | set(continued) | set(decode))
+        return [(t, c.seq_bucket(t)) for t in c.token_buckets]
 
     def sampler_shapes(self) -> list[tuple[int, bool, bool, int]]:
-        rows = sorted(set(self.config.prefill_batch_buckets) | set(self.config.decode_batch_buckets))
+        rows = sorted({s for _, s in self.step_shapes()})
         return list(itertools.product(rows, (False, True), (False, True), (0, self.config.max_logprobs)))
 
-    def _shape_for(self, rows: list[Row]) -> tuple[int, int, int]:
-        c = self.config
-        max_tokens = max(len(r.tokens) for r in rows)
-        max_past = max(-(-r.num_past // c.block_size) for r in rows)
-        if max_tokens == 1:  # decode
-            return (
-                bucket_for(len(rows), c.decode_batch_buckets),
-                1,
-                bucket_for(max_past, c.context_block_buckets),
-            )
-        if max_past == 0:
-            return (
-                bucket_for(len(rows), c.prefill_batch_buckets),
-                bucket_for(max_tokens, c.prefill_token_buckets),
-                0,
-            )
-        if len(rows) != 1:
-            raise ValueError("continued prefill chunks run one request per step")
-        return (
-            1,
-            bucket_for(max_tokens, c.prefill_token_buckets),
-            bucket_for(max_past, c.context_block_buckets),
-        )
+    @functools.cached_property
+    def block_table_width(self) -> int:
+        """Columns of a step's block tables: the longest sequence's blocks, in whole attention tiles."""
+        return -(-self.config.max_blocks_per_seq // KV_TILE_BLOCKS) * KV_TILE_BLOCKS
 
     # ---- execution ------------------------------------------------------------------------------------
     def forward(self, rows: list[Row]) -> jax.Array:
-        """Runs one step; returns the logits [bucketed rows, vocab] at each row's last token (on device)."""
+        """Runs one ragged step over the rows' new tokens; returns the logits [sequence slots, vocab] at
+        each row's last token (on device), row i's in slot i."""
         c = self.config
-        b, t, p = self._shape_for(rows)
-        tokens = np.zeros((b, t), np.int32)
-        num_past = np.zeros(b, np.int32)
-        num_new = np.zeros(b, np.int32)
-        block_tables = np.zeros((b, p), np.int32)
-        write_blocks = np.full((b, t), c.num_blocks, np.int32)  # out of range: dropped
-        write_offsets = np.zeros((b, t), np.int32)
-        lora_slots = np.full(b, rows[-1].lora_slot, np.int32)  # padding rows: the last request's adapter
+        num_tokens = sum(len(r.tokens) for r in rows)
+        t = bucket_for(num_tokens, c.token_buckets)
+        s = c.seq_bucket(t)
+        tokens = np.zeros(t, np.int32)
+        cu_q_lens = np.full(s + 1, num_tokens, np.int32)
+        kv_lens = np.zeros(s, np.int32)
+        block_tables = np.zeros((s, self.block_table_width), np.int32)
+        lora_slots = np.full(s, -1, np.int32)
+        start = 0
         for i, row in enumerate(rows):
             n = len(row.tokens)
-            tokens[i, :n] = row.tokens
-            num_past[i], num_new[i] = row.num_past, n
-            past_blocks = row.block_ids[: min(p, -(-row.num_past // c.block_size))]
-            block_tables[i, : len(past_blocks)] = past_blocks
-            positions = np.arange(row.num_past, row.num_past + n)
-            write_blocks[i, :n] = np.asarray(row.block_ids, np.int32)[positions // c.block_size]
-            write_offsets[i, :n] = positions % c.block_size
+            tokens[start : start + n] = row.tokens
+            cu_q_lens[i] = start
+            kv_lens[i] = row.num_past + n
+            num_blocks = -(-kv_lens[i] // c.block_size)
+            block_tables[i, :num_blocks] = row.block_ids[:num_blocks]
             lora_slots[i] = row.lora_slot
+            start += n
         logits, self.cache = self._step(
-            self.weights,
-            self.lora_weights,
-            self.cache,
-            tokens,
-            num_past,
-            num_new,
-            block_tables,
-            write_blocks,
-            write_offsets,
-            lora_slots,
+            self.weights, self.lora_weights, self.cache, tokens, cu_q_lens, kv_lens, block_tables, lora_slots
         )
         return logits
 
@@ -172,16 +143,13 @@ class ModelRunner:
         number of step and sampler variants."""
         from tqdm import tqdm
 
-        c = self.config
         shapes = self.step_shapes()
         sampler_shapes = self.sampler_shapes()
         bar = tqdm(
             total=len(shapes) + len(sampler_shapes), desc="compiling", disable=not progress, unit="shape"
         )
-        scratch = [0] * c.max_blocks_per_seq  # block 0: warmup writes are dropped (num_new == 0 rows only)
-        for b, t, p in shapes:
-            rows = [Row(tokens=[0] * t, num_past=p * c.block_size, block_ids=scratch) for _ in range(b)]
-            self._compile_step(rows)
+        for shape in shapes:
+            self._compile_step(*shape)
             bar.update()
         vocab = self.model.vocab_size
         for b, penalties, truncate, num_logprobs in sampler_shapes:
@@ -199,22 +167,18 @@ class ModelRunner:
         bar.close()
         return len(shapes) + len(sampler_shapes)
 
-    def _compile_step(self, rows: list[Row]) -> None:
-        """Compiles (or loads from the persistent cache) the step of these rows' shape, ahead of time:
-        nothing runs, the cache is untouched, and a later step of that shape finds the executable."""
-        c = self.config
-        b, t, p = self._shape_for(rows)
+    def _compile_step(self, num_tokens: int, num_seqs: int) -> None:
+        """Compiles (or loads from the persistent cache) the step of this shape ahead of time: nothing
+        runs, the cache is untouched, and a later step of that shape finds the executable."""
         zeros = np.zeros
         _jitted_step.lower(
             self.weights,
             self.lora_weights,
             self.cache,
-            zeros((b, t), np.int32),
-            np.full(b, p * c.block_size, np.int32),
-            np.full(b, 0, np.int32),
-            zeros((b, p), np.int32),
-            np.full((b, t), c.num_blocks, np.int32),
-            zeros((b, t), np.int32),
-            np.full(b, -1, np.int32),
+            zeros(num_tokens, np.int32),
+            zeros(num_seqs + 1, np.int32),
+            zeros(num_seqs, np.int32),
+            zeros((num_seqs, self.block_table_width), np.int32),
+            np.full(num_seqs, -1, np.int32),
             cfg=self.model,
         ).compile()

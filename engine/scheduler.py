@@ -12,14 +12,10 @@ FINISHED_SENDING until the engine has handed it over.
 for the runner; `update_from_output()` applies what the step produced: computed tokens, cached blocks,
 sampled tokens, finishes. No other module changes a request's progress or block table.
 
-A step is either a prefill step (chunks of prompts) or a decode step (one token for every running
-request). Prefill steps and decode steps alternate while both have work, so a stream of long prompts
-delays running requests by at most one prefill chunk per token (the colocated interference that
-disaggregation removes).
-
-Prefill shapes are kept to a bounded set (see EngineConfig): prompts that fit one chunk are prefilled
-together, up to `max_prefill_seqs` per step; a longer prompt's first chunk may join them, and its later
-chunks (like any prompt whose head was found in the prefix cache) run one request per step.
+A step is ragged and token-budgeted (Sarathi-Serve's stall-free batching, as in vLLM v1): every running
+request's decode token goes in first, then prefill chunks of the prompts being computed, oldest first,
+until `max_num_batched_tokens` is spent (at most `max_prefill_seqs` prompts are computed at once). A
+running request is in every step, so a long prompt delays it by one budget's compute per token at most.
 """
 
 from __future__ import annotations
@@ -57,8 +53,7 @@ class Row:
 
 @dataclasses.dataclass
 class SchedulerOutput:
-    rows: list[Row]
-    prefill: bool
+    rows: list[Row]  # decode rows first, then prefill chunks
 
 
 class Scheduler:
@@ -75,7 +70,6 @@ class Scheduler:
         self.running: list[Request] = []  # RUNNING, decoding
         self.remote: list[Request] = []  # WAITING_FOR_REMOTE_KV
         self.sending: list[Request] = []  # FINISHED_SENDING
-        self._last_was_prefill = False
 
     # ---- counts ---------------------------------------------------------------------------------------
     @property
@@ -164,18 +158,16 @@ class Scheduler:
 
     # ---- one step -------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput | None:
-        decode_turn = bool(self.running) and self._last_was_prefill
-        if not decode_turn:
-            step = self._schedule_prefill()
-            if step is not None:
-                self._last_was_prefill = True
-                return step
-        self._last_was_prefill = False
-        if self.running:
-            return SchedulerOutput([self._decode_row(r) for r in self._reserve_decode_slots()], prefill=False)
-        step = self._schedule_prefill()
-        self._last_was_prefill = step is not None
-        return step
+        """The next step's rows (None: nothing can run): decodes, then chunks within the token budget."""
+        rows = [self._decode_row(r) for r in self._reserve_decode_slots()]
+        budget = self.config.max_num_batched_tokens - len(rows)
+        self._admit()
+        for request in self.prefilling:
+            if budget <= 0:
+                break
+            rows.append(self._chunk_row(request, budget))
+            budget -= len(rows[-1].tokens)
+        return SchedulerOutput(rows) if rows else None
 
     def update_from_output(
         self, output: SchedulerOutput, sampled: dict[str, tuple[int, TokenLogprobs | None]], sink: TokenSink
@@ -228,9 +220,9 @@ class Scheduler:
         self.requests.pop(request.request_id, None)
 
     # ---- prefill --------------------------------------------------------------------------------------
-    def _chunk_row(self, request: Request) -> Row:
+    def _chunk_row(self, request: Request, budget: int) -> Row:
         start = request.num_computed
-        length = min(request.num_uncomputed, self.config.max_prefill_tokens)
+        length = min(request.num_uncomputed, budget)
         return Row(
             request.all_ids[start : start + length],
             start,
@@ -249,16 +241,6 @@ class Scheduler:
             request.request_id,
             samples=True,
         )
-
-    def _schedule_prefill(self) -> SchedulerOutput | None:
-        self._admit()  # also while a long prompt continues: requests whose KV arrives must not wait for it
-        continuing = [r for r in self.prefilling if r.num_computed > 0]
-        if continuing:  # a long prompt's later chunks, or a prompt past its cached head: one per step
-            return SchedulerOutput([self._chunk_row(continuing[0])], prefill=True)
-        fresh = self.prefilling[: self.config.max_prefill_seqs]
-        if fresh:
-            return SchedulerOutput([self._chunk_row(r) for r in fresh], prefill=True)
-        return None
 
     def _admit(self) -> None:
         """Admits queued requests in order while blocks and sequence slots last; at most max_prefill_seqs
@@ -298,13 +280,14 @@ class Scheduler:
 
     # ---- decode ---------------------------------------------------------------------------------------
     def _reserve_decode_slots(self) -> list[Request]:
-        """Every running request gets a slot for the token it feeds; preempts the newest when short."""
+        """Every running request gets a slot for the token it feeds; when short, preempts the newest request
+        holding blocks here (decoding, or with its prompt partly computed)."""
         scheduled = []
         for request in sorted(self.running, key=lambda r: r.arrival_time):
             if request.status is not Status.RUNNING:  # preempted above as a victim: nothing to reserve
                 continue
             while not self.kv.can_allocate(request.request_id, request.num_computed + 1):
-                victim = max(self.running, key=lambda r: r.arrival_time)
+                victim = max(self.running + self.prefilling, key=lambda r: r.arrival_time)
                 self._preempt(victim)
                 if victim is request:
                     break
@@ -315,7 +298,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         """Gives a running request's blocks back (its full blocks stay cached); it is queued first."""
-        self.running.remove(request)
+        (self.running if request in self.running else self.prefilling).remove(request)
         self.kv.free(request.request_id)
         request.num_computed = 0
         request.status = Status.PREEMPTED

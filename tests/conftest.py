@@ -123,7 +123,7 @@ def small_config():
     gives the daemons the same sizes)."""
     from engine.config import EngineConfig
 
-    return EngineConfig(num_blocks=192, max_model_len=1024, max_num_seqs=8, max_prefill_tokens=256)
+    return EngineConfig(num_blocks=192, max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=256)
 
 
 _engines: dict = {}  # (config, device ids) -> engine

@@ -103,7 +103,9 @@ def test_small_hf_folder_loads_and_runs(tmp_path):
     assert cfg.num_kv_heads == 2 and host["wq"].shape == (2, 16, 16) and "lm_head" not in host
     engine = LLMEngine(
         LoadedModel(cfg, host, tokenizer=None, path=tmp_path),
-        EngineConfig(num_blocks=8, max_model_len=64, max_num_seqs=2, max_prefill_tokens=32, block_size=16),
+        EngineConfig(
+            num_blocks=8, max_model_len=64, max_num_seqs=2, max_num_batched_tokens=32, block_size=16
+        ),
     )
     logits = engine.prompt_logits([1, 2, 3])
     assert logits.shape == (32,) and np.all(np.isfinite(logits))

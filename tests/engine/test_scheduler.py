@@ -1,7 +1,11 @@
 """Scheduling, admission, prefix reuse and the connector states without JAX: a fake runner "computes"
 every row and samples token 1 for the rows that sample."""
 
+import collections
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engine.config import EngineConfig
 from engine.kv_connector import KVConnector
@@ -12,7 +16,12 @@ from engine.scheduler import Scheduler
 pytestmark = pytest.mark.fast
 
 CONFIG = EngineConfig(
-    block_size=4, num_blocks=16, max_num_seqs=3, max_model_len=64, max_prefill_tokens=8, max_prefill_seqs=2
+    block_size=4,
+    num_blocks=16,
+    max_num_seqs=3,
+    max_model_len=64,
+    max_num_batched_tokens=8,
+    max_prefill_seqs=2,
 )
 
 
@@ -33,35 +42,66 @@ def run(sched, out):
     return sched.update_from_output(out, sampled, sink)
 
 
-def test_prefill_batches_short_prompts_then_alternates_with_decode():
-    sched = Scheduler(CONFIG)
+def rows(step):
+    return [(r.request_id, r.num_past, len(r.tokens), r.samples) for r in step.rows]
+
+
+def test_decodes_go_first_then_chunks_fill_the_token_budget():
+    sched = Scheduler(CONFIG)  # 8 tokens a step, 2 prompts computed at once
     for i in range(3):
-        sched.add(make(f"r{i}", 5, t=i))
+        sched.add(make(f"r{i}", [10 * i + j for j in range(5)], t=i))
     step = sched.schedule()
-    assert step.prefill and [r.request_id for r in step.rows] == ["r0", "r1"]  # max_prefill_seqs
+    assert rows(step) == [("r0", 0, 5, True), ("r1", 0, 3, False)]  # r1 chunked at the budget
     run(sched, step)
-    step = sched.schedule()
-    assert not step.prefill and [r.request_id for r in step.rows] == ["r0", "r1"]  # decode gets its turn
-    assert [r.tokens for r in step.rows] == [[1], [1]] and [r.num_past for r in step.rows] == [5, 5]
+    step = sched.schedule()  # r0 decodes in the same step as r1's rest and r2's prompt
+    assert rows(step) == [("r0", 5, 1, True), ("r1", 3, 2, True), ("r2", 0, 5, True)]
+    assert step.rows[0].tokens == [1]
     run(sched, step)
-    step = sched.schedule()
-    assert [r.request_id for r in step.rows] == ["r2"]
+    assert rows(sched.schedule()) == [("r0", 6, 1, True), ("r1", 5, 1, True), ("r2", 5, 1, True)]
 
 
-def test_long_prompt_is_chunked_one_request_per_continued_step():
+def test_long_prompt_is_chunked_while_running_requests_decode():
     sched = Scheduler(CONFIG)
-    sched.add(make("long", 20))
     sched.add(make("short", 3))
+    run(sched, sched.schedule())
+    sched.add(make("long", 20))
     step = sched.schedule()
-    assert [(r.request_id, r.num_past, len(r.tokens), r.samples) for r in step.rows] == [
-        ("long", 0, 8, False),
-        ("short", 0, 3, True),
-    ]
+    assert rows(step) == [("short", 3, 1, True), ("long", 0, 7, False)]
     run(sched, step)
-    assert sched.requests["long"].num_computed == 8 and sched.requests["short"].status is Status.RUNNING
-    run(sched, sched.schedule())  # the short one decodes between chunks
-    step = sched.schedule()
-    assert [(r.request_id, r.num_past, len(r.tokens)) for r in step.rows] == [("long", 8, 8)]
+    assert sched.requests["long"].num_computed == 7
+    assert rows(sched.schedule()) == [("short", 4, 1, True), ("long", 7, 7, False)]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(1, 30), st.integers(1, 12), st.integers(0, 3)), min_size=1, max_size=12)
+)
+def test_no_running_request_waits_while_prompts_are_computed(arrivals):
+    """(prompt length, max tokens, steps before the next arrival): every step holds a decode row for each
+    request that was running (unless it was preempted for blocks) and stays within the token budget."""
+    config = EngineConfig(**{**CONFIG.__dict__, "num_blocks": 24, "max_num_seqs": 4})
+    sched = Scheduler(config)
+    pending = collections.deque(arrivals)
+    steps = 0
+    while pending or sched.num_unfinished:
+        if pending:
+            length, max_tokens, wait = pending.popleft()
+            sched.add(
+                make(f"r{steps}-{len(pending)}", list(range(1, length + 1)), t=steps, max_tokens=max_tokens)
+            )
+        for _ in range(wait if pending else 1):
+            running = list(sched.running)
+            step = sched.schedule()
+            if step is None:
+                break
+            decoded = {r.request_id for r in step.rows if len(r.tokens) == 1 and r.num_past > 0}
+            still_running = {r.request_id for r in running if r.status is Status.RUNNING}
+            assert still_running <= decoded
+            assert sum(len(r.tokens) for r in step.rows) <= config.max_num_batched_tokens
+            run(sched, step)
+            steps += 1
+            assert steps < 2000
+    assert sched.kv.pool.num_used == 0
 
 
 def test_admission_waits_for_blocks_and_seq_limit():
@@ -75,7 +115,7 @@ def test_admission_waits_for_blocks_and_seq_limit():
 
 
 def test_decode_preempts_the_newest_request_which_finds_its_blocks_again():
-    sched = Scheduler(EngineConfig(**{**CONFIG.__dict__, "num_blocks": 4}))
+    sched = Scheduler(EngineConfig(**{**CONFIG.__dict__, "num_blocks": 4, "max_num_batched_tokens": 16}))
     old, new = make("old", 8, t=0), make("new", [9, 8, 7, 6, 5, 4, 3, 2], t=1)
     sched.add(old)
     sched.add(new)
@@ -95,20 +135,19 @@ def test_decode_preempts_the_newest_request_which_finds_its_blocks_again():
 
 
 def test_a_shared_prefix_is_computed_once_and_survives_an_abort_of_its_first_owner():
-    sched = Scheduler(EngineConfig(**{**CONFIG.__dict__, "max_prefill_tokens": 16}))
+    sched = Scheduler(EngineConfig(**{**CONFIG.__dict__, "max_num_batched_tokens": 16}))
     system = list(range(100, 112))  # 3 full blocks
     sched.add(make("a", [*system, 1, 2]))
     run(sched, sched.schedule())  # a's prompt computed: its 3 full blocks are in the cache
     sched.add(make("b", [*system, 3]))
-    run(sched, sched.schedule())  # a decodes
-    step = sched.schedule()
-    assert [(r.request_id, r.num_past, r.tokens) for r in step.rows] == [("b", 12, [3])]
+    step = sched.schedule()  # a decodes; b's prompt is one token past the cached head
+    assert [(r.request_id, r.num_past, r.tokens) for r in step.rows] == [("a", 14, [1]), ("b", 12, [3])]
     shared = sched.block_ids("a")[:3]
     assert sched.block_ids("b")[:3] == shared and sched.requests["b"].num_cached_tokens == 12
     assert [sched.kv.pool.ref_counts[blk] for blk in shared] == [2, 2, 2]
+    run(sched, step)
     sched.abort("a")
     assert [sched.kv.pool.ref_counts[blk] for blk in shared] == [1, 1, 1]  # b still holds them
-    run(sched, step)
     sched.abort("b")
     assert sched.kv.pool.num_used == 0 and sched.kv.pool.num_cached == 3
     sched.kv.pool.check()
@@ -134,9 +173,8 @@ def test_lora_requests_share_only_blocks_of_their_adapter():
     again = make("lora-2", prompt)
     again.lora = Adapter("fp-1")
     sched.add(again)
-    run(sched, sched.schedule())  # decode turn
     step = sched.schedule()
-    assert [(r.request_id, r.num_past) for r in step.rows] == [("lora-2", 4)]
+    assert [(r.request_id, r.num_past) for r in step.rows] == [("lora", 6), ("lora-2", 4)]
 
 
 class Recorder(KVConnector):
@@ -173,7 +211,10 @@ def test_remote_kv_states_arrival_and_fallback():
     sched.remote_kv_failed("remote-2")  # no replica could send it: computed here, in its blocks
     assert r2.status is Status.RUNNING and r2.num_computed == 0
     step = sched.schedule()
-    assert [(r.request_id, r.num_past, len(r.tokens)) for r in step.rows] == [("remote-2", 0, 6)]
+    assert [(r.request_id, r.num_past, len(r.tokens)) for r in step.rows] == [
+        ("remote-1", 6, 1),
+        ("remote-2", 0, 6),
+    ]
     with pytest.raises(ValueError, match="not waiting for KV"):
         sched.remote_kv_arrived("remote-2", 1, None, sink)
     sched.abort("remote-1")
@@ -209,7 +250,7 @@ def test_remote_kv_fills_only_the_blocks_after_the_decode_sides_cached_prefix():
 
     connector = DecodeConnector(block_size=4, local_below=3)
     ready = {}
-    sched = Scheduler(EngineConfig(**{**CONFIG.__dict__, "max_prefill_tokens": 16}), connector=connector)
+    sched = Scheduler(EngineConfig(**{**CONFIG.__dict__, "max_num_batched_tokens": 16}), connector=connector)
     sched.add(make("turn1", 10, max_tokens=1))  # computed here (no connector expectation): cached
     run(sched, sched.schedule())
     for rid, prompt in [("turn2", [*range(10), 50, 51, 52, 53, 54, 55]), ("hit", [*range(8), 60, 61])]:
@@ -224,6 +265,6 @@ def test_remote_kv_fills_only_the_blocks_after_the_decode_sides_cached_prefix():
     turn2 = sched.requests["turn2"]
     assert turn2.status is Status.WAITING_FOR_REMOTE_KV and turn2.num_computed == 8
     assert sched.block_ids("turn2")[:2] == sched.block_ids("hit")[:2]  # both share turn1's blocks
-    assert [(r.request_id, r.num_past) for r in step.rows] == [("hit", 8)]
+    assert [(r.request_id, r.num_past) for r in step.rows] == [("hit", 8), ("short", 0)]
     sched.remote_kv_failed("turn2")  # the fallback computes the rest here, after the cached prefix
     assert turn2.num_computed == 8 and turn2.status is Status.RUNNING

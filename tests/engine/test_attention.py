@@ -1,0 +1,70 @@
+"""The ragged reference attention equals plain per-sequence attention, for any mix of decode tokens and
+prefill chunks, with or without a cached past, in any blocks."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.attention import KV_TILE_BLOCKS, Q_WINDOW, ragged_paged_attention_reference
+
+pytestmark = pytest.mark.fast
+
+LAYERS, BLOCKS, BS, KVH, G, D = 2, 320, 4, 2, 3, 8
+T, S, WIDTH = 3 * Q_WINDOW, 8, 8 * KV_TILE_BLOCKS  # one compiled shape for every example
+_jitted = jax.jit(ragged_paged_attention_reference)
+
+
+def naive(q, k_new, v_new, cache, layer, seqs):
+    """Per sequence: its past gathered from its blocks, then its new tokens; causal softmax."""
+    out = np.zeros_like(q)
+    start = 0
+    for past, q_len, blocks in seqs:
+        kv = cache[layer, blocks].reshape(-1, KVH, 2, D)[:past]
+        k = np.concatenate([kv[:, :, 0], k_new[start : start + q_len]])  # [past + q_len, KVH, D]
+        v = np.concatenate([kv[:, :, 1], v_new[start : start + q_len]])
+        qs = q[start : start + q_len] * D**-0.5  # [q_len, KVH, G, D]
+        scores = np.einsum("qhgd,khd->hgqk", qs, k)
+        causal = np.arange(past + q_len)[None, :] <= past + np.arange(q_len)[:, None]
+        scores = np.where(causal, scores, -np.inf)
+        p = np.exp(scores - scores.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        out[start : start + q_len] = np.einsum("hgqk,khd->qhgd", p, v)
+        start += q_len
+    return out
+
+
+# (tokens in the cache, new tokens) per sequence: decodes, fresh prompts, chunks after a past longer than
+# a tile and than a query window
+SEQ = st.tuples(st.integers(0, 3 * KV_TILE_BLOCKS * BS + 5), st.integers(1, Q_WINDOW + 9))
+
+
+@settings(max_examples=12, deadline=None)
+@given(st.lists(SEQ, min_size=1, max_size=S), st.randoms())
+def test_matches_per_sequence_attention(seqs, rnd):
+    rng = np.random.default_rng(rnd.randint(0, 2**32))
+    seqs = [(past, 1 if rnd.random() < 0.5 else q_len) for past, q_len in seqs]  # half of them decode
+    while sum(q for _, q in seqs) > T:
+        seqs.pop()
+    total = sum(q for _, q in seqs)  # the rest of the T tokens and S sequences: padding
+    t, s, width, pad_seqs = T, S, WIDTH, S - len(seqs)
+    free = list(rng.permutation(BLOCKS))
+    layout = []
+    tables = np.zeros((s, width), np.int32)
+    for i, (past, q_len) in enumerate(seqs):
+        n = -(-(past + q_len) // BS)
+        blocks = [int(free.pop()) for _ in range(n)]  # scattered blocks
+        tables[i, :n] = blocks
+        layout.append((past, q_len, blocks))
+    q = rng.standard_normal((t, KVH, G, D), np.float32)
+    k_new, v_new = (rng.standard_normal((t, KVH, D), np.float32) for _ in range(2))
+    cache = rng.standard_normal((LAYERS, BLOCKS, BS, 2 * KVH, D), np.float32)
+    q_lens = [q for _, q in seqs] + [0] * pad_seqs
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    kv_lens = np.asarray([p + q for p, q in seqs] + [0] * pad_seqs, np.int32)
+    got = np.asarray(_jitted(q, k_new, v_new, cache, np.int32(1), kv_lens, tables, cu))
+    np.testing.assert_allclose(got[:total], naive(q, k_new, v_new, cache, 1, layout)[:total], atol=2e-5)
+    assert np.isfinite(got).all()
