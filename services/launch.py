@@ -21,7 +21,7 @@ ENGINE_ARGS = [
     "192",
     "--max-num-seqs",
     "8",
-    "--max-prefill-tokens",
+    "--max-num-batched-tokens",
     "256",
 ]
 # KV cache events on any free ports: daemons of a test or benchmark share one host (the defaults are
