@@ -13,10 +13,11 @@ The reference runs everywhere and is what the tests pin down. Its cost follows t
 shape: three parts share one softmax (flash-attention style running max and sum), each looping only as
 far as the step's longest context:
   * new tokens over new tokens (causal, same sequence): one [T, T] masked product;
-  * single-token sequences (decodes) over their past: all sequences at once, KV_TILE_BLOCKS blocks of
-    their block tables per iteration;
+  * single-token sequences (decodes) over their past: all sequences at once, a tile of their block
+    tables per iteration (decode_tile_blocks);
   * multi-token sequences (prefill chunks after a cached or computed head) over their past: one window
-    of Q_WINDOW queries at a time, against the sequence's past blocks in the same tiles.
+    of Q_WINDOW queries at a time, CHUNK_TILE_BLOCKS of the sequence's past blocks per iteration.
+The prefill-window part is skipped at run time when the step has no such sequence.
 The static shape is (tokens, sequences, block-table width); the number of past blocks read is not part
 of it, so one compiled step serves every context length.
 
@@ -32,7 +33,19 @@ import jax
 import jax.numpy as jnp
 
 _NEG_INF = -1e30  # finite: a fully masked row stays finite (padding tokens), exp(-1e30 - m) == 0
-KV_TILE_BLOCKS = 8  # cache blocks read per iteration of the past loops; block tables are padded to it
+# Cache blocks read per iteration of the past loops. Measured on CPU: an iteration costs about 14 us
+# besides its work, so the decode loop reads about DECODE_TILE_BUDGET blocks per iteration over all its
+# sequences (one sequence: 16 of its blocks; 32 sequences: 2 each, short contexts waste little); the
+# prefill windows' matmuls want larger tiles. Block tables are padded to whole tiles (KV_TILE_BLOCKS).
+DECODE_TILE_BUDGET = 64
+CHUNK_TILE_BLOCKS = 8
+KV_TILE_BLOCKS = 16  # block tables' width is a multiple of this: every tile size below divides it
+
+
+def decode_tile_blocks(num_seqs: int) -> int:
+    return min(KV_TILE_BLOCKS, max(2, DECODE_TILE_BUDGET // num_seqs))
+
+
 Q_WINDOW = 128  # queries of a prefill chunk attended to its past together
 
 
@@ -64,9 +77,9 @@ def _empty(shape, d, dtype):
     return jnp.full(shape, _NEG_INF, dtype), jnp.zeros(shape, dtype), jnp.zeros((*shape, d), dtype)
 
 
-def _past_tile(cache, layer, block_tables, j):
+def _past_tile(cache, layer, block_tables, j, tile_blocks):
     """Tile j of each listed sequence's past: K, V [..., kv_heads, tile tokens, head_dim]."""
-    blocks = jax.lax.dynamic_slice_in_dim(block_tables, j * KV_TILE_BLOCKS, KV_TILE_BLOCKS, axis=-1)
+    blocks = jax.lax.dynamic_slice_in_dim(block_tables, j * tile_blocks, tile_blocks, axis=-1)
     kv = cache[layer, blocks]  # [..., tile blocks, block_size, 2 * kv_heads, head_dim]
     *lead, nb, bs, h2, d = kv.shape
     kv = kv.reshape(*lead, nb * bs, h2 // 2, 2, d)
@@ -85,65 +98,67 @@ def ragged_paged_attention_reference(
     cu_q_lens: jax.Array,  # [S + 1] where each sequence's new tokens start; the last: tokens in use
 ) -> jax.Array:  # [T, kv_heads, group, head_dim]; rows of padding tokens are finite garbage
     t, kvh, g, d = q.shape
-    block_size = cache.shape[2]
-    tile = KV_TILE_BLOCKS * block_size
+    num_seqs = kv_lens.shape[0]
+    decode_blocks = decode_tile_blocks(num_seqs)
+    decode_tile, chunk_tile = decode_blocks * cache.shape[2], CHUNK_TILE_BLOCKS * cache.shape[2]
     q = (q * d**-0.5).transpose(1, 2, 0, 3)  # [kv_heads, group, T, head_dim]
     q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
     past = kv_lens - q_lens
     seq, valid = token_sequences(cu_q_lens, t)
     dtype = jnp.float32
 
-    # new over new: causal within each sequence
+    # new over new: causal within each sequence; each KV head's query rows (group x tokens) form one matrix
     tok = jnp.arange(t)
     mask = (seq[:, None] == seq[None, :]) & (tok[None, :] <= tok[:, None]) & valid[None, :]
-    state = _attend(q, k_new.transpose(1, 0, 2)[:, None], v_new.transpose(1, 0, 2)[:, None], mask)
+    mask = jnp.broadcast_to(mask, (g, t, t)).reshape(g * t, t)
+    m, s, o = _attend(q.reshape(kvh, g * t, d), k_new.transpose(1, 0, 2), v_new.transpose(1, 0, 2), mask)
+    state = m.reshape(kvh, g, t), s.reshape(kvh, g, t), o.reshape(kvh, g, t, d)
 
-    # single-token sequences over their past, all together
+    # single-token sequences (decodes) over their past, all sequences at once
     single = (q_lens == 1) & (past > 0)
     single_past = jnp.where(single, past, 0)
     first = jnp.where(single, cu_q_lens[:-1], t)  # out of range: dropped by the scatter below
-    q_single = jnp.take(q, jnp.minimum(first, t - 1), axis=2).transpose(2, 0, 1, 3)[:, :, :, None]
+    q_single = jnp.take(q, jnp.minimum(first, t - 1), axis=2).transpose(2, 0, 1, 3)  # [S, kv_heads, group, d]
 
     def single_tile(j, acc):
-        k, v = _past_tile(cache, layer, block_tables, j)  # [S, kv_heads, tile, head_dim]
-        pos = j * tile + jnp.arange(tile)
-        m, s, o = _attend(
-            q_single, k[:, :, None], v[:, :, None], pos < single_past[:, None, None, None, None]
+        k, v = _past_tile(cache, layer, block_tables, j, decode_blocks)  # [S, kv_heads, tile, d]
+        pos = j * decode_tile + jnp.arange(decode_tile)
+        return _merge(acc, _attend(q_single, k, v, pos < single_past[:, None, None, None]))
+
+    def singles(state):
+        num_tiles = -(-jnp.max(single_past) // decode_tile)
+        m, s, o = jax.lax.fori_loop(0, num_tiles, single_tile, _empty((num_seqs, kvh, g), d, dtype))
+        m_t, s_t, o_t = state  # merged in place at the decode tokens
+        at = (slice(None), slice(None), first)
+        merged = _merge(
+            (m_t[at], s_t[at], o_t[at]), (m.transpose(1, 2, 0), s.transpose(1, 2, 0), o.transpose(1, 2, 0, 3))
         )
-        return _merge(acc, (m[..., 0], s[..., 0], o[..., 0, :]))
+        return tuple(x.at[at].set(y, mode="drop") for x, y in zip(state, merged, strict=True))
 
-    s_state = jax.lax.fori_loop(
-        0, -(-jnp.max(single_past) // tile), single_tile, _empty((q_lens.shape[0], kvh, g), d, dtype)
-    )
-    m, s, o = (
-        jnp.full((kvh, g, t), _NEG_INF, dtype)
-        .at[:, :, first]
-        .set(s_state[0].transpose(1, 2, 0), mode="drop"),
-        jnp.zeros((kvh, g, t), dtype).at[:, :, first].set(s_state[1].transpose(1, 2, 0), mode="drop"),
-        jnp.zeros((kvh, g, t, d), dtype).at[:, :, first].set(s_state[2].transpose(1, 2, 0, 3), mode="drop"),
-    )
-    state = _merge(state, (m, s, o))
+    state = singles(state)
 
-    # multi-token sequences over their past, Q_WINDOW queries at a time
+    # multi-token sequences (prefill chunks after a head in the cache) over their past, Q_WINDOW
+    # queries at a time: window i belongs to the sequence whose running count of windows passes i
     windows = jnp.where((q_lens > 1) & (past > 0), -(-q_lens // Q_WINDOW), 0)
     ends = jnp.cumsum(windows)
-    pad = ((0, 0), (0, 0), (0, Q_WINDOW))
-    q_pad = jnp.pad(q, pad + ((0, 0),))
-    state = tuple(jnp.pad(x, pad + ((0, 0),) * (x.ndim - 3)) for x in state)
+    pad = ((0, 0), (0, 0), (0, Q_WINDOW))  # a window starting near the end stays in bounds
 
     def window(i, state):
         s = jnp.searchsorted(ends, i, side="right")
         start = cu_q_lens[s] + (i - (ends[s] - windows[s])) * Q_WINDOW
-        qw = jax.lax.dynamic_slice_in_dim(q_pad, start, Q_WINDOW, axis=2)
+        qw = jax.lax.dynamic_slice_in_dim(q_pad, start, Q_WINDOW, axis=2).reshape(kvh, g * Q_WINDOW, d)
 
         def past_tile(j, acc):
-            k, v = _past_tile(cache, layer, block_tables[s], j)  # [kv_heads, tile, head_dim]
-            pos = j * tile + jnp.arange(tile)
-            return _merge(acc, _attend(qw, k[:, None], v[:, None], pos < past[s]))
+            k, v = _past_tile(cache, layer, block_tables[s], j, CHUNK_TILE_BLOCKS)  # [kv_heads, tile, d]
+            pos = j * chunk_tile + jnp.arange(chunk_tile)
+            return _merge(acc, _attend(qw, k, v, pos < past[s]))
 
-        w_state = jax.lax.fori_loop(0, -(-past[s] // tile), past_tile, _empty((kvh, g, Q_WINDOW), d, dtype))
+        w_state = jax.lax.fori_loop(
+            0, -(-past[s] // chunk_tile), past_tile, _empty((kvh, g * Q_WINDOW), d, dtype)
+        )
+        w_state = [x.reshape(kvh, g, Q_WINDOW, *x.shape[2:]) for x in w_state]
         old = [jax.lax.dynamic_slice_in_dim(x, start, Q_WINDOW, axis=2) for x in state]
-        rows = start + jnp.arange(Q_WINDOW) < cu_q_lens[s + 1]
+        rows = start + jnp.arange(Q_WINDOW) < cu_q_lens[s + 1]  # the window's tokens of sequence s
         new = _merge(old, w_state)
         new = [
             jnp.where(rows.reshape(-1, *([1] * (x.ndim - 3))), n, x) for n, x in zip(new, old, strict=True)
@@ -152,8 +167,13 @@ def ragged_paged_attention_reference(
             jax.lax.dynamic_update_slice_in_dim(x, n, start, axis=2) for x, n in zip(state, new, strict=True)
         )
 
-    m, s, o = jax.lax.fori_loop(0, ends[-1], window, state)
-    out = o[:, :, :t] / s[:, :, :t, None]
+    def chunks(state):
+        state = tuple(jnp.pad(x, pad + ((0, 0),) * (x.ndim - 3)) for x in state)
+        return tuple(x[:, :, :t] for x in jax.lax.fori_loop(0, ends[-1], window, state))
+
+    q_pad = jnp.pad(q, (*pad, (0, 0)))
+    m, s, o = jax.lax.cond(ends[-1] > 0, chunks, lambda state: state, state)
+    out = o / s[..., None]
     return out.transpose(2, 0, 1, 3).astype(q.dtype)
 
 
