@@ -67,9 +67,10 @@ class ModelRunner:
         c = self.config
         return [(t, c.seq_bucket(t)) for t in c.token_buckets]
 
-    def sampler_shapes(self) -> list[tuple[int, bool, bool, int]]:
+    def sampler_shapes(self) -> list[tuple[int, bool]]:
+        """Every (rows, penalties) the sampler is compiled for (engine.sampler: one variant each)."""
         rows = sorted({s for _, s in self.step_shapes()})
-        return list(itertools.product(rows, (False, True), (False, True), (0, self.config.max_logprobs)))
+        return list(itertools.product(rows, (False, True)))
 
     @functools.cached_property
     def block_table_width(self) -> int:
@@ -124,13 +125,7 @@ class ModelRunner:
             logits.shape[0],
             self.model.vocab_size,
         )
-        wants_logprobs = any(p.logprobs is not None for p in params)
-        result = sample(
-            logits,
-            batch,
-            truncate=any(p.needs_truncation for p in params),
-            num_logprobs=self.config.max_logprobs if wants_logprobs else 0,
-        )
+        result = sample(logits, batch, num_logprobs=self.config.max_logprobs)
         result = jax.device_get(result)
         n = len(rows)
         return SampleResult(
@@ -152,13 +147,8 @@ class ModelRunner:
             self._compile_step(*shape)
             bar.update()
         vocab = self.model.vocab_size
-        for b, penalties, truncate, num_logprobs in sampler_shapes:
-            params = SamplingParams(
-                temperature=1.0,
-                top_k=5 if truncate else 0,
-                repetition_penalty=1.1 if penalties else 1.0,
-                logprobs=num_logprobs or None,
-            )
+        for b, penalties in sampler_shapes:
+            params = SamplingParams(temperature=1.0, repetition_penalty=1.1 if penalties else 1.0)
             logits = jax.device_put(np.zeros((b, vocab), np.float32), named(self.mesh))
             self.sample(logits, [SampleRow(params, 0, 0, [1], [])])
             bar.update()

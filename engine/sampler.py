@@ -33,6 +33,8 @@ class SamplingBatch:
     repetition_penalty: np.ndarray  # [B] float32
     presence_penalty: np.ndarray  # [B] float32
     frequency_penalty: np.ndarray  # [B] float32
+    truncate: np.ndarray  # [B] bool: the row uses top-k, top-p or min-p
+    logprobs: np.ndarray  # [B] bool: the row wants logprobs
     prompt_mask: np.ndarray | None  # [B, V] bool: token in prompt or output (repetition penalty)
     output_counts: np.ndarray | None  # [B, V] int32: occurrences in the output (presence/frequency)
 
@@ -73,6 +75,8 @@ class SamplingBatch:
             repetition_penalty=col((p.repetition_penalty for p in params), np.float32, 1.0),
             presence_penalty=col((p.presence_penalty for p in params), np.float32, 0.0),
             frequency_penalty=col((p.frequency_penalty for p in params), np.float32, 0.0),
+            truncate=col((p.needs_truncation for p in params), bool, False),
+            logprobs=col((p.logprobs is not None for p in params), bool, False),
             prompt_mask=prompt_mask,
             output_counts=output_counts,
         )
@@ -161,12 +165,15 @@ def _gumbel_noise(s: SamplingBatch, vocab: int) -> jax.Array:
     return -jnp.log(-jnp.log(uniform))
 
 
-@functools.partial(jax.jit, static_argnames=("truncate", "num_logprobs"))
-def sample(logits: jax.Array, s: SamplingBatch, *, truncate: bool, num_logprobs: int) -> SampleResult:
-    """Samples one token per row of `s` from `logits` [B, V]. Static flags pick the compiled variant.
+@functools.partial(jax.jit, static_argnames=("num_logprobs",))
+def sample(logits: jax.Array, s: SamplingBatch, *, num_logprobs: int) -> SampleResult:
+    """Samples one token per row of `s` from `logits` [B, V].
 
-    `truncate`: some row uses top-k, top-p or min-p. `num_logprobs`: 0, or how many top logprobs to return
-    (the sampled token's logprob is returned too). Neither flag changes any row's token.
+    Truncation (top-k, top-p, min-p) and logprobs run only when some row asks for them, branches taken
+    at run time, so one compiled variant serves every mix (penalties, which need the token history
+    arrays, are the one variant: `s.prompt_mask` None or not). `num_logprobs`: how many top logprobs a
+    row may ask for (0: none); they are returned for every row, zeros when no row asked. No branch
+    changes any row's token.
     """
     logits = logits[s.logits_row]
     raw = logits
@@ -177,18 +184,26 @@ def sample(logits: jax.Array, s: SamplingBatch, *, truncate: bool, num_logprobs:
     def draw(logits):
         temperature = jnp.where(s.temperature > 0, s.temperature, 1.0)[:, None]
         scaled = logits / temperature
-        if truncate:
-            scaled = _truncate(scaled, s)
+        scaled = jax.lax.cond(jnp.any(s.truncate), lambda x: _truncate(x, s), lambda x: x, scaled)
         return _argmax(scaled + _gumbel_noise(s, logits.shape[-1]))
 
     sampled = jax.lax.cond(jnp.any(s.temperature > 0), draw, lambda _: greedy, logits)
     tokens = jnp.where(s.temperature > 0, sampled, greedy)
     batch = logits.shape[0]
-    if num_logprobs:
+
+    def logprobs(raw):
         model_logprobs = jax.nn.log_softmax(raw, axis=-1)
         chosen = jnp.take_along_axis(model_logprobs, tokens[:, None], axis=-1)[:, 0]
         top_logprobs, top_ids = jax.lax.top_k(model_logprobs, num_logprobs)
-    else:
-        chosen = jnp.zeros((batch,), jnp.float32)
-        top_logprobs, top_ids = jnp.zeros((batch, 0), jnp.float32), jnp.zeros((batch, 0), jnp.int32)
-    return SampleResult(tokens, chosen, top_ids.astype(jnp.int32), top_logprobs)
+        return chosen, top_ids.astype(jnp.int32), top_logprobs
+
+    def none(raw):
+        return (
+            jnp.zeros((batch,), jnp.float32),
+            jnp.zeros((batch, num_logprobs), jnp.int32),
+            jnp.zeros((batch, num_logprobs), jnp.float32),
+        )
+
+    wanted = jnp.any(s.logprobs) if num_logprobs else False
+    chosen, top_ids, top_logprobs = jax.lax.cond(wanted, logprobs, none, raw) if num_logprobs else none(raw)
+    return SampleResult(tokens, chosen, top_ids, top_logprobs)

@@ -13,8 +13,8 @@ from engine.attention import KV_TILE_BLOCKS, Q_WINDOW, ragged_paged_attention_re
 
 pytestmark = pytest.mark.fast
 
-LAYERS, BLOCKS, BS, KVH, G, D = 2, 320, 4, 2, 3, 8
-T, S, WIDTH = 3 * Q_WINDOW, 8, 8 * KV_TILE_BLOCKS  # one compiled shape for every example
+LAYERS, BLOCKS, BS, KVH, G, D = 2, 720, 4, 2, 3, 8
+T, WIDTH = 3 * Q_WINDOW, 8 * KV_TILE_BLOCKS  # one compiled shape per sequence-slot count
 _jitted = jax.jit(ragged_paged_attention_reference)
 
 
@@ -43,14 +43,15 @@ SEQ = st.tuples(st.integers(0, 3 * KV_TILE_BLOCKS * BS + 5), st.integers(1, Q_WI
 
 
 @settings(max_examples=12, deadline=None)
-@given(st.lists(SEQ, min_size=1, max_size=S), st.randoms())
-def test_matches_per_sequence_attention(seqs, rnd):
+@pytest.mark.parametrize("slots", [2, 32])  # the decode loop's tile: 16 blocks, 2 blocks
+@given(seqs=st.lists(SEQ, min_size=1, max_size=8), rnd=st.randoms())
+def test_matches_per_sequence_attention(slots, seqs, rnd):
     rng = np.random.default_rng(rnd.randint(0, 2**32))
-    seqs = [(past, 1 if rnd.random() < 0.5 else q_len) for past, q_len in seqs]  # half of them decode
+    seqs = [(past, 1 if rnd.random() < 0.5 else q_len) for past, q_len in seqs[:slots]]  # half decode
     while sum(q for _, q in seqs) > T:
         seqs.pop()
-    total = sum(q for _, q in seqs)  # the rest of the T tokens and S sequences: padding
-    t, s, width, pad_seqs = T, S, WIDTH, S - len(seqs)
+    total = sum(q for _, q in seqs)  # the rest of the T tokens and of the slots: padding
+    t, s, width, pad_seqs = T, slots, WIDTH, slots - len(seqs)
     free = list(rng.permutation(BLOCKS))
     layout = []
     tables = np.zeros((s, width), np.int32)

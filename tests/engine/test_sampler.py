@@ -21,8 +21,7 @@ def run(params, seeds=None, positions=None, logits=None, history=None, num_logpr
     batch = SamplingBatch.build(
         params, list(range(n)), seeds or [0] * n, positions or [0] * n, history, n, VOCAB
     )
-    truncate = any(p.needs_truncation for p in params)
-    return sample(jnp.asarray(logits), batch, truncate=truncate, num_logprobs=num_logprobs)
+    return sample(jnp.asarray(logits), batch, num_logprobs=num_logprobs)
 
 
 def draws(params: SamplingParams, count=400) -> np.ndarray:
