@@ -7,8 +7,8 @@ Checks REV out into a git worktree, then runs, for each round, one worker proces
 alternating from round to round, so that the machine's drift falls on both): the worker imports the
 `engine` package of its tree, builds the default model's engine (`max_model_len` 1024, `num_blocks` 1024,
 `max_num_seqs` the largest batch), times its warmup with an empty compilation cache (every shape compiled),
-counts the compiled variants, then times decode steps (bench_engine.decode_step_times: greedy, sampling
-included) at each batch and prompt length. The measuring code is this tree's for both; only `engine`
+counts the compiled variants, times a 1000-token prompt's prefill (two chunks), then times decode steps
+(bench_engine.decode_step_times: greedy, sampling included) at each batch and prompt length. The measuring code is this tree's for both; only `engine`
 differs. Prints each tree's best figures and the ratios this tree / baseline.
 """
 
@@ -24,6 +24,14 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+
+
+def _timed(fn, *args) -> float:
+    import time
+
+    t0 = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - t0
 
 
 def worker(tree: Path, batches: list[int], contexts: list[int], steps: int) -> dict:
@@ -53,6 +61,9 @@ def worker(tree: Path, batches: list[int], contexts: list[int], steps: int) -> d
         "step_shapes": len(engine.runner.step_shapes()),
         "decode_tokens_s": {},
     }
+    prompt = list(range(1000, 1000 + 1000))  # two chunks of 512 and 488 tokens, the second after a past
+    engine.prompt_logits(prompt)  # compiles what warmup left (the grid engine's continued-chunk shape)
+    result["prefill_1000_s"] = min(_timed(engine.prompt_logits, prompt) for _ in range(3))
     for context in contexts:
         for batch in batches:
             times = sorted(decode_step_times(engine, batch, steps, prompt_len=context))
@@ -99,6 +110,7 @@ def main() -> None:
     best = {
         name: {
             "warmup_s": min(x["warmup_s"] for x in rs),
+            "prefill_1000_s": min(x["prefill_1000_s"] for x in rs),
             "variants": rs[0]["variants"],
             "step_shapes": rs[0]["step_shapes"],
             "decode_tokens_s": {
@@ -113,6 +125,7 @@ def main() -> None:
         "best": best,
         "ratios": {
             "warmup_this_over_baseline": new["warmup_s"] / old["warmup_s"],
+            "prefill_1000_this_over_baseline": new["prefill_1000_s"] / old["prefill_1000_s"],
             **{
                 f"decode_tokens_s_{k}": new["decode_tokens_s"][k] / old["decode_tokens_s"][k]
                 for k in new["decode_tokens_s"]
