@@ -9,7 +9,8 @@ alternating from round to round, so that the machine's drift falls on both): the
 `max_num_seqs` the largest batch), times its warmup with an empty compilation cache (every shape compiled),
 counts the compiled variants, times a 1000-token prompt's prefill (two chunks), then times decode steps
 (bench_engine.decode_step_times: greedy, sampling included) at each batch and prompt length. The
-measuring code is this tree's for both; only `engine` differs. Prints each tree's best figures and the ratios this tree / baseline.
+measuring code is this tree's for both; only `engine` differs. Prints each tree's best figures and
+the ratios this tree / baseline.
 """
 
 from __future__ import annotations
