@@ -2,11 +2,12 @@
 results change. No device code.
 
 States (engine.request.Status): WAITING (queued, no blocks) -> RUNNING (blocks held: prompt computed in
-chunks, then decoding) -> FINISHED. Under block pressure a running request is PREEMPTED: it gives its
-blocks back and is queued first (its prefix is found in the cache again when it is readmitted). With a KV
-connector (engine.kv_connector), a request whose prompt KV arrives from elsewhere is admitted into
-WAITING_FOR_REMOTE_KV instead of RUNNING, and a finished request whose KV a sender still wants is held in
-FINISHED_SENDING until the engine has handed it over.
+chunks, then decoding) -> FINISHED. Under block pressure the newest request holding blocks (decoding, or
+with its prompt partly computed) is PREEMPTED: it gives its blocks back and is queued first (its prefix
+is found in the cache again when it is readmitted). With a KV connector (engine.kv_connector), a request
+whose prompt KV arrives from elsewhere is admitted into WAITING_FOR_REMOTE_KV instead of RUNNING, and a
+finished request whose KV a sender still wants is held in FINISHED_SENDING until the engine has handed
+it over.
 
 `schedule()` returns plain data (rows of request ids, token ids, positions, block ids, which rows sample)
 for the runner; `update_from_output()` applies what the step produced: computed tokens, cached blocks,
