@@ -172,7 +172,9 @@ def ragged_paged_attention_reference(
         return tuple(x[:, :, :t] for x in jax.lax.fori_loop(0, ends[-1], window, state))
 
     q_pad = jnp.pad(q, (*pad, (0, 0)))
-    m, s, o = jax.lax.cond(ends[-1] > 0, chunks, lambda state: state, state)
+    if t > 1:  # a step of one token holds no chunk: not even the branch is compiled
+        state = jax.lax.cond(ends[-1] > 0, chunks, lambda state: state, state)
+    m, s, o = state
     out = o / s[..., None]
     return out.transpose(2, 0, 1, 3).astype(q.dtype)
 
