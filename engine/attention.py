@@ -34,16 +34,19 @@ import jax.numpy as jnp
 
 _NEG_INF = -1e30  # finite: a fully masked row stays finite (padding tokens), exp(-1e30 - m) == 0
 # Cache blocks read per iteration of the past loops. Measured on CPU: an iteration costs about 14 us
-# besides its work, so the decode loop reads about DECODE_TILE_BUDGET blocks per iteration over all its
-# sequences (one sequence: 16 of its blocks; 32 sequences: 2 each, short contexts waste little); the
-# prefill windows' matmuls want larger tiles. Block tables are padded to whole tiles (KV_TILE_BLOCKS).
-DECODE_TILE_BUDGET = 64
+# besides its work, while a tile longer than the context is wasted reading. The decode loop reads up to
+# DECODE_TILE_BUDGET blocks per iteration over all its sequences, 2 to KV_TILE_BLOCKS each (one to four
+# sequences: 8 blocks each; 32: 2 each); the prefill windows' matmuls take 8-block tiles. Block tables
+# are padded to whole tiles of the largest size (KV_TILE_BLOCKS), which every tile size divides.
+DECODE_TILE_BUDGET = 32
 CHUNK_TILE_BLOCKS = 8
-KV_TILE_BLOCKS = 16  # block tables' width is a multiple of this: every tile size below divides it
+KV_TILE_BLOCKS = 8
 
 
 def decode_tile_blocks(num_seqs: int) -> int:
-    return min(KV_TILE_BLOCKS, max(2, DECODE_TILE_BUDGET // num_seqs))
+    """Blocks of each sequence's past the decode loop reads per iteration (a power of two)."""
+    power_of_two = 1 << max(0, (DECODE_TILE_BUDGET // num_seqs).bit_length() - 1)  # divides the table
+    return min(KV_TILE_BLOCKS, max(2, power_of_two))
 
 
 Q_WINDOW = 128  # queries of a prefill chunk attended to its past together

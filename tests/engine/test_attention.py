@@ -43,7 +43,7 @@ SEQ = st.tuples(st.integers(0, 3 * KV_TILE_BLOCKS * BS + 5), st.integers(1, Q_WI
 
 
 @settings(max_examples=12, deadline=None)
-@pytest.mark.parametrize("slots", [2, 32])  # the decode loop's tile: 16 blocks, 2 blocks
+@pytest.mark.parametrize("slots", [2, 6, 32])  # the decode loop's tile: 8, 4 and 2 blocks
 @given(seqs=st.lists(SEQ, min_size=1, max_size=8), rnd=st.randoms())
 def test_matches_per_sequence_attention(slots, seqs, rnd):
     rng = np.random.default_rng(rnd.randint(0, 2**32))
