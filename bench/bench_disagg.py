@@ -140,7 +140,7 @@ def interference_study(
     """Colocated on both cores at each step token budget, then (`disagg`) disaggregated at the default."""
     out = {}
     for budget in budgets:
-        engine_args = [*ENGINE_ARGS, "--max-num-batched-tokens", str(budget)]
+        engine_args = [*ENGINE_ARGS, *(["--max-num-batched-tokens", str(budget)] if budget else [])]
         coloc = decode_server(
             gguf, "local", logs, name=f"coloc-{budget}", engine_args=engine_args, cpus="0,1"
         )
@@ -175,7 +175,8 @@ def main() -> None:
     parser.add_argument(
         "--budgets",
         default="512",
-        help="step token budgets of the colocated interference runs (comma-separated)",
+        help="step token budgets of the colocated interference runs (comma-separated; 0: the daemon's "
+        "default, without the flag, e.g. an older commit's daemons run from its worktree)",
     )
     parser.add_argument(
         "--colocated-only", action="store_true", help="interference: skip the disaggregated run"
