@@ -18,6 +18,14 @@ import time
 import numpy as np
 
 
+def report(result: dict, json_path: str | None) -> None:
+    """Prints a benchmark's result as JSON, and writes it to `json_path` when given."""
+    print(json.dumps(result, indent=2))
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(result, f, indent=2)
+
+
 def best_of(fn, repeats: int) -> float:
     times = []
     for _ in range(repeats):
@@ -159,10 +167,7 @@ def main() -> None:
             ratios[f"decode_b{b}_tokens_s_vs_hf_b1"] = (b / decode[b]) / (1 / hf["decode_step_s"])
     result["ratios"] = ratios
     result["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    print(json.dumps(result, indent=2))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    report(result, args.json)
 
 
 if __name__ == "__main__":

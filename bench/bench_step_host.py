@@ -23,7 +23,7 @@ import statistics
 import time
 
 import jax
-from bench_engine import decode_step_times  # bench/ is on the path when a script of it runs
+from bench_engine import decode_step_times, report  # bench/ is on the path when a script of it runs
 
 
 def timed(table: dict, key: str, fn, wait: bool = False):
@@ -102,10 +102,7 @@ def main() -> None:
         },
         "decode": {str(b): breakdown(engine, b, args.steps) for b in batches},
     }
-    print(json.dumps(result, indent=2))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    report(result, args.json)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from bench_engine import decode_step_times, report  # bench/ is on the path when a script of it runs
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
@@ -36,11 +38,8 @@ def _timed(fn, *args) -> float:
 
 
 def worker(tree: Path, batches: list[int], contexts: list[int], steps: int) -> dict:
-    sys.path.insert(0, str(tree))
-    sys.path.insert(1, str(HERE))
+    sys.path.insert(0, str(tree))  # `engine` from the tree measured (bench_engine imports it when called)
     import time
-
-    from bench_engine import decode_step_times
 
     from engine.config import EngineConfig
     from engine.engine import LLMEngine
@@ -133,9 +132,7 @@ def main() -> None:
             },
         },
     }
-    print(json.dumps(result, indent=2))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+    report(result, args.json)
 
 
 if __name__ == "__main__":

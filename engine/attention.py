@@ -128,23 +128,20 @@ def ragged_paged_attention_reference(
         pos = j * decode_tile + jnp.arange(decode_tile)
         return _merge(acc, _attend(q_single, k, v, pos < single_past[:, None, None, None]))
 
-    def singles(state):
-        num_tiles = -(-jnp.max(single_past) // decode_tile)
-        m, s, o = jax.lax.fori_loop(0, num_tiles, single_tile, _empty((num_seqs, kvh, g), d, dtype))
-        m_t, s_t, o_t = state  # merged in place at the decode tokens
-        at = (slice(None), slice(None), first)
-        merged = _merge(
-            (m_t[at], s_t[at], o_t[at]), (m.transpose(1, 2, 0), s.transpose(1, 2, 0), o.transpose(1, 2, 0, 3))
-        )
-        return tuple(x.at[at].set(y, mode="drop") for x, y in zip(state, merged, strict=True))
-
-    state = singles(state)
+    num_tiles = -(-jnp.max(single_past) // decode_tile)
+    m, s, o = jax.lax.fori_loop(0, num_tiles, single_tile, _empty((num_seqs, kvh, g), d, dtype))
+    at = (slice(None), slice(None), first)  # merged in place at the decode tokens
+    merged = _merge(
+        tuple(x[at] for x in state), (m.transpose(1, 2, 0), s.transpose(1, 2, 0), o.transpose(1, 2, 0, 3))
+    )
+    state = tuple(x.at[at].set(y, mode="drop") for x, y in zip(state, merged, strict=True))
 
     # multi-token sequences (prefill chunks after a head in the cache) over their past, Q_WINDOW
     # queries at a time: window i belongs to the sequence whose running count of windows passes i
     windows = jnp.where((q_lens > 1) & (past > 0), -(-q_lens // Q_WINDOW), 0)
     ends = jnp.cumsum(windows)
     pad = ((0, 0), (0, 0), (0, Q_WINDOW))  # a window starting near the end stays in bounds
+    q_pad = jnp.pad(q, (*pad, (0, 0)))
 
     def window(i, state):
         s = jnp.searchsorted(ends, i, side="right")
@@ -174,7 +171,6 @@ def ragged_paged_attention_reference(
         state = tuple(jnp.pad(x, pad + ((0, 0),) * (x.ndim - 3)) for x in state)
         return tuple(x[:, :, :t] for x in jax.lax.fori_loop(0, ends[-1], window, state))
 
-    q_pad = jnp.pad(q, (*pad, (0, 0)))
     if t > 1:  # a step of one token holds no chunk: not even the branch is compiled
         state = jax.lax.cond(ends[-1] > 0, chunks, lambda state: state, state)
     m, s, o = state

@@ -204,6 +204,7 @@ def sample(logits: jax.Array, s: SamplingBatch, *, num_logprobs: int) -> SampleR
             jnp.zeros((batch, num_logprobs), jnp.float32),
         )
 
-    wanted = jnp.any(s.logprobs) if num_logprobs else False
-    chosen, top_ids, top_logprobs = jax.lax.cond(wanted, logprobs, none, raw) if num_logprobs else none(raw)
+    chosen, top_ids, top_logprobs = (
+        jax.lax.cond(jnp.any(s.logprobs), logprobs, none, raw) if num_logprobs else none(raw)
+    )
     return SampleResult(tokens, chosen, top_ids, top_logprobs)
