@@ -20,6 +20,7 @@ from engine.kv_connector import KVConnector
 from engine.kv_events import KVEvent
 from engine.lora import AdapterRegistry, LoraSlots
 from engine.models import LoadedModel, load_model
+from engine.multihost import Publish
 from engine.output import OutputStream, RequestOutput
 from engine.request import Request, Status, TokenLogprobs
 from engine.runner import ModelRunner, SampleRow
@@ -151,13 +152,9 @@ class LLMEngine:
         for row in scheduled.rows:
             request = self.scheduler.requests.get(row.request_id)
             if not row.samples and request is not None and request.status is Status.RUNNING:
-                self.kv_connector.save_kv(
-                    self.runner.cache, request, self.scheduler.block_ids(request.request_id)
-                )
+                self.kv_connector.save_kv(self.runner, request, self.scheduler.block_ids(request.request_id))
         for request in list(self.scheduler.sending):
-            self.kv_connector.send_kv(
-                self.runner.cache, request, self.scheduler.block_ids(request.request_id)
-            )
+            self.kv_connector.send_kv(self.runner, request, self.scheduler.block_ids(request.request_id))
             self.scheduler.finish_sending(request.request_id)
         return outputs
 
@@ -192,6 +189,14 @@ class LLMEngine:
         if output.finished:
             del self._streams[request.request_id]
         return output
+
+    # ---- one engine over several processes (engine.multihost) -----------------------------------------
+    def publish_device_ops(self, publish: Publish) -> None:
+        """The leader of a multi-process engine: from now on every device operation (steps, sampling, KV
+        reads and writes, adapter loads) goes to `publish` before it runs, for the other processes."""
+        self.runner.publish = publish
+        if self.lora_slots is not None:
+            self.lora_slots.publish = publish
 
     # ---- what the prefix cache gains and loses (engine.kv_events) --------------------------------------
     def record_kv_events(self) -> None:
@@ -230,7 +235,7 @@ class LLMEngine:
         if request is None or request.status is not Status.WAITING_FOR_REMOTE_KV:
             return False
         blocks = self.scheduler.block_ids(request_id)[first_block:]
-        self.runner.cache = self.kv_connector.load_kv(self.runner.cache, blocks, chunk)
+        self.kv_connector.load_kv(self.runner, blocks, chunk)
         return True
 
     def remote_kv_failed(self, request_id: str) -> None:

@@ -19,6 +19,11 @@ def cache_sharding(mesh: Mesh) -> NamedSharding:
     return named(mesh, "layers", "blocks", "block_slots", "kv_heads", "head_dim")
 
 
+def chunk_sharding(mesh: Mesh) -> NamedSharding:
+    """A KV chunk [layers, tokens, 2 * kv_heads, head_dim] on the mesh, sharded like the cache."""
+    return named(mesh, "layers", "tokens", "kv_heads", "head_dim")
+
+
 def cache_shape(model: ModelConfig, engine: EngineConfig) -> tuple[int, ...]:
     kv_heads = model.padded_num_kv_heads(engine.tp)
     return (model.num_layers, engine.num_blocks, engine.block_size, 2 * kv_heads, model.head_dim)

@@ -1,7 +1,9 @@
 """KV connectors: how a request's KV enters or leaves an engine other than by its own steps.
 
 In the spirit of vLLM's KV connector, a connector has a scheduler side (called by engine.scheduler while
-it admits and finishes requests) and a worker side (called on the engine thread with the device cache):
+it admits and finishes requests) and a worker side (called on the engine thread with the engine's
+engine.runner.ModelRunner, which owns the device cache and, in a multi-process engine, has every process
+replay its reads and writes):
 
   scheduler side
     num_external_tokens(request, num_cached_tokens)   prompt tokens whose KV arrives from elsewhere, after
@@ -10,10 +12,10 @@ it admits and finishes requests) and a worker side (called on the engine thread 
                                    now (cached prefix first): a transfer may start
     request_finished(request)      True: keep the finished request's blocks until its KV is sent
   worker side
-    save_kv(cache, request, block_ids)   prefill role: a step computed part of a request's prompt (more
+    save_kv(runner, request, block_ids)  prefill role: a step computed part of a request's prompt (more
                                    to come): hand the KV now complete to a sender
-    send_kv(cache, request, block_ids)   prefill role: the request finished: hand over the rest
-    load_kv(cache, block_ids, chunk)     decode role: write an arriving chunk into a request's blocks
+    send_kv(runner, request, block_ids)  prefill role: the request finished: hand over the rest
+    load_kv(runner, block_ids, chunk)    decode role: write an arriving chunk into a request's blocks
 
 Implementations: `KVConnector` (none: colocated), `PrefillConnector` (prompts' KV is gathered for the
 sender as the prefill chunks compute it: the prefill-server's gRPC stream, or `pdserve serve`'s
@@ -53,13 +55,13 @@ class KVConnector:
         """Whatever the connector keeps for the request is dropped (it ended, or its caller gave up)."""
         return None
 
-    def save_kv(self, cache, request: Request, block_ids: Sequence[int]) -> None:
+    def save_kv(self, runner, request: Request, block_ids: Sequence[int]) -> None:
         return None
 
-    def send_kv(self, cache, request: Request, block_ids: Sequence[int]) -> None:
+    def send_kv(self, runner, request: Request, block_ids: Sequence[int]) -> None:
         return None
 
-    def load_kv(self, cache, block_ids: Sequence[int], chunk: KVChunk):
+    def load_kv(self, runner, block_ids: Sequence[int], chunk: KVChunk) -> None:
         raise NotImplementedError(f"{type(self).__name__} receives no KV")
 
 
@@ -104,16 +106,16 @@ class PrefillConnector(KVConnector):
     def request_finished(self, request: Request) -> bool:
         return request.request_id in self._outgoing
 
-    def save_kv(self, cache, request: Request, block_ids: Sequence[int]) -> None:
+    def save_kv(self, runner, request: Request, block_ids: Sequence[int]) -> None:
         out = self._outgoing.get(request.request_id)
         if out is not None:
-            self._send(cache, request, block_ids, out, request.num_computed, last=False)
+            self._send(runner, request, block_ids, out, request.num_computed, last=False)
 
-    def send_kv(self, cache, request: Request, block_ids: Sequence[int]) -> None:
+    def send_kv(self, runner, request: Request, block_ids: Sequence[int]) -> None:
         out = self._outgoing.pop(request.request_id)
-        self._send(cache, request, block_ids, out, len(request.prompt_ids), last=True)
+        self._send(runner, request, block_ids, out, len(request.prompt_ids), last=True)
 
-    def _send(self, cache, request: Request, block_ids, out: _Outgoing, computed: int, last: bool) -> None:
+    def _send(self, runner, request: Request, block_ids, out: _Outgoing, computed: int, last: bool) -> None:
         bs = self.layout.block_size
         num_tokens = len(request.prompt_ids) - out.first_block * bs
         if not out.plan:
@@ -124,8 +126,7 @@ class PrefillConnector(KVConnector):
         ready, out.sent = out.plan[out.sent : done], done
         chunks = []
         if ready:
-            chunks = kvtransfer.gather_request(
-                cache,
+            chunks = runner.gather_kv(
                 self.layout,
                 list(block_ids[out.first_block :]),
                 num_tokens,
@@ -173,7 +174,7 @@ class DecodeConnector(KVConnector):
         if on_ready is not None:
             on_ready(num_external_tokens)
 
-    def load_kv(self, cache, block_ids: Sequence[int], chunk: KVChunk):
-        """Writes one verified chunk (on this engine's mesh and layout) into a request's blocks; returns
-        the cache (the argument is donated)."""
-        return kvtransfer.insert(cache, chunk, block_ids)
+    def load_kv(self, runner, block_ids: Sequence[int], chunk: KVChunk) -> None:
+        """Writes one verified chunk (in this engine's layout: on its mesh, or a host array) into a
+        request's blocks."""
+        runner.insert_kv(chunk, block_ids)

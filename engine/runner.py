@@ -10,21 +10,27 @@ import dataclasses
 import functools
 import itertools
 import logging
+from collections.abc import Sequence
 
 import jax
 import numpy as np
 from jax.sharding import Mesh
 
+import kvtransfer
+from engine import kv_cache, multihost
 from engine.attention import KV_TILE_BLOCKS
 from engine.config import EngineConfig, ModelConfig, bucket_for
 from engine.kv_cache import allocate_cache
 from engine.lora import LoraSlots, LoraWeights
 from engine.model import forward_step
+from engine.multihost import DeviceOp, Publish
 from engine.sampler import SampleResult, SamplingBatch, sample
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Row
 from engine.sharding import named
 from engine.weights import Weights
+from kvtransfer import HeadMap, KVChunk, KVLayout
+from kvtransfer.plan import FramePlan
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +66,10 @@ class ModelRunner:
         self.lora = lora  # resident adapters; None: LoRA off (max_loras == 0)
         self.cache = allocate_cache(model, config, mesh)
         self._step = functools.partial(_jitted_step, cfg=model)
+        self._replicated = jax.jit(lambda x: x, out_shardings=named(mesh))
+        # The leader of a multi-process engine hands each device operation here before running it
+        # (engine.multihost); None: single process, or a follower.
+        self.publish: Publish | None = None
 
     # ---- shapes ----------------------------------------------------------------------------------------
     def step_shapes(self) -> list[tuple[int, int]]:
@@ -100,6 +110,19 @@ class ModelRunner:
             block_tables[i, :num_blocks] = row.block_ids[:num_blocks]
             lora_slots[i] = row.lora_slot
             start += n
+        return self.run_step(tokens, cu_q_lens, kv_lens, block_tables, lora_slots)
+
+    def run_step(self, tokens, cu_q_lens, kv_lens, block_tables, lora_slots) -> jax.Array:
+        """The compiled step on padded host arrays (see forward); published first (engine.multihost)."""
+        if self.publish is not None:
+            arrays = dict(
+                tokens=tokens,
+                cu_q_lens=cu_q_lens,
+                kv_lens=kv_lens,
+                block_tables=block_tables,
+                lora_slots=lora_slots,
+            )
+            self.publish(DeviceOp("step", arrays))
         logits, self.cache = self._step(
             self.weights, self.lora_weights, self.cache, tokens, cu_q_lens, kv_lens, block_tables, lora_slots
         )
@@ -125,12 +148,59 @@ class ModelRunner:
             logits.shape[0],
             self.model.vocab_size,
         )
-        result = sample(logits, batch, num_logprobs=self.config.max_logprobs)
-        result = jax.device_get(result)
+        result = jax.device_get(self.run_sample(logits, batch))
         n = len(rows)
         return SampleResult(
             result.tokens[:n], result.logprob[:n], result.top_ids[:n], result.top_logprobs[:n]
         )
+
+    def run_sample(self, logits: jax.Array, batch: SamplingBatch) -> SampleResult:
+        """The compiled sampler (results on device, replicated); published first (engine.multihost)."""
+        if self.publish is not None:
+            self.publish(multihost.sample_op(batch))
+        return sample(logits, batch, num_logprobs=self.config.max_logprobs)
+
+    # ---- KV in and out (engine.kv_connector) ----------------------------------------------------------
+    def gather_kv(
+        self,
+        layout: KVLayout,
+        block_ids: Sequence[int],
+        num_tokens: int,
+        *,
+        max_frame_bytes: int,
+        head_map: HeadMap | None,
+        frames: Sequence[FramePlan],
+    ) -> list[KVChunk]:
+        """kvtransfer.gather_request of these frames from the cache; in a multi-process job the chunks are
+        replicated on every process (an all-gather over the hosts), so the leader reads them locally."""
+        if self.publish is not None:
+            self.publish(multihost.gather_op(block_ids, num_tokens, max_frame_bytes, head_map, frames))
+        chunks = kvtransfer.gather_request(
+            self.cache,
+            layout,
+            block_ids,
+            num_tokens,
+            max_frame_bytes=max_frame_bytes,
+            head_map=head_map,
+            frames=frames,
+        )
+        if multihost.is_multi_process():
+            chunks = [dataclasses.replace(c, data=self._replicated(c.data)) for c in chunks]
+            jax.block_until_ready([c.data for c in chunks])  # no collective may overlap the next step's
+        return chunks
+
+    def insert_kv(self, chunk: KVChunk, block_ids: Sequence[int]) -> None:
+        """Writes an arriving chunk (heads in this cache's layout; on the mesh already, or a host array put
+        on it here) into a request's blocks. A multi-process engine takes host arrays only (every process
+        puts its own shards)."""
+        if isinstance(chunk.data, np.ndarray):
+            if self.publish is not None:
+                self.publish(multihost.insert_op(chunk, block_ids))
+            data = jax.device_put(chunk.data, kv_cache.chunk_sharding(self.mesh))
+            chunk = dataclasses.replace(chunk, data=data)
+        elif self.publish is not None:
+            raise ValueError("a multi-process engine inserts host chunks only")
+        self.cache = kvtransfer.insert(self.cache, chunk, block_ids)
 
     # ---- compilation ----------------------------------------------------------------------------------
     def warmup(self, progress: bool = True) -> int:

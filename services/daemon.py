@@ -6,6 +6,7 @@ import argparse
 import os
 
 from engine.args import add_engine_args, configure_jax, engine_config, load_adapters
+from engine.distributed import ProcessGroup, add_distributed_args, join, process_group
 
 
 def use_cpu_devices(count: int) -> None:
@@ -44,6 +45,7 @@ def prepare_process(args: argparse.Namespace, num_cpu_devices: int) -> None:
 
 def common_args(parser: argparse.ArgumentParser) -> None:
     add_engine_args(parser)
+    add_distributed_args(parser)
     parser.add_argument("--port", type=int, required=True, help="0: pick a free port (printed)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--cpu-devices", type=int, default=0, help="fake CPU devices (CPU-only hosts)")
@@ -110,14 +112,41 @@ def kv_events_config(args: argparse.Namespace):
     return KVEventsConfig(args.kv_events_port, args.kv_events_replay_port, args.kv_events_pod)
 
 
-def build_engine(args: argparse.Namespace, devices=None):
-    """The engine of a daemon, compiled (unless --no-warmup), with the --lora adapters loaded."""
+def resolve_group(args: argparse.Namespace) -> ProcessGroup | None:
+    """The multi-process job of this daemon (flags, else LeaderWorkerSet's env), None: one process."""
+    try:
+        return process_group(args)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from e
+
+
+def devices_per_process(args: argparse.Namespace, group: ProcessGroup | None) -> int:
+    """Fake CPU devices this process exposes: --cpu-devices, else its share of --tp (--tp is global)."""
+    if group is None:
+        return max(args.cpu_devices, args.tp)
+    return args.cpu_devices or -(-args.tp // group.num_processes)
+
+
+def build_engine(args: argparse.Namespace, group: ProcessGroup | None = None):
+    """-> (engine, services.group.Leader or None): the daemon's engine, compiled (unless --no-warmup),
+    with the --lora adapters loaded. In a multi-process group the processes join one JAX job first; a
+    worker then follows the leader's device operations here and exits when the leader stops; the leader
+    returns once every worker follows."""
     from engine.engine import LLMEngine
 
+    join(group)
     configure_jax()
-    engine = LLMEngine.from_model(args.model, engine_config(args), devices, warmup=not args.no_warmup)
+    engine = LLMEngine.from_model(args.model, engine_config(args), warmup=not args.no_warmup)
+    leader = None
+    if group is not None:
+        from services.group import follow, lead
+        from services.kv import engine_layout
+
+        if not group.is_leader:
+            raise SystemExit(follow(engine, engine_layout(engine), group))
+        leader = lead(engine, group, args.host)
     load_adapters(engine, args.lora)
-    return engine
+    return engine, leader
 
 
 def prefill_main(argv: list[str] | None = None, service_class=None) -> int:
@@ -133,23 +162,32 @@ def prefill_main(argv: list[str] | None = None, service_class=None) -> int:
     args = parser.parse_args(argv)
     allowed = [n for n in args.allowed_peer_names.split(",") if n]
     security = server_security(args, allowed)
-    prepare_process(args, max(args.cpu_devices, args.tp))
+    group = resolve_group(args)
+    prepare_process(args, devices_per_process(args, group))
+    from services.group import supervised
     from services.grpc_server import run_until_signal
     from services.prefill.server import PrefillService, serve
 
-    service = (service_class or PrefillService).for_engine(build_engine(args))
+    engine, leader = build_engine(args, group)
+    service = (service_class or PrefillService).for_engine(engine)
     run_until_signal(
-        lambda stop: serve(
-            service,
-            args.port,
+        lambda stop: supervised(
+            leader,
             stop,
-            host=args.host,
-            security=security,
-            metrics_port=args.metrics_port,
-            lora_root=args.lora_root,
-            kv_events=kv_events_config(args),
+            serve(
+                service,
+                args.port,
+                stop,
+                host=args.host,
+                security=security,
+                metrics_port=args.metrics_port,
+                lora_root=args.lora_root,
+                kv_events=kv_events_config(args),
+            ),
         )
     )
+    if leader is not None:
+        leader.stop()
     return 0
 
 
@@ -224,7 +262,8 @@ def decode_main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     security = server_security(args)
     prefill_security = prefill_channel_security(args)
-    prepare_process(args, max(args.cpu_devices, args.tp))
+    group = resolve_group(args)
+    prepare_process(args, devices_per_process(args, group))
     from services.decode.core import GenerationCore
     from services.decode.prefill_pool import Routing
 
@@ -233,7 +272,7 @@ def decode_main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         raise SystemExit(f"error: {e}") from e
 
-    engine = build_engine(args)
+    engine, leader = build_engine(args, group)
     targets = None if args.prefill == "local" else [t for t in args.prefill.split(",") if t]
     core = GenerationCore.for_engine(
         engine,
@@ -242,26 +281,34 @@ def decode_main(argv: list[str] | None = None) -> int:
         prefill_security=prefill_security,
         routing=routing,
     )
-    run_decode_server(core, args, security)
+    run_decode_server(core, args, security, leader)
+    if leader is not None:
+        leader.stop()
     return 0
 
 
-def run_decode_server(core, args: argparse.Namespace, security) -> None:
-    """Serves a GenerationCore with the flags' ports, TLS and adapter root until SIGTERM."""
+def run_decode_server(core, args: argparse.Namespace, security, leader=None) -> None:
+    """Serves a GenerationCore with the flags' ports, TLS and adapter root until SIGTERM (`leader`: the
+    services.group.Leader of a multi-process engine, whose broken group ends the process)."""
     from services.decode.server import serve
+    from services.group import supervised
     from services.grpc_server import run_until_signal
 
     run_until_signal(
-        lambda stop: serve(
-            core,
-            args.port,
+        lambda stop: supervised(
+            leader,
             stop,
-            host=args.host,
-            security=security,
-            metrics_port=args.metrics_port,
-            http_port=args.http_port,
-            lora_root=args.lora_root,
-            kv_events=kv_events_config(args),
+            serve(
+                core,
+                args.port,
+                stop,
+                host=args.host,
+                security=security,
+                metrics_port=args.metrics_port,
+                http_port=args.http_port,
+                lora_root=args.lora_root,
+                kv_events=kv_events_config(args),
+            ),
         )
     )
 

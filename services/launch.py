@@ -7,6 +7,7 @@ import asyncio
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -44,6 +45,7 @@ class Daemon:
         timeout: float = 240.0,
         cpus: str | None = None,
         entry: str = "pdserve.cli:run_cli",  # module:function taking sys.argv[1:]
+        wait_ready: bool = True,  # False: a worker of a process group (it serves no port)
     ):
         module, function = entry.split(":")
         env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
@@ -66,7 +68,9 @@ class Daemon:
             text=True,
             env=env,
         )
-        self.address = self._wait_ready(timeout)
+        self.address = self._wait_ready(timeout) if wait_ready else None
+        if not wait_ready:
+            threading.Thread(target=self._drain, daemon=True).start()
 
     def _wait_ready(self, timeout: float) -> str:
         self.addresses: dict[str, str] = {}  # "metrics" / "http" -> host:port, when the daemon serves them
@@ -129,17 +133,61 @@ def prefill_server(
     extra=(),
     engine_args=ENGINE_ARGS,
     cpus: str | None = None,
+    wait_ready: bool = True,
 ) -> Daemon:
     argv = ["prefill-server", "--model", str(gguf), "--port", "0", "--no-warmup", *EPHEMERAL_KV_EVENTS]
     argv += [*engine_args, *extra]
-    return Daemon(argv, name, log_dir, cpus=cpus)
+    return Daemon(argv, name, log_dir, cpus=cpus, wait_ready=wait_ready)
 
 
 def decode_server(
-    gguf: Path, prefill: str, log_dir: Path, name="decode", extra=(), engine_args=ENGINE_ARGS, cpus=None
+    gguf: Path,
+    prefill: str,
+    log_dir: Path,
+    name="decode",
+    extra=(),
+    engine_args=ENGINE_ARGS,
+    cpus=None,
+    wait_ready: bool = True,
 ) -> Daemon:
     argv = ["decode-server", "--model", str(gguf), "--port", "0", "--no-warmup", "--prefill", prefill]
-    return Daemon([*argv, *EPHEMERAL_KV_EVENTS, *engine_args, *extra], name, log_dir, cpus=cpus)
+    return Daemon(
+        [*argv, *EPHEMERAL_KV_EVENTS, *engine_args, *extra], name, log_dir, cpus=cpus, wait_ready=wait_ready
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def process_group_flags(num_processes: int) -> list[list[str]]:
+    """The flags of each process of one daemon spanning `num_processes` processes on this host (free
+    loopback ports for the JAX coordinator and the group port); index 0 is the leader's."""
+    coordinator, group_port = free_port(), free_port()
+    return [
+        [
+            "--coordinator-address",
+            f"127.0.0.1:{coordinator}",
+            "--num-processes",
+            str(num_processes),
+            "--process-id",
+            str(i),
+            "--group-port",
+            str(group_port),
+        ]
+        for i in range(num_processes)
+    ]
+
+
+def daemon_group(start, num_processes: int, extra=()) -> list[Daemon]:
+    """One daemon over `num_processes` processes: `start(name_suffix, extra, wait_ready)` starts one
+    (prefill_server or decode_server with its other arguments bound); the workers first, then the leader
+    (ready once every worker follows). Returns [leader, workers...]."""
+    flags = process_group_flags(num_processes)
+    workers = [start(f"-w{i}", [*extra, *flags[i]], False) for i in range(1, num_processes)]
+    return [start("", [*extra, *flags[0]], True), *workers]
 
 
 def serve_daemon(

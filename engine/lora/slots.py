@@ -24,6 +24,7 @@ from jax.sharding import Mesh
 
 from engine.config import ModelConfig
 from engine.lora.adapter import LoraAdapter
+from engine.multihost import DeviceOp, Publish
 from engine.sharding import named
 from engine.weights import pad_heads
 
@@ -137,6 +138,7 @@ class LoraSlots:
         )  # key -> slot, LRU first
         self._pins: collections.Counter[str] = collections.Counter()
         self.num_loads = 0  # adapters written into a slot since start
+        self.publish: Publish | None = None  # the leader of a multi-process engine (engine.multihost)
 
     @property
     def resident(self) -> list[str]:
@@ -179,15 +181,16 @@ class LoraSlots:
         if slot is not None:
             shapes = slot_shapes(self.cfg, self.max_rank, self.tp)  # one layer's
             layers = self.cfg.num_layers
-            self._write(
-                {name: np.zeros((layers, *shape), np.float32) for name, shape in shapes.items()}, slot
-            )
+            self.write({name: np.zeros((layers, *shape), np.float32) for name, shape in shapes.items()}, slot)
 
     def _load(self, adapter: LoraAdapter, slot: int) -> None:
-        self._write(slot_arrays(adapter, self.cfg, self.max_rank, self.tp), slot)
+        self.write(slot_arrays(adapter, self.cfg, self.max_rank, self.tp), slot)
         self.num_loads += 1
 
-    def _write(self, host: dict[str, np.ndarray], slot: int) -> None:
+    def write(self, host: dict[str, np.ndarray], slot: int) -> None:
+        """Writes an adapter's host arrays (slot_arrays) into `slot`; published first (engine.multihost)."""
+        if self.publish is not None:
+            self.publish(DeviceOp("lora_write", host, {"slot": slot}))
         values = {
             name: jax.device_put(x.astype(self.dtype), _sharding(self.mesh, name, with_slots=False))
             for name, x in host.items()

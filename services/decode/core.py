@@ -22,6 +22,7 @@ import grpc
 from engine.engine import LLMEngine
 from engine.kv_cache_manager import hash_blocks
 from engine.kv_connector import DecodeConnector
+from engine.multihost import is_multi_process
 from engine.output import RequestOutput
 from engine.request import Request
 from engine.sampling_params import InvalidRequestError
@@ -82,7 +83,9 @@ class GenerationCore:
         self.counters = counters or Counters()
         self.metrics = Metrics("decode", loop, self.counters)
         self.layout = engine_layout(self.engine)
-        self.sharding = chunk_sharding(self.engine.mesh, self.layout)
+        # KV arriving from prefill servers: put on this mesh as it arrives, or, in a multi-process engine,
+        # kept on the host until its insert (every process puts its own shards: engine.multihost)
+        self.sharding = None if is_multi_process() else chunk_sharding(self.engine.mesh, self.layout)
         self.draining = False
 
     @classmethod

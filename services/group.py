@@ -1,0 +1,254 @@
+"""The process group of a multi-host daemon: the leader streams its engine's device operations to workers.
+
+A prefill-server or decode-server spanning several hosts is one process per host, joined in one JAX job
+(engine.distributed) with one global mesh. Process 0, the leader, runs the gRPC servers, the scheduler and
+the tokenizer. Every device operation of its engine (engine.multihost: steps, sampling, KV reads and
+writes, adapter loads) is sent, before it runs, to each worker over a `ProcessGroup.Follow` stream on the
+leader's group port: a side channel beside JAX's coordination service, one message per operation, in
+order. Workers build the same engine, warm it up the same way, then apply each operation
+(engine.multihost.Follower) until the leader's `stop`.
+
+Why a gRPC stream rather than the JAX job's own collectives: an idle collective times out (gloo on CPU),
+the operations' sizes vary (a broadcast would need a size round and a compilation per size), and a stream's
+end tells each side at once that the other is gone (keepalive covers a vanished host).
+
+Failure (processes share fate; the LeaderWorkerSet recreates the whole group):
+  - a worker's stream ends before `stop`: the leader reports NOT_SERVING and exits with EXIT_GROUP_LOST,
+    without waiting for its engine (which may be blocked in a collective with the dead worker); its
+    in-flight Prefill streams break, and decode servers retry another replica or prefill locally;
+  - the leader's stream ends before `stop`: the worker exits with EXIT_GROUP_LOST;
+  - SIGTERM: the leader drains, then sends `stop`; workers ignore SIGTERM and follow the leader.
+The group port, like JAX's coordinator and gloo's ports, carries no authentication: it must be reachable
+from the group's own pods only (deploy/: NetworkPolicy).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import logging
+import os
+import queue
+import signal
+import threading
+from collections.abc import Awaitable
+
+import grpc
+import numpy as np
+
+from engine.distributed import ProcessGroup
+from engine.multihost import DeviceOp, Follower, engine_fingerprint
+from pdserve.v1 import group_pb2 as pb
+from services.grpc_server import channel_options, server_options
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "pdserve.v1.ProcessGroup"
+EXIT_GROUP_LOST = 3  # a process of the group is gone: the group must be recreated
+MAX_OP_BYTES = 1 << 30  # an operation's arrays (a KV chunk, an adapter) travel in one message
+LOST_GRACE_S = 1.0  # the leader's NOT_SERVING is visible this long before it exits
+
+
+# ---- DeviceOp <-> message ------------------------------------------------------------------------------
+def to_message(op: DeviceOp, seq: int) -> pb.DeviceOp:
+    arrays = [
+        pb.HostArray(name=name, dtype=a.dtype.name, shape=a.shape, data=np.ascontiguousarray(a).tobytes())
+        for name, a in op.arrays.items()
+    ]
+    return pb.DeviceOp(seq=seq, kind=op.kind, arrays=arrays, args_json=json.dumps(op.args))
+
+
+def from_message(message: pb.DeviceOp) -> DeviceOp:
+    arrays = {
+        a.name: np.frombuffer(a.data, np.dtype(a.dtype)).reshape(tuple(a.shape)) for a in message.arrays
+    }
+    return DeviceOp(message.kind, arrays, json.loads(message.args_json or "{}"))
+
+
+def keepalive_options() -> list[tuple[str, int]]:
+    return [("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000)]
+
+
+# ---- the leader ------------------------------------------------------------------------------------------
+class Leader:
+    """Process 0's side: serves Follow to the workers and publishes each device operation to all of them."""
+
+    def __init__(self, group: ProcessGroup, fingerprint: str, host: str):
+        self.group = group
+        self.fingerprint = fingerprint
+        self._cond = threading.Condition()
+        self._streams: dict[int, queue.Queue] = {}  # process id -> its stream's messages (None: the end)
+        self._seq = 0
+        self._stopping = False
+        self.lost = threading.Event()
+        self.lost_reason = ""
+        self._on_lost: list = []
+        workers = group.num_processes - 1
+        self._server = grpc.server(
+            concurrent.futures.ThreadPoolExecutor(max_workers=workers + 1, thread_name_prefix="group"),
+            options=server_options(MAX_OP_BYTES),
+        )
+        handler = grpc.method_handlers_generic_handler(
+            SERVICE_NAME,
+            {
+                "Follow": grpc.unary_stream_rpc_method_handler(
+                    self._follow,
+                    request_deserializer=pb.FollowRequest.FromString,
+                    response_serializer=pb.DeviceOp.SerializeToString,
+                )
+            },
+        )
+        self._server.add_generic_rpc_handlers((handler,))
+        self.port = self._server.add_insecure_port(f"{host}:{group.group_port}")
+        self._server.start()
+        log.info("process group: leader of %d processes, group port %d", group.num_processes, self.port)
+
+    def _follow(self, request: pb.FollowRequest, context: grpc.ServicerContext):
+        pid = request.process_id
+        if not 0 < pid < self.group.num_processes:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"process id {pid} is not a worker of this group")
+        if request.engine_fingerprint != self.fingerprint:
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"worker {pid}'s engine {request.engine_fingerprint} differs from the leader's "
+                f"{self.fingerprint} (model, engine flags, device count or JAX version)",
+            )
+        with self._cond:
+            if pid in self._streams or self._seq:
+                context.abort(
+                    grpc.StatusCode.ALREADY_EXISTS, f"worker {pid} already follows, or the group runs"
+                )
+            stream: queue.Queue = queue.Queue()
+            self._streams[pid] = stream
+            self._cond.notify_all()
+        context.add_callback(lambda: self._ended(pid))
+        log.info("process group: worker %d follows", pid)
+        while (message := stream.get()) is not None:
+            yield message
+
+    def _ended(self, pid: int) -> None:
+        with self._cond:
+            if self._stopping:
+                return
+            self.lost_reason = f"worker {pid}'s stream ended"
+            callbacks = list(self._on_lost)
+        log.error("process group: %s", self.lost_reason)
+        self.lost.set()
+        for callback in callbacks:
+            callback()
+
+    def on_lost(self, callback) -> None:
+        """`callback()` runs (on a gRPC thread) when a worker is gone; at once if one is already."""
+        with self._cond:
+            self._on_lost.append(callback)
+        if self.lost.is_set():
+            callback()
+
+    def wait_for_workers(self, timeout_s: float) -> None:
+        """Returns once every worker follows; RuntimeError after `timeout_s`."""
+        with self._cond:
+            ready = self._cond.wait_for(
+                lambda: len(self._streams) == self.group.num_processes - 1, timeout=timeout_s
+            )
+        if not ready:
+            missing = sorted(set(range(1, self.group.num_processes)) - set(self._streams))
+            raise RuntimeError(f"workers {missing} did not join within {timeout_s:.0f} s")
+
+    def publish(self, op: DeviceOp) -> None:
+        """Sends `op` to every worker (the engine thread, just before running it)."""
+        if self.lost.is_set():
+            raise RuntimeError(f"the process group is broken: {self.lost_reason}")
+        with self._cond:
+            message = to_message(op, self._seq)
+            self._seq += 1
+            for stream in self._streams.values():
+                stream.put(message)
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """After the engine stopped: sends `stop`, lets the workers read it, closes the port."""
+        with self._cond:
+            self._stopping = True
+        if not self.lost.is_set():
+            self.publish(DeviceOp("stop"))
+        for stream in self._streams.values():
+            stream.put(None)
+        self._server.stop(timeout_s).wait(timeout_s)
+
+
+async def supervised(leader: Leader | None, stop: asyncio.Event, serving: Awaitable[None]) -> None:
+    """Runs a daemon's `serving` coroutine; when a worker is gone: NOT_SERVING (`stop` starts the drain),
+    then the process exits with EXIT_GROUP_LOST (its engine may be blocked in a collective forever)."""
+    if leader is None:
+        await serving
+        return
+    loop = asyncio.get_running_loop()
+    lost = asyncio.Event()
+    leader.on_lost(lambda: loop.call_soon_threadsafe(lost.set))
+    serve_task = asyncio.ensure_future(serving)
+    lost_task = asyncio.ensure_future(lost.wait())
+    done, _ = await asyncio.wait({serve_task, lost_task}, return_when=asyncio.FIRST_COMPLETED)
+    if lost_task in done:
+        log.error("process group broken (%s): exiting for the group to be recreated", leader.lost_reason)
+        stop.set()
+        await asyncio.sleep(LOST_GRACE_S)
+        os._exit(EXIT_GROUP_LOST)
+    lost_task.cancel()
+    await serve_task
+
+
+def lead(engine, group: ProcessGroup, host: str, timeout_s: float = 600.0) -> Leader:
+    """Process 0, its engine warmed up: opens the group port, waits for every worker, then publishes each
+    of the engine's device operations (`engine`: an engine.engine.LLMEngine)."""
+    leader = Leader(group, engine_fingerprint(engine), host)
+    leader.wait_for_workers(timeout_s)
+    engine.publish_device_ops(leader.publish)
+    return leader
+
+
+# ---- a worker --------------------------------------------------------------------------------------------
+def follow(engine, layout, group: ProcessGroup) -> int:
+    """A worker process, its engine warmed up like the leader's: applies the leader's operations until
+    `stop` (returns 0); exits EXIT_GROUP_LOST at once when the leader's stream ends otherwise (its main
+    thread may be blocked in a collective with the dead leader)."""
+    signal.signal(signal.SIGTERM, lambda *_: log.info("SIGTERM: the leader stops this worker"))
+    follower = Follower(engine, layout)
+    channel = grpc.insecure_channel(
+        group.group_address, options=channel_options(MAX_OP_BYTES) + keepalive_options()
+    )
+    call = channel.unary_stream(
+        f"/{SERVICE_NAME}/Follow",
+        request_serializer=pb.FollowRequest.SerializeToString,
+        response_deserializer=pb.DeviceOp.FromString,
+    )(
+        pb.FollowRequest(process_id=group.process_id, engine_fingerprint=engine_fingerprint(engine)),
+        wait_for_ready=True,
+    )
+    ops: queue.Queue[DeviceOp] = queue.Queue()
+
+    def read() -> None:
+        expected = 0
+        try:
+            for message in call:
+                if message.seq != expected:
+                    raise RuntimeError(f"operation {message.seq} where {expected} was due")
+                expected += 1
+                op = from_message(message)
+                ops.put(op)
+                if op.kind == "stop":
+                    return
+            reason = "the leader's stream ended without `stop`"
+        except grpc.RpcError as e:
+            reason = f"the leader's stream failed: {e.code().name}: {e.details()}"
+        except Exception as e:  # noqa: BLE001 - any broken stream ends the worker
+            reason = f"bad operation stream: {e}"
+        log.error("process group: %s; exiting", reason)
+        os._exit(EXIT_GROUP_LOST)
+
+    threading.Thread(target=read, name="group-reader", daemon=True).start()
+    log.info("process group: worker %d follows %s", group.process_id, group.group_address)
+    while follower.apply(ops.get()):
+        pass
+    log.info("process group: the leader stopped; %d operations applied", follower.applied)
+    channel.close()
+    return 0
