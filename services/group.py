@@ -124,7 +124,13 @@ class Leader:
             self._cond.notify_all()
         context.add_callback(lambda: self._ended(pid))
         log.info("process group: worker %d follows", pid)
-        while (message := stream.get()) is not None:
+        while context.is_active():
+            try:
+                message = stream.get(timeout=1.0)
+            except queue.Empty:
+                continue
+            if message is None:
+                return
             yield message
 
     def _ended(self, pid: int) -> None:
@@ -209,10 +215,21 @@ def lead(engine, group: ProcessGroup, host: str, timeout_s: float = 600.0) -> Le
 # ---- a worker --------------------------------------------------------------------------------------------
 def follow(engine, layout, group: ProcessGroup) -> int:
     """A worker process, its engine warmed up like the leader's: applies the leader's operations until
-    `stop` (returns 0); exits EXIT_GROUP_LOST at once when the leader's stream ends otherwise (its main
-    thread may be blocked in a collective with the dead leader)."""
+    `stop`, then returns 0 (`engine`: an engine.engine.LLMEngine; `layout`: its KV layout)."""
     signal.signal(signal.SIGTERM, lambda *_: log.info("SIGTERM: the leader stops this worker"))
     follower = Follower(engine, layout)
+    ops = operations(group, engine_fingerprint(engine))
+    log.info("process group: worker %d follows %s", group.process_id, group.group_address)
+    while follower.apply(ops.get()):
+        pass
+    log.info("process group: the leader stopped; %d operations applied", follower.applied)
+    return 0
+
+
+def operations(group: ProcessGroup, fingerprint: str) -> queue.Queue[DeviceOp]:
+    """Follows the leader: its operations arrive in order in the returned queue, `stop` last. When the
+    stream ends otherwise (the leader is gone, or refused this worker) the process exits EXIT_GROUP_LOST
+    at once: its main thread may be blocked in a collective with the dead leader."""
     channel = grpc.insecure_channel(
         group.group_address, options=channel_options(MAX_OP_BYTES) + keepalive_options()
     )
@@ -220,10 +237,7 @@ def follow(engine, layout, group: ProcessGroup) -> int:
         f"/{SERVICE_NAME}/Follow",
         request_serializer=pb.FollowRequest.SerializeToString,
         response_deserializer=pb.DeviceOp.FromString,
-    )(
-        pb.FollowRequest(process_id=group.process_id, engine_fingerprint=engine_fingerprint(engine)),
-        wait_for_ready=True,
-    )
+    )(pb.FollowRequest(process_id=group.process_id, engine_fingerprint=fingerprint), wait_for_ready=True)
     ops: queue.Queue[DeviceOp] = queue.Queue()
 
     def read() -> None:
@@ -231,11 +245,12 @@ def follow(engine, layout, group: ProcessGroup) -> int:
         try:
             for message in call:
                 if message.seq != expected:
-                    raise RuntimeError(f"operation {message.seq} where {expected} was due")
+                    raise ValueError(f"operation {message.seq} where {expected} was due")
                 expected += 1
                 op = from_message(message)
                 ops.put(op)
                 if op.kind == "stop":
+                    channel.close()
                     return
             reason = "the leader's stream ended without `stop`"
         except grpc.RpcError as e:
@@ -246,9 +261,4 @@ def follow(engine, layout, group: ProcessGroup) -> int:
         os._exit(EXIT_GROUP_LOST)
 
     threading.Thread(target=read, name="group-reader", daemon=True).start()
-    log.info("process group: worker %d follows %s", group.process_id, group.group_address)
-    while follower.apply(ops.get()):
-        pass
-    log.info("process group: the leader stopped; %d operations applied", follower.applied)
-    channel.close()
-    return 0
+    return ops
