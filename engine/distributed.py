@@ -20,6 +20,22 @@ from collections.abc import Mapping
 
 DEFAULT_COORDINATOR_PORT = 8476
 DEFAULT_GROUP_PORT = 8477  # the leader's device operations to its workers (services/group.py)
+# what the LeaderWorkerSet controller sets in every pod of a group (the leader is worker 0)
+LWS_LEADER_ADDRESS, LWS_GROUP_SIZE, LWS_WORKER_INDEX = (
+    "LWS_LEADER_ADDRESS",
+    "LWS_GROUP_SIZE",
+    "LWS_WORKER_INDEX",
+)
+
+
+def lws_environ(leader_address: str, group_size: int, worker_index: int) -> dict[str, str]:
+    """The environment a LeaderWorkerSet gives worker `worker_index` of a group (tests start groups with
+    it, as Kubernetes does)."""
+    return {
+        LWS_LEADER_ADDRESS: leader_address,
+        LWS_GROUP_SIZE: str(group_size),
+        LWS_WORKER_INDEX: str(worker_index),
+    }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,12 +87,12 @@ def process_group(args: argparse.Namespace, environ: Mapping[str, str] = os.envi
         if any(value is None for value in flags):
             raise ValueError("--coordinator-address, --num-processes and --process-id go together")
         return ProcessGroup(args.coordinator_address, args.num_processes, args.process_id, args.group_port)
-    if "LWS_LEADER_ADDRESS" in environ and "LWS_GROUP_SIZE" in environ:
-        size = int(environ["LWS_GROUP_SIZE"])
+    if LWS_LEADER_ADDRESS in environ and LWS_GROUP_SIZE in environ:
+        size = int(environ[LWS_GROUP_SIZE])
         if size == 1:
             return None
-        address = f"{environ['LWS_LEADER_ADDRESS']}:{args.coordinator_port}"
-        return ProcessGroup(address, size, int(environ.get("LWS_WORKER_INDEX", "0")), args.group_port)
+        address = f"{environ[LWS_LEADER_ADDRESS]}:{args.coordinator_port}"
+        return ProcessGroup(address, size, int(environ.get(LWS_WORKER_INDEX, "0")), args.group_port)
     return None
 
 

@@ -149,9 +149,7 @@ def build_engine(args: argparse.Namespace, group: ProcessGroup | None = None):
     return engine, leader
 
 
-def prefill_main(argv: list[str] | None = None, service_class=None) -> int:
-    """`prefill-server ARGS`. `service_class`: a PrefillService subclass to serve instead (e.g. the
-    fault-injecting one of the tests)."""
+def prefill_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="prefill-server", description="pdserve prefill server")
     common_args(parser)
     parser.add_argument(
@@ -159,7 +157,13 @@ def prefill_main(argv: list[str] | None = None, service_class=None) -> int:
         default="decode",
         help="with --tls-client-ca: client certificate names (CN or SAN) allowed, comma-separated",
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def prefill_main(argv: list[str] | None = None, service_class=None) -> int:
+    """`prefill-server ARGS`. `service_class`: a PrefillService subclass to serve instead (e.g. the
+    fault-injecting one of the tests)."""
+    args = prefill_parser().parse_args(argv)
     allowed = [n for n in args.allowed_peer_names.split(",") if n]
     security = server_security(args, allowed)
     group = resolve_group(args)

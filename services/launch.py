@@ -46,9 +46,10 @@ class Daemon:
         cpus: str | None = None,
         entry: str = "pdserve.cli:run_cli",  # module:function taking sys.argv[1:]
         wait_ready: bool = True,  # False: a worker of a process group (it serves no port)
+        env: dict[str, str] | None = None,  # added to the environment
     ):
         module, function = entry.split(":")
-        env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1", **(env or {})}
         env.pop("XLA_FLAGS", None)  # daemons choose their CPU device count themselves (--cpu-devices)
         self.name = name
         self.killed = False  # SIGKILLed on purpose (a fault test)
@@ -134,10 +135,11 @@ def prefill_server(
     engine_args=ENGINE_ARGS,
     cpus: str | None = None,
     wait_ready: bool = True,
+    env: dict[str, str] | None = None,
 ) -> Daemon:
     argv = ["prefill-server", "--model", str(gguf), "--port", "0", "--no-warmup", *EPHEMERAL_KV_EVENTS]
     argv += [*engine_args, *extra]
-    return Daemon(argv, name, log_dir, cpus=cpus, wait_ready=wait_ready)
+    return Daemon(argv, name, log_dir, cpus=cpus, wait_ready=wait_ready, env=env)
 
 
 def decode_server(
@@ -149,10 +151,16 @@ def decode_server(
     engine_args=ENGINE_ARGS,
     cpus=None,
     wait_ready: bool = True,
+    env: dict[str, str] | None = None,
 ) -> Daemon:
     argv = ["decode-server", "--model", str(gguf), "--port", "0", "--no-warmup", "--prefill", prefill]
     return Daemon(
-        [*argv, *EPHEMERAL_KV_EVENTS, *engine_args, *extra], name, log_dir, cpus=cpus, wait_ready=wait_ready
+        [*argv, *EPHEMERAL_KV_EVENTS, *engine_args, *extra],
+        name,
+        log_dir,
+        cpus=cpus,
+        wait_ready=wait_ready,
+        env=env,
     )
 
 
@@ -162,43 +170,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def process_group_flags(num_processes: int) -> list[list[str]]:
-    """The flags of each process of one daemon spanning `num_processes` processes on this host (free
-    loopback ports for the JAX coordinator and the group port); index 0 is the leader's."""
-    coordinator, group_port = free_port(), free_port()
-    return [
-        [
-            "--coordinator-address",
-            f"127.0.0.1:{coordinator}",
-            "--num-processes",
-            str(num_processes),
-            "--process-id",
-            str(i),
-            "--group-port",
-            str(group_port),
-        ]
-        for i in range(num_processes)
-    ]
-
-
 def daemon_group(start, num_processes: int, extra=()) -> list[Daemon]:
-    """One daemon over `num_processes` processes: `start(name_suffix, extra, wait_ready)` starts one
-    (prefill_server or decode_server with its other arguments bound); the workers first, then the leader
-    (ready once every worker follows). Returns [leader, workers...]."""
-    flags = process_group_flags(num_processes)
-    workers = [start(f"-w{i}", [*extra, *flags[i]], False) for i in range(1, num_processes)]
-    return [start("", [*extra, *flags[0]], True), *workers]
+    """One daemon over `num_processes` processes of this host, started as a LeaderWorkerSet starts a group
+    (the same arguments everywhere, the group in LWS_* variables; free loopback ports for the coordinator
+    and the group port): `start(name_suffix, extra, wait_ready, env)` starts one (prefill_server or
+    decode_server with its other arguments bound). The workers first, then the leader (ready once every
+    worker follows). Returns [leader, workers...]."""
+    from engine.distributed import lws_environ
 
-
-def serve_daemon(
-    gguf: Path, log_dir: Path, decode_devices: str, name="serve", extra=(), engine_args=ENGINE_ARGS
-) -> Daemon:
-    """`pdserve serve`: prefill on device 0, decode on `decode_devices` (indices), fake CPU devices enough
-    for both."""
-    cpu_devices = max(int(d) for d in decode_devices.split(",")) + 1
-    argv = ["serve", "--model", str(gguf), "--port", "0", "--no-warmup", "--cpu-devices", str(cpu_devices)]
-    argv += ["--prefill-devices", "0", "--decode-devices", decode_devices, *EPHEMERAL_KV_EVENTS]
-    return Daemon([*argv, *engine_args, *extra], name, log_dir)
+    extra = [*extra, "--coordinator-port", str(free_port()), "--group-port", str(free_port())]
+    workers = [
+        start(f"-w{i}", extra, False, lws_environ("127.0.0.1", num_processes, i))
+        for i in range(1, num_processes)
+    ]
+    return [start("", extra, True, lws_environ("127.0.0.1", num_processes, 0)), *workers]
 
 
 class ServerThread:

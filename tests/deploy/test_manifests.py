@@ -359,3 +359,53 @@ def test_healthcheck_script_reports_serving_status():
     finally:
         server.stop(0)
     assert module.main([f"--port={port}", "--timeout=0.5"]) == 1  # nothing listening
+
+
+def expand(text: str, env: dict[str, str]) -> str:
+    """Kubernetes' $(VAR) expansion in args and env values."""
+    return re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], text)
+
+
+def test_multihost_pods_read_their_group_as_the_tests_start_it():
+    """Every pod of a LeaderWorkerSet group, given what the controller sets (engine.distributed.lws_environ,
+    which services.launch.daemon_group gives the test groups too), parses with prefill-server's own parser
+    to its place in the group: same command and arguments everywhere, --tp global, one process per host
+    with the host's chips, the coordinator on the leader's open ports, TPU_WORKER_HOSTNAMES listing the
+    group's pods leader first."""
+    from engine.distributed import DEFAULT_COORDINATOR_PORT, ProcessGroup, lws_environ, process_group
+    from services.daemon import devices_per_process, prefill_parser
+
+    docs = render("gke-tpu-multihost")
+    [lws] = [d for d in docs if (d["apiVersion"], d["kind"]) == LWS]
+    name, lwt = lws["metadata"]["name"], lws["spec"]["leaderWorkerTemplate"]
+    size = lwt["size"]
+    [leader], [worker] = (lwt[k]["spec"]["containers"] for k in ("leaderTemplate", "workerTemplate"))
+    assert (
+        (leader["command"], leader["args"])
+        == (worker["command"], worker["args"])
+        == (
+            ["prefill-server"],
+            leader["args"],
+        )
+    )
+    leader_host = f"{name}-0.{name}.ns"
+    pods = [leader_host] + [f"{name}-0-{i}.{name}.ns" for i in range(1, size)]
+    ports = {p["name"]: p["containerPort"] for p in leader["ports"]}
+    for index in range(size):
+        c = leader if index == 0 else worker
+        env = dict(one(docs, "ConfigMap", c["envFrom"][0]["configMapRef"]["name"])["data"])
+        env |= lws_environ(leader_host, size, index)
+        fields = {"metadata.namespace": "ns", "group-index": "0", "worker-index": str(index)}
+        for var in c["env"]:
+            if "valueFrom" in var:
+                path = var["valueFrom"]["fieldRef"]["fieldPath"]
+                env[var["name"]] = next(v for k, v in fields.items() if k in path)
+            else:
+                env[var["name"]] = expand(var["value"], env)
+        args = prefill_parser().parse_args([expand(a, env) for a in c["args"]])
+        group = process_group(args, env)
+        assert group == ProcessGroup(f"{leader_host}:{DEFAULT_COORDINATOR_PORT}", size, index), index
+        assert (ports["coordinator"], ports["group"]) == (DEFAULT_COORDINATOR_PORT, group.group_port)
+        assert args.tp == int(env["PDSERVE_TP"]) == size * devices_per_process(args, group)
+        assert devices_per_process(args, group) == int(c["resources"]["limits"]["google.com/tpu"])
+        assert env["TPU_WORKER_HOSTNAMES"].split(",") == pods and env["TPU_WORKER_ID"] == str(index)

@@ -42,8 +42,9 @@ JOBS = [
 def prefill_group(gguf_path, log_dir):
     """A prefill-server over 2 processes x 4 fake CPU devices: [leader, worker]."""
 
-    def start(suffix, extra, ready):
-        return prefill_server(gguf_path, log_dir, name=f"mp-prefill{suffix}", extra=extra, wait_ready=ready)
+    def start(suffix, extra, ready, env):
+        name = f"mp-prefill{suffix}"
+        return prefill_server(gguf_path, log_dir, name=name, extra=extra, wait_ready=ready, env=env)
 
     group = daemon_group(start, 2, ["--tp", "8", "--cpu-devices", "4"])
     yield group
@@ -78,11 +79,9 @@ def test_prefill_over_two_processes_to_decode_tp2(prefill_group, gguf_path, log_
 
 
 def test_decode_over_two_processes(prefill_group, gguf_path, log_dir, colocated):
-    def start(suffix, extra, ready):
-        prefill = prefill_group[0].address
-        return decode_server(
-            gguf_path, prefill, log_dir, name=f"mp-decode{suffix}", extra=extra, wait_ready=ready
-        )
+    def start(suffix, extra, ready, env):
+        prefill, name = prefill_group[0].address, f"mp-decode{suffix}"
+        return decode_server(gguf_path, prefill, log_dir, name=name, extra=extra, wait_ready=ready, env=env)
 
     group = daemon_group(start, 2, ["--tp", "2", "--no-fallback-local"])
     try:
