@@ -136,7 +136,13 @@ def build_engine(args: argparse.Namespace, group: ProcessGroup | None = None):
 
     join(group)
     configure_jax()
-    engine = LLMEngine.from_model(args.model, engine_config(args), warmup=not args.no_warmup)
+    config = engine_config(args)
+    if group is not None:
+        import jax
+
+        if config.tp != jax.device_count():
+            raise SystemExit(f"error: --tp {config.tp} must span the group's {jax.device_count()} devices")
+    engine = LLMEngine.from_model(args.model, config, warmup=not args.no_warmup)
     leader = None
     if group is not None:
         from services.group import follow, lead
@@ -324,6 +330,8 @@ def serve_main(args: argparse.Namespace) -> int:
     if set(prefill_devices) & set(decode_devices):
         raise SystemExit("--prefill-devices and --decode-devices must be disjoint")
     security = server_security(args)
+    if resolve_group(args) is not None:
+        raise SystemExit("error: pdserve serve runs in one process (no --num-processes, no LeaderWorkerSet)")
     prepare_process(args, max(args.cpu_devices, max(prefill_devices + decode_devices) + 1))
     import dataclasses
 

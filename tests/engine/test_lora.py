@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import jax
 import numpy as np
 import pytest
 
@@ -259,3 +260,47 @@ def test_prefix_cache_shares_blocks_only_within_an_adapter(lora_engine, make_eng
     assert [c.token_ids for _, c in runs] == [expected[name] for name, _ in runs]
     cached = [c.num_cached_tokens for _, c in runs]
     assert cached[1] > 0 and cached[2] == 0  # the same adapter reuses its blocks; another adapter does not
+
+
+def test_a_follower_replays_the_published_operations(lora_engine):
+    """A multi-process engine's worker state comes only from the leader's published operations: every
+    operation a workload publishes (steps, sampling, an adapter write, a KV gather and insert), through the
+    group's wire encoding, replayed by a Follower from the state before the workload, rebuilds the same KV
+    cache and adapter slots bit for bit. (One engine plays both processes: its state is put back first.)"""
+    from engine.multihost import Follower
+    from kvtransfer import KVChunk, plan_frames
+    from services.group import from_message, to_message
+    from services.kv import engine_layout
+
+    engine = lora_engine()
+    runner, slots, layout = engine.runner, engine.lora_slots, engine_layout(engine)
+    absent = next(
+        n for n in ("all8", "attn4", "mlp16") if not any(k.startswith(f"{n}@") for k in slots.resident)
+    )
+    before = np.asarray(runner.cache), jax.tree.map(np.asarray, slots.weights)
+    ops = []
+    engine.publish_device_ops(lambda op: ops.append(from_message(to_message(op, len(ops)))))
+    try:
+        prompts = [PROMPTS[0], "Summarize: " + "the quick brown fox jumps over the lazy dog " * 30]
+        sampled = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=6)
+        engine.generate(prompts, [GREEDY, sampled], lora=[absent, None])
+        kv = engine.scheduler.kv
+        assert kv.allocate("scratch", 96)  # 6 blocks: 40 tokens read from the first 3, written to the others
+        blocks = kv.block_ids("scratch")
+        frames = plan_frames(layout, 40, 64 << 20)
+        [chunk] = runner.gather_kv(
+            layout, blocks[:3], 40, max_frame_bytes=64 << 20, head_map=None, frames=frames
+        )
+        host = KVChunk(chunk.layer_start, chunk.token_start, chunk.num_tokens, np.asarray(chunk.data) + 1)
+        runner.insert_kv(host, blocks[3:])
+        kv.free("scratch")
+    finally:
+        engine.publish_device_ops(None)
+    after = np.asarray(runner.cache), jax.tree.map(np.asarray, slots.weights)
+    assert {op.kind for op in ops} == {"step", "sample", "lora_write", "gather_kv", "insert_kv"}
+    runner.cache = jax.device_put(before[0], runner.cache.sharding)
+    slots.weights = jax.tree.map(lambda a, d: jax.device_put(a, d.sharding), before[1], slots.weights)
+    follower = Follower(engine, layout)
+    assert all(follower.apply(op) for op in ops)
+    assert np.array_equal(np.asarray(runner.cache), after[0])
+    assert jax.tree.all(jax.tree.map(np.array_equal, jax.tree.map(np.asarray, slots.weights), after[1]))

@@ -1,0 +1,186 @@
+"""The cost of running one daemon over two processes: a decode-server (prefilling locally) at TP 8 on 8 fake
+CPU devices, as one process vs as a group of 2 processes x 4 devices (services/group.py: every device
+operation streamed from the leader to the worker, collectives over gloo between the processes), measured in
+one run with alternating rounds.
+
+    .venv/bin/python bench/bench_multihost.py [--rounds N] [--json OUT]
+
+Figures: TTFT of a 256-token prompt (median), decode tokens/s of 1 stream and of 8 concurrent streams (64
+tokens each), and their ratios (group / single process). Both daemons share this machine's cores.
+
+The group's ratio holds two costs: the operation stream and the cross-process collectives. To separate
+them, the same engine also runs without any daemon or stream: 1 process, and 2 processes that each call
+the same `generate` in lockstep (their collectives meet; no operation is sent): the stream's cost is the
+daemons' ratio over the lockstep engines' ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from bench_engine import report  # bench/ is on the path when a script of it runs
+
+from engine.distributed import add_distributed_args
+from engine.models import DEFAULT_MODEL, fetch
+from services.client import Client
+from services.launch import daemon_group, decode_server, free_port
+
+ENGINE_ARGS = ["--max-model-len", "1024", "--num-blocks", "256", "--max-num-seqs", "8", "--tp", "8"]
+PROMPT_TOKENS, DECODE_TOKENS = 256, 64
+
+
+def prompt(length: int, salt: int) -> list[int]:
+    """Random tokens; different salts share no prefix (nothing is served from the prefix cache)."""
+    return np.random.default_rng((length, salt)).integers(100, 40000, length).tolist()
+
+
+def ttft(client: Client, salt: int) -> float:
+    return client.generate(prompt(PROMPT_TOKENS, salt), max_tokens=1).ttft_s
+
+
+def decode_rate(client: Client, streams: int, salt: int) -> float:
+    """Tokens per second of `streams` concurrent requests decoding DECODE_TOKENS tokens each (after their
+    first token: prefill excluded)."""
+
+    def one(i: int) -> tuple[float, float, int]:
+        r = client.generate(prompt(16, salt * 100 + i), max_tokens=DECODE_TOKENS, ignore_eos=True)
+        return r.token_times_s[0], r.token_times_s[-1], len(r.token_ids) - 1
+
+    start = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(streams) as pool:
+        runs = list(pool.map(one, range(streams)))
+    wall = time.perf_counter() - start
+    decode_wall = wall - max(first for first, _, _ in runs)  # from the last first token on
+    return sum(n for _, _, n in runs) / max(decode_wall, 1e-9)
+
+
+FIGURES = ("ttft_s", "decode_b1_tok_s", "decode_b8_tok_s")
+
+
+def daemons_study(rounds: int) -> dict:
+    """Medians of FIGURES for a 1-process and a 2-process decode-server, alternating rounds."""
+    gguf = fetch(DEFAULT_MODEL, progress=False)
+    logs = Path(tempfile.mkdtemp(prefix="bench-multihost-"))
+    single = decode_server(
+        gguf, "local", logs, name="single", engine_args=[*ENGINE_ARGS, "--cpu-devices", "8"]
+    )
+
+    def start(suffix, extra, ready, env):
+        name = f"group{suffix}"
+        return decode_server(
+            gguf, "local", logs, name=name, engine_args=ENGINE_ARGS, extra=extra, wait_ready=ready, env=env
+        )
+
+    group = daemon_group(start, 2, ["--cpu-devices", "4"])
+    try:
+        clients = {"single process": Client(single.address), "2 processes": Client(group[0].address)}
+        for client in clients.values():  # compile every shape the rounds meet (the daemons start lazily)
+            ttft(client, 0)
+            decode_rate(client, 8, 0)
+            decode_rate(client, 1, 0)
+        figures = {k: {f: [] for f in FIGURES} for k in clients}
+        for r in range(1, rounds + 1):
+            for k, client in clients.items():  # alternating: both see the same drift of this machine
+                figures[k]["ttft_s"].append(ttft(client, r))
+                figures[k]["decode_b1_tok_s"].append(decode_rate(client, 1, r))
+                figures[k]["decode_b8_tok_s"].append(decode_rate(client, 8, r))
+            print(f"round {r} done", flush=True)
+        return {k: {f: statistics.median(v) for f, v in fs.items()} for k, fs in figures.items()}
+    finally:
+        for daemon in [*group, single]:
+            daemon.terminate()
+
+
+def lockstep_engine(args: argparse.Namespace) -> None:
+    """One process of the lockstep reference (--lockstep-process): joins the job, runs the same requests
+    as every other process of it, prints its medians of FIGURES as JSON."""
+    from engine.distributed import join, process_group
+
+    join(process_group(args))
+    from engine.config import EngineConfig
+    from engine.engine import LLMEngine
+    from engine.sampling_params import SamplingParams
+
+    config = EngineConfig(tp=8, max_model_len=1024, num_blocks=256, max_num_seqs=8)
+    engine = LLMEngine.from_model(None, config, warmup=False, progress=False)
+    decode = SamplingParams(max_tokens=DECODE_TOKENS, temperature=0, ignore_eos=True)
+
+    def run(salt: int) -> dict:
+        start = time.perf_counter()
+        engine.generate([prompt(PROMPT_TOKENS, salt)], SamplingParams(max_tokens=1))
+        figures = {"ttft_s": time.perf_counter() - start}
+        for streams in (1, 8):
+            prompts = [prompt(16, salt * 100 + i) for i in range(streams)]
+            engine.generate(prompts, SamplingParams(max_tokens=1))  # prefilled first: decode alone is timed
+            start = time.perf_counter()
+            engine.generate(prompts, decode)
+            figures[f"decode_b{streams}_tok_s"] = streams * DECODE_TOKENS / (time.perf_counter() - start)
+        return figures
+
+    run(0)
+    runs = [run(r) for r in range(1, args.rounds + 1)]
+    print(json.dumps({f: statistics.median(r[f] for r in runs) for f in FIGURES}), flush=True)
+
+
+def lockstep(num_processes: int, rounds: int) -> dict:
+    """The lockstep reference over `num_processes` processes x 8 / num_processes devices (process 0's)."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={8 // num_processes}"
+    argv = [sys.executable, __file__, "--lockstep-process", "--rounds", str(rounds)]
+    argv += ["--coordinator-address", f"127.0.0.1:{free_port()}", "--num-processes", str(num_processes)]
+    procs = [
+        subprocess.Popen([*argv, "--process-id", str(i)], stdout=subprocess.PIPE, text=True, env=env)
+        for i in range(num_processes)
+    ]
+    outs = [p.communicate()[0] for p in procs]
+    return json.loads(outs[0].strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--lockstep-process", action="store_true", help=argparse.SUPPRESS)
+    add_distributed_args(parser)
+    args = parser.parse_args()
+    if args.lockstep_process:
+        lockstep_engine(args)
+        return
+    daemons = daemons_study(args.rounds)
+    engines = {"single process": lockstep(1, args.rounds), "2 processes": lockstep(2, args.rounds)}
+
+    def ratio(figures: dict) -> dict:
+        return {f: figures["2 processes"][f] / figures["single process"][f] for f in FIGURES}
+
+    result = {
+        "config": {
+            "tp": 8,
+            "prompt_tokens": PROMPT_TOKENS,
+            "decode_tokens": DECODE_TOKENS,
+            "rounds": args.rounds,
+        },
+        "daemons": daemons,
+        "daemons_ratio_2proc_over_1proc": ratio(daemons),
+        "lockstep_engines": engines,
+        "lockstep_ratio_2proc_over_1proc": ratio(engines),
+        "stream_cost_daemons_ratio_over_lockstep_ratio": {
+            f: ratio(daemons)[f] / ratio(engines)[f] for f in FIGURES
+        },
+    }
+    report(result, args.json)
+
+
+if __name__ == "__main__":
+    main()
