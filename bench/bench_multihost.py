@@ -8,10 +8,15 @@ one run with alternating rounds.
 Figures: TTFT of a 256-token prompt (median), decode tokens/s of 1 stream and of 8 concurrent streams (64
 tokens each), and their ratios (group / single process). Both daemons share this machine's cores.
 
-The group's ratio holds two costs: the operation stream and the cross-process collectives. To separate
-them, the same engine also runs without any daemon or stream: 1 process, and 2 processes that each call
-the same `generate` in lockstep (their collectives meet; no operation is sent): the stream's cost is the
-daemons' ratio over the lockstep engines' ratio.
+The group's ratio holds several costs. To separate them the same engine also runs without a daemon or
+a stream (the Python API, the same requests): in one process with XLA's in-process collectives; in one
+process with gloo collectives (what a multi-process job on CPU uses for every collective, its own devices'
+included); and in 2 processes that each call the same `generate` in lockstep (their collectives meet; no
+operation is sent). Then:
+  stream    = 2-process daemon / 2-process lockstep engines (same job, same collectives): the stream's cost
+  daemon    = 1-process daemon / 1-process engine (gRPC, the engine thread; for comparison)
+  gloo      = 1-process engine with gloo / without: CPU collectives through gloo
+  boundary  = 2-process lockstep engines / 1-process engine with gloo: crossing the processes
 """
 
 from __future__ import annotations
@@ -132,14 +137,18 @@ def lockstep_engine(args: argparse.Namespace) -> None:
     print(json.dumps({f: statistics.median(r[f] for r in runs) for f in FIGURES}), flush=True)
 
 
-def lockstep(num_processes: int, rounds: int) -> dict:
-    """The lockstep reference over `num_processes` processes x 8 / num_processes devices (process 0's)."""
+def lockstep(num_processes: int, rounds: int, join: bool = True) -> dict:
+    """The engine over `num_processes` processes x 8 / num_processes devices, each running the same requests
+    (process 0's figures); `join` False (one process): no JAX job, XLA's in-process collectives."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={8 // num_processes}"
     argv = [sys.executable, __file__, "--lockstep-process", "--rounds", str(rounds)]
-    argv += ["--coordinator-address", f"127.0.0.1:{free_port()}", "--num-processes", str(num_processes)]
+    if join:
+        argv += ["--coordinator-address", f"127.0.0.1:{free_port()}", "--num-processes", str(num_processes)]
     procs = [
-        subprocess.Popen([*argv, "--process-id", str(i)], stdout=subprocess.PIPE, text=True, env=env)
+        subprocess.Popen(
+            [*argv, *(["--process-id", str(i)] if join else [])], stdout=subprocess.PIPE, text=True, env=env
+        )
         for i in range(num_processes)
     ]
     outs = [p.communicate()[0] for p in procs]
@@ -159,27 +168,32 @@ def main() -> None:
         lockstep_engine(args)
         return
     daemons = daemons_study(args.rounds)
-    engines = {"single process": lockstep(1, args.rounds), "2 processes": lockstep(2, args.rounds)}
-
-    def ratio(figures: dict) -> dict:
-        return {f: figures["2 processes"][f] / figures["single process"][f] for f in FIGURES}
-
-    result = {
-        "config": {
-            "tp": 8,
-            "prompt_tokens": PROMPT_TOKENS,
-            "decode_tokens": DECODE_TOKENS,
-            "rounds": args.rounds,
-        },
-        "daemons": daemons,
-        "daemons_ratio_2proc_over_1proc": ratio(daemons),
-        "lockstep_engines": engines,
-        "lockstep_ratio_2proc_over_1proc": ratio(engines),
-        "stream_cost_daemons_ratio_over_lockstep_ratio": {
-            f: ratio(daemons)[f] / ratio(engines)[f] for f in FIGURES
-        },
+    engines = {
+        "single process": lockstep(1, args.rounds, join=False),
+        "single process, gloo": lockstep(1, args.rounds),
+        "2 processes": lockstep(2, args.rounds),
     }
-    report(result, args.json)
+
+    def ratio(a: dict, b: dict) -> dict:
+        return {f: a[f] / b[f] for f in FIGURES}
+
+    config = {"tp": 8, "prompt_tokens": PROMPT_TOKENS, "decode_tokens": DECODE_TOKENS, "rounds": args.rounds}
+    ratios = {
+        "2-process daemon / 1-process daemon": ratio(daemons["2 processes"], daemons["single process"]),
+        "stream: 2-process daemon / 2-process lockstep engines": ratio(
+            daemons["2 processes"], engines["2 processes"]
+        ),
+        "daemon: 1-process daemon / 1-process engine": ratio(
+            daemons["single process"], engines["single process"]
+        ),
+        "gloo: 1-process engine with gloo / without": ratio(
+            engines["single process, gloo"], engines["single process"]
+        ),
+        "boundary: 2-process engines / 1-process engine with gloo": ratio(
+            engines["2 processes"], engines["single process, gloo"]
+        ),
+    }
+    report({"config": config, "daemons": daemons, "engines": engines, "ratios": ratios}, args.json)
 
 
 if __name__ == "__main__":
