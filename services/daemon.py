@@ -174,31 +174,35 @@ def prefill_main(argv: list[str] | None = None, service_class=None) -> int:
     security = server_security(args, allowed)
     group = resolve_group(args)
     prepare_process(args, devices_per_process(args, group))
-    from services.group import supervised
-    from services.grpc_server import run_until_signal
     from services.prefill.server import PrefillService, serve
 
     engine, leader = build_engine(args, group)
     service = (service_class or PrefillService).for_engine(engine)
-    run_until_signal(
-        lambda stop: supervised(
-            leader,
-            stop,
-            serve(
-                service,
-                args.port,
-                stop,
-                host=args.host,
-                security=security,
-                metrics_port=args.metrics_port,
-                lora_root=args.lora_root,
-                kv_events=kv_events_config(args),
-            ),
-        )
+    run_daemon(leader, lambda stop: serve(service, args.port, stop, **serve_options(args, security)))
+    return 0
+
+
+def serve_options(args: argparse.Namespace, security) -> dict:
+    """The keyword arguments both daemons' serve() take from the common flags."""
+    return dict(
+        host=args.host,
+        security=security,
+        metrics_port=args.metrics_port,
+        lora_root=args.lora_root,
+        kv_events=kv_events_config(args),
     )
+
+
+def run_daemon(leader, serving) -> None:
+    """Runs `serving(stop)` (a daemon's serve coroutine) until SIGTERM drains it. `leader`: the
+    services.group.Leader of a multi-process daemon (None: one process), whose broken group ends the
+    process, and whose workers are stopped after the drain."""
+    from services.group import supervised
+    from services.grpc_server import run_until_signal
+
+    run_until_signal(lambda stop: supervised(leader, stop, serving(stop)))
     if leader is not None:
         leader.stop()
-    return 0
 
 
 def decode_args(parser: argparse.ArgumentParser) -> None:
@@ -292,35 +296,16 @@ def decode_main(argv: list[str] | None = None) -> int:
         routing=routing,
     )
     run_decode_server(core, args, security, leader)
-    if leader is not None:
-        leader.stop()
     return 0
 
 
 def run_decode_server(core, args: argparse.Namespace, security, leader=None) -> None:
-    """Serves a GenerationCore with the flags' ports, TLS and adapter root until SIGTERM (`leader`: the
-    services.group.Leader of a multi-process engine, whose broken group ends the process)."""
+    """Serves a GenerationCore with the flags' ports, TLS and adapter root until SIGTERM (`leader`: see
+    run_daemon)."""
     from services.decode.server import serve
-    from services.group import supervised
-    from services.grpc_server import run_until_signal
 
-    run_until_signal(
-        lambda stop: supervised(
-            leader,
-            stop,
-            serve(
-                core,
-                args.port,
-                stop,
-                host=args.host,
-                security=security,
-                metrics_port=args.metrics_port,
-                http_port=args.http_port,
-                lora_root=args.lora_root,
-                kv_events=kv_events_config(args),
-            ),
-        )
-    )
+    options = serve_options(args, security)
+    run_daemon(leader, lambda stop: serve(core, args.port, stop, http_port=args.http_port, **options))
 
 
 def serve_main(args: argparse.Namespace) -> int:
