@@ -164,6 +164,17 @@ def decode_server(
     )
 
 
+def serve_daemon(
+    gguf: Path, log_dir: Path, decode_devices: str, name="serve", extra=(), engine_args=ENGINE_ARGS
+) -> Daemon:
+    """`pdserve serve`: prefill on device 0, decode on `decode_devices` (indices), fake CPU devices enough
+    for both."""
+    cpu_devices = max(int(d) for d in decode_devices.split(",")) + 1
+    argv = ["serve", "--model", str(gguf), "--port", "0", "--no-warmup", "--cpu-devices", str(cpu_devices)]
+    argv += ["--prefill-devices", "0", "--decode-devices", decode_devices, *EPHEMERAL_KV_EVENTS]
+    return Daemon([*argv, *engine_args, *extra], name, log_dir)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
