@@ -40,7 +40,7 @@ import numpy as np
 from engine.distributed import ProcessGroup
 from engine.multihost import DeviceOp, Follower, engine_fingerprint
 from pdserve.v1 import group_pb2 as pb
-from services.grpc_server import channel_options, server_options
+from services.grpc_server import KEEPALIVE_OPTIONS, channel_options, server_options
 
 log = logging.getLogger(__name__)
 
@@ -64,10 +64,6 @@ def from_message(message: pb.DeviceOp) -> DeviceOp:
         a.name: np.frombuffer(a.data, np.dtype(a.dtype)).reshape(tuple(a.shape)) for a in message.arrays
     }
     return DeviceOp(message.kind, arrays, json.loads(message.args_json or "{}"))
-
-
-def keepalive_options() -> list[tuple[str, int]]:
-    return [("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000)]
 
 
 # ---- the leader ------------------------------------------------------------------------------------------
@@ -231,7 +227,7 @@ def operations(group: ProcessGroup, fingerprint: str) -> queue.Queue[DeviceOp]:
     stream ends otherwise (the leader is gone, or refused this worker) the process exits EXIT_GROUP_LOST
     at once: its main thread may be blocked in a collective with the dead leader."""
     channel = grpc.insecure_channel(
-        group.group_address, options=channel_options(MAX_OP_BYTES) + keepalive_options()
+        group.group_address, options=[*channel_options(MAX_OP_BYTES), *KEEPALIVE_OPTIONS]
     )
     call = channel.unary_stream(
         f"/{SERVICE_NAME}/Follow",

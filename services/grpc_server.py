@@ -19,15 +19,17 @@ log = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 8 << 20  # KV frames are <= 4 MiB; anything larger is refused by gRPC itself
 
 
+# Peers that vanish (a killed decode server mid-transfer, a host gone) are noticed by keepalive pings within
+# 15 s, which breaks their streams: servers' handlers clean up, channels' calls fail.
+KEEPALIVE_OPTIONS = [("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000)]
+
+
 def server_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
     return [
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.so_reuseport", 0),
-        # Peers that vanish (a killed decode server mid-transfer) are noticed by keepalive pings, which
-        # breaks their streams: the handlers' cleanup then frees the requests' blocks.
-        ("grpc.keepalive_time_ms", 10_000),
-        ("grpc.keepalive_timeout_ms", 5_000),
+        *KEEPALIVE_OPTIONS,
         ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
         ("grpc.keepalive_permit_without_calls", 1),
     ]

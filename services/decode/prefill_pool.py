@@ -29,7 +29,7 @@ from pdserve.v1 import prefill_pb2 as pb
 from services import sampling, wire
 from services.decode.prefix_index import ReplicaCache, follow
 from services.engine_loop import EngineLoop
-from services.grpc_server import channel_options
+from services.grpc_server import KEEPALIVE_OPTIONS, channel_options
 from services.prefill.runner import PrefillStream, install_connector
 from services.security import PLAINTEXT, ChannelSecurity
 
@@ -115,8 +115,7 @@ class RemotePrefiller(Prefiller):
             target,
             options=[
                 *channel_options(),
-                ("grpc.keepalive_time_ms", 10_000),
-                ("grpc.keepalive_timeout_ms", 5_000),
+                *KEEPALIVE_OPTIONS,
                 # a replica that restarts is reconnected within seconds, not gRPC's default 2 minutes
                 ("grpc.initial_reconnect_backoff_ms", 500),
                 ("grpc.min_reconnect_backoff_ms", 500),

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from engine.distributed import ProcessGroup, add_distributed_args, process_group
+from services.launch import free_port
 
 pytestmark = pytest.mark.fast
 
@@ -41,9 +41,7 @@ def test_flags_then_leaderworkerset_env_then_single_process():
 
 
 def test_two_processes_share_one_mesh():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
     env["PYTHONPATH"] = str(ROOT)
     procs = [

@@ -5,12 +5,12 @@ degrades routing. Outputs equal the colocated engine's throughout."""
 from __future__ import annotations
 
 import contextlib
-import socket
 import time
 
 import pytest
 
 from services.client import Client
+from services.launch import free_port
 from tests.helpers import assert_all_free, in_process
 
 pytestmark = pytest.mark.daemon
@@ -23,12 +23,6 @@ SYSTEM = [  # two system prompts of 5+ blocks, ending without a space
     ("You are a careful assistant for a bakery. Answer questions about bread, flour and ovens. " * 6).strip(),
     ("You are a ship's navigator. Explain tides, stars, charts and compasses to new sailors. " * 6).strip(),
 ]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait(predicate, what: str, timeout: float = 30.0) -> None:
@@ -51,8 +45,8 @@ def test_prefix_routing_follows_what_each_replica_caches(prefill, loaded_model, 
     from services.prefill.server import serve as serve_prefill
 
     tokenize = loaded_model.tokenizer.encode
-    events = KVEventsConfig(_free_port(), _free_port())  # fixed ports: a restart publishes where it did
-    port = _free_port()
+    events = KVEventsConfig(free_port(), free_port())  # fixed ports: a restart publishes where it did
+    port = free_port()
 
     def start_second():
         service = PrefillService.for_engine(LLMEngine(loaded_model, small_config))
