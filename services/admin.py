@@ -30,7 +30,8 @@ class Counters:
     kv_frames_sent_total: int = 0  # prefill
     kv_frames_after_compute_total: int = 0  # prefill: gathered when the prompt's last chunk computed
     outcomes: dict[str, int] = dataclasses.field(default_factory=dict)  # finish reason / error -> count
-    # decode: prefills routed, by reason ("prefix": for the blocks a replica holds; "load": least busy)
+    # decode: prefills routed, by reason ("prefix": for the blocks a replica holds; "load": least busy;
+    # "hint": the replica an endpoint picker named)
     routes: dict[str, int] = dataclasses.field(default_factory=dict)
     route_expected_hit_tokens_total: int = 0  # prompt tokens the chosen replicas held, per their events
     route_actual_hit_tokens_total: int = 0  # prompt tokens they found in their prefix caches
@@ -42,6 +43,50 @@ class Counters:
         self.routes[reason] = self.routes.get(reason, 0) + 1
         self.route_expected_hit_tokens_total += expected_hit_tokens
         self.route_actual_hit_tokens_total += actual_hit_tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class Load:
+    """A daemon's load as Admin.GetStats reports it and a router weighs it (/metrics, services.metrics).
+
+    num_running: requests holding blocks (decoding, prompt being computed, or, on a decode server, KV
+    arriving from a prefill server; `num_incoming` of them); num_waiting: queued for blocks or, on a
+    prefill server, for a prefill slot. kv_usage: blocks held by requests / all blocks (0-1; blocks kept
+    only by the prefix cache are reclaimable, so free). Adapters: names of the LoRA adapters of the
+    running and of the waiting requests; max_loras: adapter slots (0: LoRA off)."""
+
+    num_running: int
+    num_waiting: int
+    num_incoming: int
+    num_blocks: int
+    block_size: int
+    kv_usage: float
+    running_adapters: tuple[str, ...]
+    waiting_adapters: tuple[str, ...]
+    max_loras: int
+
+
+def read_load(engine: LLMEngine, counters: Counters) -> Load:
+    """Reads without locks: on the engine thread (Admin) or a scrape thread (/metrics), which sees a state
+    at most one step old. The scheduler's lists are copied first (one C-level call each, under the GIL)."""
+    s, pool = engine.scheduler, engine.scheduler.kv.pool
+    running = [*list(s.running), *list(s.prefilling), *list(s.remote)]
+    waiting = list(s.waiting)
+
+    def adapters(requests) -> tuple[str, ...]:
+        return tuple(sorted({r.lora.name for r in requests if r.lora is not None}))
+
+    return Load(
+        num_running=len(running),
+        num_waiting=len(waiting) + counters.num_waiting,
+        num_incoming=len(s.remote),
+        num_blocks=pool.num_blocks,
+        block_size=engine.config.block_size,
+        kv_usage=pool.num_used / pool.num_blocks,
+        running_adapters=adapters(running),
+        waiting_adapters=adapters(waiting),
+        max_loras=engine.config.max_loras,
+    )
 
 
 class AdminService(pb_grpc.AdminServicer):
@@ -97,7 +142,7 @@ class AdminService(pb_grpc.AdminServicer):
 
     async def GetStats(self, request, context) -> pb.ServerStats:
         def snapshot(engine):
-            s, kv = engine.scheduler, engine.scheduler.kv
+            kv, load = engine.scheduler.kv, read_load(engine, self.counters)
             return pb.ServerStats(
                 role=self.role,
                 num_blocks=kv.pool.num_blocks,
@@ -106,10 +151,10 @@ class AdminService(pb_grpc.AdminServicer):
                 prefix_cache_queries_total=kv.stats.queries,
                 prefix_cache_hits_total=kv.stats.hits,
                 prefix_cache_evictions_total=kv.pool.num_evictions,
-                num_running=len(s.running) + len(s.prefilling),
-                num_waiting=len(s.waiting) + self.counters.num_waiting,
+                num_running=load.num_running,
+                num_waiting=load.num_waiting,
                 num_requests_total=self.counters.num_requests_total,
-                num_incoming=len(s.remote),
+                num_incoming=load.num_incoming,
                 num_transfers_total=self.counters.num_transfers_total,
                 kv_transfer_seconds_total=self.counters.kv_transfer_seconds_total,
                 kv_transfer_bytes_total=self.counters.kv_transfer_bytes_total,

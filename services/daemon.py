@@ -229,10 +229,21 @@ def decode_args(parser: argparse.ArgumentParser) -> None:
         default=1.0,
         help="prefix routing: weight of a replica's queued prompt tokens against the tokens it lacks",
     )
+    parser.add_argument(
+        "--accept-prefill-hint",
+        action="store_true",
+        help="prefill where a request's x-prefiller-host-port header says (llm-d's P/D), when that is one "
+        "of the --prefill replicas; without this flag the header is ignored",
+    )
     parser.add_argument("--max-queue", type=int, default=256)
     parser.add_argument("--no-fallback-local", action="store_true", help="UNAVAILABLE when prefill fails")
     parser.add_argument(
         "--http-port", type=int, default=None, help="OpenAI-compatible HTTP API port (0: any)"
+    )
+    parser.add_argument(
+        "--http-plaintext",
+        action="store_true",
+        help="serve the HTTP API without the port's TLS (behind an inference gateway; tokens still apply)",
     )
     parser.add_argument(
         "--auth-token-file",
@@ -248,6 +259,7 @@ def decode_config(args: argparse.Namespace):
         local_prefill_below=args.local_prefill_below,
         max_queue=args.max_queue,
         fallback_local=not args.no_fallback_local,
+        accept_prefill_hint=args.accept_prefill_hint,
     )
 
 
@@ -305,7 +317,8 @@ def run_decode_server(core, args: argparse.Namespace, security, leader=None) -> 
     from services.decode.server import serve
 
     options = serve_options(args, security)
-    run_daemon(leader, lambda stop: serve(core, args.port, stop, http_port=args.http_port, **options))
+    http = dict(http_port=args.http_port, http_plaintext=args.http_plaintext)
+    run_daemon(leader, lambda stop: serve(core, args.port, stop, **http, **options))
 
 
 def serve_main(args: argparse.Namespace) -> int:

@@ -2,29 +2,57 @@
 
 Latency histograms are observed by the request handlers; everything else (blocks, queues, counters that
 the Admin service also reports) is read from the engine and the daemon's Counters when scraped, so there
-is one source for each number.
+is one source for each number (services.admin.read_load for the load).
+
+The series an endpoint picker scores pods by (the Gateway API Inference Extension's, llm-d's router, which
+scrapes every 50 ms; deploy/overlays/gke-tpu-gateway maps them in its `core-metrics-extractor`):
+  waiting   pdserve_decode_queue_depth (decode pods), pdserve_prefill_queue_depth (prefill pods)
+  running   pdserve_running_requests
+  KV use    pdserve_kv_cache_usage_ratio, 0-1
+  cache     pdserve_kv_cache_config_info{block_size, num_blocks} = 1
+  LoRA      pdserve_lora_requests_info{max_lora, running_lora_adapters, waiting_lora_adapters} = the Unix
+            time the adapter lists last changed (vLLM's shape: comma-separated names)
+Why pdserve's own names and not vLLM's: docs/gateway.md.
 """
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from services.admin import Counters
+from services.admin import Counters, read_load
 from services.engine_loop import EngineLoop
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2, 5, 10, 30, 60, 120)
 
 
 class _StateCollector:
-    """Gauges and counters read at scrape time (engine state is read without locks: plain int reads)."""
+    """Gauges and counters read at scrape time (engine state is read without locks: plain int reads and
+    list copies, services.admin.read_load)."""
 
     def __init__(self, role: str, loop: EngineLoop, counters: Counters):
         self.role, self.loop, self.counters = role, loop, counters
+        self._adapters: tuple | None = None  # (running, waiting) at the last scrape, and since when
+        self._adapters_since = 0.0
+
+    def _lora_info(self, load) -> GaugeMetricFamily:
+        adapters = (load.running_adapters, load.waiting_adapters)
+        if adapters != self._adapters:
+            self._adapters, self._adapters_since = adapters, time.time()
+        family = GaugeMetricFamily(
+            "pdserve_lora_requests_info",
+            "adapters of the running and the waiting requests; value: when those last changed",
+            labels=["role", "max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+        )
+        labels = [self.role, str(load.max_loras), ",".join(adapters[0]), ",".join(adapters[1])]
+        family.add_metric(labels, self._adapters_since)
+        return family
 
     def collect(self):
         engine, c, role = self.loop.engine, self.counters, self.role
-        s, kv = engine.scheduler, engine.scheduler.kv
+        kv, load = engine.scheduler.kv, read_load(engine, self.counters)
 
         def gauge(name, doc, value):
             family = GaugeMetricFamily(name, doc, labels=["role"])
@@ -43,6 +71,17 @@ class _StateCollector:
         yield gauge(
             "pdserve_kv_blocks_cached", "unreferenced KV blocks kept by the prefix cache", kv.pool.num_cached
         )
+        yield gauge(
+            "pdserve_kv_cache_usage_ratio",
+            "KV cache blocks held by requests / all blocks (cached unreferenced blocks count as free)",
+            load.kv_usage,
+        )
+        info = GaugeMetricFamily(
+            "pdserve_kv_cache_config_info", "KV cache layout", labels=["role", "block_size", "num_blocks"]
+        )
+        info.add_metric([role, str(load.block_size), str(load.num_blocks)], 1)
+        yield info
+        yield self._lora_info(load)
         yield counter(
             "pdserve_prefix_cache_queries", "prompt tokens looked up in the prefix cache", kv.stats.queries
         )
@@ -52,15 +91,17 @@ class _StateCollector:
         )
         yield gauge(
             "pdserve_running_requests",
-            "requests decoding or being prefilled",
-            len(s.running) + len(s.prefilling),
+            "requests holding blocks: decoding, being prefilled or receiving KV",
+            load.num_running,
         )
         yield gauge(
-            f"pdserve_{role}_queue_depth",
-            "requests waiting for blocks or a prefill slot",
-            len(s.waiting) + c.num_waiting,
+            f"pdserve_{role}_queue_depth", "requests waiting for blocks or a prefill slot", load.num_waiting
         )
-        yield gauge("pdserve_incoming_transfers", "requests whose KV is being received", len(s.remote))
+        yield gauge(
+            "pdserve_incoming_transfers",
+            "of the running, requests whose KV is being received",
+            load.num_incoming,
+        )
         yield gauge(
             "pdserve_lora_adapters_loaded", "LoRA adapters requests may name", len(engine.loras.adapters)
         )

@@ -45,12 +45,19 @@ from services.security import PLAINTEXT, ChannelSecurity
 log = logging.getLogger(__name__)
 
 
+# Set by an endpoint picker that chose a prefill pod for the request (llm-d's disagg-profile-handler):
+# HOST:PORT of that pod. Honoured with DecodeConfig.accept_prefill_hint (`--accept-prefill-hint`) when it
+# names one of this server's own prefill replicas (PrefillPool.pick), ignored otherwise.
+PREFILL_HINT_HEADER = "x-prefiller-host-port"
+
+
 @dataclasses.dataclass(frozen=True)
 class DecodeConfig:
     local_prefill_below: int = 0  # prompts shorter than this are prefilled here (0: none; all with no pool)
     max_queue: int = 256  # requests waiting for blocks before RESOURCE_EXHAUSTED
     max_attempts: int = 3  # prefill replicas tried per request
     fallback_local: bool = True  # prefill here when every replica failed
+    accept_prefill_hint: bool = False  # honour PREFILL_HINT_HEADER (else: ignore it, route by our own pool)
 
 
 class ServiceError(Exception):
@@ -164,8 +171,21 @@ class GenerationCore:
             self.counters.count_outcome("invalid")
             raise
 
-    async def stream(self, engine_request: Request, time_remaining: float | None = None):
-        """Runs one request: prefill (remote or here), decode; yields its RequestOutputs.
+    def prefill_hint(self, value: str | None) -> str | None:
+        """The prefill replica a request's PREFILL_HINT_HEADER names, as HOST:PORT; None when there is none
+        or hints are not accepted here. A value that is not HOST:PORT is an InvalidRequestError."""
+        if not value or not self.config.accept_prefill_hint:
+            return None
+        host, _, port = value.strip().rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536 or any(c.isspace() for c in host):
+            raise InvalidRequestError(PREFILL_HINT_HEADER, f"{value!r} is not HOST:PORT")
+        return f"{host}:{int(port)}"
+
+    async def stream(
+        self, engine_request: Request, time_remaining: float | None = None, prefill_hint: str | None = None
+    ):
+        """Runs one request: prefill (remote or here), decode; yields its RequestOutputs. `prefill_hint`:
+        the replica an endpoint picker chose (`prefill_hint()`), preferred when it is one of the pool's.
 
         Raises ServiceError (RESOURCE_EXHAUSTED, UNAVAILABLE); cancelling the consumer frees everything.
         """
@@ -179,7 +199,7 @@ class GenerationCore:
             if self.pool is None:  # colocated
                 await self._enqueue(engine_request)
             else:
-                first = await self._remote_prefill(engine_request, time_remaining, routed)
+                first = await self._remote_prefill(engine_request, time_remaining, routed, prefill_hint)
                 if first is not None:
                     pending.append(first)
             while True:
@@ -231,11 +251,12 @@ class GenerationCore:
             )
 
     async def _remote_prefill(
-        self, request: Request, time_remaining: float | None, routed: dict
+        self, request: Request, time_remaining: float | None, routed: dict, hint: str | None = None
     ) -> RequestOutput | None:
         """Queues the request for blocks, streams the KV of the prompt blocks it lacks in from a replica
         (after those found in this engine's prefix cache) and starts its decoding. `routed` receives the
-        replica chosen, the prompt tokens it was expected to hold and those it did.
+        replica chosen, the prompt tokens it was expected to hold and those it did. `hint`: a replica to
+        use first when it is one of the pool's (else ignored, and said so in `routed`).
 
         Returns the first token's output, or None when the request is computed here: short or nearly all
         cached (DecodeConnector), or no replica could prefill it (fallback).
@@ -253,9 +274,11 @@ class GenerationCore:
         held = hashes[:first_block]
         tried: set[str] = set()
         for _ in range(self.config.max_attempts):
-            route = self.pool.pick(exclude=tried, block_hashes=hashes, num_tokens=num_tokens)
+            route = self.pool.pick(exclude=tried, block_hashes=hashes, num_tokens=num_tokens, prefer=hint)
             if route is None:
                 break
+            if hint is not None and not tried and route.reason != "hint":
+                routed["prefill_hint"] = f"ignored {hint}: not a prefill replica of this server"
             replica = route.replica
             tried.add(replica.name)
             try:

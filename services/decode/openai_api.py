@@ -2,6 +2,12 @@
 /v1/chat/completions, streamed as server-sent events or not. It runs on the same event loop as the gRPC
 server and goes through the same core (services.decode.core: make_request / stream), so validation,
 admission, disaggregated prefill and cleanup are identical.
+
+For an inference gateway (docs/gateway.md): POST /v1/completions/render and /v1/chat/completions/render
+take the same bodies and return the prompt's token ids without generating (vLLM's shapes: a list of
+{"token_ids"} for completions, one object for chat), which llm-d's precise prefix scorer hashes; GET
+/health is 200 while serving, 503 while draining. A request may carry `x-prefiller-host-port`
+(services.decode.core.PREFILL_HINT_HEADER).
 """
 
 from __future__ import annotations
@@ -14,8 +20,9 @@ import grpc
 from aiohttp import web
 
 from engine.output import RequestOutput
+from engine.request import Request
 from engine.sampling_params import InvalidRequestError, SamplingParams
-from services.decode.core import GenerationCore, ServiceError
+from services.decode.core import PREFILL_HINT_HEADER, GenerationCore, ServiceError
 from services.sampling import FIELD_NAMES, params_from_values
 from services.security import ServerSecurity, token_ok
 
@@ -59,6 +66,9 @@ class OpenAIFrontend:
                 web.get("/v1/models", self.models),
                 web.post("/v1/completions", self.completions),
                 web.post("/v1/chat/completions", self.chat_completions),
+                web.post("/v1/completions/render", self.render_completions),
+                web.post("/v1/chat/completions/render", self.render_chat_completions),
+                web.get("/health", self.health),
             ]
         )
         self._runner: web.AppRunner | None = None
@@ -95,47 +105,75 @@ class OpenAIFrontend:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._handle(request, chat=True)
 
+    async def render_completions(self, request: web.Request) -> web.Response:
+        return await self._render(request, chat=False)
+
+    async def render_chat_completions(self, request: web.Request) -> web.Response:
+        return await self._render(request, chat=True)
+
+    async def health(self, request: web.Request) -> web.Response:
+        if self.service.draining:
+            return web.json_response({"status": "draining"}, status=503)
+        return web.json_response({"status": "ok"})
+
     async def _handle(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        body = await _json_body(request)
+        if isinstance(body, web.Response):
+            return body
         try:
-            body = await request.json()
-            if not isinstance(body, dict):
-                raise ValueError("the body must be a JSON object")
-        except ValueError as e:
-            return _error(400, f"invalid JSON: {e}", "invalid_request_error")
-        tokenizer = self.service.engine.tokenizer
-        try:
-            if chat:
-                messages = body.get("messages")
-                if (
-                    not isinstance(messages, list)
-                    or not messages
-                    or not all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages)
-                ):
-                    raise InvalidRequestError("messages", "must be a non-empty list of {role, content}")
-                prompt = tokenizer.encode_chat(
-                    [{"role": m.get("role", "user"), "content": m["content"]} for m in messages]
-                )
-            else:
-                prompt = body.get("prompt")
-                if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-                    prompt = prompt[0]
-                if not isinstance(prompt, str) and not (
-                    isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)
-                ):
-                    raise InvalidRequestError("prompt", "must be a string or a list of token ids")
-            params = _params(body, default_max_tokens=16 if not chat else 256)
-            engine_request = self.service.make_request(prompt, params, lora=self._adapter(body))
+            engine_request = self._prepare(body, chat, self.service.make_request)
+            hint = self.service.prefill_hint(request.headers.get(PREFILL_HINT_HEADER))
         except InvalidRequestError as e:
             status = 404 if e.status == "NOT_FOUND" else 400
             return _error(status, str(e), "invalid_request_error", e.field)
         except ServiceError as e:
             return _error(_HTTP_STATUS.get(e.code, 500), e.message, "server_error")
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        outputs = self.service.stream(engine_request)
+        outputs = self.service.stream(engine_request, prefill_hint=hint)
         model = engine_request.lora.name if engine_request.lora else self.model  # echoed in responses
         if body.get("stream"):
             return await self._stream(request, outputs, rid, chat, body, model)
         return await self._complete(outputs, rid, chat, model)
+
+    async def _render(self, request: web.Request, chat: bool) -> web.Response:
+        """The prompt's token ids as Generate would compute them: the same parsing, validation and
+        tokenizer (chat template included), through the engine's own make_request; nothing is queued."""
+        body = await _json_body(request)
+        if isinstance(body, web.Response):
+            return body
+        try:
+            engine_request = self._prepare(body, chat, self.service.engine.make_request)
+        except InvalidRequestError as e:
+            status = 404 if e.status == "NOT_FOUND" else 400
+            return _error(status, str(e), "invalid_request_error", e.field)
+        model = engine_request.lora.name if engine_request.lora else self.model
+        rendered = {"model": model, "token_ids": list(engine_request.prompt_ids)}
+        return web.json_response(rendered if chat else [rendered])
+
+    def _prepare(self, body: dict, chat: bool, make_request) -> Request:
+        """The engine request of an OpenAI body (InvalidRequestError names the bad field)."""
+        tokenizer = self.service.engine.tokenizer
+        if chat:
+            messages = body.get("messages")
+            if (
+                not isinstance(messages, list)
+                or not messages
+                or not all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages)
+            ):
+                raise InvalidRequestError("messages", "must be a non-empty list of {role, content}")
+            prompt = tokenizer.encode_chat(
+                [{"role": m.get("role", "user"), "content": m["content"]} for m in messages]
+            )
+        else:
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+                prompt = prompt[0]
+            if not isinstance(prompt, str) and not (
+                isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)
+            ):
+                raise InvalidRequestError("prompt", "must be a string or a list of token ids")
+        params = _params(body, default_max_tokens=16 if not chat else 256)
+        return make_request(prompt, params, lora=self._adapter(body) or None)
 
     def _adapter(self, body: dict) -> str:
         """`lora_adapter`, else `model` when it names a loaded adapter (vLLM's convention); "": the base."""
@@ -233,6 +271,17 @@ class OpenAIFrontend:
             "token_logprobs": [lp.logprob for lp in logprobs],
             "top_logprobs": [{decode([t]): v for t, v in lp.top} for lp in logprobs],
         }
+
+
+async def _json_body(request: web.Request) -> dict | web.Response:
+    """The request's JSON object, or the 400 response saying why it is not one."""
+    try:
+        body = await request.json()
+        if not isinstance(body, dict):
+            raise ValueError("the body must be a JSON object")
+    except ValueError as e:
+        return _error(400, f"invalid JSON: {e}", "invalid_request_error")
+    return body
 
 
 def _usage(output: RequestOutput) -> dict:

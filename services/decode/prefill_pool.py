@@ -321,7 +321,8 @@ class Routing:
 class Route:
     replica: Prefiller
     expected_hit_tokens: int  # prompt tokens the replica holds, per its events
-    reason: str  # "prefix": chosen for what it holds; "load": nothing held anywhere, the least busy
+    reason: str  # "prefix": for what it holds; "load": nothing held anywhere, the least busy; "hint": named
+    # by the request's endpoint picker (services.decode.core.PREFILL_HINT_HEADER)
 
 
 class PrefillPool:
@@ -371,11 +372,20 @@ class PrefillPool:
             await self.replicas.pop(addr).close()
 
     def pick(
-        self, exclude: set[str] = frozenset(), block_hashes: list[int] = (), num_tokens: int = 0
+        self,
+        exclude: set[str] = frozenset(),
+        block_hashes: list[int] = (),
+        num_tokens: int = 0,
+        prefer: str | None = None,
     ) -> Route | None:
         """The replica for a prompt of `num_tokens` tokens whose full blocks hash to `block_hashes`
         (kv_cache_manager.hash_blocks), among the healthy ones not in `exclude` (all not excluded when
-        none is healthy); None when there is none."""
+        none is healthy); None when there is none.
+
+        `prefer`: HOST:PORT an endpoint picker chose (reason "hint"): the candidate of that address, else
+        the only candidate on that host (the picker names a pod by its IP and the InferencePool's target
+        port, not the Prefill port). Anything else is not one of our replicas and is ignored: a hint never
+        adds a target, so TLS and peer names stay those of the pool."""
         candidates = [r for r in self.replicas.values() if r.healthy and r.name not in exclude]
         if not candidates:
             candidates = [r for r in self.replicas.values() if r.name not in exclude]
@@ -386,6 +396,9 @@ class PrefillPool:
             for r in candidates:
                 if r.cache is not None:
                     hits[r.name] = r.cache.matched_blocks(block_hashes) * self.dst.block_size
+        hinted = _hinted(candidates, prefer) if prefer else None
+        if hinted is not None:
+            return Route(hinted, hits[hinted.name], "hint")
         if not any(hits.values()):
             least = min(r.outstanding for r in candidates)
             tied = [r for r in candidates if r.outstanding == least]
@@ -401,3 +414,16 @@ class PrefillPool:
     async def close(self) -> None:
         for replica in self.replicas.values():
             await replica.close()
+
+
+def _host(address: str) -> str:
+    return address.rpartition(":")[0].strip("[]")
+
+
+def _hinted(candidates: list[Prefiller], address: str) -> Prefiller | None:
+    """The candidate at `address` (HOST:PORT), else the only one on its host; None: not one of them."""
+    exact = [r for r in candidates if r.name == address]
+    same_host = [r for r in candidates if _host(r.name) == _host(address)]
+    if exact:
+        return exact[0]
+    return same_host[0] if len(same_host) == 1 else None

@@ -33,7 +33,7 @@ from pdserve.v1 import generation_pb2_grpc as pb_grpc
 from services import sampling, wire
 from services.admin import SERVICE_NAME as ADMIN_SERVICE
 from services.admin import AdminService
-from services.decode.core import GenerationCore, ServiceError
+from services.decode.core import PREFILL_HINT_HEADER, GenerationCore, ServiceError
 from services.decode.openai_api import OpenAIFrontend
 from services.grpc_server import RunningServer
 from services.kv_events import KVEventsConfig, start_publishing
@@ -68,8 +68,9 @@ class GenerationService(pb_grpc.GenerationServicer):
             prompt = wire.prompt_from_proto(request, self.engine.tokenizer)
             params = sampling.params_from_request(request)
             engine_request = self.core.make_request(prompt, params, request.request_id, request.lora_adapter)
+            hint = self.core.prefill_hint(dict(context.invocation_metadata() or ()).get(PREFILL_HINT_HEADER))
             prompt_ids = engine_request.prompt_ids if request.return_prompt_ids else ()
-            async for output in self.core.stream(engine_request, context.time_remaining()):
+            async for output in self.core.stream(engine_request, context.time_remaining(), hint):
                 yield wire.output_to_response(output, engine_request.request_id, prompt_ids)
                 prompt_ids = ()  # on the first message only
         except InvalidRequestError as e:  # INVALID_ARGUMENT; NOT_FOUND for an adapter not loaded here
@@ -112,19 +113,27 @@ async def serve(
     http_port: int | None = None,
     lora_root: str | None = None,
     kv_events: KVEventsConfig | None = None,
+    http_plaintext: bool = False,
 ) -> None:
     """Serves Generate (and Admin, and optionally /metrics and the OpenAI HTTP API) over `core` until
     `stop` is set; then refuses new requests and lets running ones finish.
 
-    `security`: TLS / mutual TLS and bearer tokens of the public port (default: plaintext, open).
-    `kv_events`: publish this engine's KV cache events (None: do not)."""
+    `security`: TLS / mutual TLS and bearer tokens of the public port (default: plaintext, open), and of
+    the HTTP port unless `http_plaintext` (behind an inference gateway, whose proxy and endpoint picker
+    reach pods over plain HTTP: the bearer tokens still apply). `kv_events`: publish this engine's KV
+    cache events (None: do not); their topic names the HTTP port when there is one (the port an
+    InferencePool targets), else the gRPC port."""
     await core.start()
     if metrics_port is not None:
         print(f"metrics on {host}:{core.metrics.serve(metrics_port, host)}", flush=True)
-    http = None
+    http, http_bound = None, None
     if http_port is not None:
-        http = OpenAIFrontend(core, security)
-        print(f"http on {host}:{await http.start(host, http_port)}", flush=True)
+        http_security = security
+        if http_plaintext and security is not None:
+            http_security = ServerSecurity(tokens=security.tokens)
+        http = OpenAIFrontend(core, http_security)
+        http_bound = await http.start(host, http_port)
+        print(f"http on {host}:{http_bound}", flush=True)
     # `pdserve serve`: adapters loaded at run time go into the local prefill engine too
     admin = AdminService("decode", core.loop, core.counters, lora_root=lora_root, mirrors=core.mirror_loops)
 
@@ -134,7 +143,9 @@ async def serve(
 
     running = await RunningServer.start([SERVICE_NAME, ADMIN_SERVICE], register, host, port, security)
     bound = running.port
-    publisher = None if kv_events is None else start_publishing(core.loop, kv_events, host, bound)
+    publisher = None
+    if kv_events is not None:
+        publisher = start_publishing(core.loop, kv_events, host, http_bound or bound)
     print(f"decode-server ready on {host}:{bound} (prefill: {core.prefill_mode})", flush=True)
     if on_ready is not None:
         on_ready(f"{host}:{bound}")
