@@ -5,6 +5,8 @@ import asyncio
 
 import msgpack
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from services.decode.prefix_index import ReplicaCache, follow, replay
@@ -183,3 +185,57 @@ def test_routing_prefers_the_replica_holding_the_prefix_unless_its_queue_costs_m
             await r.close()
 
     asyncio.run(main())
+
+
+# ---- what the router makes of them ----------------------------------------------------------------------
+_BLOCK = 4
+_PROMPTS = st.lists(
+    st.integers(0, 2), min_size=1, max_size=5
+).map(  # shared heads, then a tail
+    lambda parts: [t for p in parts for t in [p * 7 + 1] * _BLOCK][:-1] + [parts[-1] + 50]
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    steps=st.lists(
+        st.tuples(_PROMPTS, st.sampled_from([None, "a"]), st.integers(0, 6), st.booleans()), max_size=25
+    )
+)
+def test_the_routers_index_of_the_published_events_equals_the_prefix_cache(steps):
+    """Requests (some with an adapter) computed, extended by generated tokens and freed in any order on a
+    small cache (evictions): after each, a subscriber written from the router's schema, fed the batches the
+    publisher sends, finds for every prompt seen the leading blocks the prefix cache would hit."""
+    from engine.kv_cache_manager import KVCacheManager
+    from tests.llmd_index import RouterIndex
+
+    kv = KVCacheManager(10, _BLOCK)
+    kv.record_events()
+    index, live, seen = RouterIndex(_BLOCK), [], []
+    for n, (prompt, lora, generated, finish) in enumerate(steps):
+        extra = None if lora is None else f"fingerprint-{lora}"
+        rid, tokens = f"r{n}", prompt + list(range(100, 100 + generated))
+        if kv.allocate(rid, len(tokens), kv.lookup(prompt, extra), prompt):
+            kv.cache_blocks(rid, tokens, len(tokens), extra, lora)
+            live.append(rid)
+            seen.append((prompt, lora, extra))
+        if finish or len(live) > 2:
+            kv.free(live.pop(0))
+        frames = [b"kv@10.0.0.1:8000@smollm2", n.to_bytes(8, "big"), encode_batch(kv.take_events())]
+        index.add_frames(frames, pod="10.0.0.1:8000")
+        for prompt, lora, extra in seen:
+            cached = len(kv.lookup(prompt + [0], extra))  # lookup never counts the last token
+            assert index.matched_blocks("10.0.0.1:8000", prompt, lora or "smollm2") == cached
+    assert index.num_dropped == 0 and index.num_restarts == 0
+
+
+def test_the_router_sees_a_restarted_publisher():
+    from tests.llmd_index import RouterIndex
+
+    index, pod = RouterIndex(2), "p:1"
+    stored = BlockStored([1], None, [5, 6], 2)
+    for seq, events in enumerate([[AllBlocksCleared()], [stored]]):
+        index.add_frames([b"kv@p:1@m", seq.to_bytes(8, "big"), encode_batch(events)])
+    assert index.matched_blocks(pod, [5, 6], "m") == 1
+    index.add_frames([b"kv@p:1@m", (0).to_bytes(8, "big"), encode_batch([AllBlocksCleared()])])
+    assert index.num_restarts == 1 and index.matched_blocks(pod, [5, 6], "m") == 0
