@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import queue
 import time
+import urllib.request
 from collections.abc import Iterator
 
 from pdserve.v1 import admin_pb2
@@ -77,6 +78,17 @@ class Daemons:
             if not daemon.killed:
                 codes[daemon.name] = code
         return codes
+
+
+def scrape(address: str) -> dict[str, float]:
+    """A daemon's /metrics: {'name{labels}': value}."""
+    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    return values
 
 
 def not_in_use(s: admin_pb2.ServerStats) -> bool:

@@ -100,9 +100,20 @@ def test_request_waits_while_every_slot_is_pinned(lora_engine):
     engine.step()  # prefill: all8 pinned in the only slot; attn4 must wait, the base request passes it
     assert [r.request_id for r in engine.scheduler.prefilling + engine.scheduler.running] == [first, base]
     assert [r.request_id for r in engine.scheduler.waiting] == [second]
+    # what an endpoint picker's LoRA-affinity scorer reads (services.metrics: vLLM's lora_requests_info shape)
+    from services.admin import Counters
+    from services.engine_loop import EngineLoop
+    from services.metrics import Metrics
+
+    registry = Metrics("decode", EngineLoop(engine), Counters()).registry
+    labels = {"role": "decode", "max_lora": "1"}
+    info = dict(labels, running_lora_adapters="all8", waiting_lora_adapters="attn4")
+    assert registry.get_sample_value("pdserve_lora_requests_info", info) > 0
     while engine.has_unfinished:
         engine.step()
     assert engine.lora_slots.resident[0].startswith("attn4@")
+    idle = dict(labels, running_lora_adapters="", waiting_lora_adapters="")
+    assert registry.get_sample_value("pdserve_lora_requests_info", idle) > 0
 
 
 def test_preempted_lora_requests_keep_their_adapter(lora_engine):

@@ -7,12 +7,12 @@ import concurrent.futures
 import json
 import threading
 import time
-import urllib.request
 
 import pytest
 
 from engine.sampling_params import SamplingParams
 from services.client import Client
+from tests.helpers import scrape
 
 pytestmark = pytest.mark.daemon
 
@@ -21,16 +21,6 @@ pytestmark = pytest.mark.daemon
 def openai():
     """The official client (dev extra); only the HTTP API tests need it."""
     return pytest.importorskip("openai")
-
-
-def scrape(address: str) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
-    values = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            values[name] = float(value)
-    return values
 
 
 def test_metrics_move_under_load(decode, prefill):
