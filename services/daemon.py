@@ -276,7 +276,7 @@ def prefill_channel_security(args: argparse.Namespace):
     return ChannelSecurity(credentials, args.prefill_tls_server_name)
 
 
-def decode_main(argv: list[str] | None = None) -> int:
+def decode_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="decode-server", description="pdserve decode server")
     common_args(parser)
     decode_args(parser)
@@ -285,7 +285,11 @@ def decode_main(argv: list[str] | None = None) -> int:
     tls.add_argument("--prefill-tls-cert", metavar="PEM", help="this server's client certificate (mTLS)")
     tls.add_argument("--prefill-tls-key", metavar="PEM", help="its private key")
     tls.add_argument("--prefill-tls-server-name", help="name to check their certificates against")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def decode_main(argv: list[str] | None = None) -> int:
+    args = decode_parser().parse_args(argv)
     security = server_security(args)
     prefill_security = prefill_channel_security(args)
     group = resolve_group(args)

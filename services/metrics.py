@@ -5,14 +5,10 @@ the Admin service also reports) is read from the engine and the daemon's Counter
 is one source for each number (services.admin.read_load for the load).
 
 The series an endpoint picker scores pods by (the Gateway API Inference Extension's, llm-d's router, which
-scrapes every 50 ms; deploy/overlays/gke-tpu-gateway maps them in its `core-metrics-extractor`):
-  waiting   pdserve_decode_queue_depth (decode pods), pdserve_prefill_queue_depth (prefill pods)
-  running   pdserve_running_requests
-  KV use    pdserve_kv_cache_usage_ratio, 0-1
-  cache     pdserve_kv_cache_config_info{block_size, num_blocks} = 1
-  LoRA      pdserve_lora_requests_info{max_lora, running_lora_adapters, waiting_lora_adapters} = the Unix
-            time the adapter lists last changed (vLLM's shape: comma-separated names)
-Why pdserve's own names and not vLLM's: docs/gateway.md.
+scrapes every 50 ms) are PICKER_SERIES: waiting and running requests, KV use as a fraction 0-1, the cache
+layout as labels of an info gauge, and vLLM's LoRA-info shape (labels max_lora, running_lora_adapters and
+waiting_lora_adapters, comma-separated; value: the Unix time the adapter lists last changed). Why pdserve's
+own names and not vLLM's: docs/gateway.md.
 """
 
 from __future__ import annotations
@@ -24,6 +20,17 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from services.admin import Counters, read_load
 from services.engine_loop import EngineLoop
+
+# The series an endpoint picker scores pods by, under the keys of llm-d's core-metrics-extractor
+# `engineConfigs` (deploy/components/inference-gateway/epp-config.yaml maps them; {role}: prefill or decode).
+PICKER_SERIES = {
+    "queuedRequestsSpec": "pdserve_{role}_queue_depth",
+    "runningRequestsSpec": "pdserve_running_requests",
+    "kvUsageSpec": "pdserve_kv_cache_usage_ratio",
+    "loraSpec": "pdserve_lora_requests_info",
+    "cacheInfoSpec": "pdserve_kv_cache_config_info",
+}
+CACHE_NUM_BLOCKS_LABEL = "num_blocks"  # of cacheInfoSpec (vLLM's: num_gpu_blocks), beside block_size
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2, 5, 10, 30, 60, 120)
 
@@ -42,7 +49,7 @@ class _StateCollector:
         if adapters != self._adapters:
             self._adapters, self._adapters_since = adapters, time.time()
         family = GaugeMetricFamily(
-            "pdserve_lora_requests_info",
+            PICKER_SERIES["loraSpec"],
             "adapters of the running and the waiting requests; value: when those last changed",
             labels=["role", "max_lora", "running_lora_adapters", "waiting_lora_adapters"],
         )
@@ -72,12 +79,14 @@ class _StateCollector:
             "pdserve_kv_blocks_cached", "unreferenced KV blocks kept by the prefix cache", kv.pool.num_cached
         )
         yield gauge(
-            "pdserve_kv_cache_usage_ratio",
+            PICKER_SERIES["kvUsageSpec"],
             "KV cache blocks held by requests / all blocks (cached unreferenced blocks count as free)",
             load.kv_usage,
         )
         info = GaugeMetricFamily(
-            "pdserve_kv_cache_config_info", "KV cache layout", labels=["role", "block_size", "num_blocks"]
+            PICKER_SERIES["cacheInfoSpec"],
+            "KV cache layout",
+            labels=["role", "block_size", CACHE_NUM_BLOCKS_LABEL],
         )
         info.add_metric([role, str(load.block_size), str(load.num_blocks)], 1)
         yield info
@@ -90,12 +99,14 @@ class _StateCollector:
             "pdserve_prefix_cache_evictions", "cached KV blocks evicted for new ones", kv.pool.num_evictions
         )
         yield gauge(
-            "pdserve_running_requests",
+            PICKER_SERIES["runningRequestsSpec"],
             "requests holding blocks: decoding, being prefilled or receiving KV",
             load.num_running,
         )
         yield gauge(
-            f"pdserve_{role}_queue_depth", "requests waiting for blocks or a prefill slot", load.num_waiting
+            PICKER_SERIES["queuedRequestsSpec"].format(role=role),
+            "requests waiting for blocks or a prefill slot",
+            load.num_waiting,
         )
         yield gauge(
             "pdserve_incoming_transfers",

@@ -16,8 +16,8 @@ pytestmark = pytest.mark.fast
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
-OVERLAYS = ["cpu", "gke-tpu", "gke-tpu-multihost"]
-TPU_OVERLAYS = ["gke-tpu", "gke-tpu-multihost"]
+OVERLAYS = ["cpu", "gke-tpu", "gke-tpu-multihost", "gke-tpu-gateway"]
+TPU_OVERLAYS = ["gke-tpu", "gke-tpu-multihost", "gke-tpu-gateway"]
 K8S_VERSION = "1.33.0"  # GKE's regular channel at the time of writing; schemas bundled by kubernetes-validate
 HEALTH_PORTS = {"prefill": 50051, "decode": 50052}
 TPU_SELECTORS = ("cloud.google.com/gke-tpu-accelerator", "cloud.google.com/gke-tpu-topology")
@@ -63,7 +63,8 @@ def one(docs: list[dict], kind: str, name: str) -> dict:
 
 
 def pod_templates(docs: list[dict]) -> list[tuple[str, dict]]:
-    """(where, pod template) of every workload: Deployments and both LeaderWorkerSet templates."""
+    """(where, pod template) of every pdserve workload: Deployments and both LeaderWorkerSet templates of
+    the prefill and decode pools (not the endpoint picker's)."""
     out = []
     for d in docs:
         name = f"{d['kind']}/{d['metadata']['name']}"
@@ -72,14 +73,52 @@ def pod_templates(docs: list[dict]) -> list[tuple[str, dict]]:
         elif (d["apiVersion"], d["kind"]) == LWS:
             lwt = d["spec"]["leaderWorkerTemplate"]
             out += [(f"{name}/{k}", lwt[k]) for k in ("leaderTemplate", "workerTemplate") if k in lwt]
-    return out
+    return [(where, t) for where, t in out if role(t) in HEALTH_PORTS]
 
 
 def role(template: dict) -> str:
     return template["metadata"]["labels"]["app.kubernetes.io/component"]
 
 
+CRDS = ROOT / "tests" / "data" / "crds"  # vendored, SOURCES.md says from where
+
+
+@functools.cache
+def crd_schemas() -> dict[tuple[str, str], dict]:
+    """(apiVersion, kind) -> the openAPIV3Schema of each served version of the vendored CRDs, made strict
+    (an object with properties takes no other field, as `kubectl apply --validate=strict`)."""
+
+    def strict(schema):
+        if isinstance(schema, dict):
+            schema = {k: strict(v) for k, v in schema.items()}
+            if "properties" in schema and not schema.get("x-kubernetes-preserve-unknown-fields"):
+                schema.setdefault("additionalProperties", False)
+        elif isinstance(schema, list):
+            schema = [strict(v) for v in schema]
+        return schema
+
+    schemas = {}
+    for path in CRDS.glob("*.yaml"):
+        crd = yaml.safe_load(path.read_text())
+        group, kind = crd["spec"]["group"], crd["spec"]["names"]["kind"]
+        for version in crd["spec"]["versions"]:
+            schema = strict(version["schema"]["openAPIV3Schema"])
+            schema["properties"]["metadata"] = {"type": "object"}  # checked by the API server, not the CRD
+            schemas[(f"{group}/{version['name']}", kind)] = schema
+    return schemas
+
+
 def validate(doc: dict) -> None:
+    schema = crd_schemas().get((doc["apiVersion"], doc["kind"]))
+    if schema is not None:
+        import jsonschema
+
+        errors = list(jsonschema.Draft4Validator(schema).iter_errors(doc))
+        if errors:
+            e = errors[0]
+            where = ".".join(map(str, e.absolute_path))
+            raise AssertionError(f"{doc['kind']}/{doc['metadata'].get('name')}: {where}: {e.message}")
+        return
     try:
         kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
     except kubernetes_validate.ValidationError as e:
@@ -409,3 +448,103 @@ def test_multihost_pods_read_their_group_as_the_tests_start_it():
         assert args.tp == int(env["PDSERVE_TP"]) == size * devices_per_process(args, group)
         assert devices_per_process(args, group) == int(c["resources"]["limits"]["google.com/tpu"])
         assert env["TPU_WORKER_HOSTNAMES"].split(",") == pods and env["TPU_WORKER_ID"] == str(index)
+
+
+# ---- behind an inference gateway (deploy/components/inference-gateway) ------------------------------------
+def test_the_inference_pool_and_its_picker_fit_the_decode_pods():
+    """The InferencePool selects exactly the decode pods on their HTTP port; its picker's Service, config
+    and the HTTPRoute resolve; the picker reads what a decode-server (parsed by its own parser) serves:
+    /metrics under PICKER_SERIES on the metrics port, render on the Service's HTTP port, KV events on the
+    event ports, blocks of the engine's size, the served model's name."""
+    from engine.config import EngineConfig
+    from services.daemon import decode_parser
+    from services.metrics import CACHE_NUM_BLOCKS_LABEL, PICKER_SERIES
+
+    docs = render("gke-tpu-gateway")
+    [pool] = of_kind(docs, "InferencePool")
+    spec = pool["spec"]
+    templates = {role(t): t for _, t in pod_templates(docs)}
+    decode = templates["decode"]
+    labels = decode["metadata"]["labels"]
+    assert spec["selector"]["matchLabels"].items() <= labels.items()
+    for where, template in [
+        *pod_templates(docs),
+        ("picker", one(docs, "Deployment", "pdserve-epp")["spec"]["template"]),
+    ]:
+        selected = spec["selector"]["matchLabels"].items() <= template["metadata"]["labels"].items()
+        assert selected == (template is decode), where
+    assert (labels["llm-d.ai/role"], labels["llm-d.ai/engine-type"]) == ("decode", "pdserve")
+    assert templates["prefill"]["metadata"]["labels"]["llm-d.ai/role"] == "prefill"
+    # CEL rules of the CRD (a JSON-schema validator does not run them)
+    numbers = [p["number"] for p in spec["targetPorts"]]
+    assert len(set(numbers)) == len(numbers) and "port" in spec["endpointPickerRef"]
+
+    [c] = decode["spec"]["containers"]
+    env = dict(one(docs, "ConfigMap", c["envFrom"][0]["configMapRef"]["name"])["data"], POD_IP="10.0.0.9")
+    args = decode_parser().parse_args([expand(a, env) for a in c["args"]])
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert numbers == [args.http_port] == [ports["http"]] and args.http_plaintext
+    assert args.metrics_port == ports["metrics"] and not args.no_kv_events and not args.accept_prefill_hint
+
+    picker = one(docs, "Service", spec["endpointPickerRef"]["name"])
+    assert spec["endpointPickerRef"]["port"]["number"] in [p["port"] for p in picker["spec"]["ports"]]
+    epp = one(docs, "Deployment", "pdserve-epp")["spec"]["template"]
+    assert picker["spec"]["selector"].items() <= epp["metadata"]["labels"].items()
+    [container] = epp["spec"]["containers"]
+    assert f"--pool-name={pool['metadata']['name']}" in container["args"]
+    assert f"--grpc-port={spec['endpointPickerRef']['port']['number']}" in container["args"]
+    [config_file] = [a.split("=", 1)[1] for a in container["args"] if a.startswith("--config-file=")]
+    [mount] = container["volumeMounts"]
+    [volume] = [v for v in epp["spec"]["volumes"] if v["name"] == mount["name"]]
+    config_map = one(docs, "ConfigMap", volume["configMap"]["name"])
+    config = yaml.safe_load(config_map["data"][config_file.removeprefix(mount["mountPath"] + "/")])
+    assert (config["apiVersion"], config["kind"]) == ("llm-d.ai/v1alpha1", "EndpointPickerConfig")
+
+    plugins = {p.get("name", p["type"]): p for p in config["plugins"]}
+    refs = [r["pluginRef"] for profile in config["schedulingProfiles"] for r in profile["plugins"]]
+    refs += [s["pluginRef"] for s in config["dataLayer"]["sources"]]
+    refs += [e["pluginRef"] for s in config["dataLayer"]["sources"] for e in s["extractors"]]
+    assert set(refs) <= set(plugins)
+    scorers = {"queue-scorer", "kv-cache-utilization-scorer", "lora-affinity-scorer", "prefix-cache-scorer"}
+    assert scorers <= set(refs)
+    extractor = plugins["core-metrics-extractor"]["parameters"]
+    engines = {e["name"]: e for e in extractor["engineConfigs"]}
+    for pdserve_role, template in templates.items():
+        mapping = engines[template["metadata"]["labels"][extractor["engineLabelKey"]]]
+        assert mapping["cacheNumBlocksLabelName"] == CACHE_NUM_BLOCKS_LABEL
+        assert {k: mapping[k] for k in PICKER_SERIES} == {
+            k: v.format(role=pdserve_role) for k, v in PICKER_SERIES.items()
+        }
+    assert plugins["metrics-data-source"]["parameters"]["port"] == args.metrics_port
+    tokens = plugins["token-producer"]["parameters"]
+    decode_service = one(docs, "Service", "pdserve-decode")
+    http_port = next(p["port"] for p in decode_service["spec"]["ports"] if p["name"] == "http")
+    assert tokens["vllm"]["url"] == f"http://pdserve-decode:{http_port}"
+    assert tokens["modelName"] == env["PDSERVE_MODEL"]  # the name decode-server serves a known model under
+    producer = plugins["precise-prefix-cache-producer"]["parameters"]
+    discovery = producer["kvEventsConfig"]["podDiscoveryConfig"]
+    assert (discovery["socketPort"], discovery["replaySocketPort"]) == (
+        ports["kv-events"],
+        ports["kv-events-rpl"],
+    )
+    assert producer["tokenProcessorConfig"]["blockSizeTokens"] == EngineConfig().block_size
+
+    [route] = of_kind(docs, "HTTPRoute")
+    [parent] = route["spec"]["parentRefs"]
+    one(docs, "Gateway", parent["name"])
+    [rule] = route["spec"]["rules"]
+    assert rule["backendRefs"] == [
+        {"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": pool["metadata"]["name"]}
+    ]
+
+
+def test_crd_validation_catches_mistakes():
+    pool = one(render("gke-tpu-gateway"), "InferencePool", "pdserve-decode")
+    bad = yaml.safe_load(yaml.safe_dump(pool))
+    bad["spec"]["selector"] = {"app": "decode"}  # a Service-style selector: only matchLabels is allowed
+    with pytest.raises(AssertionError, match="selector"):
+        validate(bad)
+    bad = yaml.safe_load(yaml.safe_dump(pool))
+    bad["spec"]["endpointPickerRef"]["port"] = 9002  # {number: 9002}
+    with pytest.raises(AssertionError, match="endpointPickerRef"):
+        validate(bad)

@@ -19,6 +19,7 @@ import zmq
 
 from services.client import Client
 from services.launch import free_port
+from services.metrics import CACHE_NUM_BLOCKS_LABEL, PICKER_SERIES
 from tests.helpers import assert_all_free, in_process, scrape
 from tests.llmd_index import RouterIndex
 
@@ -176,10 +177,11 @@ def test_the_pickers_series_follow_the_load_as_admin_reports_it(gateway):
     """11 long requests on 8 sequence slots: 8 running, 3 waiting, as long as none finishes. Whenever
     Admin reports the same load before and after a scrape, the scrape reports it too."""
     client, address = Client(gateway.address), gateway.metrics
+    names = {k: v.format(role="decode") + '{role="decode"}' for k, v in PICKER_SERIES.items()}
     series = {
-        "running": 'pdserve_running_requests{role="decode"}',
-        "waiting": 'pdserve_decode_queue_depth{role="decode"}',
-        "usage": 'pdserve_kv_cache_usage_ratio{role="decode"}',
+        "running": names["runningRequestsSpec"],
+        "waiting": names["queuedRequestsSpec"],
+        "usage": names["kvUsageSpec"],
     }
 
     def load(s):
@@ -203,6 +205,7 @@ def test_the_pickers_series_follow_the_load_as_admin_reports_it(gateway):
     assert_all_free(gateway.address)
     metrics = scrape(address)
     assert [metrics[name] for name in series.values()] == [0, 0, 0]
-    assert metrics['pdserve_kv_cache_config_info{block_size="16",num_blocks="192",role="decode"}'] == 1
-    (lora,) = [k for k in metrics if k.startswith("pdserve_lora_requests_info{")]
+    info = PICKER_SERIES["cacheInfoSpec"]
+    assert metrics[f'{info}{{block_size="16",{CACHE_NUM_BLOCKS_LABEL}="192",role="decode"}}'] == 1
+    (lora,) = [k for k in metrics if k.startswith(PICKER_SERIES["loraSpec"] + "{")]
     assert 'max_lora="0"' in lora and 'running_lora_adapters=""' in lora
