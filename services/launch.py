@@ -29,7 +29,7 @@ ENGINE_ARGS = [
 # fixed ports, one daemon a pod)
 EPHEMERAL_KV_EVENTS = ["--kv-events-port", "0", "--kv-events-replay-port", "0"]
 _READY = re.compile(r"ready on ([0-9.]+):(\d+)")
-_EXTRA_PORT = re.compile(r"^(metrics|http) on ([0-9.]+):(\d+)")  # printed before "ready on"
+_EXTRA_PORT = re.compile(r"^(metrics|http|kv-events) on ([0-9.]+):(\d+)")  # printed before "ready on"
 
 
 class Daemon:
@@ -74,7 +74,7 @@ class Daemon:
             threading.Thread(target=self._drain, daemon=True).start()
 
     def _wait_ready(self, timeout: float) -> str:
-        self.addresses: dict[str, str] = {}  # "metrics" / "http" -> host:port, when the daemon serves them
+        self.addresses: dict[str, str] = {}  # "metrics" / "http" / "kv-events" -> host:port, when served
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             line = self.proc.stdout.readline()

@@ -80,9 +80,9 @@ class Daemons:
         return codes
 
 
-def scrape(address: str) -> dict[str, float]:
-    """A daemon's /metrics: {'name{labels}': value}."""
-    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
+def scrape(address: str, path: str = "/metrics") -> dict[str, float]:
+    """A daemon's /metrics (or another path of its metrics port): {'name{labels}': value}."""
+    text = urllib.request.urlopen(f"http://{address}{path}", timeout=10).read().decode()
     values = {}
     for line in text.splitlines():
         if line and not line.startswith("#"):

@@ -458,7 +458,7 @@ def test_the_inference_pool_and_its_picker_fit_the_decode_pods():
     event ports, blocks of the engine's size, the served model's name."""
     from engine.config import EngineConfig
     from services.daemon import decode_parser
-    from services.metrics import CACHE_NUM_BLOCKS_LABEL, PICKER_SERIES
+    from services.metrics import CACHE_NUM_BLOCKS_LABEL, PICKER_PATH, PICKER_SERIES
 
     docs = render("gke-tpu-gateway")
     [pool] = of_kind(docs, "InferencePool")
@@ -515,7 +515,8 @@ def test_the_inference_pool_and_its_picker_fit_the_decode_pods():
         assert {k: mapping[k] for k in PICKER_SERIES} == {
             k: v.format(role=pdserve_role) for k, v in PICKER_SERIES.items()
         }
-    assert plugins["metrics-data-source"]["parameters"]["port"] == args.metrics_port
+    source = plugins["metrics-data-source"]["parameters"]
+    assert (source["port"], source["path"]) == (args.metrics_port, PICKER_PATH)
     tokens = plugins["token-producer"]["parameters"]
     decode_service = one(docs, "Service", "pdserve-decode")
     http_port = next(p["port"] for p in decode_service["spec"]["ports"] if p["name"] == "http")

@@ -19,7 +19,7 @@ import zmq
 
 from services.client import Client
 from services.launch import free_port
-from services.metrics import CACHE_NUM_BLOCKS_LABEL, PICKER_SERIES
+from services.metrics import CACHE_NUM_BLOCKS_LABEL, PICKER_PATH, PICKER_SERIES
 from tests.helpers import assert_all_free, in_process, scrape
 from tests.llmd_index import RouterIndex
 
@@ -191,11 +191,11 @@ def test_the_pickers_series_follow_the_load_as_admin_reports_it(gateway):
     seen = []
     with concurrent.futures.ThreadPoolExecutor(11) as pool:
         futures = [
-            pool.submit(client.generate, f"Count slowly from {i} upwards:", max_tokens=40, ignore_eos=True)
+            pool.submit(client.generate, f"Count slowly from {i} upwards:", max_tokens=24, ignore_eos=True)
             for i in range(11)
         ]
         while not all(f.done() for f in futures):
-            before, metrics, after = load(client.stats()), scrape(address), load(client.stats())
+            before, metrics, after = load(client.stats()), scrape(address, PICKER_PATH), load(client.stats())
             if before == after:
                 assert {k: metrics[name] for k, name in series.items()} == before
                 seen.append(before)
@@ -203,8 +203,10 @@ def test_the_pickers_series_follow_the_load_as_admin_reports_it(gateway):
     assert any(s["running"] == 8 and s["waiting"] == 3 for s in seen), seen
     assert all(0 <= s["usage"] <= 1 for s in seen) and max(s["usage"] for s in seen) > 0
     assert_all_free(gateway.address)
-    metrics = scrape(address)
+    metrics = scrape(address, PICKER_PATH)
     assert [metrics[name] for name in series.values()] == [0, 0, 0]
+    everything = scrape(address)  # /metrics holds them too, and the rest
+    assert metrics.items() <= everything.items() and len(everything) > 3 * len(metrics)
     info = PICKER_SERIES["cacheInfoSpec"]
     assert metrics[f'{info}{{block_size="16",{CACHE_NUM_BLOCKS_LABEL}="192",role="decode"}}'] == 1
     (lora,) = [k for k in metrics if k.startswith(PICKER_SERIES["loraSpec"] + "{")]

@@ -1,0 +1,170 @@
+"""What serving behind an inference gateway costs a decode server: its /metrics scraped at 20 Hz (llm-d's
+router polls every 50 ms) and its KV cache events published to a subscriber (the router's precise prefix
+scorer), each against the same server without it, measured in one run with alternating rounds.
+
+    .venv/bin/python bench/bench_gateway.py [--rounds N] [--json OUT]
+
+Two colocated decode-servers on this machine, one publishing KV events (a ZMQ subscriber here reads every
+message, as the router does) and one with --no-kv-events; only one is loaded at a time. Each round runs 8
+concurrent streams of 96 tokens (distinct prompts: every request stores new blocks, so the publisher has
+work) on each, once with a thread here scraping the loaded server's metrics every 50 ms (PICKER_PATH, what
+deploy/components/inference-gateway points the picker at) and once without.
+Figures: decode tokens/s (after the last first token), medians over rounds; ratios scraped / not scraped
+and events on / off, per round (the same minutes of this noisy machine), their median and range (targets:
+median >= 0.98).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import statistics
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import zmq
+from bench_engine import report  # bench/ is on the path when a script of it runs
+
+from engine.models import DEFAULT_MODEL, fetch
+from services.client import Client
+from services.launch import decode_server
+from services.metrics import PICKER_PATH
+
+ENGINE_ARGS = ["--max-model-len", "1024", "--num-blocks", "512", "--max-num-seqs", "8"]
+STREAMS, DECODE_TOKENS, SCRAPE_EVERY_S = 8, 96, 0.05
+
+
+def decode_rate(client: Client, salt: int) -> float:
+    """Tokens per second of STREAMS concurrent requests (distinct 48-token prompts) decoding DECODE_TOKENS
+    tokens each, from the last first token on."""
+
+    def one(i: int) -> tuple[float, float, int]:
+        ids = np.random.default_rng((salt, i)).integers(100, 40000, 48).tolist()
+        r = client.generate(ids, max_tokens=DECODE_TOKENS, ignore_eos=True)
+        return r.token_times_s[0], r.token_times_s[-1], len(r.token_ids) - 1
+
+    start = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(STREAMS) as pool:
+        runs = list(pool.map(one, range(STREAMS)))
+    wall = time.perf_counter() - start
+    return sum(n for *_, n in runs) / max(wall - max(first for first, *_ in runs), 1e-9)
+
+
+class Scraper:
+    """GETs PICKER_PATH of a metrics port every SCRAPE_EVERY_S seconds on a thread while `with`-ed."""
+
+    def __init__(self, address: str):
+        self.address, self.count, self._stop = address, 0, threading.Event()
+
+    def _run(self):
+        while not self._stop.is_set():
+            started = time.monotonic()
+            urllib.request.urlopen(f"http://{self.address}{PICKER_PATH}", timeout=10).read()
+            self.count += 1
+            self._stop.wait(max(0.0, SCRAPE_EVERY_S - (time.monotonic() - started)))
+
+    def __enter__(self):
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
+class Subscriber:
+    """Reads every KV events message of a daemon on a thread (the router's subscription)."""
+
+    def __init__(self, address: str):
+        self.context = zmq.Context()
+        self.socket = self.context.socket(zmq.SUB)
+        self.socket.setsockopt(zmq.SUBSCRIBE, b"kv@")
+        self.socket.connect(f"tcp://{address}")
+        self.messages = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        while not self._stop.is_set():
+            if self.socket.poll(100):
+                self.socket.recv_multipart()
+                self.messages += 1
+
+    def close(self):
+        self._stop.set()
+        self._thread.join()
+        self.context.destroy(linger=0)
+
+
+def study(rounds: int) -> dict:
+    gguf = fetch(DEFAULT_MODEL, progress=False)
+    logs = Path(tempfile.mkdtemp(prefix="bench-gateway-"))
+    extra = ["--metrics-port", "0"]
+    events_on = decode_server(gguf, "local", logs, name="events-on", engine_args=ENGINE_ARGS, extra=extra)
+    events_off = decode_server(
+        gguf, "local", logs, name="events-off", engine_args=ENGINE_ARGS, extra=[*extra, "--no-kv-events"]
+    )
+    subscriber = Subscriber(events_on.addresses["kv-events"])
+    try:
+        daemons = {"events on": events_on, "events off": events_off}
+        clients = {k: Client(d.address) for k, d in daemons.items()}
+        for client in clients.values():  # compile the shapes the rounds meet (the daemons start lazily)
+            decode_rate(client, 0)
+        rates = {(k, s): [] for k in daemons for s in ("scraped", "not scraped")}
+        scrapes = 0
+        for r in range(1, rounds + 1):
+            # alternating, and in the other order every other round: drift and order effects cancel
+            order = list(daemons) if r % 2 else list(daemons)[::-1]
+            for k in order:
+                for scraped in (False, True) if r % 2 else (True, False):
+                    if scraped:
+                        with Scraper(daemons[k].addresses["metrics"]) as scraper:
+                            rates[(k, "scraped")].append(decode_rate(clients[k], 2 * r + 1))
+                        scrapes += scraper.count
+                    else:
+                        rates[(k, "not scraped")].append(decode_rate(clients[k], 2 * r))
+            print(f"round {r} done", flush=True)
+
+        def paired(a, b):  # per-round ratios (same moment of this machine): median, min, max
+            ratios = [x / y for x, y in zip(rates[a], rates[b], strict=True)]
+            return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
+
+        return {
+            "decode_tok_s (medians)": {f"{k} / {s}": statistics.median(v) for (k, s), v in rates.items()},
+            "scraped / not scraped (events on)": paired(
+                ("events on", "scraped"), ("events on", "not scraped")
+            ),
+            "scraped / not scraped (events off)": paired(
+                ("events off", "scraped"), ("events off", "not scraped")
+            ),
+            "events on / off (not scraped)": paired(
+                ("events on", "not scraped"), ("events off", "not scraped")
+            ),
+            "events on / off (scraped)": paired(("events on", "scraped"), ("events off", "scraped")),
+            "scrapes": scrapes,
+            "kv_event_messages_received": subscriber.messages,
+        }
+    finally:
+        subscriber.close()
+        for daemon in (events_on, events_off):
+            daemon.terminate()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--json", help="also write the result here")
+    args = parser.parse_args()
+    report(study(args.rounds), args.json)
+
+
+if __name__ == "__main__":
+    main()
