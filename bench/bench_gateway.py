@@ -4,8 +4,9 @@ scorer), each against the same server without it, measured in one run with alter
 
     .venv/bin/python bench/bench_gateway.py [--rounds N] [--json OUT]
 
-Two colocated decode-servers on this machine, one publishing KV events (a ZMQ subscriber here reads every
-message, as the router does) and one with --no-kv-events; only one is loaded at a time. Each round runs 8
+Three colocated decode-servers on this machine, one publishing KV events (a ZMQ subscriber here reads every
+message, as the router does) and two with --no-kv-events (the second is a control: how much two identical
+servers differ here); only one is loaded at a time. Each round runs 8
 concurrent streams of 96 tokens (distinct prompts: every request stores new blocks, so the publisher has
 work) on each, once with a thread here scraping the loaded server's metrics every 50 ms (PICKER_PATH, what
 deploy/components/inference-gateway points the picker at) and once without.
@@ -107,12 +108,21 @@ def study(rounds: int) -> dict:
     logs = Path(tempfile.mkdtemp(prefix="bench-gateway-"))
     extra = ["--metrics-port", "0"]
     events_on = decode_server(gguf, "local", logs, name="events-on", engine_args=ENGINE_ARGS, extra=extra)
-    events_off = decode_server(
-        gguf, "local", logs, name="events-off", engine_args=ENGINE_ARGS, extra=[*extra, "--no-kv-events"]
-    )
+    off = [
+        decode_server(
+            gguf,
+            "local",
+            logs,
+            name=f"events-off-{i}",
+            engine_args=ENGINE_ARGS,
+            extra=[*extra, "--no-kv-events"],
+        )
+        for i in range(2)
+    ]
     subscriber = Subscriber(events_on.addresses["kv-events"])
     try:
-        daemons = {"events on": events_on, "events off": events_off}
+        # the second server without events is the control: two identical servers differ by this much
+        daemons = {"events on": events_on, "events off": off[0], "events off (control)": off[1]}
         clients = {k: Client(d.address) for k, d in daemons.items()}
         for client in clients.values():  # compile the shapes the rounds meet (the daemons start lazily)
             decode_rate(client, 0)
@@ -147,12 +157,18 @@ def study(rounds: int) -> dict:
                 ("events on", "not scraped"), ("events off", "not scraped")
             ),
             "events on / off (scraped)": paired(("events on", "scraped"), ("events off", "scraped")),
+            "control: events off / events off, another server (not scraped)": paired(
+                ("events off", "not scraped"), ("events off (control)", "not scraped")
+            ),
+            "control: events off / events off, another server (scraped)": paired(
+                ("events off", "scraped"), ("events off (control)", "scraped")
+            ),
             "scrapes": scrapes,
             "kv_event_messages_received": subscriber.messages,
         }
     finally:
         subscriber.close()
-        for daemon in (events_on, events_off):
+        for daemon in (events_on, *off):
             daemon.terminate()
 
 

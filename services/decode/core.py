@@ -278,7 +278,7 @@ class GenerationCore:
             if route is None:
                 break
             if hint is not None and not tried and route.reason != "hint":
-                routed["prefill_hint"] = f"ignored {hint}: not a prefill replica of this server"
+                routed["prefill_hint"] = f"ignored {hint}: not one of this server's healthy prefill replicas"
             replica = route.replica
             tried.add(replica.name)
             try:

@@ -1,12 +1,11 @@
 """A decode server as an endpoint of an InferencePool (llm-d's router): the series the picker scrapes
 under load, the render endpoints its precise prefix scorer calls, the KV events of blocks that arrived by
-transfer, and the x-prefiller-host-port hint. One decode server (in this process, LoRA off) on two prefill
-replicas: the shared prefill-server and one on a thread here."""
+transfer, and the x-prefiller-host-port hint (which replica a hint picks: test_kv_events). One decode server
+on a thread here (8 sequence slots, LoRA off, hints accepted) on the shared prefill-server."""
 
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import json
 import time
 import types
@@ -35,34 +34,24 @@ def gateway(prefill, loaded_model, small_config):
     from services.decode.core import DecodeConfig, GenerationCore
     from services.decode.server import serve as serve_decode
     from services.kv_events import KVEventsConfig
-    from services.prefill.server import PrefillService
-    from services.prefill.server import serve as serve_prefill
 
     http, metrics, events = free_port(), free_port(), free_port()
-    with contextlib.ExitStack() as stack:
-        service = PrefillService.for_engine(LLMEngine(loaded_model, small_config))
-        second = stack.enter_context(
-            in_process(lambda stop, ready: serve_prefill(service, 0, stop, on_ready=ready, kv_events=None))
-        )
-        core = GenerationCore.for_engine(
-            LLMEngine(loaded_model, small_config),
-            prefill_targets=[prefill.address, second],
-            config=DecodeConfig(accept_prefill_hint=True),
-        )
-        options = dict(http_port=http, metrics_port=metrics, kv_events=KVEventsConfig(events, 0))
-        decode = stack.enter_context(
-            in_process(lambda stop, ready: serve_decode(core, 0, stop, on_ready=ready, **options))
-        )
+    core = GenerationCore.for_engine(
+        LLMEngine(loaded_model, small_config),
+        prefill_targets=[prefill.address],
+        config=DecodeConfig(accept_prefill_hint=True),
+    )
+    options = dict(http_port=http, metrics_port=metrics, kv_events=KVEventsConfig(events, 0))
+    with in_process(lambda stop, ready: serve_decode(core, 0, stop, on_ready=ready, **options)) as decode:
         yield types.SimpleNamespace(
             address=decode,
             http=f"127.0.0.1:{http}",
             metrics=f"127.0.0.1:{metrics}",
             events=events,
             core=core,
-            replicas=[prefill.address, second],
             model=core.engine.model.config.name,
         )
-        assert_all_free(decode, prefill.address, second)
+        assert_all_free(decode, prefill.address)
 
 
 def post(address: str, path: str, body: dict, headers: dict | None = None) -> tuple[int, object]:
@@ -139,11 +128,8 @@ def test_blocks_received_by_transfer_are_published_for_the_router(gateway):
         context.destroy(linger=0)
 
 
-def test_the_prefiller_hint_is_used_when_it_names_a_replica(gateway, colocated):
+def test_the_prefiller_hint_is_used_when_it_names_a_replica(gateway, prefill, colocated):
     client, counters = Client(gateway.address), gateway.core.counters
-
-    def served(replica: str) -> int:
-        return Client(replica).stats().num_requests_total
 
     def complete(prompt: str, hint: str):
         body = {"model": gateway.model, "prompt": prompt, **GREEDY}
@@ -151,12 +137,12 @@ def test_the_prefiller_hint_is_used_when_it_names_a_replica(gateway, colocated):
 
     # distinct from their first block: none is mostly cached here (which would be prefilled here)
     prompts = [f"Quiz question {i}. {SYSTEM} How many minutes are there in {i + 2} hours?" for i in range(4)]
-    second = gateway.replicas[1]
-    before, hinted = served(second), counters.routes.get("hint", 0)
-    for prompt in prompts[:2]:  # routing alone would alternate: the hint sends both to the same replica
-        status, body = complete(prompt, second)
+    hinted = counters.routes.get("hint", 0)
+    # the replica, named as llm-d names a pod (its IP and the pool's target port), then by its address
+    for prompt, hint in zip(prompts[:2], ["127.0.0.1:8000", prefill.address], strict=True):
+        status, body = complete(prompt, hint)
         assert status == 200 and body["choices"][0]["text"] == colocated(prompt, field="text", **GREEDY)
-    assert served(second) == before + 2 and counters.routes["hint"] == hinted + 2
+    assert counters.routes["hint"] == hinted + 2
     # a pod that is not one of our replicas: ignored, routed as usual
     status, body = complete(prompts[2], "10.255.255.1:8000")
     assert status == 200 and body["choices"][0]["text"] == colocated(prompts[2], field="text", **GREEDY)
@@ -168,7 +154,7 @@ def test_the_prefiller_hint_is_used_when_it_names_a_replica(gateway, colocated):
     with pytest.raises(grpc.RpcError) as err:
         client.generate(prompts[3], **GREEDY)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    client.metadata = (("x-prefiller-host-port", second),)
+    client.metadata = (("x-prefiller-host-port", prefill.address),)
     assert client.generate(prompts[3], **GREEDY).token_ids == colocated(prompts[3], **GREEDY)
     assert counters.routes["hint"] == hinted + 3
 

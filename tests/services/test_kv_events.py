@@ -177,8 +177,18 @@ def test_routing_prefers_the_replica_holding_the_prefix_unless_its_queue_costs_m
         pool.routing = Routing("least-outstanding")
         assert pool.pick(block_hashes=prompt, num_tokens=tokens).replica is b
         pool.routing = Routing()
+        # an endpoint picker's hint: the replica of that address, else the only one on that host
+        hinted = pool.pick(block_hashes=prompt, num_tokens=tokens, prefer="127.0.0.1:3")
+        assert (hinted.replica, hinted.reason) == (c, "hint")
+        assert pool.pick(exclude={c.name}, prefer="127.0.0.1:3").reason != "hint"  # tried already
+        assert pool.pick(prefer="127.0.0.1:8000").reason != "hint"  # three replicas on that host
+        assert pool.pick(prefer="10.0.0.9:50051").reason != "hint"  # not ours
+        del pool.replicas[b.name], pool.replicas[c.name]
+        assert pool.pick(prefer="127.0.0.1:8000").replica is a  # the pool's target port, not Prefill's
+        pool.replicas[b.name] = b
         b.mark_failed()  # down: avoided, and what it cached is forgotten
         assert b.cache.hashes == set() and pool.pick(block_hashes=prompt, num_tokens=tokens).replica is a
+        assert pool.pick(prefer=b.name).replica is a  # a hint does not revive a replica that is down
         with pytest.raises(ValueError):
             Routing("random")
         for r in (a, b, c):
