@@ -31,7 +31,7 @@ sampling_params = st.builds(
     temperature=f32.map(abs),
     top_k=st.integers(0, 1000),
     top_p=st.floats(0.25, 1, width=32),
-    min_p=f32.map(lambda x: abs(x) / 2),
+    min_p=st.floats(0, 1, width=32, allow_subnormal=False),  # (x / 2 of a float32 may not be one)
     repetition_penalty=st.floats(0.5, 3, width=32),
     presence_penalty=f32,
     frequency_penalty=f32,
