@@ -9,12 +9,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 _HF_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
 }
+_QK_NORM = ("qwen3",)  # RMSNorm of each query and key head before rope
 
 
 class UnsupportedModelError(ValueError):
@@ -23,7 +25,7 @@ class UnsupportedModelError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2/2.5)."""
+    """Architecture of a Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2/2.5, Qwen3)."""
 
     architecture: str
     vocab_size: int
@@ -38,6 +40,7 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     qkv_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over each query and key head (weights [head_dim]) before rope
     # Llama 3.x long-context rope scaling: (factor, low_freq_factor, high_freq_factor, original_max_pos).
     rope_llama3_scaling: tuple[float, float, float, int] | None = None
     name: str = "model"
@@ -106,6 +109,7 @@ class ModelConfig:
             max_position_embeddings=int(get("context_length")),
             tie_word_embeddings=tie_word_embeddings,
             qkv_bias=arch == "qwen2",
+            qk_norm=arch in _QK_NORM,
             rope_llama3_scaling=scaling,
             name=name,
         )
@@ -140,6 +144,7 @@ class ModelConfig:
                 )
             elif kind not in (None, "default"):
                 raise UnsupportedModelError(f"rope_scaling type {kind!r} is not supported")
+        _refuse_unsupported_features(config)
         return cls(
             architecture=arch,
             vocab_size=config["vocab_size"],
@@ -153,10 +158,24 @@ class ModelConfig:
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=config.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            qkv_bias=arch == "qwen2",
+            qkv_bias=arch == "qwen2" or bool(config.get("attention_bias", False)),
+            qk_norm=arch in _QK_NORM,
             rope_llama3_scaling=scaling,
             name=name,
         )
+
+
+def _refuse_unsupported_features(config: Mapping[str, Any]) -> None:
+    """UnsupportedModelError naming the config.json field of a feature the forward pass lacks."""
+    if config.get("use_sliding_window") or "sliding_attention" in (config.get("layer_types") or ()):
+        raise UnsupportedModelError(
+            "config.json use_sliding_window / layer_types: sliding-window attention is not supported"
+        )
+    act = config.get("hidden_act", "silu")
+    if act != "silu":
+        raise UnsupportedModelError(f"config.json hidden_act={act!r}: only 'silu' (SwiGLU) is supported")
+    if config.get("mlp_bias"):
+        raise UnsupportedModelError("config.json mlp_bias=true: MLP biases are not supported")
 
 
 def _powers_of_two(start: int, stop: int) -> tuple[int, ...]:

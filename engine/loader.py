@@ -32,8 +32,11 @@ _LAYER_TENSORS = {
     "w_gate": ("ffn_gate.weight", "mlp.gate_proj.weight"),
     "w_up": ("ffn_up.weight", "mlp.up_proj.weight"),
     "w_down": ("ffn_down.weight", "mlp.down_proj.weight"),
+    "q_norm": ("attn_q_norm.weight", "self_attn.q_norm.weight"),
+    "k_norm": ("attn_k_norm.weight", "self_attn.k_norm.weight"),
 }
 _BIASES = ("bq", "bk", "bv")
+_QK_NORMS = ("q_norm", "k_norm")  # only with ModelConfig.qk_norm
 
 
 class CheckpointError(FileNotFoundError):
@@ -53,6 +56,8 @@ def _stack_layers(cfg: ModelConfig, fetch: Callable[[int, str], np.ndarray | Non
     """Stacks per-layer tensors ([out, in] as stored) into [L, in, out] math layout."""
     stacked = {}
     for name in _LAYER_TENSORS:
+        if name in _QK_NORMS and not cfg.qk_norm:
+            continue
         per_layer = []
         for i in range(cfg.num_layers):
             w = fetch(i, name)

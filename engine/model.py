@@ -96,6 +96,8 @@ def forward_step(
         qkv = plus_lora(qkv, lora_ops.qkv_delta, h, lo)
         q = qkv[..., : -2 * head_dim].reshape(t, kv_heads, -1, head_dim)
         k, v = qkv[..., -2 * head_dim : -head_dim], qkv[..., -head_dim:]
+        if cfg.qk_norm:  # per head (padded heads are zeros and stay zeros)
+            q, k = rms_norm(q, w.q_norm, cfg.rms_norm_eps), rms_norm(k, w.k_norm, cfg.rms_norm_eps)
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
         attn = ragged_paged_attention(q, k, v, cache, index, kv_lens, block_tables, cu_q_lens)
         attn = attn.reshape(t, -1)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.config import ModelConfig
+from engine.config import ModelConfig, UnsupportedModelError
 from engine.loader import CheckpointError, load_gguf, load_hf_folder
 from engine.tokenizer import Tokenizer
 
@@ -117,6 +117,11 @@ class LoadedModel:
     host_weights: dict[str, np.ndarray]  # math layout, layers stacked; see engine.weights.build_weights
     tokenizer: Tokenizer
     path: Path
+
+
+# What loading a model reference can fail with that is the reference's fault (not found, an architecture or
+# a config feature pdserve lacks): command lines print it as one line and exit non-zero.
+MODEL_ERRORS = (UnsupportedModelError, CheckpointError)
 
 
 def load_model(ref: str | os.PathLike | None = None) -> LoadedModel:

@@ -32,6 +32,8 @@ class LayerWeights:
     mlp_norm: jax.Array  # [L, hidden]
     w_gate_up: jax.Array  # [L, hidden, 2, intermediate]  (gate, up)
     w_down: jax.Array  # [L, intermediate, hidden]
+    q_norm: jax.Array | None = None  # [L, head_dim] with ModelConfig.qk_norm (Qwen3), else None
+    k_norm: jax.Array | None = None  # [L, head_dim]
 
 
 @jax.tree_util.register_dataclass
@@ -51,6 +53,8 @@ _LAYER_AXES = {
     "mlp_norm": ("layers", "embed"),
     "w_gate_up": ("layers", "embed", None, "mlp"),
     "w_down": ("layers", "mlp", "embed"),
+    "q_norm": ("layers", None),
+    "k_norm": ("layers", None),
 }
 
 
@@ -80,7 +84,8 @@ def build_weights(
 
     `host` holds numpy arrays in math layout (x @ W), layers stacked (engine.loader's names): `embed`
     [V, D], `final_norm` [D], optional `lm_head` [D, V], `wq` `wk` `wv` [L, D, heads * head_dim], their
-    biases `bq` `bk` `bv`, `wo`, `w_gate` `w_up` [L, D, I], `w_down`, `attn_norm`, `mlp_norm`.
+    biases `bq` `bk` `bv`, `wo`, `w_gate` `w_up` [L, D, I], `w_down`, `attn_norm`, `mlp_norm`, and with
+    qk_norm `q_norm` `k_norm` [L, head_dim].
     """
     tp = mesh.shape["model"]
     kv_heads = cfg.padded_num_kv_heads(tp)
@@ -97,9 +102,11 @@ def build_weights(
         "mlp_norm": host["mlp_norm"],
         "w_gate_up": np.stack([host["w_gate"], host["w_up"]], axis=2),
         "w_down": host["w_down"],
+        "q_norm": host.get("q_norm"),
+        "k_norm": host.get("k_norm"),
     }
     layers = {
-        name: jax.device_put(fused[name].astype(dtype), named(mesh, *axes))
+        name: None if fused[name] is None else jax.device_put(fused[name].astype(dtype), named(mesh, *axes))
         for name, axes in _LAYER_AXES.items()
     }
     lm_head = host.get("lm_head")

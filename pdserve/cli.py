@@ -12,7 +12,14 @@ import time
 from engine.args import add_engine_args, configure_jax, engine_config, load_adapters
 from engine.models import DEFAULT_MODEL, KNOWN_MODELS, cache_dir
 from services.client import add_client_flags, client_from_flags
-from services.daemon import common_args, decode_args, decode_main, prefill_main, serve_main
+from services.daemon import (
+    common_args,
+    decode_args,
+    decode_main,
+    prefill_main,
+    refusing_unloadable_models,
+    serve_main,
+)
 from services.sampling import add_sampling_flags, flag_values, params_from_request
 
 
@@ -104,7 +111,10 @@ def local_engine(args: argparse.Namespace):
     from engine.engine import LLMEngine
 
     configure_jax()
-    engine = LLMEngine.from_model(args.model, engine_config(args), warmup=args.warmup, progress=not args.json)
+    with refusing_unloadable_models():
+        engine = LLMEngine.from_model(
+            args.model, engine_config(args), warmup=args.warmup, progress=not args.json
+        )
     load_adapters(engine, args.lora)
     return engine
 

@@ -3,10 +3,23 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 
 from engine.args import add_engine_args, configure_jax, engine_config, load_adapters
 from engine.distributed import ProcessGroup, add_distributed_args, join, process_group
+
+
+@contextlib.contextmanager
+def refusing_unloadable_models():
+    """A model reference that cannot be served (engine.models.MODEL_ERRORS: not found, an architecture or
+    config feature pdserve lacks) ends the command with one line on stderr and exit status 1."""
+    from engine.models import MODEL_ERRORS
+
+    try:
+        yield
+    except MODEL_ERRORS as e:
+        raise SystemExit(f"error: {e}") from None
 
 
 def use_cpu_devices(count: int) -> None:
@@ -142,7 +155,8 @@ def build_engine(args: argparse.Namespace, group: ProcessGroup | None = None):
 
         if config.tp != jax.device_count():
             raise SystemExit(f"error: --tp {config.tp} must span the group's {jax.device_count()} devices")
-    engine = LLMEngine.from_model(args.model, config, warmup=not args.no_warmup)
+    with refusing_unloadable_models():
+        engine = LLMEngine.from_model(args.model, config, warmup=not args.no_warmup)
     leader = None
     if group is not None:
         from services.group import follow, lead
@@ -348,7 +362,8 @@ def serve_main(args: argparse.Namespace) -> int:
 
     configure_jax()
     devices = jax.devices()
-    model = load_model(args.model)
+    with refusing_unloadable_models():
+        model = load_model(args.model)
     base = engine_config(args)
     prefill_engine = LLMEngine(
         model, dataclasses.replace(base, tp=len(prefill_devices)), [devices[i] for i in prefill_devices]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -33,6 +34,48 @@ def test_unsupported_architecture_is_named(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**HF_CONFIG, "architectures": ["GPT2LMHeadModel"]}))
     with pytest.raises(UnsupportedModelError, match="GPT2LMHeadModel"):
         load_hf_folder(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        ({"architectures": ["Gemma3ForCausalLM"]}, "Gemma3ForCausalLM"),
+        ({"architectures": ["Qwen3ForCausalLM"], "use_sliding_window": True}, "use_sliding_window"),
+        ({"hidden_act": "gelu_pytorch_tanh"}, "hidden_act"),
+        ({"mlp_bias": True}, "mlp_bias"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
+    ],
+)
+def test_unsupported_config_features_are_named(change, field):
+    with pytest.raises(UnsupportedModelError, match=field):
+        ModelConfig.from_hf_config({**HF_CONFIG, **change})
+
+
+def test_commands_refuse_an_unservable_model_in_one_line(tmp_path):
+    """pdserve generate and both daemons: one line on stderr, exit status 1, no traceback."""
+    import subprocess
+    import sys
+
+    (tmp_path / "config.json").write_text(json.dumps({**HF_CONFIG, "architectures": ["Gemma3ForCausalLM"]}))
+    commands = {
+        "pdserve": ["generate", "--model", str(tmp_path), "Hi"],
+        "prefill-server": ["--model", str(tmp_path), "--port", "0", "--no-warmup"],
+        "decode-server": ["--model", str(tmp_path), "--port", "0", "--no-warmup"],
+    }
+    runs = {
+        name: subprocess.Popen(  # the installed commands (console scripts beside this interpreter)
+            [str(Path(sys.executable).parent / name), *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name, args in commands.items()
+    }
+    for name, run in runs.items():
+        _, err = run.communicate(timeout=120)
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert run.returncode == 1 and len(lines) == 1, (name, err)
+        assert lines[0].startswith("error: ") and "Gemma3ForCausalLM" in lines[0], (name, err)
 
 
 def test_unsupported_gguf_architecture_is_named(tmp_path):
