@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -76,6 +77,82 @@ def test_commands_refuse_an_unservable_model_in_one_line(tmp_path):
         lines = [line for line in err.splitlines() if line.strip()]
         assert run.returncode == 1 and len(lines) == 1, (name, err)
         assert lines[0].startswith("error: ") and "Gemma3ForCausalLM" in lines[0], (name, err)
+
+
+def test_qwen3_gguf_and_hf_folder_load_the_same_weights(tmp_path):
+    """The same random Qwen3 weights under llama.cpp's GGUF names and Hugging Face's: equal configs and host
+    arrays (q/k norms included; no rope permutation for Qwen)."""
+    import gguf
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(1)
+    vocab, hidden, inter, heads, kv_heads, head_dim, layers = 40, 16, 24, 4, 2, 8, 2
+    shapes = {  # HF name: ([out, in] as stored, GGUF name)
+        "self_attn.q_proj.weight": ((heads * head_dim, hidden), "attn_q.weight"),
+        "self_attn.k_proj.weight": ((kv_heads * head_dim, hidden), "attn_k.weight"),
+        "self_attn.v_proj.weight": ((kv_heads * head_dim, hidden), "attn_v.weight"),
+        "self_attn.o_proj.weight": ((hidden, heads * head_dim), "attn_output.weight"),
+        "self_attn.q_norm.weight": ((head_dim,), "attn_q_norm.weight"),
+        "self_attn.k_norm.weight": ((head_dim,), "attn_k_norm.weight"),
+        "mlp.gate_proj.weight": ((inter, hidden), "ffn_gate.weight"),
+        "mlp.up_proj.weight": ((inter, hidden), "ffn_up.weight"),
+        "mlp.down_proj.weight": ((hidden, inter), "ffn_down.weight"),
+        "input_layernorm.weight": ((hidden,), "attn_norm.weight"),
+        "post_attention_layernorm.weight": ((hidden,), "ffn_norm.weight"),
+    }
+    hf = {
+        "model.embed_tokens.weight": rng.normal(size=(vocab, hidden)),
+        "model.norm.weight": rng.normal(size=hidden),
+    }
+    hf["lm_head.weight"] = rng.normal(size=(vocab, hidden))
+    gg = {"token_embd.weight": hf["model.embed_tokens.weight"], "output_norm.weight": hf["model.norm.weight"]}
+    gg["output.weight"] = hf["lm_head.weight"]
+    for i in range(layers):
+        for name, (shape, gguf_name) in shapes.items():
+            hf[f"model.layers.{i}.{name}"] = gg[f"blk.{i}.{gguf_name}"] = rng.normal(size=shape)
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    save_file({k: v.astype(np.float32) for k, v in hf.items()}, str(folder / "model.safetensors"))
+    config = {
+        **HF_CONFIG,
+        "architectures": ["Qwen3ForCausalLM"],
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": inter,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1e6,
+        "tie_word_embeddings": False,
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    writer = gguf.GGUFWriter(str(tmp_path / "q.gguf"), "qwen3")
+    writer.add_block_count(layers)
+    writer.add_context_length(HF_CONFIG["max_position_embeddings"])
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(inter)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_key_length(head_dim)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_rope_freq_base(1e6)
+    writer.add_vocab_size(vocab)
+    for name, w in gg.items():
+        writer.add_tensor(name, w.astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    cfg, host = load_hf_folder(folder, name="q")
+    gguf_cfg, gguf_host, _ = load_gguf(tmp_path / "q.gguf", name="q")
+    assert gguf_cfg.rms_norm_eps == pytest.approx(cfg.rms_norm_eps)  # a float32 in GGUF
+    assert cfg == dataclasses.replace(gguf_cfg, rms_norm_eps=cfg.rms_norm_eps)
+    assert cfg.qk_norm and not cfg.qkv_bias and cfg.head_dim == head_dim
+    assert host.keys() == gguf_host.keys() and {"q_norm", "k_norm"} <= host.keys()
+    for key in host:
+        np.testing.assert_allclose(host[key], gguf_host[key], rtol=1e-6, err_msg=key)
 
 
 def test_unsupported_gguf_architecture_is_named(tmp_path):
