@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from engine.config import EngineConfig
+from engine.config import DTYPES, EngineConfig
 from engine.models import DEFAULT_MODEL, cache_dir
 
 
@@ -38,6 +38,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=512,
         help="token budget of one step: every running request's decode token, then prefill chunks; a "
         "smaller budget bounds how long a long prompt delays running requests, a larger one prefills faster",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="auto",
+        help="weights and KV cache (auto: bfloat16 on TPUs and GPUs, float32 on CPUs)",
     )
     parser.add_argument(
         "--no-prefix-caching",
@@ -83,6 +89,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_loras=max_loras,
         max_lora_rank=args.max_lora_rank,
         enable_prefix_caching=args.prefix_caching,
+        dtype=args.dtype,
     )
 
 

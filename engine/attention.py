@@ -86,7 +86,7 @@ def _past_tile(cache, layer, block_tables, j, tile_blocks):
     kv = cache[layer, blocks]  # [..., tile blocks, block_size, 2 * kv_heads, head_dim]
     *lead, nb, bs, h2, d = kv.shape
     kv = kv.reshape(*lead, nb * bs, h2 // 2, 2, d)
-    kv = jnp.moveaxis(kv, -4, -2)  # [..., kv_heads, 2, tile tokens, head_dim]
+    kv = jnp.moveaxis(kv, -4, -2).astype(jnp.float32)  # [..., kv_heads, 2, tile tokens, head_dim]
     return kv[..., 0, :, :], kv[..., 1, :, :]
 
 
@@ -101,6 +101,8 @@ def ragged_paged_attention_reference(
     cu_q_lens: jax.Array,  # [S + 1] where each sequence's new tokens start; the last: tokens in use
 ) -> jax.Array:  # [T, kv_heads, group, head_dim]; rows of padding tokens are finite garbage
     t, kvh, g, d = q.shape
+    out_dtype = q.dtype  # scores, softmax and sums in float32 whatever the weights' and cache's dtype
+    q, k_new, v_new = (x.astype(jnp.float32) for x in (q, k_new, v_new))
     num_seqs = kv_lens.shape[0]
     decode_blocks = decode_tile_blocks(num_seqs)
     decode_tile, chunk_tile = decode_blocks * cache.shape[2], CHUNK_TILE_BLOCKS * cache.shape[2]
@@ -175,7 +177,7 @@ def ragged_paged_attention_reference(
         state = jax.lax.cond(ends[-1] > 0, chunks, lambda state: state, state)
     m, s, o = state
     out = o / s[..., None]
-    return out.transpose(2, 0, 1, 3).astype(q.dtype)
+    return out.transpose(2, 0, 1, 3).astype(out_dtype)
 
 
 AttentionFn = Callable[..., jax.Array]

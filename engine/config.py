@@ -178,6 +178,9 @@ def _refuse_unsupported_features(config: Mapping[str, Any]) -> None:
         raise UnsupportedModelError("config.json mlp_bias=true: MLP biases are not supported")
 
 
+DTYPES = ("auto", "float32", "bfloat16")
+
+
 def _powers_of_two(start: int, stop: int) -> tuple[int, ...]:
     """start, 2*start, ... up to and including stop (stop itself is always the last bucket)."""
     out, value = [], start
@@ -201,7 +204,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     max_prefill_seqs: int = 4  # prompts being computed at once (chunks in one step)
     tp: int = 1
-    dtype: str = "float32"
+    dtype: str = "auto"  # weights and KV cache: "auto" (bfloat16 on accelerators, float32 on CPU), or a name
     max_logprobs: int = 20
     max_loras: int = 0  # LoRA adapter slots in device memory (0: LoRA off)
     max_lora_rank: int = 16  # adapters of lower rank are zero-padded to it
@@ -214,6 +217,15 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs (every decode fits a step)")
         if self.max_loras < 0 or self.max_lora_rank < 1:
             raise ValueError("max_loras must be >= 0 and max_lora_rank >= 1")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r}: one of {DTYPES}")
+
+    def on_platform(self, platform: str) -> EngineConfig:
+        """This config with "auto" dtype resolved for devices of `platform` (jax.Device.platform):
+        bfloat16 on TPUs and GPUs, float32 on CPUs (the reference, and what parity tests compare)."""
+        if self.dtype != "auto":
+            return self
+        return dataclasses.replace(self, dtype="float32" if platform == "cpu" else "bfloat16")
 
     @property
     def max_blocks_per_seq(self) -> int:

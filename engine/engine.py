@@ -37,9 +37,9 @@ class LLMEngine:
 
     def __init__(self, model: LoadedModel, config: EngineConfig, devices: Sequence[jax.Device] | None = None):
         self.model = model
-        self.config = config
-        self.tokenizer = model.tokenizer
         self.mesh = make_mesh(config.tp, devices)
+        self.config = config = config.on_platform(self.mesh.devices.flat[0].platform)  # "auto" dtype resolved
+        self.tokenizer = model.tokenizer
         dtype = jax.numpy.dtype(config.dtype)
         weights = build_weights(model.config, model.host_weights, self.mesh, dtype)
         self.lora_slots = None

@@ -69,3 +69,32 @@ def test_matches_per_sequence_attention(slots, seqs, rnd):
     got = np.asarray(_jitted(q, k_new, v_new, cache, np.int32(1), kv_lens, tables, cu))
     np.testing.assert_allclose(got[:total], naive(q, k_new, v_new, cache, 1, layout)[:total], atol=2e-5)
     assert np.isfinite(got).all()
+
+
+def test_bfloat16_weights_and_cache_attend_in_float32():
+    """A bfloat16 cache and projections (the default on TPU): the result is bfloat16, computed in float32
+    from the same rounded inputs (one decode over a past, one chunk after a past, one fresh prompt)."""
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(0)
+    seqs, blocks, tables = (
+        [(37, 1), (20, 150), (0, 9)],
+        iter(rng.permutation(BLOCKS)),
+        np.zeros((3, WIDTH), np.int32),
+    )
+    layout = []
+    for i, (past, q_len) in enumerate(seqs):
+        ids = [int(next(blocks)) for _ in range(-(-(past + q_len) // BS))]
+        tables[i, : len(ids)] = ids
+        layout.append((past, q_len, ids))
+    bf16 = lambda x: np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))  # noqa: E731
+    q = bf16(rng.standard_normal((T, KVH, G, D)))
+    k_new, v_new = (bf16(rng.standard_normal((T, KVH, D))) for _ in range(2))
+    cache = bf16(rng.standard_normal((LAYERS, BLOCKS, BS, 2 * KVH, D)))
+    cu = np.asarray([0, 1, 151, 160], np.int32)
+    kv_lens = np.asarray([p + n for p, n in seqs], np.int32)
+    args = [jnp.asarray(x, jnp.bfloat16) for x in (q, k_new, v_new, cache)]
+    got = _jitted(*args, np.int32(0), kv_lens, tables, cu)
+    assert got.dtype == jnp.bfloat16
+    expected = naive(q, k_new, v_new, cache, 0, layout)[:160]
+    np.testing.assert_allclose(np.asarray(got.astype(jnp.float32))[:160], expected, atol=2e-2)

@@ -260,3 +260,17 @@ def test_head_padding_keeps_groups_with_their_kv_head():
     assert np.array_equal(padded[:3].reshape(-1), q[0]) and not padded[3].any()
     kv = pad_heads(np.ones((1, 3 * 2), np.float32), -1, cfg, 4, kv=True)
     assert kv.shape == (1, 8) and not kv[0, 6:].any()
+
+
+def test_dtype_auto_is_bfloat16_on_accelerators_and_float32_on_cpu():
+    from engine.config import EngineConfig
+
+    assert EngineConfig().dtype == "auto"
+    assert [EngineConfig().on_platform(p).dtype for p in ("tpu", "gpu", "cpu")] == [
+        "bfloat16",
+        "bfloat16",
+        "float32",
+    ]
+    assert EngineConfig(dtype="float32").on_platform("tpu").dtype == "float32"  # given: kept
+    with pytest.raises(ValueError, match="dtype"):
+        EngineConfig(dtype="float16")
