@@ -34,6 +34,11 @@ def _error(status: int, message: str, kind: str, param: str | None = None) -> we
     return web.json_response(body, status=status)
 
 
+def _invalid(e: InvalidRequestError) -> web.Response:
+    """404 for an adapter not loaded here, else 400, naming the field."""
+    return _error(404 if e.status == "NOT_FOUND" else 400, str(e), "invalid_request_error", e.field)
+
+
 def _params(body: dict, default_max_tokens: int) -> SamplingParams:
     """OpenAI fields (and vLLM's extensions: top_k, min_p, repetition_penalty, stop_token_ids, ignore_eos)
     -> SamplingParams through services.sampling's one mapping; OpenAI's own shapes are normalised first.
@@ -124,8 +129,7 @@ class OpenAIFrontend:
             engine_request = self._prepare(body, chat, self.service.make_request)
             hint = self.service.prefill_hint(request.headers.get(PREFILL_HINT_HEADER))
         except InvalidRequestError as e:
-            status = 404 if e.status == "NOT_FOUND" else 400
-            return _error(status, str(e), "invalid_request_error", e.field)
+            return _invalid(e)
         except ServiceError as e:
             return _error(_HTTP_STATUS.get(e.code, 500), e.message, "server_error")
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
@@ -144,8 +148,7 @@ class OpenAIFrontend:
         try:
             engine_request = self._prepare(body, chat, self.service.engine.make_request)
         except InvalidRequestError as e:
-            status = 404 if e.status == "NOT_FOUND" else 400
-            return _error(status, str(e), "invalid_request_error", e.field)
+            return _invalid(e)
         model = engine_request.lora.name if engine_request.lora else self.model
         rendered = {"model": model, "token_ids": list(engine_request.prompt_ids)}
         return web.json_response(rendered if chat else [rendered])
