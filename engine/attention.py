@@ -27,12 +27,14 @@ signature, e.g. a wrapper around the Pallas kernel on TPU (jax.experimental.pall
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
 _NEG_INF = -1e30  # finite: a fully masked row stays finite (padding tokens), exp(-1e30 - m) == 0
+_NO_WINDOW = 1 << 30  # the reach of full attention: past any context
 # Cache blocks read per iteration of the past loops. Measured on CPU: an iteration costs about 14 us
 # besides its work, while a tile longer than the context is wasted reading. The decode loop reads up to
 # DECODE_TILE_BUDGET blocks per iteration over all its sequences, 2 to KV_TILE_BLOCKS each (one to four
@@ -68,9 +70,14 @@ def _merge(a, b):
     return m, l1 * c1 + l2 * c2, o1 * c1[..., None] + o2 * c2[..., None]
 
 
-def _attend(q, k, v, mask):
+def soft_cap(x: jax.Array, cap: float | None) -> jax.Array:
+    """x squashed into (-cap, cap) as cap * tanh(x / cap) (Gemma 2's scores and logits); None: x."""
+    return x if cap is None else cap * jnp.tanh(x / cap)
+
+
+def _attend(q, k, v, mask, cap=None):
     """q [..., Q, d] over k, v [..., K, d] with mask [..., Q, K] broadcastable -> one partial state."""
-    s = jnp.where(mask, jnp.einsum("...qd,...kd->...qk", q, k), _NEG_INF)
+    s = jnp.where(mask, soft_cap(jnp.einsum("...qd,...kd->...qk", q, k), cap), _NEG_INF)
     m = jnp.max(s, axis=-1)
     p = jnp.exp(s - m[..., None])
     return m, jnp.sum(p, axis=-1), jnp.einsum("...qk,...kd->...qd", p, v)
@@ -99,6 +106,10 @@ def ragged_paged_attention_reference(
     kv_lens: jax.Array,  # [S] context of each sequence, new tokens included (0: padding sequence)
     block_tables: jax.Array,  # [S, P] blocks of each sequence, P a multiple of KV_TILE_BLOCKS
     cu_q_lens: jax.Array,  # [S + 1] where each sequence's new tokens start; the last: tokens in use
+    *,
+    sm_scale: float | None = None,  # scores are q.k times this (None: head_dim ** -0.5)
+    sliding_window: jax.Array | int | None = None,  # [] tokens a query sees, itself included (0/None: all)
+    soft_cap: float | None = None,  # scores -> soft_cap * tanh(scores / soft_cap) (None: as they are)
 ) -> jax.Array:  # [T, kv_heads, group, head_dim]; rows of padding tokens are finite garbage
     t, kvh, g, d = q.shape
     out_dtype = q.dtype  # scores, softmax and sums in float32 whatever the weights' and cache's dtype
@@ -106,32 +117,42 @@ def ragged_paged_attention_reference(
     num_seqs = kv_lens.shape[0]
     decode_blocks = decode_tile_blocks(num_seqs)
     decode_tile, chunk_tile = decode_blocks * cache.shape[2], CHUNK_TILE_BLOCKS * cache.shape[2]
-    q = (q * d**-0.5).transpose(1, 2, 0, 3)  # [kv_heads, group, T, head_dim]
+    q = (q * (d**-0.5 if sm_scale is None else sm_scale)).transpose(1, 2, 0, 3)  # [kv_heads, group, T, d]
     q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
     past = kv_lens - q_lens
     seq, valid = token_sequences(cu_q_lens, t)
     dtype = jnp.float32
+    # a query at position p sees keys at positions > p - reach (reach: the window, or beyond any context)
+    reach = (
+        _NO_WINDOW if sliding_window is None else jnp.where(sliding_window > 0, sliding_window, _NO_WINDOW)
+    )
+    attend = functools.partial(_attend, cap=soft_cap)
 
     # new over new: causal within each sequence; each KV head's query rows (group x tokens) form one matrix
     tok = jnp.arange(t)
-    mask = (seq[:, None] == seq[None, :]) & (tok[None, :] <= tok[:, None]) & valid[None, :]
+    causal = (tok[None, :] <= tok[:, None]) & (tok[:, None] - tok[None, :] < reach)
+    mask = (seq[:, None] == seq[None, :]) & causal & valid[None, :]
     mask = jnp.broadcast_to(mask, (g, t, t)).reshape(g * t, t)
-    m, s, o = _attend(q.reshape(kvh, g * t, d), k_new.transpose(1, 0, 2), v_new.transpose(1, 0, 2), mask)
+    m, s, o = attend(q.reshape(kvh, g * t, d), k_new.transpose(1, 0, 2), v_new.transpose(1, 0, 2), mask)
     state = m.reshape(kvh, g, t), s.reshape(kvh, g, t), o.reshape(kvh, g, t, d)
 
-    # single-token sequences (decodes) over their past, all sequences at once
+    # single-token sequences (decodes) over their past, all sequences at once; the loop starts at the
+    # first tile any of their windows reaches
     single = (q_lens == 1) & (past > 0)
     single_past = jnp.where(single, past, 0)
+    single_from = jnp.where(single, jnp.maximum(past + 1 - reach, 0), _NO_WINDOW)  # first key position seen
     first = jnp.where(single, cu_q_lens[:-1], t)  # out of range: dropped by the scatter below
     q_single = jnp.take(q, jnp.minimum(first, t - 1), axis=2).transpose(2, 0, 1, 3)  # [S, kv_heads, group, d]
 
     def single_tile(j, acc):
         k, v = _past_tile(cache, layer, block_tables, j, decode_blocks)  # [S, kv_heads, tile, d]
         pos = j * decode_tile + jnp.arange(decode_tile)
-        return _merge(acc, _attend(q_single, k, v, pos < single_past[:, None, None, None]))
+        seen = (pos < single_past[:, None, None, None]) & (pos >= single_from[:, None, None, None])
+        return _merge(acc, attend(q_single, k, v, seen))
 
     num_tiles = -(-jnp.max(single_past) // decode_tile)
-    m, s, o = jax.lax.fori_loop(0, num_tiles, single_tile, _empty((num_seqs, kvh, g), d, dtype))
+    first_tile = jnp.minimum(jnp.min(single_from) // decode_tile, num_tiles)
+    m, s, o = jax.lax.fori_loop(first_tile, num_tiles, single_tile, _empty((num_seqs, kvh, g), d, dtype))
     at = (slice(None), slice(None), first)  # merged in place at the decode tokens
     merged = _merge(
         tuple(x[at] for x in state), (m.transpose(1, 2, 0), s.transpose(1, 2, 0), o.transpose(1, 2, 0, 3))
@@ -149,14 +170,17 @@ def ragged_paged_attention_reference(
         s = jnp.searchsorted(ends, i, side="right")
         start = cu_q_lens[s] + (i - (ends[s] - windows[s])) * Q_WINDOW
         qw = jax.lax.dynamic_slice_in_dim(q_pad, start, Q_WINDOW, axis=2).reshape(kvh, g * Q_WINDOW, d)
+        q_pos = jnp.tile(past[s] + start - cu_q_lens[s] + jnp.arange(Q_WINDOW), g)  # of qw's rows
 
         def past_tile(j, acc):
             k, v = _past_tile(cache, layer, block_tables[s], j, CHUNK_TILE_BLOCKS)  # [kv_heads, tile, d]
             pos = j * chunk_tile + jnp.arange(chunk_tile)
-            return _merge(acc, _attend(qw, k, v, pos < past[s]))
+            seen = (pos[None, :] < past[s]) & (q_pos[:, None] - pos[None, :] < reach)
+            return _merge(acc, attend(qw, k, v, seen))
 
+        first_tile = jnp.maximum(q_pos[0] + 1 - reach, 0) // chunk_tile  # the window's first query reaches
         w_state = jax.lax.fori_loop(
-            0, -(-past[s] // chunk_tile), past_tile, _empty((kvh, g * Q_WINDOW), d, dtype)
+            first_tile, -(-past[s] // chunk_tile), past_tile, _empty((kvh, g * Q_WINDOW), d, dtype)
         )
         w_state = [x.reshape(kvh, g, Q_WINDOW, *x.shape[2:]) for x in w_state]
         old = [jax.lax.dynamic_slice_in_dim(x, start, Q_WINDOW, axis=2) for x in state]

@@ -9,14 +9,24 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3")
 _HF_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
 }
-_QK_NORM = ("qwen3",)  # RMSNorm of each query and key head before rope
+GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")  # the rest load from safetensors folders
+_MODEL_TYPES = {"gemma3_text": "gemma3"}  # config.json model_type -> architecture, where they differ
+# config.json activation names -> the gated MLP's activation (engine.model)
+_HF_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+ACTIVATIONS = tuple(sorted(set(_HF_ACTIVATIONS.values())))
+_QK_NORM = ("qwen3", "gemma3")  # RMSNorm of each query and key head before rope
+GEMMA = ("gemma2", "gemma3")  # scaled embeddings, GeGLU, norms around attention and MLP, norm weights 1 + w
+# config.json's default layer pattern where it has no `layer_types`: every n-th layer is a full one
+_GEMMA_FULL_EVERY = {"gemma2": 2, "gemma3": 6}
 
 
 class UnsupportedModelError(ValueError):
@@ -43,6 +53,17 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3: RMSNorm over each query and key head (weights [head_dim]) before rope
     # Llama 3.x long-context rope scaling: (factor, low_freq_factor, high_freq_factor, original_max_pos).
     rope_llama3_scaling: tuple[float, float, float, int] | None = None
+    rope_linear_factor: float = 1.0  # positions divided by this in full-attention layers ("linear" scaling)
+    # Sliding-window attention: per layer, the tokens a query sees (itself included); 0: full attention.
+    # Empty: every layer is full. Sliding layers may have their own rope base (Gemma 3's local layers).
+    layer_windows: tuple[int, ...] = ()
+    sliding_rope_theta: float | None = None  # None: sliding layers rotate like full ones
+    hidden_act: str = "silu"  # of the gated MLP: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, Gemma)
+    query_pre_attn_scalar: float | None = None  # attention scale is this ** -0.5 (Gemma); None: head_dim
+    attn_logit_softcap: float | None = None  # scores -> cap * tanh(scores / cap) (Gemma 2)
+    final_logit_softcap: float | None = None  # the same on the logits
+    scale_embeddings: bool = False  # embeddings times sqrt(hidden_size) (Gemma)
+    sandwich_norms: bool = False  # RMSNorm on the attention's and the MLP's outputs too (Gemma 2/3)
     name: str = "model"
 
     def __post_init__(self):
@@ -54,6 +75,20 @@ class ModelConfig:
             raise UnsupportedModelError(
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
             )
+        if self.layer_windows and len(self.layer_windows) != self.num_layers:
+            raise UnsupportedModelError(
+                f"{len(self.layer_windows)} layer windows for {self.num_layers} layers"
+            )
+        if self.hidden_act not in ACTIVATIONS:
+            raise UnsupportedModelError(f"hidden_act {self.hidden_act!r}: one of {sorted(ACTIVATIONS)}")
+
+    def window(self, layer: int) -> int:
+        """Tokens a query of `layer` attends to, itself included (0: all before it)."""
+        return self.layer_windows[layer] if self.layer_windows else 0
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @property
     def group_size(self) -> int:
@@ -78,9 +113,9 @@ class ModelConfig:
         (no `output.weight`).
         """
         arch = meta.get("general.architecture")
-        if arch not in SUPPORTED_ARCHITECTURES:
+        if arch not in GGUF_ARCHITECTURES:
             raise UnsupportedModelError(
-                f"GGUF architecture {arch!r} is not supported (supported: {SUPPORTED_ARCHITECTURES})"
+                f"GGUF architecture {arch!r} is not supported (supported: {GGUF_ARCHITECTURES})"
             )
 
         def get(key, default=None):
@@ -121,29 +156,26 @@ class ModelConfig:
             config = json.loads(config.read_text())
         archs = config.get("architectures") or []
         arch = next((_HF_ARCHITECTURES[a] for a in archs if a in _HF_ARCHITECTURES), None)
-        if arch is None and not archs and config.get("model_type") in SUPPORTED_ARCHITECTURES:
-            arch = config["model_type"]  # folders written without `architectures`
+        model_type = _MODEL_TYPES.get(config.get("model_type"), config.get("model_type"))
+        if arch is None and not archs and model_type in SUPPORTED_ARCHITECTURES:
+            arch = model_type  # folders written without `architectures`
         if arch is None:
             raise UnsupportedModelError(
                 f"config.json architectures {archs} not supported (supported: {sorted(_HF_ARCHITECTURES)})"
             )
         num_heads = config["num_attention_heads"]
-        scaling = None
-        # transformers >= 5 writes `rope_parameters` (theta inside); older ones `rope_theta`, `rope_scaling`
+        # transformers >= 5 writes `rope_parameters` (theta inside; Gemma 3: one per layer type); older ones
+        # `rope_theta`, `rope_scaling` (and Gemma 3 `rope_local_base_freq`)
         rope_parameters = config.get("rope_parameters") or {}
-        rope_theta = rope_parameters.get("rope_theta", config.get("rope_theta", 10000.0))
-        rope_scaling = config.get("rope_scaling") or rope_parameters
-        if rope_scaling:
-            kind = rope_scaling.get("rope_type") or rope_scaling.get("type")
-            if kind == "llama3":
-                scaling = (
-                    float(rope_scaling["factor"]),
-                    float(rope_scaling["low_freq_factor"]),
-                    float(rope_scaling["high_freq_factor"]),
-                    int(rope_scaling["original_max_position_embeddings"]),
-                )
-            elif kind not in (None, "default"):
-                raise UnsupportedModelError(f"rope_scaling type {kind!r} is not supported")
+        full_rope = rope_parameters.get("full_attention", rope_parameters)
+        rope_theta = full_rope.get("rope_theta", config.get("rope_theta", 10000.0))
+        scaling, linear_factor = _rope_scaling(config.get("rope_scaling") or full_rope)
+        sliding_rope = rope_parameters.get("sliding_attention") or {}
+        sliding_theta = sliding_rope.get("rope_theta", config.get("rope_local_base_freq"))
+        if _rope_scaling(sliding_rope) != (None, 1.0):
+            raise UnsupportedModelError(
+                "config.json rope_parameters.sliding_attention: scaling is not supported"
+            )
         _refuse_unsupported_features(config)
         return cls(
             architecture=arch,
@@ -161,21 +193,71 @@ class ModelConfig:
             qkv_bias=arch == "qwen2" or bool(config.get("attention_bias", False)),
             qk_norm=arch in _QK_NORM,
             rope_llama3_scaling=scaling,
+            rope_linear_factor=linear_factor,
+            layer_windows=_layer_windows(arch, config),
+            sliding_rope_theta=None if sliding_theta is None else float(sliding_theta),
+            hidden_act=_HF_ACTIVATIONS[_activation(arch, config)],
+            query_pre_attn_scalar=config.get("query_pre_attn_scalar") if arch in GEMMA else None,
+            attn_logit_softcap=config.get("attn_logit_softcapping"),
+            final_logit_softcap=config.get("final_logit_softcapping"),
+            scale_embeddings=arch in GEMMA,
+            sandwich_norms=arch in GEMMA,
             name=name,
         )
 
 
+def _rope_scaling(params: Mapping[str, Any]) -> tuple[tuple[float, float, float, int] | None, float]:
+    """(Llama 3 scaling, linear factor) of one rope_scaling / rope_parameters dict."""
+    kind = params.get("rope_type") or params.get("type")
+    if kind == "llama3":
+        keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        return (*(float(params[k]) for k in keys[:3]), int(params[keys[3]])), 1.0
+    if kind == "linear":
+        return None, float(params["factor"])
+    if kind not in (None, "default"):
+        raise UnsupportedModelError(f"rope_scaling type {kind!r} is not supported")
+    return None, 1.0
+
+
+def _activation(arch: str, config: Mapping[str, Any]) -> str:
+    if arch in GEMMA:  # Gemma's config names it hidden_activation (hidden_act is Gemma 1's, ignored)
+        return config.get("hidden_activation") or "gelu_pytorch_tanh"
+    return config.get("hidden_act", "silu")
+
+
+def _layer_windows(arch: str, config: Mapping[str, Any]) -> tuple[int, ...]:
+    """Per layer the sliding window (0: full attention), from `layer_types` where config.json has them."""
+    n, window = config["num_hidden_layers"], config.get("sliding_window") or 0
+    types = config.get("layer_types")
+    if types is None and arch in _GEMMA_FULL_EVERY:
+        every = config.get("sliding_window_pattern", _GEMMA_FULL_EVERY[arch])
+        types = ["full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(n)]
+    elif types is None and arch == "mistral" and window:
+        types = ["sliding_attention"] * n
+    elif types is None and config.get("use_sliding_window"):  # Qwen2/3 before layer_types
+        first = config.get("max_window_layers", n)
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
+    types = types or ["full_attention"] * n
+    unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
+    if unknown:
+        raise UnsupportedModelError(f"config.json layer_types {unknown}: not supported")
+    if "sliding_attention" in types and not window:
+        raise UnsupportedModelError("config.json layer_types has sliding layers but no sliding_window")
+    windows = tuple(window if t == "sliding_attention" else 0 for t in types)
+    return windows if any(windows) else ()
+
+
 def _refuse_unsupported_features(config: Mapping[str, Any]) -> None:
     """UnsupportedModelError naming the config.json field of a feature the forward pass lacks."""
-    if config.get("use_sliding_window") or "sliding_attention" in (config.get("layer_types") or ()):
+    act = config.get("hidden_activation") or config.get("hidden_act", "silu")
+    if act not in _HF_ACTIVATIONS:
         raise UnsupportedModelError(
-            "config.json use_sliding_window / layer_types: sliding-window attention is not supported"
+            f"config.json hidden_act={act!r}: one of {sorted(_HF_ACTIVATIONS)} (SwiGLU, GeGLU)"
         )
-    act = config.get("hidden_act", "silu")
-    if act != "silu":
-        raise UnsupportedModelError(f"config.json hidden_act={act!r}: only 'silu' (SwiGLU) is supported")
     if config.get("mlp_bias"):
         raise UnsupportedModelError("config.json mlp_bias=true: MLP biases are not supported")
+    if config.get("use_bidirectional_attention"):
+        raise UnsupportedModelError("config.json use_bidirectional_attention=true: decoders only")
 
 
 DTYPES = ("auto", "float32", "bfloat16")

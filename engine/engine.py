@@ -49,7 +49,9 @@ class LLMEngine:
             )
         self.loras = AdapterRegistry(model.config, config.max_lora_rank, enabled=self.lora_slots is not None)
         self.runner = ModelRunner(model.config, config, weights, self.mesh, self.lora_slots)
-        self.scheduler = Scheduler(config, self.lora_slots)
+        self.scheduler = Scheduler(
+            config, self.lora_slots, windowed_transfers=bool(model.config.layer_windows)
+        )
         self._streams: dict[str, OutputStream] = {}
         self._ids = itertools.count()
         # The last step found nothing to run: queued requests wait for blocks or slots, and only a command

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.config import ModelConfig
+from engine.config import GEMMA, ModelConfig
 from engine.tokenizer import read_gguf_metadata
 
 log = logging.getLogger(__name__)
@@ -34,9 +34,19 @@ _LAYER_TENSORS = {
     "w_down": ("ffn_down.weight", "mlp.down_proj.weight"),
     "q_norm": ("attn_q_norm.weight", "self_attn.q_norm.weight"),
     "k_norm": ("attn_k_norm.weight", "self_attn.k_norm.weight"),
+    "post_attn_norm": ("post_attention_norm.weight", "post_attention_layernorm.weight"),
+    "post_mlp_norm": ("post_ffw_norm.weight", "post_feedforward_layernorm.weight"),
 }
+# Gemma's checkpoints name the norm before the MLP differently (its post_attention_layernorm normalizes
+# the attention's output, see post_attn_norm)
+_GEMMA_HF_TENSORS = {"mlp_norm": "pre_feedforward_layernorm.weight"}
 _BIASES = ("bq", "bk", "bv")
-_QK_NORMS = ("q_norm", "k_norm")  # only with ModelConfig.qk_norm
+_OPTIONAL = {  # weights only some families have -> whether the model of config cfg has them
+    "q_norm": lambda cfg: cfg.qk_norm,
+    "k_norm": lambda cfg: cfg.qk_norm,
+    "post_attn_norm": lambda cfg: cfg.sandwich_norms,
+    "post_mlp_norm": lambda cfg: cfg.sandwich_norms,
+}
 
 
 class CheckpointError(FileNotFoundError):
@@ -56,7 +66,7 @@ def _stack_layers(cfg: ModelConfig, fetch: Callable[[int, str], np.ndarray | Non
     """Stacks per-layer tensors ([out, in] as stored) into [L, in, out] math layout."""
     stacked = {}
     for name in _LAYER_TENSORS:
-        if name in _QK_NORMS and not cfg.qk_norm:
+        if name in _OPTIONAL and not _OPTIONAL[name](cfg):
             continue
         per_layer = []
         for i in range(cfg.num_layers):
@@ -145,12 +155,18 @@ def load_hf_folder(path: str | Path, name: str | None = None) -> tuple[ModelConf
         with safe_open(str(file), framework="flax") as f:
             return np.asarray(f.get_tensor(key), dtype=np.float32)
 
-    host = _stack_layers(cfg, lambda i, w: tensor(f"model.layers.{i}.{_LAYER_TENSORS[w][1]}"))
+    names = {w: hf for w, (_, hf) in _LAYER_TENSORS.items()}
+    if cfg.architecture in GEMMA:
+        names.update(_GEMMA_HF_TENSORS)
+    host = _stack_layers(cfg, lambda i, w: tensor(f"model.layers.{i}.{names[w]}"))
     for key, target in (("model.embed_tokens.weight", "embed"), ("model.norm.weight", "final_norm")):
         w = tensor(key)
         if w is None:
             raise CheckpointError(f"{path} lacks tensor {key}")
         host[target] = w
+    if cfg.architecture in GEMMA:  # Gemma's RMSNorm scales by (1 + weight): folded in here, as llama.cpp does
+        for key in [k for k in host if k.endswith("_norm")]:  # q/k, layers' and final norms
+            host[key] = host[key] + 1.0
     lm_head = tensor("lm_head.weight")
     if not cfg.tie_word_embeddings:
         if lm_head is None:

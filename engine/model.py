@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from engine.attention import ragged_paged_attention, token_sequences
+from engine.attention import ragged_paged_attention, soft_cap, token_sequences
 from engine.config import ModelConfig
 from engine.lora import apply as lora_ops
 from engine.lora.slots import LoraWeights
@@ -28,11 +28,18 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return x * jax.lax.rsqrt(variance + eps) * weight
 
 
+_ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True)}
+
+
+def _inverse_frequencies(theta: float, head_dim: int) -> np.ndarray:
+    return 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+
+
 @functools.lru_cache(maxsize=8)
 def rope_inverse_frequencies(cfg: ModelConfig) -> np.ndarray:
-    """[head_dim // 2] inverse frequencies, with Llama 3's long-context scaling when configured."""
-    d = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    """[2, head_dim // 2] inverse frequencies: of full-attention layers (with Llama 3's long-context or
+    linear scaling when configured), and of sliding-window layers (their own base, unscaled, if any)."""
+    inv = _inverse_frequencies(cfg.rope_theta, cfg.head_dim) / cfg.rope_linear_factor
     if cfg.rope_llama3_scaling is not None:
         factor, low_ff, high_ff, original = cfg.rope_llama3_scaling
         wavelen = 2 * np.pi / inv
@@ -41,10 +48,19 @@ def rope_inverse_frequencies(cfg: ModelConfig) -> np.ndarray:
         scaled = np.where(wavelen > low_wavelen, inv / factor, inv)
         mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
         inv = np.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
-    return inv.astype(np.float32)
+    sliding = (
+        inv if cfg.sliding_rope_theta is None else _inverse_frequencies(cfg.sliding_rope_theta, cfg.head_dim)
+    )
+    return np.stack([inv, sliding]).astype(np.float32)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+def _per_layer(cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    """Scanned with the layers: each one's sliding window (0: full) and row of rope frequencies."""
+    windows = np.asarray([cfg.window(i) for i in range(cfg.num_layers)], np.int32)
+    return jnp.asarray(windows), jnp.asarray((windows > 0).astype(np.int32))
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
     """Rotary embedding, halves layout (HF's rotate_half). x: [T, ..., head_dim], positions [T]."""
     angles = positions[:, None].astype(jnp.float32) * inv_freq  # [T, head_dim // 2]
     angles = angles.reshape(angles.shape[0], *([1] * (x.ndim - 2)), angles.shape[-1])
@@ -77,14 +93,19 @@ def forward_step(
     seq, valid = token_sequences(cu_q_lens, t)
     positions = kv_lens[seq] - (cu_q_lens[seq + 1] - cu_q_lens[seq]) + jnp.arange(t) - cu_q_lens[seq]
     positions = jnp.where(valid, positions, 0)
-    inv_freq = rope_inverse_frequencies(cfg)
+    inv_freqs = jnp.asarray(rope_inverse_frequencies(cfg))
     x = weights.embed[tokens]  # [T, hidden]
+    if cfg.scale_embeddings:  # by sqrt(hidden) rounded to the weights' dtype, as Gemma does
+        x = x * jnp.asarray(cfg.hidden_size**0.5, x.dtype)
     token_slots = jnp.where(valid, lora_slots[seq], -1)
     mask = None if lora is None else lora_ops.selection(token_slots, lora.num_slots, x.dtype)
     any_lora = jnp.any(token_slots >= 0)
 
+    act_fn = _ACTIVATIONS[cfg.hidden_act]
+    windowed = bool(cfg.layer_windows)  # else no window is even traced: full attention everywhere
+
     def layer(x, lw):
-        w, lo, index = lw
+        w, lo, index, window, rope_row = lw
 
         def plus_lora(y, delta, *args):  # y + delta(*args); skipped at run time when no token has an adapter
             if lo is None:
@@ -98,19 +119,35 @@ def forward_step(
         k, v = qkv[..., -2 * head_dim : -head_dim], qkv[..., -head_dim:]
         if cfg.qk_norm:  # per head (padded heads are zeros and stay zeros)
             q, k = rms_norm(q, w.q_norm, cfg.rms_norm_eps), rms_norm(k, w.k_norm, cfg.rms_norm_eps)
+        inv_freq = inv_freqs[rope_row]
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-        attn = ragged_paged_attention(q, k, v, cache, index, kv_lens, block_tables, cu_q_lens)
+        attn = ragged_paged_attention(
+            q,
+            k,
+            v,
+            cache,
+            index,
+            kv_lens,
+            block_tables,
+            cu_q_lens,
+            sm_scale=cfg.attention_scale,
+            sliding_window=window if windowed else None,
+            soft_cap=cfg.attn_logit_softcap,
+        )
         attn = attn.reshape(t, -1)
-        x = x + plus_lora(attn @ w.wo, lora_ops.linear_delta, attn, *_pair(lo, "o"))
+        out = plus_lora(attn @ w.wo, lora_ops.linear_delta, attn, *_pair(lo, "o"))
+        x = x + (out if w.post_attn_norm is None else rms_norm(out, w.post_attn_norm, cfg.rms_norm_eps))
         h = rms_norm(x, w.mlp_norm, cfg.rms_norm_eps)
         gate_up = jnp.einsum("td,dci->tci", h, w.w_gate_up)
         gate_up = plus_lora(gate_up, lora_ops.gate_up_delta, h, lo)
-        act = jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1]
-        x = x + plus_lora(act @ w.w_down, lora_ops.linear_delta, act, *_pair(lo, "down"))
+        act = act_fn(gate_up[:, 0]) * gate_up[:, 1]
+        out = plus_lora(act @ w.w_down, lora_ops.linear_delta, act, *_pair(lo, "down"))
+        x = x + (out if w.post_mlp_norm is None else rms_norm(out, w.post_mlp_norm, cfg.rms_norm_eps))
         new_kv = jnp.stack([k, v], axis=2).reshape(t, 2 * kv_heads, head_dim)  # K, V interleaved
         return x, new_kv
 
-    x, new_kv = jax.lax.scan(layer, x, (weights.layers, lora, jnp.arange(cfg.num_layers)))
+    per_layer = (weights.layers, lora, jnp.arange(cfg.num_layers), *_per_layer(cfg))
+    x, new_kv = jax.lax.scan(layer, x, per_layer)
     column = jnp.minimum(positions // block_size, block_tables.shape[1] - 1)
     write_blocks = jnp.where(valid, block_tables[seq, column], num_blocks)  # padding: out of range, dropped
     cache = cache.at[:, write_blocks, positions % block_size].set(new_kv.astype(cache.dtype), mode="drop")
@@ -120,4 +157,4 @@ def forward_step(
         logits = jnp.einsum("sd,vd->sv", last, weights.embed)
     else:
         logits = last @ weights.lm_head
-    return logits.astype(jnp.float32), cache
+    return soft_cap(logits.astype(jnp.float32), cfg.final_logit_softcap), cache

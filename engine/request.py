@@ -53,6 +53,9 @@ class Request:
     finish_reason: FinishReason | None = None
     lora: LoraAdapter | None = None  # None: the base model
     lora_slot: int = -1  # device slot pinned for `lora` from admission to the end; -1: none
+    # Its full blocks may enter the prefix cache. False once KV that fills only some layers' blocks arrived
+    # by transfer (sliding-window layers get only the window's blocks): no later request may hit them.
+    cacheable: bool = True
     arrival_time: float = dataclasses.field(default_factory=time.monotonic)
     first_token_time: float | None = None
 

@@ -59,9 +59,16 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(
-        self, config: EngineConfig, lora: LoraSlots | None = None, connector: KVConnector | None = None
+        self,
+        config: EngineConfig,
+        lora: LoraSlots | None = None,
+        connector: KVConnector | None = None,
+        windowed_transfers: bool = False,
     ):
+        """`windowed_transfers`: the model has sliding-window layers, so KV received by transfer fills
+        those layers' blocks only within the window (and those blocks never enter the prefix cache)."""
         self.config = config
+        self.windowed_transfers = windowed_transfers
         self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.lora = lora
         self.connector = connector or KVConnector()
@@ -104,6 +111,8 @@ class Scheduler:
         return request
 
     def _cache_blocks(self, request: Request) -> None:
+        if not request.cacheable:
+            return
         lora_name = request.lora.name if request.lora else None
         self.kv.cache_blocks(
             request.request_id, request.all_ids, request.num_computed, request.cache_key, lora_name
@@ -119,6 +128,7 @@ class Scheduler:
             raise ValueError(f"request {request_id!r} is {request.status.value}, not waiting for KV")
         self.remote.remove(request)
         request.num_computed = len(request.prompt_ids)
+        request.cacheable = not self.windowed_transfers
         self._cache_blocks(request)
         request.status = Status.RUNNING
         self.running.append(request)

@@ -34,6 +34,8 @@ class LayerWeights:
     w_down: jax.Array  # [L, intermediate, hidden]
     q_norm: jax.Array | None = None  # [L, head_dim] with ModelConfig.qk_norm (Qwen3), else None
     k_norm: jax.Array | None = None  # [L, head_dim]
+    post_attn_norm: jax.Array | None = None  # [L, hidden] with ModelConfig.sandwich_norms (Gemma), else None
+    post_mlp_norm: jax.Array | None = None  # [L, hidden]
 
 
 @jax.tree_util.register_dataclass
@@ -55,6 +57,8 @@ _LAYER_AXES = {
     "w_down": ("layers", "mlp", "embed"),
     "q_norm": ("layers", None),
     "k_norm": ("layers", None),
+    "post_attn_norm": ("layers", "embed"),
+    "post_mlp_norm": ("layers", "embed"),
 }
 
 
@@ -85,7 +89,7 @@ def build_weights(
     `host` holds numpy arrays in math layout (x @ W), layers stacked (engine.loader's names): `embed`
     [V, D], `final_norm` [D], optional `lm_head` [D, V], `wq` `wk` `wv` [L, D, heads * head_dim], their
     biases `bq` `bk` `bv`, `wo`, `w_gate` `w_up` [L, D, I], `w_down`, `attn_norm`, `mlp_norm`, and with
-    qk_norm `q_norm` `k_norm` [L, head_dim].
+    qk_norm `q_norm` `k_norm` [L, head_dim], with sandwich_norms `post_attn_norm` `post_mlp_norm` [L, D].
     """
     tp = mesh.shape["model"]
     kv_heads = cfg.padded_num_kv_heads(tp)
@@ -104,6 +108,8 @@ def build_weights(
         "w_down": host["w_down"],
         "q_norm": host.get("q_norm"),
         "k_norm": host.get("k_norm"),
+        "post_attn_norm": host.get("post_attn_norm"),
+        "post_mlp_norm": host.get("post_mlp_norm"),
     }
     layers = {
         name: None if fused[name] is None else jax.device_put(fused[name].astype(dtype), named(mesh, *axes))

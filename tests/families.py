@@ -8,32 +8,74 @@ from pathlib import Path
 
 import numpy as np
 
+SLIDING_WINDOW = 24  # tokens (1.5 blocks of 16): the tests' prompts are several windows long
 
-def write_qwen3(path: Path, vocab_size: int):
-    """A Qwen3ForCausalLM of 2 layers, 4 query heads on 1 KV head (padded to 2 at TP 2), head_dim 32 (not
-    hidden / heads), random q/k norm weights, saved in `path`; returns the transformers model."""
+# Per family: its transformers config and model classes, and the config's fields. Small heads, head_dim
+# not hidden / heads, KV heads that TP 2 must pad; Gemma with sliding and full layers mixed.
+_TINY = {
+    "qwen3": (
+        "Qwen3Config",
+        "Qwen3ForCausalLM",
+        dict(
+            num_hidden_layers=2,
+            num_key_value_heads=1,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        ),
+    ),
+    "gemma3": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        dict(
+            num_hidden_layers=3,
+            num_key_value_heads=2,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            sliding_window=SLIDING_WINDOW,
+            query_pre_attn_scalar=24,
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            },
+        ),
+    ),
+    "gemma2": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        dict(
+            num_hidden_layers=2,
+            num_key_value_heads=2,
+            sliding_window=SLIDING_WINDOW,
+            query_pre_attn_scalar=24,
+            attn_logit_softcapping=5.0,
+            final_logit_softcapping=3.0,
+        ),
+    ),
+}
+
+
+def write_family(family: str, path: Path, vocab_size: int):
+    """A tiny random-weight checkpoint of `family` (a key of _TINY), 4 query heads of head_dim 32, saved in
+    `path` by transformers; returns the transformers model."""
     import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    import transformers
 
-    config = Qwen3Config(
+    config_class, model_class, fields = _TINY[family]
+    config = getattr(transformers, config_class)(
         vocab_size=vocab_size,
         hidden_size=64,
         intermediate_size=128,
-        num_hidden_layers=2,
         num_attention_heads=4,
-        num_key_value_heads=1,
         head_dim=32,
         max_position_embeddings=1024,
-        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
         rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
+        tie_word_embeddings=family != "qwen3",
+        **fields,
     )
     torch.manual_seed(0)
-    model = Qwen3ForCausalLM(config).float().eval()
+    model = getattr(transformers, model_class)(config).float().eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1 + 0.3 * torch.randn_like(p))
+            if "norm" in name:  # Gemma's norms scale by 1 + weight: random weights both ways
+                p.copy_((0 if family.startswith("gemma") else 1) + 0.3 * torch.randn_like(p))
             else:  # wide logits: greedy choices are far from ties
                 p.normal_(0, 0.3 if name == "lm_head.weight" else 0.08)
     model.save_pretrained(path)

@@ -18,18 +18,22 @@ T, WIDTH = 3 * Q_WINDOW, 8 * KV_TILE_BLOCKS  # one compiled shape per sequence-s
 _jitted = jax.jit(ragged_paged_attention_reference)
 
 
-def naive(q, k_new, v_new, cache, layer, seqs):
-    """Per sequence: its past gathered from its blocks, then its new tokens; causal softmax."""
+def naive(q, k_new, v_new, cache, layer, seqs, scale=D**-0.5, window=None, cap=None):
+    """Per sequence: its past gathered from its blocks, then its new tokens; causal softmax (over the last
+    `window` positions only, scores soft-capped, when given)."""
     out = np.zeros_like(q)
     start = 0
     for past, q_len, blocks in seqs:
         kv = cache[layer, blocks].reshape(-1, KVH, 2, D)[:past]
         k = np.concatenate([kv[:, :, 0], k_new[start : start + q_len]])  # [past + q_len, KVH, D]
         v = np.concatenate([kv[:, :, 1], v_new[start : start + q_len]])
-        qs = q[start : start + q_len] * D**-0.5  # [q_len, KVH, G, D]
+        qs = q[start : start + q_len] * scale  # [q_len, KVH, G, D]
         scores = np.einsum("qhgd,khd->hgqk", qs, k)
-        causal = np.arange(past + q_len)[None, :] <= past + np.arange(q_len)[:, None]
-        scores = np.where(causal, scores, -np.inf)
+        if cap is not None:
+            scores = cap * np.tanh(scores / cap)
+        distance = past + np.arange(q_len)[:, None] - np.arange(past + q_len)[None, :]  # query - key position
+        seen = (distance >= 0) & (distance < (window or np.inf))
+        scores = np.where(seen, scores, -np.inf)
         p = np.exp(scores - scores.max(-1, keepdims=True))
         p /= p.sum(-1, keepdims=True)
         out[start : start + q_len] = np.einsum("hgqk,khd->qhgd", p, v)
@@ -44,8 +48,14 @@ SEQ = st.tuples(st.integers(0, 3 * KV_TILE_BLOCKS * BS + 5), st.integers(1, Q_WI
 
 @settings(max_examples=12, deadline=None)
 @pytest.mark.parametrize("slots", [2, 6, 32])  # the decode loop's tile: 8, 4 and 2 blocks
-@given(seqs=st.lists(SEQ, min_size=1, max_size=8), rnd=st.randoms())
-def test_matches_per_sequence_attention(slots, seqs, rnd):
+@given(
+    seqs=st.lists(SEQ, min_size=1, max_size=8),
+    window=st.one_of(st.none(), st.integers(0, 3 * KV_TILE_BLOCKS * BS)),  # 0 and None: full attention
+    cap=st.sampled_from([None, 3.0]),
+    rnd=st.randoms(),
+)
+def test_matches_per_sequence_attention(slots, seqs, window, cap, rnd):
+    """Also with a sliding window (Gemma, Mistral), a soft cap on the scores (Gemma 2) and another scale."""
     rng = np.random.default_rng(rnd.randint(0, 2**32))
     seqs = [(past, 1 if rnd.random() < 0.5 else q_len) for past, q_len in seqs[:slots]]  # half decode
     while sum(q for _, q in seqs) > T:
@@ -66,8 +76,11 @@ def test_matches_per_sequence_attention(slots, seqs, rnd):
     q_lens = [q for _, q in seqs] + [0] * pad_seqs
     cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     kv_lens = np.asarray([p + q for p, q in seqs] + [0] * pad_seqs, np.int32)
-    got = np.asarray(_jitted(q, k_new, v_new, cache, np.int32(1), kv_lens, tables, cu))
-    np.testing.assert_allclose(got[:total], naive(q, k_new, v_new, cache, 1, layout)[:total], atol=2e-5)
+    scale = rnd.uniform(0.1, 0.5)
+    args = (q, k_new, v_new, cache, np.int32(1), kv_lens, tables, cu)
+    got = np.asarray(_jitted(*args, sm_scale=scale, sliding_window=window, soft_cap=cap))
+    expected = naive(q, k_new, v_new, cache, 1, layout, scale, window, cap)
+    np.testing.assert_allclose(got[:total], expected[:total], atol=2e-5)
     assert np.isfinite(got).all()
 
 

@@ -10,19 +10,12 @@ import dataclasses
 import numpy as np
 import pytest
 
-from tests.families import engine_of, hf_greedy, write_qwen3
+from tests.families import engine_of, hf_greedy, write_family
 
 pytestmark = pytest.mark.model
 
 PROMPT_LENGTHS = (7, 45, 150)  # the longest is prefilled in three chunks (64-token steps)
 SMALL = dict(num_blocks=96, max_model_len=512, max_num_seqs=4, max_num_batched_tokens=64)
-
-
-@pytest.fixture(scope="module")
-def qwen3(tmp_path_factory, loaded_model):
-    pytest.importorskip("transformers")
-    path = tmp_path_factory.mktemp("qwen3")
-    return write_qwen3(path, loaded_model.config.vocab_size), path
 
 
 def _engine(path, tokenizer, **overrides):
@@ -31,22 +24,36 @@ def _engine(path, tokenizer, **overrides):
     return engine_of(path, tokenizer, dataclasses.replace(EngineConfig(**SMALL), **overrides))
 
 
-def test_qwen3_matches_transformers(qwen3, loaded_model):
+# What each family adds to Llama's forward pass (tests/families.py writes them)
+FAMILIES = {
+    "qwen3": "q/k norm per head",
+    "gemma3": "sliding and full layers with their own rope (linear scaling on full ones), GeGLU, sandwich "
+    "and q/k norms of weight 1 + w, scaled embeddings, query_pre_attn_scalar",
+    "gemma2": "softcapped attention scores and logits, alternating sliding layers",
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_family_matches_transformers(family, tmp_path, loaded_model):
+    """Prompts of 7, 45 and 150 tokens (the sliding window is 24): last-position logits, then 32 greedy
+    tokens of the three batched with chunked prefill; Qwen3 at TP 2 too (its 1 KV head padded to 2)."""
     import jax
 
     from engine.sampling_params import SamplingParams
 
-    model, path = qwen3
+    pytest.importorskip("transformers")
+    model = write_family(family, tmp_path, loaded_model.config.vocab_size)
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, loaded_model.config.vocab_size, n).tolist() for n in PROMPT_LENGTHS]
     expected = [hf_greedy(model, p, 32) for p in prompts]
-    engine = _engine(path, loaded_model.tokenizer)
-    assert engine.model.config.qk_norm and engine.model.config.head_dim == 32
+    engine = _engine(tmp_path, loaded_model.tokenizer)
+    assert engine.model.config.head_dim == 32 and engine.model.config.architecture == family
     for prompt, (logits, _) in zip(prompts, expected, strict=True):
         assert np.max(np.abs(engine.prompt_logits(prompt) - logits)) <= 1e-3
     greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     tokens = [tokens for _, tokens in expected]
     assert [c.token_ids for c in engine.generate(prompts, greedy)] == tokens  # batched, chunked prefill
-    tp2 = _engine(path, loaded_model.tokenizer, tp=2)
-    assert len(jax.devices()) >= 2 and tp2.config.tp == 2
-    assert [c.token_ids for c in tp2.generate(prompts, greedy)] == tokens
+    if family == "qwen3":
+        tp2 = _engine(tmp_path, loaded_model.tokenizer, tp=2)
+        assert len(jax.devices()) >= 2 and tp2.config.tp == 2
+        assert [c.token_ids for c in tp2.generate(prompts, greedy)] == tokens

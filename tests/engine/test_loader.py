@@ -40,9 +40,11 @@ def test_unsupported_architecture_is_named(tmp_path):
 @pytest.mark.parametrize(
     "change, field",
     [
-        ({"architectures": ["Gemma3ForCausalLM"]}, "Gemma3ForCausalLM"),
-        ({"architectures": ["Qwen3ForCausalLM"], "use_sliding_window": True}, "use_sliding_window"),
-        ({"hidden_act": "gelu_pytorch_tanh"}, "hidden_act"),
+        ({"architectures": ["Gemma3ForConditionalGeneration"]}, "Gemma3ForConditionalGeneration"),
+        ({"layer_types": ["full_attention", "chunked_attention"]}, "chunked_attention"),
+        ({"layer_types": ["full_attention", "sliding_attention"]}, "no sliding_window"),
+        ({"hidden_act": "relu2"}, "hidden_act"),
+        ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
         ({"mlp_bias": True}, "mlp_bias"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
     ],
@@ -52,12 +54,47 @@ def test_unsupported_config_features_are_named(change, field):
         ModelConfig.from_hf_config({**HF_CONFIG, **change})
 
 
+@pytest.mark.parametrize(
+    "change, windows, rope",
+    [
+        ({"architectures": ["MistralForCausalLM"], "sliding_window": 32}, (32, 32), (10000.0, None, 1.0)),
+        ({"architectures": ["MistralForCausalLM"], "sliding_window": None}, (), (10000.0, None, 1.0)),
+        (  # Qwen2 before layer_types: sliding from max_window_layers on
+            {
+                "architectures": ["Qwen2ForCausalLM"],
+                "use_sliding_window": True,
+                "sliding_window": 64,
+                "max_window_layers": 1,
+            },
+            (0, 64),
+            (10000.0, None, 1.0),
+        ),
+        (  # Gemma 3 as its hub configs say it (transformers 4): a pattern, a local base, linear scaling
+            {
+                "architectures": ["Gemma3ForCausalLM"],
+                "sliding_window": 16,
+                "sliding_window_pattern": 2,
+                "rope_theta": 1e6,
+                "rope_local_base_freq": 1e4,
+                "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+            },
+            (16, 0),
+            (1e6, 1e4, 8.0),
+        ),
+    ],
+)
+def test_sliding_windows_and_rope_per_layer_type_are_read(change, windows, rope):
+    cfg = ModelConfig.from_hf_config({**HF_CONFIG, **change})
+    assert cfg.layer_windows == windows
+    assert (cfg.rope_theta, cfg.sliding_rope_theta, cfg.rope_linear_factor) == rope
+
+
 def test_commands_refuse_an_unservable_model_in_one_line(tmp_path):
     """pdserve generate and both daemons: one line on stderr, exit status 1, no traceback."""
     import subprocess
     import sys
 
-    (tmp_path / "config.json").write_text(json.dumps({**HF_CONFIG, "architectures": ["Gemma3ForCausalLM"]}))
+    (tmp_path / "config.json").write_text(json.dumps({**HF_CONFIG, "architectures": ["GPT2LMHeadModel"]}))
     commands = {
         "pdserve": ["generate", "--model", str(tmp_path), "Hi"],
         "prefill-server": ["--model", str(tmp_path), "--port", "0", "--no-warmup"],

@@ -268,3 +268,15 @@ def test_remote_kv_fills_only_the_blocks_after_the_decode_sides_cached_prefix():
     assert [(r.request_id, r.num_past) for r in step.rows] == [("hit", 8), ("short", 0)]
     sched.remote_kv_failed("turn2")  # the fallback computes the rest here, after the cached prefix
     assert turn2.num_computed == 8 and turn2.status is Status.RUNNING
+
+
+@pytest.mark.parametrize("windowed", [False, True])
+def test_kv_received_for_sliding_window_layers_never_enters_the_prefix_cache(windowed):
+    """Sliding-window layers receive only the window's blocks: a later prompt must not hit the rest."""
+    sched = Scheduler(CONFIG, connector=Recorder(), windowed_transfers=windowed)
+    sched.add(make("remote", 12, max_tokens=2))
+    assert sched.schedule() is None
+    sched.remote_kv_arrived("remote", 7, None, sink)
+    run(sched, sched.schedule())  # its second token: finished
+    hits = sched.kv.lookup([*range(12), 99])
+    assert len(hits) == (0 if windowed else 3)

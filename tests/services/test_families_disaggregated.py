@@ -1,5 +1,6 @@
-"""Model families disaggregated: a Qwen3 checkpoint (tests/families.py) prefilled at TP 1 and decoded at TP 2
-by servers on threads of this process gives transformers' greedy tokens."""
+"""Model families disaggregated: a Qwen3 and a Gemma 3 checkpoint (tests/families.py) prefilled at TP 1 and
+decoded at TP 2 by servers on threads of this process give transformers' greedy tokens; Gemma's sliding
+window layers receive only the window's blocks."""
 
 from __future__ import annotations
 
@@ -8,14 +9,17 @@ import contextlib
 import numpy as np
 import pytest
 
+from kvtransfer import plan_frames
 from services.client import Client
-from tests.families import engine_of, hf_greedy, write_qwen3
+from services.kv import engine_layout
+from tests.families import engine_of, hf_greedy, write_family
 from tests.helpers import assert_all_free, in_process
 
 pytestmark = pytest.mark.daemon
 
 
-def test_qwen3_prefill_tp1_to_decode_tp2_equals_transformers(tmp_path, loaded_model, small_config):
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+def test_prefill_tp1_to_decode_tp2_equals_transformers(family, tmp_path, loaded_model, small_config):
     import dataclasses
 
     import jax
@@ -26,7 +30,7 @@ def test_qwen3_prefill_tp1_to_decode_tp2_equals_transformers(tmp_path, loaded_mo
     from services.prefill.server import serve as serve_prefill
 
     pytest.importorskip("transformers")
-    model = write_qwen3(tmp_path, loaded_model.config.vocab_size)
+    model = write_family(family, tmp_path, loaded_model.config.vocab_size)
     rng = np.random.default_rng(5)
     prompts = [rng.integers(0, loaded_model.config.vocab_size, n).tolist() for n in (40, 300)]  # 300: chunked
     expected = [hf_greedy(model, p, 16)[1] for p in prompts]
@@ -51,3 +55,15 @@ def test_qwen3_prefill_tp1_to_decode_tp2_equals_transformers(tmp_path, loaded_mo
             )
         assert core.counters.num_transfers_total == len(prompts)  # both prefilled over there
         assert_all_free(decode, prefill)
+    # the bytes received are the frame plans' (sliding layers: from their window's first block), and a
+    # sliding layer's share of a 300-token prompt (19 blocks) is the blocks that reach into its last 24 tokens
+    src, dst = engine_layout(prefill_engine), engine_layout(decode_engine)
+    plans = [plan_frames(src, len(prompt)) for prompt in prompts]
+    received = sum(f.num_layers * f.bucket for plan in plans for f in plan) * dst.block_bytes
+    assert core.counters.kv_transfer_bytes_total == received
+    cfg = decode_engine.model.config
+    per_layer = [
+        sum(f.num_blocks for f in plans[1] if f.layer_start <= i < f.layer_end) for i in range(cfg.num_layers)
+    ]
+    assert per_layer == [19 - (300 - 24) // 16 if cfg.window(i) else 19 for i in range(cfg.num_layers)]
+    assert [cfg.window(i) for i in range(cfg.num_layers)] == ([24, 0, 24] if family == "gemma3" else [0, 0])
