@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "qwen3_moe", "mixtral")
 _HF_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
@@ -17,14 +17,17 @@ _HF_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
 }
 GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")  # the rest load from safetensors folders
 _MODEL_TYPES = {"gemma3_text": "gemma3"}  # config.json model_type -> architecture, where they differ
 # config.json activation names -> the gated MLP's activation (engine.model)
 _HF_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 ACTIVATIONS = tuple(sorted(set(_HF_ACTIVATIONS.values())))
-_QK_NORM = ("qwen3", "gemma3")  # RMSNorm of each query and key head before rope
+_QK_NORM = ("qwen3", "gemma3", "qwen3_moe")  # RMSNorm of each query and key head before rope
 GEMMA = ("gemma2", "gemma3")  # scaled embeddings, GeGLU, norms around attention and MLP, norm weights 1 + w
+_MOE = ("qwen3_moe", "mixtral")  # every layer's MLP is a mixture of experts
 # config.json's default layer pattern where it has no `layer_types`: every n-th layer is a full one
 _GEMMA_FULL_EVERY = {"gemma2": 2, "gemma3": 6}
 
@@ -64,6 +67,10 @@ class ModelConfig:
     final_logit_softcap: float | None = None  # the same on the logits
     scale_embeddings: bool = False  # embeddings times sqrt(hidden_size) (Gemma)
     sandwich_norms: bool = False  # RMSNorm on the attention's and the MLP's outputs too (Gemma 2/3)
+    # Mixture of experts (every layer's MLP; intermediate_size is then each expert's): 0 experts: dense.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0  # experts each token is routed to (top k of the router's softmax)
+    norm_topk_prob: bool = False  # the k routing weights renormalized to sum to 1 (Mixtral: always)
     name: str = "model"
 
     def __post_init__(self):
@@ -79,6 +86,8 @@ class ModelConfig:
             raise UnsupportedModelError(
                 f"{len(self.layer_windows)} layer windows for {self.num_layers} layers"
             )
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise UnsupportedModelError(f"{self.num_experts_per_tok} experts per token of {self.num_experts}")
         if self.hidden_act not in ACTIVATIONS:
             raise UnsupportedModelError(f"hidden_act {self.hidden_act!r}: one of {sorted(ACTIVATIONS)}")
 
@@ -177,11 +186,16 @@ class ModelConfig:
                 "config.json rope_parameters.sliding_attention: scaling is not supported"
             )
         _refuse_unsupported_features(config)
+        num_experts = config.get("num_experts") or config.get("num_local_experts") or 0
+        if arch in _MOE and not num_experts:
+            raise UnsupportedModelError(f"config.json of {arch} names no num_experts")
         return cls(
             architecture=arch,
             vocab_size=config["vocab_size"],
             hidden_size=config["hidden_size"],
-            intermediate_size=config["intermediate_size"],
+            intermediate_size=config.get("moe_intermediate_size") or config["intermediate_size"]
+            if num_experts
+            else config["intermediate_size"],
             num_layers=config["num_hidden_layers"],
             num_heads=num_heads,
             num_kv_heads=config.get("num_key_value_heads", num_heads),
@@ -202,6 +216,9 @@ class ModelConfig:
             final_logit_softcap=config.get("final_logit_softcapping"),
             scale_embeddings=arch in GEMMA,
             sandwich_norms=arch in GEMMA,
+            num_experts=num_experts,
+            num_experts_per_tok=config.get("num_experts_per_tok", 0) if num_experts else 0,
+            norm_topk_prob=arch == "mixtral" or bool(config.get("norm_topk_prob")),
             name=name,
         )
 
@@ -232,7 +249,7 @@ def _layer_windows(arch: str, config: Mapping[str, Any]) -> tuple[int, ...]:
     if types is None and arch in _GEMMA_FULL_EVERY:
         every = config.get("sliding_window_pattern", _GEMMA_FULL_EVERY[arch])
         types = ["full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(n)]
-    elif types is None and arch == "mistral" and window:
+    elif types is None and arch in ("mistral", "mixtral") and window:
         types = ["sliding_attention"] * n
     elif types is None and config.get("use_sliding_window"):  # Qwen2/3 before layer_types
         first = config.get("max_window_layers", n)
@@ -256,6 +273,12 @@ def _refuse_unsupported_features(config: Mapping[str, Any]) -> None:
         )
     if config.get("mlp_bias"):
         raise UnsupportedModelError("config.json mlp_bias=true: MLP biases are not supported")
+    if config.get("mlp_only_layers") or config.get("decoder_sparse_step", 1) != 1:
+        raise UnsupportedModelError(
+            "config.json mlp_only_layers / decoder_sparse_step: dense layers among expert ones unsupported"
+        )
+    if config.get("shared_expert_intermediate_size") or config.get("n_shared_experts"):
+        raise UnsupportedModelError("config.json shared experts are not supported")
     if config.get("use_bidirectional_attention"):
         raise UnsupportedModelError("config.json use_bidirectional_attention=true: decoders only")
 

@@ -36,16 +36,32 @@ _LAYER_TENSORS = {
     "k_norm": ("attn_k_norm.weight", "self_attn.k_norm.weight"),
     "post_attn_norm": ("post_attention_norm.weight", "post_attention_layernorm.weight"),
     "post_mlp_norm": ("post_ffw_norm.weight", "post_feedforward_layernorm.weight"),
+    "w_router": ("ffn_gate_inp.weight", "mlp.gate.weight"),
 }
 # Gemma's checkpoints name the norm before the MLP differently (its post_attention_layernorm normalizes
 # the attention's output, see post_attn_norm)
 _GEMMA_HF_TENSORS = {"mlp_norm": "pre_feedforward_layernorm.weight"}
+# Mixtures of experts: the MLP's weights per expert {e}, stacked [experts, ...] at load
+_MOE_HF_TENSORS = {
+    "qwen3_moe": {
+        "w_gate": "mlp.experts.{e}.gate_proj.weight",
+        "w_up": "mlp.experts.{e}.up_proj.weight",
+        "w_down": "mlp.experts.{e}.down_proj.weight",
+    },
+    "mixtral": {
+        "w_router": "block_sparse_moe.gate.weight",
+        "w_gate": "block_sparse_moe.experts.{e}.w1.weight",
+        "w_up": "block_sparse_moe.experts.{e}.w3.weight",
+        "w_down": "block_sparse_moe.experts.{e}.w2.weight",
+    },
+}
 _BIASES = ("bq", "bk", "bv")
 _OPTIONAL = {  # weights only some families have -> whether the model of config cfg has them
     "q_norm": lambda cfg: cfg.qk_norm,
     "k_norm": lambda cfg: cfg.qk_norm,
     "post_attn_norm": lambda cfg: cfg.sandwich_norms,
     "post_mlp_norm": lambda cfg: cfg.sandwich_norms,
+    "w_router": lambda cfg: cfg.num_experts > 0,
 }
 
 
@@ -63,7 +79,8 @@ def _undo_gguf_rope_permutation(w: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def _stack_layers(cfg: ModelConfig, fetch: Callable[[int, str], np.ndarray | None]) -> dict[str, np.ndarray]:
-    """Stacks per-layer tensors ([out, in] as stored) into [L, in, out] math layout."""
+    """Stacks per-layer tensors ([out, in] as stored, [experts, out, in] for experts) into [L, in, out]
+    (or [L, experts, in, out]) math layout."""
     stacked = {}
     for name in _LAYER_TENSORS:
         if name in _OPTIONAL and not _OPTIONAL[name](cfg):
@@ -77,7 +94,7 @@ def _stack_layers(cfg: ModelConfig, fetch: Callable[[int, str], np.ndarray | Non
                     w = np.zeros(out * cfg.head_dim, np.float32)
                 else:
                     raise CheckpointError(f"layer {i} lacks tensor {name} ({_LAYER_TENSORS[name]})")
-            per_layer.append(w.T if w.ndim == 2 else w)
+            per_layer.append(np.swapaxes(w, -1, -2) if w.ndim >= 2 else w)  # [(experts,) out, in] -> in, out
         stacked[name] = np.stack(per_layer).astype(np.float32, copy=False)
     return stacked
 
@@ -158,7 +175,19 @@ def load_hf_folder(path: str | Path, name: str | None = None) -> tuple[ModelConf
     names = {w: hf for w, (_, hf) in _LAYER_TENSORS.items()}
     if cfg.architecture in GEMMA:
         names.update(_GEMMA_HF_TENSORS)
-    host = _stack_layers(cfg, lambda i, w: tensor(f"model.layers.{i}.{names[w]}"))
+    names.update(_MOE_HF_TENSORS.get(cfg.architecture, {}))
+
+    def fetch(i: int, weight: str) -> np.ndarray | None:
+        name = f"model.layers.{i}.{names[weight]}"
+        if "{e}" not in name:
+            return tensor(name)
+        experts = [tensor(name.format(e=e)) for e in range(cfg.num_experts)]
+        missing = [e for e, w in enumerate(experts) if w is None]
+        if missing:
+            raise CheckpointError(f"{path} lacks {name} of experts {missing}")
+        return np.stack(experts)
+
+    host = _stack_layers(cfg, fetch)
     for key, target in (("model.embed_tokens.weight", "embed"), ("model.norm.weight", "final_norm")):
         w = tensor(key)
         if w is None:

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from engine import moe
 from engine.attention import ragged_paged_attention, soft_cap, token_sequences
 from engine.config import ModelConfig
 from engine.lora import apply as lora_ops
@@ -138,10 +139,14 @@ def forward_step(
         out = plus_lora(attn @ w.wo, lora_ops.linear_delta, attn, *_pair(lo, "o"))
         x = x + (out if w.post_attn_norm is None else rms_norm(out, w.post_attn_norm, cfg.rms_norm_eps))
         h = rms_norm(x, w.mlp_norm, cfg.rms_norm_eps)
-        gate_up = jnp.einsum("td,dci->tci", h, w.w_gate_up)
-        gate_up = plus_lora(gate_up, lora_ops.gate_up_delta, h, lo)
-        act = act_fn(gate_up[:, 0]) * gate_up[:, 1]
-        out = plus_lora(act @ w.w_down, lora_ops.linear_delta, act, *_pair(lo, "down"))
+        if cfg.num_experts:  # LoRA is refused with experts (engine.engine)
+            route = moe.route(h, w.w_router, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+            out = moe.experts_mlp(h, *route, valid, w.experts_gate_up, w.experts_down, act_fn)
+        else:
+            gate_up = jnp.einsum("td,dci->tci", h, w.w_gate_up)
+            gate_up = plus_lora(gate_up, lora_ops.gate_up_delta, h, lo)
+            act = act_fn(gate_up[:, 0]) * gate_up[:, 1]
+            out = plus_lora(act @ w.w_down, lora_ops.linear_delta, act, *_pair(lo, "down"))
         x = x + (out if w.post_mlp_norm is None else rms_norm(out, w.post_mlp_norm, cfg.rms_norm_eps))
         new_kv = jnp.stack([k, v], axis=2).reshape(t, 2 * kv_heads, head_dim)  # K, V interleaved
         return x, new_kv

@@ -30,12 +30,17 @@ class LayerWeights:
     b_qkv: jax.Array  # [L, kv_heads, (group + 2) * head_dim]  (zeros without qkv bias)
     wo: jax.Array  # [L, heads * head_dim, hidden]
     mlp_norm: jax.Array  # [L, hidden]
-    w_gate_up: jax.Array  # [L, hidden, 2, intermediate]  (gate, up)
-    w_down: jax.Array  # [L, intermediate, hidden]
+    w_gate_up: jax.Array | None = None  # [L, hidden, 2, intermediate]  (gate, up); None with experts
+    w_down: jax.Array | None = None  # [L, intermediate, hidden]
     q_norm: jax.Array | None = None  # [L, head_dim] with ModelConfig.qk_norm (Qwen3), else None
     k_norm: jax.Array | None = None  # [L, head_dim]
     post_attn_norm: jax.Array | None = None  # [L, hidden] with ModelConfig.sandwich_norms (Gemma), else None
     post_mlp_norm: jax.Array | None = None  # [L, hidden]
+    # A mixture of experts in place of the MLP (ModelConfig.num_experts), else None. Each expert's
+    # intermediate axis is split over the mesh like the dense MLP's (tensor-parallel experts).
+    w_router: jax.Array | None = None  # [L, hidden, experts]
+    experts_gate_up: jax.Array | None = None  # [L, experts, hidden, 2, intermediate]
+    experts_down: jax.Array | None = None  # [L, experts, intermediate, hidden]
 
 
 @jax.tree_util.register_dataclass
@@ -59,6 +64,9 @@ _LAYER_AXES = {
     "k_norm": ("layers", None),
     "post_attn_norm": ("layers", "embed"),
     "post_mlp_norm": ("layers", "embed"),
+    "w_router": ("layers", "embed", None),
+    "experts_gate_up": ("layers", None, "embed", None, "mlp"),
+    "experts_down": ("layers", None, "mlp", "embed"),
 }
 
 
@@ -81,6 +89,14 @@ def pad_heads(w: np.ndarray, axis: int, cfg: ModelConfig, tp: int, kv: bool) -> 
     return padded.reshape(*shape[:axis], -1, *shape[axis + 1 :])
 
 
+def _mlp(cfg: ModelConfig, host: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The MLP's stacked arrays: dense, or one per expert (gate and up fused either way)."""
+    gate_up = np.stack([host["w_gate"], host["w_up"]], axis=-2)  # [L, (E,) D, 2, I]
+    if cfg.num_experts:
+        return {"experts_gate_up": gate_up, "experts_down": host["w_down"]}
+    return {"w_gate_up": gate_up, "w_down": host["w_down"]}
+
+
 def build_weights(
     cfg: ModelConfig, host: dict[str, np.ndarray], mesh: Mesh, dtype: jnp.dtype = jnp.float32
 ) -> Weights:
@@ -88,7 +104,8 @@ def build_weights(
 
     `host` holds numpy arrays in math layout (x @ W), layers stacked (engine.loader's names): `embed`
     [V, D], `final_norm` [D], optional `lm_head` [D, V], `wq` `wk` `wv` [L, D, heads * head_dim], their
-    biases `bq` `bk` `bv`, `wo`, `w_gate` `w_up` [L, D, I], `w_down`, `attn_norm`, `mlp_norm`, and with
+    biases `bq` `bk` `bv`, `wo`, `w_gate` `w_up` [L, D, I], `w_down` (with experts: [L, E, D, I] and
+    [L, E, I, D], and the router `w_router` [L, D, E]), `attn_norm`, `mlp_norm`, and with
     qk_norm `q_norm` `k_norm` [L, head_dim], with sandwich_norms `post_attn_norm` `post_mlp_norm` [L, D].
     """
     tp = mesh.shape["model"]
@@ -104,15 +121,17 @@ def build_weights(
         "b_qkv": np.concatenate([per_kv_head(n, kv=n != "bq") for n in ("bq", "bk", "bv")], axis=-1),
         "wo": pad_heads(host["wo"], 1, cfg, tp, kv=False),
         "mlp_norm": host["mlp_norm"],
-        "w_gate_up": np.stack([host["w_gate"], host["w_up"]], axis=2),
-        "w_down": host["w_down"],
+        "w_router": host.get("w_router"),
+        **_mlp(cfg, host),
         "q_norm": host.get("q_norm"),
         "k_norm": host.get("k_norm"),
         "post_attn_norm": host.get("post_attn_norm"),
         "post_mlp_norm": host.get("post_mlp_norm"),
     }
     layers = {
-        name: None if fused[name] is None else jax.device_put(fused[name].astype(dtype), named(mesh, *axes))
+        name: None
+        if fused.get(name) is None
+        else jax.device_put(fused[name].astype(dtype), named(mesh, *axes))
         for name, axes in _LAYER_AXES.items()
     }
     lm_head = host.get("lm_head")

@@ -37,6 +37,22 @@ _TINY = {
             },
         ),
     ),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(
+            num_hidden_layers=2,
+            num_key_value_heads=2,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=48,
+        ),
+    ),
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        dict(num_hidden_layers=2, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2),
+    ),
     "gemma2": (
         "Gemma2Config",
         "Gemma2ForCausalLM",
@@ -76,8 +92,10 @@ def write_family(family: str, path: Path, vocab_size: int):
         for name, p in model.named_parameters():
             if "norm" in name:  # Gemma's norms scale by 1 + weight: random weights both ways
                 p.copy_((0 if family.startswith("gemma") else 1) + 0.3 * torch.randn_like(p))
-            else:  # wide logits: greedy choices are far from ties
-                p.normal_(0, 0.3 if name == "lm_head.weight" else 0.08)
+            elif name.endswith(("lm_head.weight", "gate.weight")):  # wide logits, routers' too: no near ties
+                p.normal_(0, 0.3 if name == "lm_head.weight" else 1.0)
+            else:
+                p.normal_(0, 0.08)
     model.save_pretrained(path)
     return model
 

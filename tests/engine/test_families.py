@@ -30,13 +30,16 @@ FAMILIES = {
     "gemma3": "sliding and full layers with their own rope (linear scaling on full ones), GeGLU, sandwich "
     "and q/k norms of weight 1 + w, scaled embeddings, query_pre_attn_scalar",
     "gemma2": "softcapped attention scores and logits, alternating sliding layers",
+    "qwen3_moe": "8 experts, top 2 of the softmax as they are, q/k norm",
+    "mixtral": "8 experts, top 2 renormalized",
 }
+TP2 = ("qwen3_moe",)  # tensor-parallel experts
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_family_matches_transformers(family, tmp_path, loaded_model):
     """Prompts of 7, 45 and 150 tokens (the sliding window is 24): last-position logits, then 32 greedy
-    tokens of the three batched with chunked prefill; Qwen3 at TP 2 too (its 1 KV head padded to 2)."""
+    tokens of the three batched with chunked prefill; Qwen3-MoE at TP 2 too (experts split over the mesh)."""
     import jax
 
     from engine.sampling_params import SamplingParams
@@ -53,7 +56,7 @@ def test_family_matches_transformers(family, tmp_path, loaded_model):
     greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     tokens = [tokens for _, tokens in expected]
     assert [c.token_ids for c in engine.generate(prompts, greedy)] == tokens  # batched, chunked prefill
-    if family == "qwen3":
+    if family in TP2:
         tp2 = _engine(tmp_path, loaded_model.tokenizer, tp=2)
         assert len(jax.devices()) >= 2 and tp2.config.tp == 2
         assert [c.token_ids for c in tp2.generate(prompts, greedy)] == tokens

@@ -45,6 +45,11 @@ def test_unsupported_architecture_is_named(tmp_path):
         ({"layer_types": ["full_attention", "sliding_attention"]}, "no sliding_window"),
         ({"hidden_act": "relu2"}, "hidden_act"),
         ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+        (
+            {"architectures": ["Qwen3MoeForCausalLM"], "num_experts": 4, "mlp_only_layers": [1]},
+            "mlp_only_layers",
+        ),
+        ({"architectures": ["Qwen3MoeForCausalLM"]}, "num_experts"),
         ({"mlp_bias": True}, "mlp_bias"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
     ],
