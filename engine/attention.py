@@ -9,6 +9,11 @@ heads axis, kv_lens, page indices, cu_q_lens), plus the layer index of pdserve's
 model writes the new K/V into the cache once, after all layers (engine.model); a kernel that writes
 them itself is equally valid, the cache it is handed is not read back.
 
+Per model it also takes the softmax scale, a sliding window (a query sees the last `sliding_window`
+positions, itself included; the loops start at the first tile a window reaches) and a soft cap on the
+scores (Gemma 2), and with `latent` a multi-head-latent cache (MLA, engine.mla): one latent head a token
+that is the key and, its first dims, the value.
+
 The reference runs everywhere and is what the tests pin down. Its cost follows the work, not the static
 shape: three parts share one softmax (flash-attention style running max and sum), each looping only as
 far as the step's longest context:
@@ -87,11 +92,15 @@ def _empty(shape, d, dtype):
     return jnp.full(shape, _NEG_INF, dtype), jnp.zeros(shape, dtype), jnp.zeros((*shape, d), dtype)
 
 
-def _past_tile(cache, layer, block_tables, j, tile_blocks):
-    """Tile j of each listed sequence's past: K, V [..., kv_heads, tile tokens, head_dim]."""
+def _past_tile(cache, layer, block_tables, j, tile_blocks, value_dim=None):
+    """Tile j of each listed sequence's past: K, V [..., kv_heads, tile tokens, head_dim] (a latent cache:
+    K is the one latent head, V its first value_dim dims)."""
     blocks = jax.lax.dynamic_slice_in_dim(block_tables, j * tile_blocks, tile_blocks, axis=-1)
-    kv = cache[layer, blocks]  # [..., tile blocks, block_size, 2 * kv_heads, head_dim]
+    kv = cache[layer, blocks]  # [..., tile blocks, block_size, 2 * kv_heads (latent: 1), head_dim]
     *lead, nb, bs, h2, d = kv.shape
+    if value_dim is not None:
+        k = jnp.moveaxis(kv.reshape(*lead, nb * bs, 1, d), -2, -3).astype(jnp.float32)
+        return k, k[..., :value_dim]
     kv = kv.reshape(*lead, nb * bs, h2 // 2, 2, d)
     kv = jnp.moveaxis(kv, -4, -2).astype(jnp.float32)  # [..., kv_heads, 2, tile tokens, head_dim]
     return kv[..., 0, :, :], kv[..., 1, :, :]
@@ -110,8 +119,12 @@ def ragged_paged_attention_reference(
     sm_scale: float | None = None,  # scores are q.k times this (None: head_dim ** -0.5)
     sliding_window: jax.Array | int | None = None,  # [] tokens a query sees, itself included (0/None: all)
     soft_cap: float | None = None,  # scores -> soft_cap * tanh(scores / soft_cap) (None: as they are)
-) -> jax.Array:  # [T, kv_heads, group, head_dim]; rows of padding tokens are finite garbage
+    latent: bool = False,  # MLA: the cache holds one latent "head" a token, the key; the value is its
+    # first v_new.shape[-1] dims (k_new [T, 1, head_dim], v_new [T, 1, value dims], kv_heads 1)
+) -> jax.Array:  # [T, kv_heads, group, value dims]; rows of padding tokens are finite garbage
     t, kvh, g, d = q.shape
+    dv = v_new.shape[-1]
+    past_tile_of = functools.partial(_past_tile, value_dim=dv if latent else None)
     out_dtype = q.dtype  # scores, softmax and sums in float32 whatever the weights' and cache's dtype
     q, k_new, v_new = (x.astype(jnp.float32) for x in (q, k_new, v_new))
     num_seqs = kv_lens.shape[0]
@@ -134,7 +147,7 @@ def ragged_paged_attention_reference(
     mask = (seq[:, None] == seq[None, :]) & causal & valid[None, :]
     mask = jnp.broadcast_to(mask, (g, t, t)).reshape(g * t, t)
     m, s, o = attend(q.reshape(kvh, g * t, d), k_new.transpose(1, 0, 2), v_new.transpose(1, 0, 2), mask)
-    state = m.reshape(kvh, g, t), s.reshape(kvh, g, t), o.reshape(kvh, g, t, d)
+    state = m.reshape(kvh, g, t), s.reshape(kvh, g, t), o.reshape(kvh, g, t, dv)
 
     # single-token sequences (decodes) over their past, all sequences at once; the loop starts at the
     # first tile any of their windows reaches
@@ -145,14 +158,14 @@ def ragged_paged_attention_reference(
     q_single = jnp.take(q, jnp.minimum(first, t - 1), axis=2).transpose(2, 0, 1, 3)  # [S, kv_heads, group, d]
 
     def single_tile(j, acc):
-        k, v = _past_tile(cache, layer, block_tables, j, decode_blocks)  # [S, kv_heads, tile, d]
+        k, v = past_tile_of(cache, layer, block_tables, j, decode_blocks)  # [S, kv_heads, tile, d]
         pos = j * decode_tile + jnp.arange(decode_tile)
         seen = (pos < single_past[:, None, None, None]) & (pos >= single_from[:, None, None, None])
         return _merge(acc, attend(q_single, k, v, seen))
 
     num_tiles = -(-jnp.max(single_past) // decode_tile)
     first_tile = jnp.minimum(jnp.min(single_from) // decode_tile, num_tiles)
-    m, s, o = jax.lax.fori_loop(first_tile, num_tiles, single_tile, _empty((num_seqs, kvh, g), d, dtype))
+    m, s, o = jax.lax.fori_loop(first_tile, num_tiles, single_tile, _empty((num_seqs, kvh, g), dv, dtype))
     at = (slice(None), slice(None), first)  # merged in place at the decode tokens
     merged = _merge(
         tuple(x[at] for x in state), (m.transpose(1, 2, 0), s.transpose(1, 2, 0), o.transpose(1, 2, 0, 3))
@@ -173,14 +186,14 @@ def ragged_paged_attention_reference(
         q_pos = jnp.tile(past[s] + start - cu_q_lens[s] + jnp.arange(Q_WINDOW), g)  # of qw's rows
 
         def past_tile(j, acc):
-            k, v = _past_tile(cache, layer, block_tables[s], j, CHUNK_TILE_BLOCKS)  # [kv_heads, tile, d]
+            k, v = past_tile_of(cache, layer, block_tables[s], j, CHUNK_TILE_BLOCKS)  # [kv_heads, tile, d]
             pos = j * chunk_tile + jnp.arange(chunk_tile)
             seen = (pos[None, :] < past[s]) & (q_pos[:, None] - pos[None, :] < reach)
             return _merge(acc, attend(qw, k, v, seen))
 
         first_tile = jnp.maximum(q_pos[0] + 1 - reach, 0) // chunk_tile  # the window's first query reaches
         w_state = jax.lax.fori_loop(
-            first_tile, -(-past[s] // chunk_tile), past_tile, _empty((kvh, g * Q_WINDOW), d, dtype)
+            first_tile, -(-past[s] // chunk_tile), past_tile, _empty((kvh, g * Q_WINDOW), dv, dtype)
         )
         w_state = [x.reshape(kvh, g, Q_WINDOW, *x.shape[2:]) for x in w_state]
         old = [jax.lax.dynamic_slice_in_dim(x, start, Q_WINDOW, axis=2) for x in state]

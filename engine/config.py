@@ -9,7 +9,17 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "qwen3_moe", "mixtral")
+SUPPORTED_ARCHITECTURES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma2",
+    "gemma3",
+    "qwen3_moe",
+    "mixtral",
+    "deepseek_v2",
+)
 _HF_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
@@ -19,6 +29,7 @@ _HF_ARCHITECTURES = {
     "Gemma3ForCausalLM": "gemma3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
 }
 GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")  # the rest load from safetensors folders
 _MODEL_TYPES = {"gemma3_text": "gemma3"}  # config.json model_type -> architecture, where they differ
@@ -71,6 +82,13 @@ class ModelConfig:
     num_experts: int = 0
     num_experts_per_tok: int = 0  # experts each token is routed to (top k of the router's softmax)
     norm_topk_prob: bool = False  # the k routing weights renormalized to sum to 1 (Mixtral: always)
+    # Multi-head latent attention (DeepSeek-V2): the cache holds one latent per token, kv_lora_rank dims
+    # (keys' and values' shared compression) then the qk_rope_head_dim dims of its rotated key, shared by all
+    # heads; head_dim is a query's (qk_nope_head_dim + qk_rope_head_dim). 0: not MLA.
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0  # queries through a low-rank projection and a norm first (0: one projection)
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
     name: str = "model"
 
     def __post_init__(self):
@@ -90,6 +108,22 @@ class ModelConfig:
             raise UnsupportedModelError(f"{self.num_experts_per_tok} experts per token of {self.num_experts}")
         if self.hidden_act not in ACTIVATIONS:
             raise UnsupportedModelError(f"hidden_act {self.hidden_act!r}: one of {sorted(ACTIVATIONS)}")
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def rope_dim(self) -> int:
+        """Dims of a head that rope rotates: all of them, or MLA's decoupled rope part."""
+        return self.qk_rope_head_dim if self.is_mla else self.head_dim
+
+    def cache_token_shape(self, tp: int) -> tuple[int, int]:
+        """(head slots, dims) of one token of one layer in the paged cache: K and V of each padded KV head,
+        or MLA's one latent (replicated over the mesh)."""
+        if self.is_mla:
+            return 1, self.kv_lora_rank + self.qk_rope_head_dim
+        return 2 * self.padded_num_kv_heads(tp), self.head_dim
 
     def window(self, layer: int) -> int:
         """Tokens a query of `layer` attends to, itself included (0: all before it)."""
@@ -172,7 +206,7 @@ class ModelConfig:
             raise UnsupportedModelError(
                 f"config.json architectures {archs} not supported (supported: {sorted(_HF_ARCHITECTURES)})"
             )
-        num_heads = config["num_attention_heads"]
+        num_heads, n_layers = config["num_attention_heads"], config["num_hidden_layers"]
         # transformers >= 5 writes `rope_parameters` (theta inside; Gemma 3: one per layer type); older ones
         # `rope_theta`, `rope_scaling` (and Gemma 3 `rope_local_base_freq`)
         rope_parameters = config.get("rope_parameters") or {}
@@ -187,6 +221,12 @@ class ModelConfig:
             )
         _refuse_unsupported_features(config)
         num_experts = config.get("num_experts") or config.get("num_local_experts") or 0
+        mla = arch == "deepseek_v2"
+        if mla and config.get("n_routed_experts") and config.get("first_k_dense_replace", 0) < n_layers:
+            raise UnsupportedModelError(
+                "config.json n_routed_experts / first_k_dense_replace: DeepSeek's mixture of experts (shared "
+                "experts, expert layers after dense ones) is not supported; MLA with dense MLPs is"
+            )
         if arch in _MOE and not num_experts:
             raise UnsupportedModelError(f"config.json of {arch} names no num_experts")
         return cls(
@@ -199,7 +239,9 @@ class ModelConfig:
             num_layers=config["num_hidden_layers"],
             num_heads=num_heads,
             num_kv_heads=config.get("num_key_value_heads", num_heads),
-            head_dim=config.get("head_dim") or config["hidden_size"] // num_heads,
+            head_dim=config["qk_nope_head_dim"] + config["qk_rope_head_dim"]
+            if mla
+            else config.get("head_dim") or config["hidden_size"] // num_heads,
             rope_theta=float(rope_theta),
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=config.get("max_position_embeddings", 4096),
@@ -219,6 +261,10 @@ class ModelConfig:
             num_experts=num_experts,
             num_experts_per_tok=config.get("num_experts_per_tok", 0) if num_experts else 0,
             norm_topk_prob=arch == "mixtral" or bool(config.get("norm_topk_prob")),
+            kv_lora_rank=config["kv_lora_rank"] if mla else 0,
+            q_lora_rank=(config.get("q_lora_rank") or 0) if mla else 0,
+            qk_rope_head_dim=config["qk_rope_head_dim"] if mla else 0,
+            v_head_dim=config["v_head_dim"] if mla else 0,
             name=name,
         )
 
@@ -277,7 +323,7 @@ def _refuse_unsupported_features(config: Mapping[str, Any]) -> None:
         raise UnsupportedModelError(
             "config.json mlp_only_layers / decoder_sparse_step: dense layers among expert ones unsupported"
         )
-    if config.get("shared_expert_intermediate_size") or config.get("n_shared_experts"):
+    if config.get("shared_expert_intermediate_size"):
         raise UnsupportedModelError("config.json shared experts are not supported")
     if config.get("use_bidirectional_attention"):
         raise UnsupportedModelError("config.json use_bidirectional_attention=true: decoders only")

@@ -43,8 +43,10 @@ class LLMEngine:
         dtype = jax.numpy.dtype(config.dtype)
         weights = build_weights(model.config, model.host_weights, self.mesh, dtype)
         self.lora_slots = None
-        if config.max_loras and model.config.num_experts:
-            raise ValueError("LoRA adapters on a mixture-of-experts model are not supported (max_loras > 0)")
+        if config.max_loras and (model.config.num_experts or model.config.is_mla):
+            raise ValueError(
+                "LoRA adapters on mixture-of-experts or MLA models are not supported (max_loras > 0)"
+            )
         if config.max_loras:
             self.lora_slots = LoraSlots(
                 model.config, config.max_loras, config.max_lora_rank, self.mesh, dtype

@@ -2,7 +2,8 @@
 
 Layout: [num_layers, num_blocks, block_size, 2 * kv_heads, head_dim], K and V interleaved on the heads
 axis (2h is K of KV head h, 2h+1 its V), sharded on that axis over the mesh axis `model`. Per layer this
-is the `[num_blocks, block_size, 2 * kv_heads, head_dim]` layout kvtransfer moves.
+is the `[num_blocks, block_size, 2 * kv_heads, head_dim]` layout kvtransfer moves. With multi-head latent
+attention the heads axis holds one latent [kv_lora_rank | rope dims] a token, replicated over the mesh.
 """
 
 from __future__ import annotations
@@ -15,21 +16,24 @@ from engine.config import EngineConfig, ModelConfig
 from engine.sharding import named
 
 
-def cache_sharding(mesh: Mesh) -> NamedSharding:
-    return named(mesh, "layers", "blocks", "block_slots", "kv_heads", "head_dim")
+def _heads_axis(model: ModelConfig) -> str | None:
+    return None if model.is_mla else "kv_heads"
 
 
-def chunk_sharding(mesh: Mesh) -> NamedSharding:
+def cache_sharding(mesh: Mesh, model: ModelConfig) -> NamedSharding:
+    return named(mesh, "layers", "blocks", "block_slots", _heads_axis(model), "head_dim")
+
+
+def chunk_sharding(mesh: Mesh, model: ModelConfig) -> NamedSharding:
     """A KV chunk [layers, tokens, 2 * kv_heads, head_dim] on the mesh, sharded like the cache."""
-    return named(mesh, "layers", "tokens", "kv_heads", "head_dim")
+    return named(mesh, "layers", "tokens", _heads_axis(model), "head_dim")
 
 
 def cache_shape(model: ModelConfig, engine: EngineConfig) -> tuple[int, ...]:
-    kv_heads = model.padded_num_kv_heads(engine.tp)
-    return (model.num_layers, engine.num_blocks, engine.block_size, 2 * kv_heads, model.head_dim)
+    return (model.num_layers, engine.num_blocks, engine.block_size, *model.cache_token_shape(engine.tp))
 
 
 def allocate_cache(model: ModelConfig, engine: EngineConfig, mesh: Mesh) -> jax.Array:
     """A zeroed cache, created directly in its sharding (no host copy)."""
     shape, dtype = cache_shape(model, engine), jnp.dtype(engine.dtype)
-    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=cache_sharding(mesh))()
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=cache_sharding(mesh, model))()

@@ -37,6 +37,12 @@ _LAYER_TENSORS = {
     "post_attn_norm": ("post_attention_norm.weight", "post_attention_layernorm.weight"),
     "post_mlp_norm": ("post_ffw_norm.weight", "post_feedforward_layernorm.weight"),
     "w_router": ("ffn_gate_inp.weight", "mlp.gate.weight"),
+    "w_q_a": ("attn_q_a.weight", "self_attn.q_a_proj.weight"),
+    "q_a_norm": ("attn_q_a_norm.weight", "self_attn.q_a_layernorm.weight"),
+    "w_q_b": ("attn_q_b.weight", "self_attn.q_b_proj.weight"),
+    "w_kv_a": ("attn_kv_a_mqa.weight", "self_attn.kv_a_proj_with_mqa.weight"),
+    "kv_a_norm": ("attn_kv_a_norm.weight", "self_attn.kv_a_layernorm.weight"),
+    "w_kv_b": ("attn_kv_b.weight", "self_attn.kv_b_proj.weight"),
 }
 # Gemma's checkpoints name the norm before the MLP differently (its post_attention_layernorm normalizes
 # the attention's output, see post_attn_norm)
@@ -56,13 +62,29 @@ _MOE_HF_TENSORS = {
     },
 }
 _BIASES = ("bq", "bk", "bv")
+_MLA = ("w_kv_a", "kv_a_norm", "w_kv_b")  # multi-head latent attention's, in place of wk, wv
+_Q_LORA = ("w_q_a", "q_a_norm", "w_q_b")  # MLA's low-rank queries, in place of wq
 _OPTIONAL = {  # weights only some families have -> whether the model of config cfg has them
     "q_norm": lambda cfg: cfg.qk_norm,
     "k_norm": lambda cfg: cfg.qk_norm,
     "post_attn_norm": lambda cfg: cfg.sandwich_norms,
     "post_mlp_norm": lambda cfg: cfg.sandwich_norms,
     "w_router": lambda cfg: cfg.num_experts > 0,
+    "wq": lambda cfg: not cfg.q_lora_rank,
+    **{name: (lambda cfg: not cfg.is_mla) for name in ("wk", "wv", *_BIASES)},
+    **{name: (lambda cfg: cfg.is_mla) for name in _MLA},
+    **{name: (lambda cfg: cfg.q_lora_rank > 0) for name in _Q_LORA},
 }
+
+
+def _halves_from_interleaved_rope(w: np.ndarray, head_size: int, rope_dim: int) -> np.ndarray:
+    """DeepSeek rotates pairs of adjacent dims (complex numbers); pdserve's rope rotates dim i with
+    i + rope_dim / 2. Reorders the last rope_dim of each head_size-wide head of w's last axis to match;
+    q.k is unchanged when queries and keys are reordered alike."""
+    heads = w.reshape(*w.shape[:-1], -1, head_size)
+    order = np.r_[np.arange(0, rope_dim, 2), np.arange(1, rope_dim, 2)] + head_size - rope_dim
+    heads = np.concatenate([heads[..., : head_size - rope_dim], heads[..., order]], axis=-1)
+    return heads.reshape(w.shape)
 
 
 class CheckpointError(FileNotFoundError):
@@ -193,6 +215,10 @@ def load_hf_folder(path: str | Path, name: str | None = None) -> tuple[ModelConf
         if w is None:
             raise CheckpointError(f"{path} lacks tensor {key}")
         host[target] = w
+    if cfg.is_mla:
+        q = "w_q_b" if cfg.q_lora_rank else "wq"
+        host[q] = _halves_from_interleaved_rope(host[q], cfg.head_dim, cfg.rope_dim)
+        host["w_kv_a"] = _halves_from_interleaved_rope(host["w_kv_a"], host["w_kv_a"].shape[-1], cfg.rope_dim)
     if cfg.architecture in GEMMA:  # Gemma's RMSNorm scales by (1 + weight): folded in here, as llama.cpp does
         for key in [k for k in host if k.endswith("_norm")]:  # q/k, layers' and final norms
             host[key] = host[key] + 1.0

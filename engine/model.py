@@ -10,64 +10,23 @@ cache is donated, so the scatter updates it in place.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from engine import moe
+from engine import mla, moe
 from engine.attention import ragged_paged_attention, soft_cap, token_sequences
 from engine.config import ModelConfig
+from engine.layers import ACTIVATION_FNS, apply_rope, rms_norm, rope_inverse_frequencies
 from engine.lora import apply as lora_ops
 from engine.lora.slots import LoraWeights
 from engine.weights import Weights
-
-
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    variance = jnp.mean(jnp.square(x), axis=-1, keepdims=True)
-    return x * jax.lax.rsqrt(variance + eps) * weight
-
-
-_ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True)}
-
-
-def _inverse_frequencies(theta: float, head_dim: int) -> np.ndarray:
-    return 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
-
-
-@functools.lru_cache(maxsize=8)
-def rope_inverse_frequencies(cfg: ModelConfig) -> np.ndarray:
-    """[2, head_dim // 2] inverse frequencies: of full-attention layers (with Llama 3's long-context or
-    linear scaling when configured), and of sliding-window layers (their own base, unscaled, if any)."""
-    inv = _inverse_frequencies(cfg.rope_theta, cfg.head_dim) / cfg.rope_linear_factor
-    if cfg.rope_llama3_scaling is not None:
-        factor, low_ff, high_ff, original = cfg.rope_llama3_scaling
-        wavelen = 2 * np.pi / inv
-        low_wavelen, high_wavelen = original / low_ff, original / high_ff
-        smooth = (original / wavelen - low_ff) / (high_ff - low_ff)
-        scaled = np.where(wavelen > low_wavelen, inv / factor, inv)
-        mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
-        inv = np.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
-    sliding = (
-        inv if cfg.sliding_rope_theta is None else _inverse_frequencies(cfg.sliding_rope_theta, cfg.head_dim)
-    )
-    return np.stack([inv, sliding]).astype(np.float32)
 
 
 def _per_layer(cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
     """Scanned with the layers: each one's sliding window (0: full) and row of rope frequencies."""
     windows = np.asarray([cfg.window(i) for i in range(cfg.num_layers)], np.int32)
     return jnp.asarray(windows), jnp.asarray((windows > 0).astype(np.int32))
-
-
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """Rotary embedding, halves layout (HF's rotate_half). x: [T, ..., head_dim], positions [T]."""
-    angles = positions[:, None].astype(jnp.float32) * inv_freq  # [T, head_dim // 2]
-    angles = angles.reshape(angles.shape[0], *([1] * (x.ndim - 2)), angles.shape[-1])
-    cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
-    x1, x2 = jnp.split(x, 2, axis=-1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
 def _pair(lo: LoraWeights | None, name: str) -> tuple:
@@ -102,7 +61,7 @@ def forward_step(
     mask = None if lora is None else lora_ops.selection(token_slots, lora.num_slots, x.dtype)
     any_lora = jnp.any(token_slots >= 0)
 
-    act_fn = _ACTIVATIONS[cfg.hidden_act]
+    act_fn = ACTIVATION_FNS[cfg.hidden_act]
     windowed = bool(cfg.layer_windows)  # else no window is even traced: full attention everywhere
 
     def layer(x, lw):
@@ -114,14 +73,19 @@ def forward_step(
             return jax.lax.cond(any_lora, lambda: y + delta(*args, mask), lambda: y)
 
         h = rms_norm(x, w.attn_norm, cfg.rms_norm_eps)
-        qkv = jnp.einsum("td,dkx->tkx", h, w.w_qkv) + w.b_qkv  # [T, kv_heads, (group + 2) * head_dim]
-        qkv = plus_lora(qkv, lora_ops.qkv_delta, h, lo)
-        q = qkv[..., : -2 * head_dim].reshape(t, kv_heads, -1, head_dim)
-        k, v = qkv[..., -2 * head_dim : -head_dim], qkv[..., -head_dim:]
-        if cfg.qk_norm:  # per head (padded heads are zeros and stay zeros)
-            q, k = rms_norm(q, w.q_norm, cfg.rms_norm_eps), rms_norm(k, w.k_norm, cfg.rms_norm_eps)
         inv_freq = inv_freqs[rope_row]
-        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        if cfg.is_mla:  # LoRA is refused with MLA (engine.engine)
+            q, k = mla.queries_and_latent(h, w, positions, inv_freq, cfg)
+            v, new_kv = k[..., : cfg.kv_lora_rank], k
+        else:
+            qkv = jnp.einsum("td,dkx->tkx", h, w.w_qkv) + w.b_qkv  # [T, kv_heads, (group + 2) * head_dim]
+            qkv = plus_lora(qkv, lora_ops.qkv_delta, h, lo)
+            q = qkv[..., : -2 * head_dim].reshape(t, kv_heads, -1, head_dim)
+            k, v = qkv[..., -2 * head_dim : -head_dim], qkv[..., -head_dim:]
+            if cfg.qk_norm:  # per head (padded heads are zeros and stay zeros)
+                q, k = rms_norm(q, w.q_norm, cfg.rms_norm_eps), rms_norm(k, w.k_norm, cfg.rms_norm_eps)
+            q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+            new_kv = jnp.stack([k, v], axis=2).reshape(t, 2 * kv_heads, head_dim)  # K, V interleaved
         attn = ragged_paged_attention(
             q,
             k,
@@ -134,8 +98,9 @@ def forward_step(
             sm_scale=cfg.attention_scale,
             sliding_window=window if windowed else None,
             soft_cap=cfg.attn_logit_softcap,
+            latent=cfg.is_mla,
         )
-        attn = attn.reshape(t, -1)
+        attn = mla.heads_output(attn, w) if cfg.is_mla else attn.reshape(t, -1)
         out = plus_lora(attn @ w.wo, lora_ops.linear_delta, attn, *_pair(lo, "o"))
         x = x + (out if w.post_attn_norm is None else rms_norm(out, w.post_attn_norm, cfg.rms_norm_eps))
         h = rms_norm(x, w.mlp_norm, cfg.rms_norm_eps)
@@ -148,7 +113,6 @@ def forward_step(
             act = act_fn(gate_up[:, 0]) * gate_up[:, 1]
             out = plus_lora(act @ w.w_down, lora_ops.linear_delta, act, *_pair(lo, "down"))
         x = x + (out if w.post_mlp_norm is None else rms_norm(out, w.post_mlp_norm, cfg.rms_norm_eps))
-        new_kv = jnp.stack([k, v], axis=2).reshape(t, 2 * kv_heads, head_dim)  # K, V interleaved
         return x, new_kv
 
     per_layer = (weights.layers, lora, jnp.arange(cfg.num_layers), *_per_layer(cfg))

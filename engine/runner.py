@@ -196,7 +196,7 @@ class ModelRunner:
         if isinstance(chunk.data, np.ndarray):
             if self.publish is not None:
                 self.publish(multihost.insert_op(chunk, block_ids))
-            data = jax.device_put(chunk.data, kv_cache.chunk_sharding(self.mesh))
+            data = jax.device_put(chunk.data, kv_cache.chunk_sharding(self.mesh, self.model))
             chunk = dataclasses.replace(chunk, data=data)
         elif self.publish is not None:
             raise ValueError("a multi-process engine inserts host chunks only")

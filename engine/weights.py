@@ -26,10 +26,10 @@ class LayerWeights:
     attn_norm: jax.Array  # [L, hidden]
     # Q, K and V fused per KV head: the last axis is (group * head_dim | head_dim | head_dim), so one
     # matmul computes all three and a TP shard holds whole groups with their KV head.
-    w_qkv: jax.Array  # [L, hidden, kv_heads, (group + 2) * head_dim]
-    b_qkv: jax.Array  # [L, kv_heads, (group + 2) * head_dim]  (zeros without qkv bias)
-    wo: jax.Array  # [L, heads * head_dim, hidden]
+    wo: jax.Array  # [L, heads * head_dim, hidden]  (MLA: heads * v_head_dim)
     mlp_norm: jax.Array  # [L, hidden]
+    w_qkv: jax.Array | None = None  # [L, hidden, kv_heads, (group + 2) * head_dim]; None with MLA
+    b_qkv: jax.Array | None = None  # [L, kv_heads, (group + 2) * head_dim]  (zeros without qkv bias)
     w_gate_up: jax.Array | None = None  # [L, hidden, 2, intermediate]  (gate, up); None with experts
     w_down: jax.Array | None = None  # [L, intermediate, hidden]
     q_norm: jax.Array | None = None  # [L, head_dim] with ModelConfig.qk_norm (Qwen3), else None
@@ -41,6 +41,15 @@ class LayerWeights:
     w_router: jax.Array | None = None  # [L, hidden, experts]
     experts_gate_up: jax.Array | None = None  # [L, experts, hidden, 2, intermediate]
     experts_down: jax.Array | None = None  # [L, experts, intermediate, hidden]
+    # Multi-head latent attention (ModelConfig.is_mla; engine.mla), else None. The latent's projection is
+    # replicated, every per-head array split over the mesh by heads. r: kv_lora_rank, qr: q_lora_rank.
+    w_q: jax.Array | None = None  # [L, hidden (qr with q_lora_rank), heads, nope + rope dims]
+    w_q_a: jax.Array | None = None  # [L, hidden, qr] with q_lora_rank
+    q_a_norm: jax.Array | None = None  # [L, qr]
+    w_kv_a: jax.Array | None = None  # [L, hidden, r + rope dims]
+    kv_a_norm: jax.Array | None = None  # [L, r]
+    w_uk: jax.Array | None = None  # [L, heads, nope dims, r]: keys' up-projection, absorbed into queries
+    w_uv: jax.Array | None = None  # [L, heads, r, v_head_dim]: values' up-projection, after attention
 
 
 @jax.tree_util.register_dataclass
@@ -67,6 +76,13 @@ _LAYER_AXES = {
     "w_router": ("layers", "embed", None),
     "experts_gate_up": ("layers", None, "embed", None, "mlp"),
     "experts_down": ("layers", None, "mlp", "embed"),
+    "w_q": ("layers", None, "heads", None),
+    "w_q_a": ("layers", "embed", None),
+    "q_a_norm": ("layers", None),
+    "w_kv_a": ("layers", "embed", None),
+    "kv_a_norm": ("layers", None),
+    "w_uk": ("layers", "heads", None, None),
+    "w_uv": ("layers", "heads", None, None),
 }
 
 
@@ -89,6 +105,41 @@ def pad_heads(w: np.ndarray, axis: int, cfg: ModelConfig, tp: int, kv: bool) -> 
     return padded.reshape(*shape[:axis], -1, *shape[axis + 1 :])
 
 
+def _fused_qkv(cfg: ModelConfig, host: dict[str, np.ndarray], tp: int) -> dict[str, np.ndarray]:
+    """Q, K, V (weights and biases) fused per padded KV head, and the output projection padded alike."""
+    kv_heads = cfg.padded_num_kv_heads(tp)
+
+    def per_kv_head(name: str, kv: bool) -> np.ndarray:  # [..., heads * head_dim] -> [..., kv_heads, -1]
+        w = pad_heads(host[name], -1, cfg, tp, kv=kv)
+        return w.reshape(*w.shape[:-1], kv_heads, -1)
+
+    return {
+        "w_qkv": np.concatenate([per_kv_head(n, kv=n != "wq") for n in ("wq", "wk", "wv")], axis=-1),
+        "b_qkv": np.concatenate([per_kv_head(n, kv=n != "bq") for n in ("bq", "bk", "bv")], axis=-1),
+        "wo": pad_heads(host["wo"], 1, cfg, tp, kv=False),
+    }
+
+
+def _mla(cfg: ModelConfig, host: dict[str, np.ndarray], tp: int) -> dict[str, np.ndarray]:
+    """MLA's arrays: queries per head, the latent's projection, kv_b split into the keys' and the values'
+    up-projections per head (absorbed around attention, engine.mla). Heads are split, never padded."""
+    if cfg.num_heads % tp:
+        raise ValueError(f"MLA: {cfg.num_heads} heads do not split over TP {tp}")
+    h, r, nope = cfg.num_heads, cfg.kv_lora_rank, cfg.head_dim - cfg.rope_dim
+    q = host["w_q_b" if cfg.q_lora_rank else "wq"]
+    kv_b = host["w_kv_b"].reshape(cfg.num_layers, r, h, nope + cfg.v_head_dim)  # [L, r, heads, nope + v]
+    return {
+        "w_q": q.reshape(*q.shape[:-1], h, cfg.head_dim),
+        "w_q_a": host.get("w_q_a"),
+        "q_a_norm": host.get("q_a_norm"),
+        "w_kv_a": host["w_kv_a"],
+        "kv_a_norm": host["kv_a_norm"],
+        "w_uk": kv_b[..., :nope].transpose(0, 2, 3, 1),
+        "w_uv": kv_b[..., nope:].transpose(0, 2, 1, 3),
+        "wo": host["wo"],
+    }
+
+
 def _mlp(cfg: ModelConfig, host: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The MLP's stacked arrays: dense, or one per expert (gate and up fused either way)."""
     gate_up = np.stack([host["w_gate"], host["w_up"]], axis=-2)  # [L, (E,) D, 2, I]
@@ -109,17 +160,9 @@ def build_weights(
     qk_norm `q_norm` `k_norm` [L, head_dim], with sandwich_norms `post_attn_norm` `post_mlp_norm` [L, D].
     """
     tp = mesh.shape["model"]
-    kv_heads = cfg.padded_num_kv_heads(tp)
-
-    def per_kv_head(name: str, kv: bool) -> np.ndarray:  # [..., heads * head_dim] -> [..., kv_heads, -1]
-        w = pad_heads(host[name], -1, cfg, tp, kv=kv)
-        return w.reshape(*w.shape[:-1], kv_heads, -1)
-
     fused = {
         "attn_norm": host["attn_norm"],
-        "w_qkv": np.concatenate([per_kv_head(n, kv=n != "wq") for n in ("wq", "wk", "wv")], axis=-1),
-        "b_qkv": np.concatenate([per_kv_head(n, kv=n != "bq") for n in ("bq", "bk", "bv")], axis=-1),
-        "wo": pad_heads(host["wo"], 1, cfg, tp, kv=False),
+        **(_mla(cfg, host, tp) if cfg.is_mla else _fused_qkv(cfg, host, tp)),
         "mlp_norm": host["mlp_norm"],
         "w_router": host.get("w_router"),
         **_mlp(cfg, host),

@@ -10,14 +10,22 @@ def engine_layout(engine: LLMEngine) -> KVLayout:
     """The layout of `engine`'s cache: each layer full or sliding-window attention (only the window's
     blocks are transferred); heads padded for TP."""
     cfg = engine.model.config
-    windows = [cfg.window(i) for i in range(cfg.num_layers)]
+    if cfg.is_mla:  # one latent a token, the same on every chip
+        specs = (LayerSpec(SpecKind.MLA),) * cfg.num_layers
+        heads, head_dim = cfg.cache_token_shape(engine.config.tp)
+        mla = dict(kv_lora_rank=cfg.kv_lora_rank, qk_rope_head_dim=cfg.qk_rope_head_dim)
+    else:
+        windows = [cfg.window(i) for i in range(cfg.num_layers)]
+        specs = tuple(LayerSpec(SpecKind.SLIDING, w) if w else LayerSpec(SpecKind.FULL) for w in windows)
+        heads, head_dim, mla = cfg.num_kv_heads, cfg.head_dim, {}
     return KVLayout(
         model=cfg.name,
-        layer_specs=tuple(LayerSpec(SpecKind.SLIDING, w) if w else LayerSpec(SpecKind.FULL) for w in windows),
-        num_kv_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim,
+        layer_specs=specs,
+        num_kv_heads=heads,
+        head_dim=head_dim,
         dtype=engine.config.dtype,
         block_size=engine.config.block_size,
         tp_size=engine.config.tp,
         head_strategy="pad",
+        **mla,
     )

@@ -53,6 +53,22 @@ _TINY = {
         "MixtralForCausalLM",
         dict(num_hidden_layers=2, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2),
     ),
+    "deepseek_v2": (  # MLA (a latent of 32 + 8 rope dims, V2-Lite's plain query projection), dense MLPs
+        "DeepseekV2Config",
+        "DeepseekV2ForCausalLM",
+        dict(
+            num_hidden_layers=2,
+            num_key_value_heads=4,
+            kv_lora_rank=32,
+            q_lora_rank=None,
+            qk_nope_head_dim=24,
+            qk_rope_head_dim=8,
+            v_head_dim=16,
+            first_k_dense_replace=2,
+            n_routed_experts=4,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+        ),
+    ),
     "gemma2": (
         "Gemma2Config",
         "Gemma2ForCausalLM",
@@ -75,7 +91,7 @@ def write_family(family: str, path: Path, vocab_size: int):
     import transformers
 
     config_class, model_class, fields = _TINY[family]
-    config = getattr(transformers, config_class)(
+    common = dict(
         vocab_size=vocab_size,
         hidden_size=64,
         intermediate_size=128,
@@ -84,8 +100,8 @@ def write_family(family: str, path: Path, vocab_size: int):
         max_position_embeddings=1024,
         rms_norm_eps=1e-6,
         tie_word_embeddings=family != "qwen3",
-        **fields,
     )
+    config = getattr(transformers, config_class)(**{**common, **fields})
     torch.manual_seed(0)
     model = getattr(transformers, model_class)(config).float().eval()
     with torch.no_grad():

@@ -111,3 +111,31 @@ def test_bfloat16_weights_and_cache_attend_in_float32():
     assert got.dtype == jnp.bfloat16
     expected = naive(q, k_new, v_new, cache, 0, layout)[:160]
     np.testing.assert_allclose(np.asarray(got.astype(jnp.float32))[:160], expected, atol=2e-2)
+
+
+def test_a_latent_cache_attends_like_keys_and_values_made_of_it():
+    """MLA: one latent head a token is the key, its first dims the value; the same as a K/V cache holding
+    the latent as K and its head as V (one decode over a past, one chunk after a past, one fresh prompt)."""
+    rng = np.random.default_rng(1)
+    heads, dim, value_dim = 4, 12, 8
+    seqs = [(37, 1), (70, 150), (0, 9)]
+    tables = np.zeros((3, WIDTH), np.int32)
+    blocks = iter(rng.permutation(BLOCKS))
+    for i, (past, q_len) in enumerate(seqs):
+        ids = [int(next(blocks)) for _ in range(-(-(past + q_len) // BS))]
+        tables[i, : len(ids)] = ids
+    q = rng.standard_normal((T, 1, heads, dim), np.float32)
+    latent_new = rng.standard_normal((T, 1, dim), np.float32)
+    latent_cache = rng.standard_normal((LAYERS, BLOCKS, BS, 1, dim), np.float32)
+    kv_cache = np.concatenate(
+        [latent_cache, np.pad(latent_cache[..., :value_dim], [(0, 0)] * 4 + [(0, 4)])], 3
+    )
+    cu = np.asarray([0, 1, 151, 160], np.int32)
+    kv_lens = np.asarray([p + n for p, n in seqs], np.int32)
+    common = (np.int32(1), kv_lens, tables, cu)
+    latent_attention = jax.jit(ragged_paged_attention_reference, static_argnames="latent")
+    got = latent_attention(q, latent_new, latent_new[..., :value_dim], latent_cache, *common, latent=True)
+    v_padded = np.pad(latent_new[..., :value_dim], [(0, 0), (0, 0), (0, 4)])
+    expected = _jitted(q, latent_new, v_padded, kv_cache, *common)[..., :value_dim]
+    assert got.shape == (T, 1, heads, value_dim)
+    np.testing.assert_allclose(np.asarray(got)[:160], np.asarray(expected)[:160], atol=1e-5)

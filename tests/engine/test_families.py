@@ -32,14 +32,16 @@ FAMILIES = {
     "gemma2": "softcapped attention scores and logits, alternating sliding layers",
     "qwen3_moe": "8 experts, top 2 of the softmax as they are, q/k norm",
     "mixtral": "8 experts, top 2 renormalized",
+    "deepseek_v2": "multi-head latent attention: a 40-dim latent cache, up-projections absorbed",
 }
-TP2 = ("qwen3_moe",)  # tensor-parallel experts
+TP2 = ("qwen3_moe", "deepseek_v2")  # tensor-parallel experts; MLA's heads split, its latent replicated
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_family_matches_transformers(family, tmp_path, loaded_model):
     """Prompts of 7, 45 and 150 tokens (the sliding window is 24): last-position logits, then 32 greedy
-    tokens of the three batched with chunked prefill; Qwen3-MoE at TP 2 too (experts split over the mesh)."""
+    tokens of the three batched with chunked prefill; Qwen3-MoE (experts split over the mesh) and
+    DeepSeek-V2 (heads split, latent replicated) at TP 2 too."""
     import jax
 
     from engine.sampling_params import SamplingParams
