@@ -68,6 +68,10 @@ class ModelConfig:
     # Llama 3.x long-context rope scaling: (factor, low_freq_factor, high_freq_factor, original_max_pos).
     rope_llama3_scaling: tuple[float, float, float, int] | None = None
     rope_linear_factor: float = 1.0  # positions divided by this in full-attention layers ("linear" scaling)
+    # YaRN (full-attention layers): (factor, original_max_position_embeddings, beta_fast, beta_slow, truncate)
+    rope_yarn: tuple[float, int, float, float, bool] | None = None
+    rope_attention_factor: float = 1.0  # cos and sin times this (YaRN's attention factor)
+    attention_scale_factor: float = 1.0  # the softmax scale times this (DeepSeek's YaRN mscale squared)
     # Sliding-window attention: per layer, the tokens a query sees (itself included); 0: full attention.
     # Empty: every layer is full. Sliding layers may have their own rope base (Gemma 3's local layers).
     layer_windows: tuple[int, ...] = ()
@@ -82,6 +86,10 @@ class ModelConfig:
     num_experts: int = 0
     num_experts_per_tok: int = 0  # experts each token is routed to (top k of the router's softmax)
     norm_topk_prob: bool = False  # the k routing weights renormalized to sum to 1 (Mixtral: always)
+    routed_scaling_factor: float = 1.0  # the routing weights times this (DeepSeek)
+    router_groups: tuple[int, int] | None = None  # (groups, groups kept): DeepSeek's group-limited top k
+    first_dense_layers: int = 0  # layers before the expert ones that have a dense MLP (DeepSeek)
+    shared_experts: bool = False  # a dense MLP every token takes besides its routed experts (DeepSeek)
     # Multi-head latent attention (DeepSeek-V2): the cache holds one latent per token, kv_lora_rank dims
     # (keys' and values' shared compression) then the qk_rope_head_dim dims of its rotated key, shared by all
     # heads; head_dim is a query's (qk_nope_head_dim + qk_rope_head_dim). 0: not MLA.
@@ -125,13 +133,26 @@ class ModelConfig:
             return 1, self.kv_lora_rank + self.qk_rope_head_dim
         return 2 * self.padded_num_kv_heads(tp), self.head_dim
 
+    @property
+    def widest_window(self) -> int:
+        """The largest sliding window when every layer has one (Mistral), else 0: tokens before a query's
+        last widest_window are read by no layer."""
+        windows = self.layer_windows
+        return max(windows) if windows and all(windows) else 0
+
     def window(self, layer: int) -> int:
         """Tokens a query of `layer` attends to, itself included (0: all before it)."""
         return self.layer_windows[layer] if self.layer_windows else 0
 
     @property
     def attention_scale(self) -> float:
-        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5 * self.attention_scale_factor
+
+    def layer_segments(self) -> tuple[tuple[int, int], ...]:
+        """(start, end) of each run of layers with the same weights' structure, scanned one run at a time:
+        DeepSeek's dense layers, then its expert layers; every other model is one run."""
+        k = self.first_dense_layers if self.num_experts else 0
+        return ((0, k), (k, self.num_layers)) if k else ((0, self.num_layers),)
 
     @property
     def group_size(self) -> int:
@@ -206,27 +227,25 @@ class ModelConfig:
             raise UnsupportedModelError(
                 f"config.json architectures {archs} not supported (supported: {sorted(_HF_ARCHITECTURES)})"
             )
-        num_heads, n_layers = config["num_attention_heads"], config["num_hidden_layers"]
+        num_heads = config["num_attention_heads"]
         # transformers >= 5 writes `rope_parameters` (theta inside; Gemma 3: one per layer type); older ones
         # `rope_theta`, `rope_scaling` (and Gemma 3 `rope_local_base_freq`)
         rope_parameters = config.get("rope_parameters") or {}
         full_rope = rope_parameters.get("full_attention", rope_parameters)
         rope_theta = full_rope.get("rope_theta", config.get("rope_theta", 10000.0))
-        scaling, linear_factor = _rope_scaling(config.get("rope_scaling") or full_rope)
+        rope = _rope_scaling(config.get("rope_scaling") or full_rope)
         sliding_rope = rope_parameters.get("sliding_attention") or {}
         sliding_theta = sliding_rope.get("rope_theta", config.get("rope_local_base_freq"))
-        if _rope_scaling(sliding_rope) != (None, 1.0):
+        if _rope_scaling(sliding_rope):
             raise UnsupportedModelError(
                 "config.json rope_parameters.sliding_attention: scaling is not supported"
             )
         _refuse_unsupported_features(config)
         num_experts = config.get("num_experts") or config.get("num_local_experts") or 0
         mla = arch == "deepseek_v2"
-        if mla and config.get("n_routed_experts") and config.get("first_k_dense_replace", 0) < n_layers:
-            raise UnsupportedModelError(
-                "config.json n_routed_experts / first_k_dense_replace: DeepSeek's mixture of experts (shared "
-                "experts, expert layers after dense ones) is not supported; MLA with dense MLPs is"
-            )
+        deepseek = _deepseek_fields(config, rope) if mla else {}
+        if mla:
+            num_experts = deepseek.pop("num_experts")
         if arch in _MOE and not num_experts:
             raise UnsupportedModelError(f"config.json of {arch} names no num_experts")
         return cls(
@@ -248,8 +267,7 @@ class ModelConfig:
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             qkv_bias=arch == "qwen2" or bool(config.get("attention_bias", False)),
             qk_norm=arch in _QK_NORM,
-            rope_llama3_scaling=scaling,
-            rope_linear_factor=linear_factor,
+            **rope,
             layer_windows=_layer_windows(arch, config),
             sliding_rope_theta=None if sliding_theta is None else float(sliding_theta),
             hidden_act=_HF_ACTIVATIONS[_activation(arch, config)],
@@ -265,21 +283,80 @@ class ModelConfig:
             q_lora_rank=(config.get("q_lora_rank") or 0) if mla else 0,
             qk_rope_head_dim=config["qk_rope_head_dim"] if mla else 0,
             v_head_dim=config["v_head_dim"] if mla else 0,
+            **deepseek,
             name=name,
         )
 
 
-def _rope_scaling(params: Mapping[str, Any]) -> tuple[tuple[float, float, float, int] | None, float]:
-    """(Llama 3 scaling, linear factor) of one rope_scaling / rope_parameters dict."""
+def _rope_scaling(params: Mapping[str, Any]) -> dict[str, Any]:
+    """The ModelConfig rope fields of one rope_scaling / rope_parameters dict ({}: no scaling)."""
     kind = params.get("rope_type") or params.get("type")
     if kind == "llama3":
         keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-        return (*(float(params[k]) for k in keys[:3]), int(params[keys[3]])), 1.0
+        return {"rope_llama3_scaling": (*(float(params[k]) for k in keys[:3]), int(params[keys[3]]))}
     if kind == "linear":
-        return None, float(params["factor"])
+        return {"rope_linear_factor": float(params["factor"])}
+    if kind == "yarn":
+        if "original_max_position_embeddings" not in params:
+            raise UnsupportedModelError("rope_scaling yarn without original_max_position_embeddings")
+        factor = float(params["factor"])
+        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+        attention_factor = params.get("attention_factor")
+        if attention_factor is None:
+            ratio = mscale and mscale_all_dim
+            attention_factor = (
+                _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+                if ratio
+                else _yarn_mscale(factor)
+            )
+        yarn = (
+            factor,
+            int(params["original_max_position_embeddings"]),
+            float(params.get("beta_fast") or 32),
+            float(params.get("beta_slow") or 1),
+            bool(params.get("truncate", True)),
+        )
+        return {"rope_yarn": yarn, "rope_attention_factor": float(attention_factor)}
     if kind not in (None, "default"):
         raise UnsupportedModelError(f"rope_scaling type {kind!r} is not supported")
-    return None, 1.0
+    return {}
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+_DEEPSEEK_ROUTERS = ("greedy", "group_limited_greedy")
+
+
+def _deepseek_fields(config: Mapping[str, Any], rope: Mapping[str, Any]) -> dict[str, Any]:
+    """DeepSeek-V2's mixture of experts (after first_k_dense_replace dense layers, with shared experts)
+    and the softmax scale its YaRN adds."""
+    fields: dict[str, Any] = {"num_experts": 0}
+    rope_parameters = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    if rope.get("rope_yarn") and rope_parameters.get("mscale_all_dim"):
+        fields["attention_scale_factor"] = (
+            _yarn_mscale(rope["rope_yarn"][0], rope_parameters["mscale_all_dim"]) ** 2
+        )
+    dense = config.get("first_k_dense_replace", 0)
+    if not config.get("n_routed_experts") or dense >= config["num_hidden_layers"]:
+        return fields  # every MLP dense
+    if config.get("moe_layer_freq", 1) != 1:
+        raise UnsupportedModelError(
+            "config.json moe_layer_freq != 1: dense layers among expert ones unsupported"
+        )
+    method = config.get("topk_method", "greedy")
+    if method not in _DEEPSEEK_ROUTERS:
+        raise UnsupportedModelError(f"config.json topk_method={method!r}: one of {_DEEPSEEK_ROUTERS}")
+    groups = (config["n_group"], config["topk_group"]) if method == "group_limited_greedy" else None
+    return {
+        **fields,
+        "num_experts": config["n_routed_experts"],
+        "first_dense_layers": dense,
+        "shared_experts": bool(config.get("n_shared_experts")),
+        "routed_scaling_factor": float(config.get("routed_scaling_factor", 1.0)),
+        "router_groups": groups,
+    }
 
 
 def _activation(arch: str, config: Mapping[str, Any]) -> str:

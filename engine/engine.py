@@ -54,7 +54,10 @@ class LLMEngine:
         self.loras = AdapterRegistry(model.config, config.max_lora_rank, enabled=self.lora_slots is not None)
         self.runner = ModelRunner(model.config, config, weights, self.mesh, self.lora_slots)
         self.scheduler = Scheduler(
-            config, self.lora_slots, windowed_transfers=bool(model.config.layer_windows)
+            config,
+            self.lora_slots,
+            windowed_transfers=bool(model.config.layer_windows),
+            release_window=model.config.widest_window,
         )
         self._streams: dict[str, OutputStream] = {}
         self._ids = itertools.count()

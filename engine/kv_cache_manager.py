@@ -55,6 +55,7 @@ class _Table:
     block_ids: list[int] = dataclasses.field(default_factory=list)
     hashes: list[int] = dataclasses.field(default_factory=list)  # of its full blocks, as far as computed
     num_registered: int = 0  # leading blocks already in the cache index (or found there)
+    num_released: int = 0  # leading blocks given back early: out of every layer's sliding window
 
 
 class KVCacheManager:
@@ -195,9 +196,21 @@ class KVCacheManager:
                 )
             )
 
+    def release_before(self, request_id: str, num_blocks: int) -> None:
+        """Gives back the references of the request's first `num_blocks` blocks, which none of its queries
+        reads any more (every layer attends within a sliding window). They keep their places in its table:
+        attention never reads them unmasked, and cached ones stay in the prefix cache until evicted."""
+        table = self._tables.get(request_id)
+        if table is None:
+            return
+        end = min(num_blocks, len(table.block_ids))
+        if end > table.num_released:
+            self.pool.release(table.block_ids[table.num_released : end][::-1])
+            table.num_released = end
+
     def free(self, request_id: str) -> None:
         """Gives back the request's references (idempotent). Its cached blocks are kept, tail first in the
         LRU order, so a shared head outlives the tails that only this request used."""
         table = self._tables.pop(request_id, None)
         if table is not None:
-            self.pool.release(table.block_ids[::-1])
+            self.pool.release(table.block_ids[table.num_released :][::-1])

@@ -32,6 +32,12 @@ _LAYER_TENSORS = {
     "w_gate": ("ffn_gate.weight", "mlp.gate_proj.weight"),
     "w_up": ("ffn_up.weight", "mlp.up_proj.weight"),
     "w_down": ("ffn_down.weight", "mlp.down_proj.weight"),
+    "experts_gate": ("ffn_gate_exps.weight", "mlp.experts.{e}.gate_proj.weight"),  # {e}: each expert
+    "experts_up": ("ffn_up_exps.weight", "mlp.experts.{e}.up_proj.weight"),
+    "experts_down": ("ffn_down_exps.weight", "mlp.experts.{e}.down_proj.weight"),
+    "shared_gate": ("ffn_gate_shexp.weight", "mlp.shared_experts.gate_proj.weight"),
+    "shared_up": ("ffn_up_shexp.weight", "mlp.shared_experts.up_proj.weight"),
+    "shared_down": ("ffn_down_shexp.weight", "mlp.shared_experts.down_proj.weight"),
     "q_norm": ("attn_q_norm.weight", "self_attn.q_norm.weight"),
     "k_norm": ("attn_k_norm.weight", "self_attn.k_norm.weight"),
     "post_attn_norm": ("post_attention_norm.weight", "post_attention_layernorm.weight"),
@@ -47,34 +53,40 @@ _LAYER_TENSORS = {
 # Gemma's checkpoints name the norm before the MLP differently (its post_attention_layernorm normalizes
 # the attention's output, see post_attn_norm)
 _GEMMA_HF_TENSORS = {"mlp_norm": "pre_feedforward_layernorm.weight"}
-# Mixtures of experts: the MLP's weights per expert {e}, stacked [experts, ...] at load
-_MOE_HF_TENSORS = {
-    "qwen3_moe": {
-        "w_gate": "mlp.experts.{e}.gate_proj.weight",
-        "w_up": "mlp.experts.{e}.up_proj.weight",
-        "w_down": "mlp.experts.{e}.down_proj.weight",
-    },
-    "mixtral": {
-        "w_router": "block_sparse_moe.gate.weight",
-        "w_gate": "block_sparse_moe.experts.{e}.w1.weight",
-        "w_up": "block_sparse_moe.experts.{e}.w3.weight",
-        "w_down": "block_sparse_moe.experts.{e}.w2.weight",
-    },
+# Mixtral's names for its router and experts
+_MIXTRAL_HF_TENSORS = {
+    "w_router": "block_sparse_moe.gate.weight",
+    "experts_gate": "block_sparse_moe.experts.{e}.w1.weight",
+    "experts_up": "block_sparse_moe.experts.{e}.w3.weight",
+    "experts_down": "block_sparse_moe.experts.{e}.w2.weight",
 }
 _BIASES = ("bq", "bk", "bv")
 _MLA = ("w_kv_a", "kv_a_norm", "w_kv_b")  # multi-head latent attention's, in place of wk, wv
 _Q_LORA = ("w_q_a", "q_a_norm", "w_q_b")  # MLA's low-rank queries, in place of wq
-_OPTIONAL = {  # weights only some families have -> whether the model of config cfg has them
-    "q_norm": lambda cfg: cfg.qk_norm,
-    "k_norm": lambda cfg: cfg.qk_norm,
-    "post_attn_norm": lambda cfg: cfg.sandwich_norms,
-    "post_mlp_norm": lambda cfg: cfg.sandwich_norms,
-    "w_router": lambda cfg: cfg.num_experts > 0,
-    "wq": lambda cfg: not cfg.q_lora_rank,
-    **{name: (lambda cfg: not cfg.is_mla) for name in ("wk", "wv", *_BIASES)},
-    **{name: (lambda cfg: cfg.is_mla) for name in _MLA},
-    **{name: (lambda cfg: cfg.q_lora_rank > 0) for name in _Q_LORA},
-}
+_DENSE_MLP = ("w_gate", "w_up", "w_down")
+_EXPERTS = ("w_router", "experts_gate", "experts_up", "experts_down")
+_SHARED = ("shared_gate", "shared_up", "shared_down")
+
+
+def _layers_with(cfg: ModelConfig, name: str) -> range:
+    """The layers that have weight `name` (empty: the model has none)."""
+    every, none = range(cfg.num_layers), range(0)
+    dense_end = cfg.first_dense_layers if cfg.num_experts else cfg.num_layers  # expert layers after
+    has = {
+        "q_norm": cfg.qk_norm,
+        "k_norm": cfg.qk_norm,
+        "post_attn_norm": cfg.sandwich_norms,
+        "post_mlp_norm": cfg.sandwich_norms,
+        "wq": not cfg.q_lora_rank,
+        **{n: not cfg.is_mla for n in ("wk", "wv", *_BIASES)},
+        **{n: cfg.is_mla for n in _MLA},
+        **{n: cfg.q_lora_rank > 0 for n in _Q_LORA},
+    }
+    if name in _DENSE_MLP:
+        return range(dense_end)
+    if name in _EXPERTS or name in _SHARED:
+        return range(dense_end, cfg.num_layers) if name not in _SHARED or cfg.shared_experts else none
+    return every if has.get(name, True) else none
 
 
 def _halves_from_interleaved_rope(w: np.ndarray, head_size: int, rope_dim: int) -> np.ndarray:
@@ -102,13 +114,15 @@ def _undo_gguf_rope_permutation(w: np.ndarray, num_heads: int) -> np.ndarray:
 
 def _stack_layers(cfg: ModelConfig, fetch: Callable[[int, str], np.ndarray | None]) -> dict[str, np.ndarray]:
     """Stacks per-layer tensors ([out, in] as stored, [experts, out, in] for experts) into [L, in, out]
-    (or [L, experts, in, out]) math layout."""
+    (or [L, experts, in, out]) math layout, over the layers that have them (DeepSeek: its dense MLPs over
+    the first layers, its experts over the rest)."""
     stacked = {}
     for name in _LAYER_TENSORS:
-        if name in _OPTIONAL and not _OPTIONAL[name](cfg):
+        layers = _layers_with(cfg, name)
+        if not layers:
             continue
         per_layer = []
-        for i in range(cfg.num_layers):
+        for i in layers:
             w = fetch(i, name)
             if w is None:
                 if name in _BIASES and not cfg.qkv_bias:
@@ -197,7 +211,8 @@ def load_hf_folder(path: str | Path, name: str | None = None) -> tuple[ModelConf
     names = {w: hf for w, (_, hf) in _LAYER_TENSORS.items()}
     if cfg.architecture in GEMMA:
         names.update(_GEMMA_HF_TENSORS)
-    names.update(_MOE_HF_TENSORS.get(cfg.architecture, {}))
+    if cfg.architecture == "mixtral":
+        names.update(_MIXTRAL_HF_TENSORS)
 
     def fetch(i: int, weight: str) -> np.ndarray | None:
         name = f"model.layers.{i}.{names[weight]}"

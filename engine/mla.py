@@ -30,11 +30,11 @@ def queries_and_latent(
     r, nope = cfg.kv_lora_rank, cfg.head_dim - cfg.rope_dim
     h_q = rms_norm(h @ w.w_q_a, w.q_a_norm, cfg.rms_norm_eps) if cfg.q_lora_rank else h
     q = jnp.einsum("td,dhx->thx", h_q, w.w_q)  # [T, heads, nope + rope]
-    q_pe = apply_rope(q[..., nope:], positions, inv_freq)
+    q_pe = apply_rope(q[..., nope:], positions, inv_freq, cfg.rope_attention_factor)
     q_latent = jnp.einsum("thn,hnr->thr", q[..., :nope], w.w_uk)  # keys' up-projection absorbed
     kv = h @ w.w_kv_a  # [T, r + rope]
     c = rms_norm(kv[:, :r], w.kv_a_norm, cfg.rms_norm_eps)
-    k_pe = apply_rope(kv[:, None, r:], positions, inv_freq)  # [T, 1, rope]
+    k_pe = apply_rope(kv[:, None, r:], positions, inv_freq, cfg.rope_attention_factor)  # [T, 1, rope]
     latent = jnp.concatenate([c[:, None], k_pe], axis=-1)
     return jnp.concatenate([q_latent, q_pe], axis=-1)[:, None], latent
 

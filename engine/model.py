@@ -84,7 +84,11 @@ def forward_step(
             k, v = qkv[..., -2 * head_dim : -head_dim], qkv[..., -head_dim:]
             if cfg.qk_norm:  # per head (padded heads are zeros and stay zeros)
                 q, k = rms_norm(q, w.q_norm, cfg.rms_norm_eps), rms_norm(k, w.k_norm, cfg.rms_norm_eps)
-            q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+            rope_scale = cfg.rope_attention_factor
+            q, k = (
+                apply_rope(q, positions, inv_freq, rope_scale),
+                apply_rope(k, positions, inv_freq, rope_scale),
+            )
             new_kv = jnp.stack([k, v], axis=2).reshape(t, 2 * kv_heads, head_dim)  # K, V interleaved
         attn = ragged_paged_attention(
             q,
@@ -104,9 +108,11 @@ def forward_step(
         out = plus_lora(attn @ w.wo, lora_ops.linear_delta, attn, *_pair(lo, "o"))
         x = x + (out if w.post_attn_norm is None else rms_norm(out, w.post_attn_norm, cfg.rms_norm_eps))
         h = rms_norm(x, w.mlp_norm, cfg.rms_norm_eps)
-        if cfg.num_experts:  # LoRA is refused with experts (engine.engine)
-            route = moe.route(h, w.w_router, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+        if w.experts_gate_up is not None:  # LoRA is refused with experts (engine.engine)
+            route = moe.route(h, w.w_router, cfg)
             out = moe.experts_mlp(h, *route, valid, w.experts_gate_up, w.experts_down, act_fn)
+            if w.shared_gate_up is not None:
+                out = out + moe.gated_mlp(h, w.shared_gate_up, w.shared_down, act_fn)
         else:
             gate_up = jnp.einsum("td,dci->tci", h, w.w_gate_up)
             gate_up = plus_lora(gate_up, lora_ops.gate_up_delta, h, lo)
@@ -115,8 +121,12 @@ def forward_step(
         x = x + (out if w.post_mlp_norm is None else rms_norm(out, w.post_mlp_norm, cfg.rms_norm_eps))
         return x, new_kv
 
-    per_layer = (weights.layers, lora, jnp.arange(cfg.num_layers), *_per_layer(cfg))
-    x, new_kv = jax.lax.scan(layer, x, per_layer)
+    indices = (jnp.arange(cfg.num_layers), *_per_layer(cfg))
+    new_kv = []
+    for (start, end), segment in zip(cfg.layer_segments(), weights.layers, strict=True):  # one run: LoRA ok
+        x, kv = jax.lax.scan(layer, x, (segment, lora, *(a[start:end] for a in indices)))
+        new_kv.append(kv)
+    new_kv = jnp.concatenate(new_kv) if len(new_kv) > 1 else new_kv[0]
     column = jnp.minimum(positions // block_size, block_tables.shape[1] - 1)
     write_blocks = jnp.where(valid, block_tables[seq, column], num_blocks)  # padding: out of range, dropped
     cache = cache.at[:, write_blocks, positions % block_size].set(new_kv.astype(cache.dtype), mode="drop")

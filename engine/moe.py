@@ -23,14 +23,31 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from engine.config import ModelConfig
 
-def route(h: jax.Array, w_router: jax.Array, k: int, renormalize: bool) -> tuple[jax.Array, jax.Array]:
-    """(weights [T, k] in h's dtype, experts [T, k] int32) of each token's k chosen experts."""
+
+def route(h: jax.Array, w_router: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    """(weights [T, k] in h's dtype, experts [T, k] int32) of each token's k chosen experts: the largest
+    of the router's softmax (DeepSeek: among the experts of the best `router_groups` groups), renormalized
+    or scaled as the model says."""
     probs = jax.nn.softmax((h @ w_router).astype(jnp.float32), axis=-1)
-    top, experts = jax.lax.top_k(probs, k)
-    if renormalize:
+    chosen = probs
+    if cfg.router_groups is not None:  # keep the groups whose best expert is among the best groups'
+        groups, kept = cfg.router_groups
+        best = jnp.max(probs.reshape(probs.shape[0], groups, -1), axis=-1)  # [T, groups]
+        kept_groups = jnp.any(jax.nn.one_hot(jax.lax.top_k(best, kept)[1], groups, dtype=bool), axis=1)
+        keep = jnp.repeat(kept_groups, probs.shape[-1] // groups, axis=-1)
+        chosen = jnp.where(keep, probs, 0.0)
+    top, experts = jax.lax.top_k(chosen, cfg.num_experts_per_tok)
+    if cfg.norm_topk_prob:
         top = top / jnp.sum(top, axis=-1, keepdims=True)
-    return top.astype(h.dtype), experts.astype(jnp.int32)
+    return (top * cfg.routed_scaling_factor).astype(h.dtype), experts.astype(jnp.int32)
+
+
+def gated_mlp(h: jax.Array, gate_up: jax.Array, down: jax.Array, act: Callable[[jax.Array], jax.Array]):
+    """A dense gated MLP: h [T, hidden], gate_up [hidden, 2, intermediate], down [intermediate, hidden]."""
+    gu = jnp.einsum("td,dci->tci", h, gate_up)
+    return (act(gu[:, 0]) * gu[:, 1]) @ down
 
 
 def pair_tile(num_pairs: int, num_experts: int) -> int:
@@ -63,8 +80,7 @@ def experts_mlp(
         e = jnp.searchsorted(tile_ends, i, side="right")  # the expert whose tiles include tile i
         start = starts[e] + (i - (tile_ends[e] - tiles[e])) * tile
         xt = jax.lax.dynamic_slice_in_dim(x, start, tile)
-        gu = jnp.einsum("td,dci->tci", xt, gate_up[e])
-        y = (act(gu[:, 0]) * gu[:, 1]) @ down[e]
+        y = gated_mlp(xt, gate_up[e], down[e], act)
         old = jax.lax.dynamic_slice_in_dim(out, start, tile)
         mine = (start + jnp.arange(tile) < starts[e] + counts[e])[:, None]  # rows past e's pairs: keep
         return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(mine, y, old), start, axis=0)

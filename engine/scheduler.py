@@ -64,11 +64,15 @@ class Scheduler:
         lora: LoraSlots | None = None,
         connector: KVConnector | None = None,
         windowed_transfers: bool = False,
+        release_window: int = 0,
     ):
         """`windowed_transfers`: the model has sliding-window layers, so KV received by transfer fills
-        those layers' blocks only within the window (and those blocks never enter the prefix cache)."""
+        those layers' blocks only within the window (and those blocks never enter the prefix cache).
+        `release_window`: every layer attends within this many tokens (0: some layer to all), so a request's
+        blocks wholly before its last `release_window` tokens are given back as it advances."""
         self.config = config
         self.windowed_transfers = windowed_transfers
+        self.release_window = release_window
         self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.lora = lora
         self.connector = connector or KVConnector()
@@ -193,6 +197,9 @@ class Scheduler:
             request.num_computed += len(row.tokens)
             if request.num_computed // bs > before // bs:  # a block filled up (decode: 1 step in bs)
                 self._cache_blocks(request)
+            if self.release_window:  # from the first block kvtransfer would send on (KVLayout)
+                first_read = max(0, request.num_computed - self.release_window) // bs
+                self.kv.release_before(request.request_id, first_read)
             if row.samples:
                 token, logprobs = sampled[row.request_id]
                 outputs.append(self._append_token(request, token, logprobs, sink))

@@ -41,6 +41,8 @@ class LayerWeights:
     w_router: jax.Array | None = None  # [L, hidden, experts]
     experts_gate_up: jax.Array | None = None  # [L, experts, hidden, 2, intermediate]
     experts_down: jax.Array | None = None  # [L, experts, intermediate, hidden]
+    shared_gate_up: jax.Array | None = None  # [L, hidden, 2, shared intermediate]: DeepSeek's shared experts
+    shared_down: jax.Array | None = None  # [L, shared intermediate, hidden]
     # Multi-head latent attention (ModelConfig.is_mla; engine.mla), else None. The latent's projection is
     # replicated, every per-head array split over the mesh by heads. r: kv_lora_rank, qr: q_lora_rank.
     w_q: jax.Array | None = None  # [L, hidden (qr with q_lora_rank), heads, nope + rope dims]
@@ -56,7 +58,9 @@ class LayerWeights:
 @dataclasses.dataclass
 class Weights:
     embed: jax.Array  # [vocab, hidden]
-    layers: LayerWeights
+    # Runs of consecutive layers of one structure (ModelConfig.layer_segments: DeepSeek's dense layers,
+    # then its expert layers), each stacked for its own lax.scan; one run for every other model.
+    layers: tuple[LayerWeights, ...]
     final_norm: jax.Array  # [hidden]
     lm_head: jax.Array | None  # [hidden, vocab]; None when tied to `embed`
 
@@ -76,6 +80,8 @@ _LAYER_AXES = {
     "w_router": ("layers", "embed", None),
     "experts_gate_up": ("layers", None, "embed", None, "mlp"),
     "experts_down": ("layers", None, "mlp", "embed"),
+    "shared_gate_up": ("layers", "embed", None, "mlp"),
+    "shared_down": ("layers", "mlp", "embed"),
     "w_q": ("layers", None, "heads", None),
     "w_q_a": ("layers", "embed", None),
     "q_a_norm": ("layers", None),
@@ -140,12 +146,19 @@ def _mla(cfg: ModelConfig, host: dict[str, np.ndarray], tp: int) -> dict[str, np
     }
 
 
-def _mlp(cfg: ModelConfig, host: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The MLP's stacked arrays: dense, or one per expert (gate and up fused either way)."""
-    gate_up = np.stack([host["w_gate"], host["w_up"]], axis=-2)  # [L, (E,) D, 2, I]
-    if cfg.num_experts:
-        return {"experts_gate_up": gate_up, "experts_down": host["w_down"]}
-    return {"w_gate_up": gate_up, "w_down": host["w_down"]}
+_DENSE_MLP = ("w_gate_up", "w_down")
+_EXPERT_MLP = ("w_router", "experts_gate_up", "experts_down", "shared_gate_up", "shared_down")
+
+
+def _mlp(host: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The MLP's stacked arrays, gate and up fused: dense ones over the layers that have them, experts
+    (and shared experts) over theirs (engine.loader._layers_with)."""
+    out = {"w_router": host.get("w_router")}
+    for prefix, target in (("w", "w"), ("experts", "experts"), ("shared", "shared")):
+        if f"{prefix}_gate" in host:
+            out[f"{target}_gate_up"] = np.stack([host[f"{prefix}_gate"], host[f"{prefix}_up"]], axis=-2)
+            out[f"{target}_down"] = host[f"{prefix}_down"]
+    return out
 
 
 def build_weights(
@@ -155,32 +168,45 @@ def build_weights(
 
     `host` holds numpy arrays in math layout (x @ W), layers stacked (engine.loader's names): `embed`
     [V, D], `final_norm` [D], optional `lm_head` [D, V], `wq` `wk` `wv` [L, D, heads * head_dim], their
-    biases `bq` `bk` `bv`, `wo`, `w_gate` `w_up` [L, D, I], `w_down` (with experts: [L, E, D, I] and
-    [L, E, I, D], and the router `w_router` [L, D, E]), `attn_norm`, `mlp_norm`, and with
+    biases `bq` `bk` `bv`, `wo`, `w_gate` `w_up` [L, D, I], `w_down`, `attn_norm`, `mlp_norm`; with
+    experts `experts_gate` `experts_up` [L', E, D, I], `experts_down`, the router `w_router` [L', D, E] and
+    shared experts `shared_gate` `shared_up` `shared_down` over the L' expert layers (the dense MLP's over
+    the others); with MLA its own (engine.loader); and with
     qk_norm `q_norm` `k_norm` [L, head_dim], with sandwich_norms `post_attn_norm` `post_mlp_norm` [L, D].
     """
     tp = mesh.shape["model"]
-    fused = {
+    per_layer = {  # every layer's
         "attn_norm": host["attn_norm"],
         **(_mla(cfg, host, tp) if cfg.is_mla else _fused_qkv(cfg, host, tp)),
         "mlp_norm": host["mlp_norm"],
-        "w_router": host.get("w_router"),
-        **_mlp(cfg, host),
         "q_norm": host.get("q_norm"),
         "k_norm": host.get("k_norm"),
         "post_attn_norm": host.get("post_attn_norm"),
         "post_mlp_norm": host.get("post_mlp_norm"),
     }
-    layers = {
-        name: None
-        if fused.get(name) is None
-        else jax.device_put(fused[name].astype(dtype), named(mesh, *axes))
-        for name, axes in _LAYER_AXES.items()
-    }
+    mlp = _mlp(host)
+    dense_end = cfg.first_dense_layers if cfg.num_experts else cfg.num_layers
+
+    def segment(start: int, end: int) -> LayerWeights:
+        arrays = {name: None if w is None else w[start:end] for name, w in per_layer.items()}
+        dense = start < dense_end
+        first = start if dense else start - dense_end  # index into its MLP arrays
+        for name in _DENSE_MLP if dense else _EXPERT_MLP:
+            if mlp.get(name) is not None:
+                arrays[name] = mlp[name][first : first + end - start]
+        return LayerWeights(
+            **{
+                name: None
+                if arrays.get(name) is None
+                else jax.device_put(arrays[name].astype(dtype), named(mesh, *axes))
+                for name, axes in _LAYER_AXES.items()
+            }
+        )
+
     lm_head = host.get("lm_head")
     return Weights(
         embed=jax.device_put(host["embed"].astype(dtype), named(mesh, "vocab", "embed")),
-        layers=LayerWeights(**layers),
+        layers=tuple(segment(start, end) for start, end in cfg.layer_segments()),
         final_norm=jax.device_put(host["final_norm"].astype(dtype), named(mesh, "embed")),
         lm_head=None
         if lm_head is None

@@ -22,6 +22,11 @@ _TINY = {
             rope_parameters={"rope_type": "default", "rope_theta": 1e6},
         ),
     ),
+    "mistral": (  # every layer sliding: blocks out of the window are given back
+        "MistralConfig",
+        "MistralForCausalLM",
+        dict(num_hidden_layers=2, num_key_value_heads=1, sliding_window=SLIDING_WINDOW),
+    ),
     "gemma3": (
         "Gemma3TextConfig",
         "Gemma3ForCausalLM",
@@ -53,7 +58,9 @@ _TINY = {
         "MixtralForCausalLM",
         dict(num_hidden_layers=2, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2),
     ),
-    "deepseek_v2": (  # MLA (a latent of 32 + 8 rope dims, V2-Lite's plain query projection), dense MLPs
+    # MLA (a latent of 32 + 8 rope dims, V2-Lite's plain query projection) with YaRN, a dense layer then an
+    # expert layer (8 experts in 4 groups, the best 2 groups' top 2 scaled, a shared expert)
+    "deepseek_v2": (
         "DeepseekV2Config",
         "DeepseekV2ForCausalLM",
         dict(
@@ -64,9 +71,25 @@ _TINY = {
             qk_nope_head_dim=24,
             qk_rope_head_dim=8,
             v_head_dim=16,
-            first_k_dense_replace=2,
-            n_routed_experts=4,
-            rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+            first_k_dense_replace=1,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            moe_intermediate_size=32,
+            routed_scaling_factor=1.5,
+            topk_method="group_limited_greedy",
+            n_group=4,
+            topk_group=2,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 1e4,
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+                "mscale": 1.0,
+                "mscale_all_dim": 0.707,
+                "beta_fast": 32,
+                "beta_slow": 1,
+            },
         ),
     ),
     "gemma2": (

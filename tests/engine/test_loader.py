@@ -50,8 +50,17 @@ def test_unsupported_architecture_is_named(tmp_path):
             "mlp_only_layers",
         ),
         ({"architectures": ["Qwen3MoeForCausalLM"]}, "num_experts"),
+        (
+            {
+                "architectures": ["DeepseekV2ForCausalLM"],
+                **dict(kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8),
+                **dict(n_routed_experts=4, num_experts_per_tok=2, topk_method="noaux_tc"),
+            },
+            "noaux_tc",
+        ),
         ({"mlp_bias": True}, "mlp_bias"),
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
+        ({"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, "longrope"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "original_max_position_embeddings"),
     ],
 )
 def test_unsupported_config_features_are_named(change, field):

@@ -3,6 +3,8 @@ the rows route to; experts no real token chose are never read (their weights may
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -60,12 +62,24 @@ def test_a_batch_equals_each_row_alone_and_the_dense_sum(tokens, k, skew, rnd):
     np.testing.assert_allclose(batch[valid], alone, rtol=1e-5, atol=1e-6)
 
 
+def _router(k, renormalize=False, scale=1.0, groups=None):
+    """The routing fields of a ModelConfig."""
+    return SimpleNamespace(
+        num_experts_per_tok=k, norm_topk_prob=renormalize, routed_scaling_factor=scale, router_groups=groups
+    )
+
+
 def test_routing_takes_the_top_k_of_the_softmax():
     h = jnp.asarray([[1.0, 0.0], [0.0, 1.0]])
-    w_router = jnp.asarray([[3.0, 1.0, 2.0], [0.0, 5.0, 4.0]])
-    weights, experts = moe.route(h, w_router, 2, renormalize=False)
-    assert experts.tolist() == [[0, 2], [1, 2]]
+    w_router = jnp.asarray([[3.0, 1.0, 2.0, 0.0], [0.0, 5.0, 4.0, 4.5]])
     probs = jax.nn.softmax(h @ w_router)
+    weights, experts = moe.route(h, w_router, _router(2))
+    assert experts.tolist() == [[0, 2], [1, 3]]
     np.testing.assert_allclose(weights, jnp.take_along_axis(probs, experts, axis=1), rtol=1e-6)
-    weights, _ = moe.route(h, w_router, 2, renormalize=True)
+    weights, _ = moe.route(h, w_router, _router(2, renormalize=True))
     np.testing.assert_allclose(weights.sum(axis=1), [1.0, 1.0], rtol=1e-6)
+    scaled, _ = moe.route(h, w_router, _router(2, scale=2.5))
+    np.testing.assert_allclose(scaled, 2.5 * jnp.take_along_axis(probs, experts, axis=1), rtol=1e-6)
+    # DeepSeek's group-limited choice: groups {0, 1} and {2, 3}, one kept, by its best expert
+    _, experts = moe.route(h, w_router, _router(2, groups=(2, 1)))
+    assert experts.tolist() == [[0, 1], [1, 0]]

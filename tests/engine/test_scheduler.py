@@ -280,3 +280,19 @@ def test_kv_received_for_sliding_window_layers_never_enters_the_prefix_cache(win
     run(sched, sched.schedule())  # its second token: finished
     hits = sched.kv.lookup([*range(12), 99])
     assert len(hits) == (0 if windowed else 3)
+
+
+def test_blocks_out_of_every_sliding_window_are_given_back_as_a_request_advances():
+    """Every layer attends within 8 tokens (2 blocks of 4). A 40-token prompt is admitted with its 10 blocks;
+    they are given back as its 8-token chunks pass them, and its decode holds the window's blocks only."""
+    sched = Scheduler(CONFIG, release_window=8)
+    sched.add(make("long", 40, max_tokens=12))
+    held = []  # blocks referenced before each step, and whether it is a decode step
+    while sched.requests:
+        step = sched.schedule()
+        held.append((sched.kv.pool.num_used, len(step.rows[0].tokens) == 1))
+        run(sched, step)
+    prefill = [n for n, decode in held if not decode]
+    assert prefill == [10, 10, 8, 6, 4]  # chunks end at 8, 16, ...: blocks before (computed - 8) / 4 go
+    assert max(n for n, decode in held if decode) <= 8 // 4 + 1  # the window's blocks and the next token's
+    assert sched.kv.pool.num_used == 0  # finishing gave back exactly the rest

@@ -1,0 +1,128 @@
+"""Model families against transformers on the same tiny random-weight checkpoints, and the KV bytes each
+family's layout moves per token, measured in one run.
+
+    .venv/bin/python bench/bench_families.py [--families qwen3,gemma3,...] [--steps 16] [--json OUT]
+
+Per family (the checkpoints of tests/families.py, written by transformers: hidden 64, 2-3 layers, so the
+figures measure each implementation's per-token overheads more than its arithmetic), in float32 on CPU:
+  * prefill of 512 tokens, best of 3: pdserve (engine.prompt_logits) and transformers (one forward);
+  * decode tokens/s at batch 1 and 32 (prompts of 32 tokens, greedy): pdserve's mean engine step and
+    transformers' mean step with its KV cache (a batch of 32 prompts of equal length, no padding);
+  * ratios pdserve / transformers of each;
+  * KV bytes per token a prefill server sends for a 2048-token prompt (kvtransfer's frame plan of the
+    family's layout, payload without bucket padding) against full attention with the same heads (the
+    same model with every layer full; MLA: the K and V that its heads would hold expanded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench_engine import best_of, pdserve_decode_step, report  # noqa: E402  bench/ is on the path
+
+PROMPT, TRANSFER_TOKENS = 512, 2048
+
+
+def hf_decode_step(model, batch: int, steps: int, vocab: int) -> float:
+    """Mean seconds per greedy step of transformers with its cache, `batch` prompts of 32 tokens."""
+    import torch
+
+    ids = torch.randint(0, vocab, (batch, 32), generator=torch.Generator().manual_seed(batch))
+    with torch.no_grad():
+        out = model(ids, use_cache=True)
+        past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            out = model(token, past_key_values=past, use_cache=True)
+            past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+    return (time.perf_counter() - t0) / steps
+
+
+def kv_bytes_per_token(engine, num_tokens: int) -> dict:
+    """Payload bytes per prompt token of the family's transfer, and of full attention with its heads."""
+    import dataclasses
+
+    from kvtransfer import KVLayout, LayerSpec, SpecKind, plan_frames
+    from services.kv import engine_layout
+
+    layout = engine_layout(engine)
+    sent = sum(f.num_layers * f.num_blocks for f in plan_frames(layout, num_tokens)) * layout.block_bytes
+    cfg = engine.model.config
+    if layout.is_mla:  # K and V of every head, as a non-latent cache would hold them
+        full = KVLayout(
+            layout.model,
+            (LayerSpec(),) * cfg.num_layers,
+            cfg.num_heads,
+            cfg.head_dim,
+            layout.dtype,
+            layout.block_size,
+        )
+    else:
+        full = dataclasses.replace(layout, layer_specs=(LayerSpec(SpecKind.FULL),) * cfg.num_layers)
+    full_bytes = -(-num_tokens // full.block_size) * full.num_cache_layers * full.block_bytes
+    return {"bytes_per_token": sent / num_tokens, "full_attention_bytes_per_token": full_bytes / num_tokens}
+
+
+def measure(family: str, steps: int, tokenizer, vocab: int) -> dict:
+    import torch
+
+    from engine.config import EngineConfig
+    from tests.families import engine_of, write_family
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = write_family(family, Path(tmp), vocab)
+        config = EngineConfig(
+            num_blocks=1024, max_model_len=1024, max_num_seqs=32, max_num_batched_tokens=512
+        )
+        engine = engine_of(Path(tmp), tokenizer, config)
+    engine.runner.warmup(progress=False)
+    prompt = np.random.default_rng(0).integers(0, vocab, PROMPT).tolist()
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        hf_prefill = best_of(lambda: model(ids), 3)
+    pd_prefill = best_of(lambda: engine.prompt_logits(prompt), 3)
+    result = {"prefill_512_s": {"pdserve": pd_prefill, "transformers": hf_prefill}}
+    for batch in (1, 32):
+        pd = pdserve_decode_step(engine, batch, steps)
+        hf = hf_decode_step(model, batch, steps, vocab)
+        result[f"decode_b{batch}_tokens_s"] = {"pdserve": batch / pd, "transformers": batch / hf}
+    result["ratios_pdserve_vs_transformers"] = {
+        "prefill_512": hf_prefill / pd_prefill,
+        **{
+            f"decode_b{b}": result[f"decode_b{b}_tokens_s"]["pdserve"]
+            / result[f"decode_b{b}_tokens_s"]["transformers"]
+            for b in (1, 32)
+        },
+    }
+    result["kv_transfer"] = kv_bytes_per_token(engine, TRANSFER_TOKENS)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--families", default="qwen3,gemma3,gemma2,qwen3_moe,mixtral,deepseek_v2")
+    parser.add_argument("--steps", type=int, default=16, help="decode steps measured per batch size")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+
+    from engine.models import load_model
+
+    default = load_model()  # its tokenizer and vocabulary (the tiny checkpoints have none)
+    results = {
+        family: measure(family, args.steps, default.tokenizer, default.config.vocab_size)
+        for family in args.families.split(",")
+    }
+    report(results, args.json)
+
+
+if __name__ == "__main__":
+    main()
