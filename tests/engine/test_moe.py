@@ -83,3 +83,19 @@ def test_routing_takes_the_top_k_of_the_softmax():
     # DeepSeek's group-limited choice: groups {0, 1} and {2, 3}, one kept, by its best expert
     _, experts = moe.route(h, w_router, _router(2, groups=(2, 1)))
     assert experts.tolist() == [[0, 1], [1, 0]]
+
+
+def test_one_compiled_shape_serves_any_routing():
+    """The grouped loop's trip count is a run-time value: routings that spread or pile up the pairs run
+    the same executable."""
+    mlp = jax.jit(lambda *args: moe.experts_mlp(*args, jax.nn.silu))  # a cache of its own
+    rng = np.random.default_rng(0)
+    h = rng.standard_normal((16, D), np.float32)
+    gate_up, down = (
+        rng.standard_normal((E, D, 2, INTER), np.float32),
+        rng.standard_normal((E, INTER, D), np.float32),
+    )
+    weights, valid = np.ones((16, 2), np.float32), np.ones(16, bool)
+    for experts in (np.arange(32).reshape(16, 2) % E, np.zeros((16, 2)) + [0, 1], np.full((16, 2), [5, 7])):
+        mlp(h, weights, experts.astype(np.int32), valid, gate_up, down)
+    assert mlp._cache_size() == 1
