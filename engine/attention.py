@@ -27,7 +27,8 @@ The static shape is (tokens, sequences, block-table width); the number of past b
 of it, so one compiled step serves every context length.
 
 The seam: `set_attention_impl(fn)` swaps the implementation for another function with the same
-signature, e.g. a wrapper around the Pallas kernel on TPU (jax.experimental.pallas.ops.tpu).
+signature: engine/tpu_attention.py wraps jax's Pallas kernel (jax.experimental.pallas.ops.tpu), which
+reads the new K/V from the cache (`kv_written_first`).
 """
 
 from __future__ import annotations
@@ -230,3 +231,10 @@ def set_attention_impl(fn: AttentionFn | None) -> None:
 
 def ragged_paged_attention(*args, **kwargs) -> jax.Array:
     return _impl(*args, **kwargs)
+
+
+def kv_written_first() -> bool:
+    """Whether the installed kernel reads the step's new K/V from the cache (its `reads_new_kv_from_cache`
+    attribute; a Pallas kernel does): the model then writes each layer's into the cache before its
+    attention, inside the layer scan, instead of all layers' once after it."""
+    return bool(getattr(_impl, "reads_new_kv_from_cache", False))

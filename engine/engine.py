@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
+from engine.attention import set_attention_impl
 from engine.config import EngineConfig
 from engine.kv_connector import KVConnector
 from engine.kv_events import KVEvent
@@ -27,6 +28,7 @@ from engine.runner import ModelRunner, SampleRow
 from engine.sampling_params import InvalidRequestError, SamplingParams
 from engine.scheduler import Row, Scheduler, SchedulerOutput
 from engine.sharding import make_mesh
+from engine.tpu_attention import kernel_attention
 from engine.weights import build_weights
 
 log = logging.getLogger(__name__)
@@ -38,7 +40,10 @@ class LLMEngine:
     def __init__(self, model: LoadedModel, config: EngineConfig, devices: Sequence[jax.Device] | None = None):
         self.model = model
         self.mesh = make_mesh(config.tp, devices)
-        self.config = config = config.on_platform(self.mesh.devices.flat[0].platform)  # "auto" dtype resolved
+        platform = self.mesh.devices.flat[0].platform
+        self.config = config = config.on_platform(platform)  # "auto" dtype resolved
+        if platform == "tpu":  # jax's Pallas kernel behind the attention seam (the reference elsewhere)
+            set_attention_impl(kernel_attention(model.config, self.mesh))
         self.tokenizer = model.tokenizer
         dtype = jax.numpy.dtype(config.dtype)
         weights = build_weights(model.config, model.host_weights, self.mesh, dtype)

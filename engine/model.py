@@ -1,11 +1,12 @@
-"""The Llama-family forward pass as plain functions over a weights pytree and a paged KV cache.
+"""The decoder's forward pass (every family) as plain functions over a weights pytree and a paged KV cache.
 
 One function, `forward_step`, runs a ragged step: one flat axis of new tokens holding decode tokens and
 prefill chunks of any number of sequences, each attending to its own past through its block table
 (engine.attention). Every projection is one matmul over all the step's tokens. Layers run under
 `lax.scan` over the stacked weights (fast to compile, reads each weight once). The new tokens' K/V
 leave the scan as its per-layer output and are scattered into the cache once, after the last layer; the
-cache is donated, so the scatter updates it in place.
+cache is donated, so the scatter updates it in place. With a kernel that reads them from the cache (the
+TPU's), the cache is carried through the scan instead and each layer writes its own before attending.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from engine import mla, moe
-from engine.attention import ragged_paged_attention, soft_cap, token_sequences
+from engine.attention import kv_written_first, ragged_paged_attention, soft_cap, token_sequences
 from engine.config import ModelConfig
 from engine.layers import ACTIVATION_FNS, apply_rope, rms_norm, rope_inverse_frequencies
 from engine.lora import apply as lora_ops
@@ -63,8 +64,17 @@ def forward_step(
 
     act_fn = ACTIVATION_FNS[cfg.hidden_act]
     windowed = bool(cfg.layer_windows)  # else no window is even traced: full attention everywhere
+    column = jnp.minimum(positions // block_size, block_tables.shape[1] - 1)
+    write_blocks = jnp.where(valid, block_tables[seq, column], num_blocks)  # padding: out of range, dropped
+    first = kv_written_first()  # the kernel reads the new K/V from the cache: write them layer by layer
 
-    def layer(x, lw):
+    def write(cache, layers, new_kv):  # new_kv [(layers,) T, slots, dims] at the tokens' positions
+        return cache.at[layers, write_blocks, positions % block_size].set(
+            new_kv.astype(cache.dtype), mode="drop"
+        )
+
+    def layer(carry, lw):
+        x, cache_now = carry if first else (carry, cache)
         w, lo, index, window, rope_row = lw
 
         def plus_lora(y, delta, *args):  # y + delta(*args); skipped at run time when no token has an adapter
@@ -90,11 +100,13 @@ def forward_step(
                 apply_rope(k, positions, inv_freq, rope_scale),
             )
             new_kv = jnp.stack([k, v], axis=2).reshape(t, 2 * kv_heads, head_dim)  # K, V interleaved
+        if first:
+            cache_now = write(cache_now, index, new_kv)
         attn = ragged_paged_attention(
             q,
             k,
             v,
-            cache,
+            cache_now,
             index,
             kv_lens,
             block_tables,
@@ -119,17 +131,18 @@ def forward_step(
             act = act_fn(gate_up[:, 0]) * gate_up[:, 1]
             out = plus_lora(act @ w.w_down, lora_ops.linear_delta, act, *_pair(lo, "down"))
         x = x + (out if w.post_mlp_norm is None else rms_norm(out, w.post_mlp_norm, cfg.rms_norm_eps))
-        return x, new_kv
+        return ((x, cache_now), None) if first else (x, new_kv)
 
     indices = (jnp.arange(cfg.num_layers), *_per_layer(cfg))
     new_kv = []
     for (start, end), segment in zip(cfg.layer_segments(), weights.layers, strict=True):  # one run: LoRA ok
-        x, kv = jax.lax.scan(layer, x, (segment, lora, *(a[start:end] for a in indices)))
+        carry, kv = jax.lax.scan(
+            layer, (x, cache) if first else x, (segment, lora, *(a[start:end] for a in indices))
+        )
+        x, cache = carry if first else (carry, cache)
         new_kv.append(kv)
-    new_kv = jnp.concatenate(new_kv) if len(new_kv) > 1 else new_kv[0]
-    column = jnp.minimum(positions // block_size, block_tables.shape[1] - 1)
-    write_blocks = jnp.where(valid, block_tables[seq, column], num_blocks)  # padding: out of range, dropped
-    cache = cache.at[:, write_blocks, positions % block_size].set(new_kv.astype(cache.dtype), mode="drop")
+    if not first:  # every layer's new K/V in one scatter
+        cache = write(cache, slice(None), jnp.concatenate(new_kv) if len(new_kv) > 1 else new_kv[0])
     last = x[jnp.maximum(cu_q_lens[1:] - 1, 0)]  # [S, hidden]
     last = rms_norm(last, weights.final_norm, cfg.rms_norm_eps)
     if weights.lm_head is None:

@@ -1,0 +1,122 @@
+"""jax's ragged paged attention Pallas kernel behind the attention seam, chosen by LLMEngine on TPUs.
+
+`jax.experimental.pallas.ops.tpu.ragged_paged_attention` takes pdserve's cache layout as it is (pages
+[pages, page_size, 2 * kv_heads, head_dim], K of head h at 2h, V at 2h + 1), mixed decode and prefill
+rows, a sliding window and a soft cap. What this adapter maps:
+  * the stacked cache [layers, blocks, ...] becomes one page array (a merge of the leading axes, no copy)
+    and layer `layer`'s pages are its block ids plus layer * blocks;
+  * queries [T, kv_heads, group, d] become [T, heads, d] (query head i reads KV head i // group, the
+    kernel's order too); `sm_scale` defaults to head_dim ** -0.5 as pdserve's reference does (the
+    kernel's own default is 1);
+  * `num_seqs` counts the real rows, which the runner puts first (padding rows have no context);
+  * a per-layer window is a run-time value inside the layer scan while the kernel takes a static one:
+    `lax.switch` over the model's distinct windows (Gemma: none, or its one window);
+  * at TP > 1, a `shard_map` over the heads (a Pallas call has no partitioning rule): each chip attends
+    with its own query and KV heads.
+The kernel reads the step's new K/V from the cache (`reads_new_kv_from_cache`): the model writes them
+layer by layer first (engine.model). MLA's latent cache is not the kernel's layout: those layers keep
+the reference.
+
+Checked here without a TPU: the mapping, against jax's reference of the kernel
+(`ref_ragged_paged_attention`, eager) in tests/engine/test_tpu_attention.py. Not checked: the Pallas
+kernel itself. In jax 0.10.2 neither interpreter runs it on CPU (TPU interpret mode: a memory-ref reshape
+at kernel.py:616 has no indices; the HLO interpreter: its scalar-prefetch arguments have no shape).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from engine.attention import AttentionFn, ragged_paged_attention_reference
+from engine.config import ModelConfig
+from engine.sharding import MODEL_AXIS
+
+
+def _pallas_kernel() -> Callable:
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
+
+    return ragged_paged_attention
+
+
+def kernel_attention(
+    cfg: ModelConfig,
+    mesh: Mesh | None = None,
+    kernel: Callable | None = None,
+    block_sizes: dict | None = None,
+) -> AttentionFn:
+    """An attention function for the seam that calls `kernel` (default: jax's Pallas kernel) with
+    `ragged_paged_attention_reference`'s arguments. `block_sizes`: the kernel's num_kv_pages_per_block and
+    num_queries_per_block (None: its tuned table, which needs a TPU)."""
+    kernel = kernel or _pallas_kernel()
+    windows = (0, *sorted({w for w in cfg.layer_windows if w}))
+    tp = 1 if mesh is None else mesh.shape[MODEL_AXIS]
+
+    def attend(
+        q,
+        k_new,
+        v_new,
+        cache,
+        layer,
+        kv_lens,
+        block_tables,
+        cu_q_lens,
+        *,
+        sm_scale=None,
+        sliding_window=None,
+        soft_cap=None,
+        latent=False,
+    ):
+        if latent:
+            return ragged_paged_attention_reference(
+                q,
+                k_new,
+                v_new,
+                cache,
+                layer,
+                kv_lens,
+                block_tables,
+                cu_q_lens,
+                sm_scale=sm_scale,
+                latent=True,
+            )
+        t, kv_heads, group, d = q.shape
+        num_layers, num_blocks = cache.shape[:2]
+        pages = cache.reshape(num_layers * num_blocks, *cache.shape[2:])
+        page_indices = block_tables + layer * num_blocks
+        num_seqs = jnp.count_nonzero(kv_lens).astype(jnp.int32).reshape(1)
+        call = functools.partial(
+            kernel,
+            sm_scale=d**-0.5 if sm_scale is None else sm_scale,
+            soft_cap=soft_cap,
+            **(block_sizes or {}),
+        )
+        branches = [functools.partial(call, sliding_window=w or None) for w in windows]
+
+        def run(q, pages, *rest):
+            if sliding_window is None or len(branches) == 1:
+                return branches[0](q, pages, *rest)
+            if isinstance(sliding_window, int):  # known now: that kernel alone
+                return branches[windows.index(sliding_window)](q, pages, *rest)
+            which = jnp.searchsorted(jnp.asarray(windows), sliding_window)  # 0: full attention
+            return jax.lax.switch(which, branches, q, pages, *rest)
+
+        if tp > 1:
+            heads = P(None, MODEL_AXIS, None)
+            run = jax.shard_map(
+                run,
+                mesh=mesh,
+                in_specs=(heads, P(None, None, MODEL_AXIS, None), P(), P(), P(), P()),
+                out_specs=heads,
+                check_vma=False,
+            )
+        out = run(q.reshape(t, kv_heads * group, d), pages, kv_lens, page_indices, cu_q_lens, num_seqs)
+        return out.reshape(t, kv_heads, group, d)
+
+    attend.reads_new_kv_from_cache = True
+    return attend
