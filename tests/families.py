@@ -32,7 +32,7 @@ _TINY = {
         "Gemma3ForCausalLM",
         dict(
             num_hidden_layers=3,
-            num_key_value_heads=2,
+            num_key_value_heads=1,
             layer_types=["sliding_attention", "full_attention", "sliding_attention"],
             sliding_window=SLIDING_WINDOW,
             query_pre_attn_scalar=24,

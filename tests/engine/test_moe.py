@@ -99,3 +99,26 @@ def test_one_compiled_shape_serves_any_routing():
     for experts in (np.arange(32).reshape(16, 2) % E, np.zeros((16, 2)) + [0, 1], np.full((16, 2), [5, 7])):
         mlp(h, weights, experts.astype(np.int32), valid, gate_up, down)
     assert mlp._cache_size() == 1
+
+
+def test_experts_split_over_a_mesh_compute_the_same():
+    """Tensor-parallel experts (each expert's intermediate axis over 2 devices, as engine.weights shards
+    them) give the single-device result."""
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()[:2]), ("model",))
+    rng = np.random.default_rng(2)
+    h = rng.standard_normal((16, D), np.float32)
+    gate_up = rng.standard_normal((E, D, 2, INTER), np.float32)
+    down = rng.standard_normal((E, INTER, D), np.float32)
+    experts = rng.integers(0, E, (16, 2)).astype(np.int32)
+    args = (h, rng.random((16, 2), np.float32), experts, np.ones(16, bool))
+    sharded = (
+        jax.device_put(gate_up, NamedSharding(mesh, P(None, None, None, "model"))),
+        jax.device_put(down, NamedSharding(mesh, P(None, "model", None))),
+    )
+    got = _mlp(*args, *sharded, jax.nn.silu)
+    np.testing.assert_allclose(
+        np.asarray(got), np.asarray(_mlp(*args, gate_up, down, jax.nn.silu)), rtol=1e-5, atol=1e-5
+    )
