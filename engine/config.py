@@ -49,7 +49,8 @@ class UnsupportedModelError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2/2.5, Qwen3)."""
+    """Architecture of a decoder pdserve serves: Llama 2/3, SmolLM2, Mistral, Qwen2/2.5, Qwen3, Gemma 2/3,
+    Qwen3-MoE, Mixtral, DeepSeek-V2 (docs/model-families.md)."""
 
     architecture: str
     vocab_size: int
