@@ -1,5 +1,5 @@
-"""Mixture-of-experts MLP (Qwen3-MoE, Mixtral, DeepSeek-V2): top-k routing, then each routed (token, expert) pair through
-its expert, at a cost that follows the pairs routed, not the number of experts.
+"""Mixture-of-experts MLP (Qwen3-MoE, Mixtral, DeepSeek-V2): top-k routing, then each routed (token, expert)
+pair through its expert, at a cost that follows the pairs routed, not the number of experts.
 
 Routing: the router's softmax over experts in float32, the k largest kept (renormalized to sum to 1 where
 the model says so, `ModelConfig.norm_topk_prob`).
