@@ -149,11 +149,16 @@ class ModelConfig:
     def attention_scale(self) -> float:
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5 * self.attention_scale_factor
 
+    @property
+    def dense_layers(self) -> int:
+        """Layers [0, dense_layers) have a dense MLP, the rest a mixture of experts."""
+        return self.first_dense_layers if self.num_experts else self.num_layers
+
     def layer_segments(self) -> tuple[tuple[int, int], ...]:
         """(start, end) of each run of layers with the same weights' structure, scanned one run at a time:
         DeepSeek's dense layers, then its expert layers; every other model is one run."""
-        k = self.first_dense_layers if self.num_experts else 0
-        return ((0, k), (k, self.num_layers)) if k else ((0, self.num_layers),)
+        k = self.dense_layers
+        return ((0, k), (k, self.num_layers)) if 0 < k < self.num_layers else ((0, self.num_layers),)
 
     @property
     def group_size(self) -> int:

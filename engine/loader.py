@@ -71,7 +71,7 @@ _SHARED = ("shared_gate", "shared_up", "shared_down")
 def _layers_with(cfg: ModelConfig, name: str) -> range:
     """The layers that have weight `name` (empty: the model has none)."""
     every, none = range(cfg.num_layers), range(0)
-    dense_end = cfg.first_dense_layers if cfg.num_experts else cfg.num_layers  # expert layers after
+    dense_end = cfg.dense_layers  # expert layers after
     has = {
         "q_norm": cfg.qk_norm,
         "k_norm": cfg.qk_norm,

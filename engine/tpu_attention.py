@@ -57,34 +57,11 @@ def kernel_attention(
     windows = (0, *sorted({w for w in cfg.layer_windows if w}))
     tp = 1 if mesh is None else mesh.shape[MODEL_AXIS]
 
-    def attend(
-        q,
-        k_new,
-        v_new,
-        cache,
-        layer,
-        kv_lens,
-        block_tables,
-        cu_q_lens,
-        *,
-        sm_scale=None,
-        sliding_window=None,
-        soft_cap=None,
-        latent=False,
-    ):
+    def attend(*args, sm_scale=None, sliding_window=None, soft_cap=None, latent=False):
+        """`args`: q, k_new, v_new, cache, layer, kv_lens, block_tables, cu_q_lens (the reference's)."""
         if latent:
-            return ragged_paged_attention_reference(
-                q,
-                k_new,
-                v_new,
-                cache,
-                layer,
-                kv_lens,
-                block_tables,
-                cu_q_lens,
-                sm_scale=sm_scale,
-                latent=True,
-            )
+            return ragged_paged_attention_reference(*args, sm_scale=sm_scale, latent=True)
+        q, _, _, cache, layer, kv_lens, block_tables, cu_q_lens = args
         t, kv_heads, group, d = q.shape
         num_layers, num_blocks = cache.shape[:2]
         pages = cache.reshape(num_layers * num_blocks, *cache.shape[2:])

@@ -154,10 +154,10 @@ def _mlp(host: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The MLP's stacked arrays, gate and up fused: dense ones over the layers that have them, experts
     (and shared experts) over theirs (engine.loader._layers_with)."""
     out = {"w_router": host.get("w_router")}
-    for prefix, target in (("w", "w"), ("experts", "experts"), ("shared", "shared")):
+    for prefix in ("w", "experts", "shared"):
         if f"{prefix}_gate" in host:
-            out[f"{target}_gate_up"] = np.stack([host[f"{prefix}_gate"], host[f"{prefix}_up"]], axis=-2)
-            out[f"{target}_down"] = host[f"{prefix}_down"]
+            out[f"{prefix}_gate_up"] = np.stack([host[f"{prefix}_gate"], host[f"{prefix}_up"]], axis=-2)
+            out[f"{prefix}_down"] = host[f"{prefix}_down"]
     return out
 
 
@@ -185,7 +185,7 @@ def build_weights(
         "post_mlp_norm": host.get("post_mlp_norm"),
     }
     mlp = _mlp(host)
-    dense_end = cfg.first_dense_layers if cfg.num_experts else cfg.num_layers
+    dense_end = cfg.dense_layers
 
     def segment(start: int, end: int) -> LayerWeights:
         arrays = {name: None if w is None else w[start:end] for name, w in per_layer.items()}
