@@ -12,6 +12,9 @@ figures measure each implementation's per-token overheads more than its arithmet
   * KV bytes per token a prefill server sends for a 2048-token prompt (kvtransfer's frame plan of the
     family's layout, payload without bucket padding) against full attention with the same heads (the
     same model with every layer full; MLA: the K and V that its heads would hold expanded).
+And, for Gemma 3 4B's layer pattern (34 layers, every sixth full, window 1024, block 16, the default
+512-token budget), the layer-blocks of cache a request of 1k..32k tokens holds through pdserve's KV cache
+manager: hybrid layer groups sharing rows (engine.kv_groups) against one table for every layer.
 """
 
 from __future__ import annotations
@@ -72,6 +75,30 @@ def kv_bytes_per_token(engine, num_tokens: int) -> dict:
     return {"bytes_per_token": sent / num_tokens, "full_attention_bytes_per_token": full_bytes / num_tokens}
 
 
+def hybrid_cache_layer_blocks(lengths=(1024, 4096, 32768)) -> dict:
+    """Gemma 3 4B's layer-blocks held per request length: (blocks in use x cache rows) with its layer
+    groups, and (blocks x layers) with one table, as the KV cache manager allocates them."""
+    from engine.config import ModelConfig
+    from engine.kv_cache_manager import KVCacheManager
+    from engine.kv_groups import KVGroups
+
+    sizes = dict(vocab_size=8, hidden_size=8, intermediate_size=4, num_heads=8, num_kv_heads=4, head_dim=256)
+    windows = tuple(0 if (i + 1) % 6 == 0 else 1024 for i in range(34))
+    model = ModelConfig(
+        "gemma3", **sizes, num_layers=34, rope_theta=1e6, rms_norm_eps=1e-6,
+        max_position_embeddings=131072, tie_word_embeddings=True, layer_windows=windows,
+    )  # fmt: skip
+    groups = KVGroups.of(model)
+    out = {}
+    for n in lengths:
+        hybrid = KVCacheManager(1 << 16, 16, ring_blocks=groups.ring_blocks(16, 512))
+        one = KVCacheManager(1 << 16, 16)
+        assert hybrid.allocate("r", n) and one.allocate("r", n)
+        held, before = hybrid.pool.num_used * groups.num_rows, one.pool.num_used * model.num_layers
+        out[n] = {"groups": held, "one_table": before, "ratio": before / held}
+    return out
+
+
 def measure(family: str, steps: int, tokenizer, vocab: int) -> dict:
     import torch
 
@@ -121,6 +148,7 @@ def main() -> None:
         family: measure(family, args.steps, default.tokenizer, default.config.vocab_size)
         for family in args.families.split(",")
     }
+    results["gemma3_4b_cache_layer_blocks"] = hybrid_cache_layer_blocks()
     report(results, args.json)
 
 

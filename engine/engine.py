@@ -19,6 +19,7 @@ from engine.attention import set_attention_impl
 from engine.config import EngineConfig
 from engine.kv_connector import KVConnector
 from engine.kv_events import KVEvent
+from engine.kv_groups import KVGroups
 from engine.lora import AdapterRegistry, LoraSlots
 from engine.models import LoadedModel, load_model
 from engine.multihost import Publish
@@ -28,7 +29,7 @@ from engine.runner import ModelRunner, SampleRow
 from engine.sampling_params import InvalidRequestError, SamplingParams
 from engine.scheduler import Row, Scheduler, SchedulerOutput
 from engine.sharding import make_mesh
-from engine.tpu_attention import kernel_attention
+from engine.tpu_attention import kernel_attention, kernel_unsupported
 from engine.weights import build_weights
 
 log = logging.getLogger(__name__)
@@ -43,7 +44,11 @@ class LLMEngine:
         platform = self.mesh.devices.flat[0].platform
         self.config = config = config.on_platform(platform)  # "auto" dtype resolved
         if platform == "tpu":  # jax's Pallas kernel behind the attention seam (the reference elsewhere)
-            set_attention_impl(kernel_attention(model.config, self.mesh))
+            unsupported = kernel_unsupported(model.config, config.tp, config.dtype)
+            if unsupported:
+                log.warning("TPU attention kernel not used (%s): the reference attends", unsupported)
+            else:
+                set_attention_impl(kernel_attention(model.config, self.mesh))
         self.tokenizer = model.tokenizer
         dtype = jax.numpy.dtype(config.dtype)
         weights = build_weights(model.config, model.host_weights, self.mesh, dtype)
@@ -63,6 +68,9 @@ class LLMEngine:
             self.lora_slots,
             windowed_transfers=bool(model.config.layer_windows),
             release_window=model.config.widest_window,
+            ring_blocks=KVGroups.of(model.config).ring_blocks(
+                config.block_size, config.max_num_batched_tokens
+            ),
         )
         self._streams: dict[str, OutputStream] = {}
         self._ids = itertools.count()
@@ -166,9 +174,11 @@ class LLMEngine:
         for row in scheduled.rows:
             request = self.scheduler.requests.get(row.request_id)
             if not row.samples and request is not None and request.status is Status.RUNNING:
-                self.kv_connector.save_kv(self.runner, request, self.scheduler.block_ids(request.request_id))
+                self.kv_connector.save_kv(
+                    self.runner, request, self.scheduler.block_tables(request.request_id)
+                )
         for request in list(self.scheduler.sending):
-            self.kv_connector.send_kv(self.runner, request, self.scheduler.block_ids(request.request_id))
+            self.kv_connector.send_kv(self.runner, request, self.scheduler.block_tables(request.request_id))
             self.scheduler.finish_sending(request.request_id)
         return outputs
 
@@ -248,7 +258,7 @@ class LLMEngine:
         request = self.scheduler.requests.get(request_id)
         if request is None or request.status is not Status.WAITING_FOR_REMOTE_KV:
             return False
-        blocks = self.scheduler.block_ids(request_id)[first_block:]
+        blocks = self.scheduler.block_tables(request_id)[first_block:]
         self.kv_connector.load_kv(self.runner, blocks, chunk)
         return True
 
@@ -272,7 +282,7 @@ class LLMEngine:
             step = self.config.max_num_batched_tokens
             for start in range(0, len(prompt_ids), step):
                 chunk = list(prompt_ids[start : start + step])
-                logits = self.runner.forward([Row(chunk, start, kv.block_ids(rid), request.lora_slot)])
+                logits = self.runner.forward([Row(chunk, start, kv.block_tables(rid), request.lora_slot)])
             return np.asarray(logits)[0]
         finally:
             kv.free(rid)

@@ -1,7 +1,8 @@
 """The device-side paged KV cache: one stacked array for all layers.
 
-Layout: [num_layers, num_blocks, block_size, 2 * kv_heads, head_dim], K and V interleaved on the heads
-axis (2h is K of KV head h, 2h+1 its V), sharded on that axis over the mesh axis `model`. Per layer this
+Layout: [rows, num_blocks, block_size, 2 * kv_heads, head_dim], K and V interleaved on the heads
+axis (2h is K of KV head h, 2h+1 its V), sharded on that axis over the mesh axis `model`. A row per
+layer, except in hybrid models, whose layer groups share rows (engine.kv_groups). Per layer this
 is the `[num_blocks, block_size, 2 * kv_heads, head_dim]` layout kvtransfer moves. With multi-head latent
 attention the heads axis holds one latent [kv_lora_rank | rope dims] a token, replicated over the mesh.
 """
@@ -13,6 +14,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
 from engine.config import EngineConfig, ModelConfig
+from engine.kv_groups import KVGroups
 from engine.sharding import named
 
 
@@ -30,7 +32,8 @@ def chunk_sharding(mesh: Mesh, model: ModelConfig) -> NamedSharding:
 
 
 def cache_shape(model: ModelConfig, engine: EngineConfig) -> tuple[int, ...]:
-    return (model.num_layers, engine.num_blocks, engine.block_size, *model.cache_token_shape(engine.tp))
+    rows = KVGroups.of(model).num_rows
+    return (rows, engine.num_blocks, engine.block_size, *model.cache_token_shape(engine.tp))
 
 
 def allocate_cache(model: ModelConfig, engine: EngineConfig, mesh: Mesh) -> jax.Array:

@@ -8,7 +8,8 @@ Blocks are registered in the cache as they fill with computed tokens (`cache_blo
 generated tokens alike; a partial last block is never shared. A finished, aborted or preempted request
 gives its references back (`free`); its hashed blocks stay cached, in an LRU set, until allocation needs
 them. With `record_events()`, what the cache gains and loses is kept as KV events (engine/kv_events.py)
-until `take_events()`. No device code; the scheduler is the only caller.
+until `take_events()`. A hybrid model's sliding groups (engine.kv_groups) hold a ring of blocks per
+request besides its table, never cached. No device code; the scheduler is the only caller.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import numpy as np
 
 from engine.block_pool import BlockPool, blocks_for_tokens
 from engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from engine.kv_groups import BlockTables
 
 
 def hash_block(parent: int | None, token_ids: Sequence[int], extra_key: str | None = None) -> int:
@@ -56,15 +58,20 @@ class _Table:
     hashes: list[int] = dataclasses.field(default_factory=list)  # of its full blocks, as far as computed
     num_registered: int = 0  # leading blocks already in the cache index (or found there)
     num_released: int = 0  # leading blocks given back early: out of every layer's sliding window
+    rings: list[list[int]] = dataclasses.field(default_factory=list)  # of each sliding group (hybrid)
 
 
 class KVCacheManager:
-    """Block tables of the requests of one engine; `enable_caching=False` turns prefix reuse off."""
+    """Block tables of the requests of one engine; `enable_caching=False` turns prefix reuse off.
+    `ring_blocks`: KVGroups.ring_blocks, the ring size of each group after the first (hybrid models)."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_caching: bool = True, ring_blocks: Sequence[int] = ()
+    ):
         self.pool = BlockPool(num_blocks)
+        self.ring_blocks = tuple(ring_blocks[1:])
         self.block_size = block_size
-        self.enable_caching = enable_caching
+        self.enable_caching = enable_caching and not self.ring_blocks  # a ring's blocks get overwritten
         self.stats = PrefixCacheStats()
         self._tables: dict[str, _Table] = {}
         self._events: list[KVEvent] | None = None
@@ -97,6 +104,24 @@ class KVCacheManager:
         table = self._tables.get(request_id)
         return [] if table is None else table.block_ids
 
+    def block_tables(self, request_id: str) -> BlockTables:
+        """The request's table of every group: its blocks, then each ring's blocks repeated over as many."""
+        table = self._tables.get(request_id)
+        ids = [] if table is None else table.block_ids
+        rings = [[]] * len(self.ring_blocks) if table is None else table.rings
+        repeated = (
+            tuple(r[j % cap] for j in range(len(ids))) for r, cap in zip(rings, self.ring_blocks, strict=True)
+        )
+        return BlockTables((tuple(ids), *repeated))
+
+    def _blocks_needed(self, table: _Table | None, num_tokens: int, have: int) -> int:
+        """New blocks for `num_tokens` tokens: the table's beyond `have`, and each ring's up to its size."""
+        n = blocks_for_tokens(num_tokens, self.block_size)
+        rings = table.rings if table else [[] for _ in self.ring_blocks]
+        return max(0, n - have) + sum(
+            max(0, min(n, cap) - len(r)) for r, cap in zip(rings, self.ring_blocks, strict=True)
+        )
+
     def lookup(self, token_ids: Sequence[int], extra_key: str | None = None) -> list[int]:
         """Blocks holding the longest cached prefix of `token_ids`, whole blocks only, and never the last
         token (its logits must be computed to sample the next one). Changes nothing."""
@@ -114,8 +139,7 @@ class KVCacheManager:
         table = self._tables.get(request_id)
         have = len(table.block_ids) if table else len(cached)
         unreferenced_hits = sum(self.pool.ref_counts[b] == 0 for b in cached) if table is None else 0
-        need = max(0, blocks_for_tokens(num_tokens, self.block_size) - have)
-        return need <= self.pool.num_available - unreferenced_hits
+        return self._blocks_needed(table, num_tokens, have) <= self.pool.num_available - unreferenced_hits
 
     def allocate(
         self,
@@ -134,7 +158,7 @@ class KVCacheManager:
             return False
         table = self._tables.get(request_id)
         if table is None:
-            table = self._tables[request_id] = _Table()
+            table = self._tables[request_id] = _Table(rings=[[] for _ in self.ring_blocks])
             if cached:
                 self.pool.touch(cached)
                 table.block_ids = list(cached)
@@ -145,6 +169,10 @@ class KVCacheManager:
         need = blocks_for_tokens(num_tokens, self.block_size) - len(table.block_ids)
         if need > 0:
             table.block_ids.extend(self.pool.allocate(need))
+        for ring, cap in zip(table.rings, self.ring_blocks, strict=True):
+            grow = min(len(table.block_ids), cap) - len(ring)
+            if grow > 0:
+                ring.extend(self.pool.allocate(grow))
         return True
 
     def cache_blocks(
@@ -214,3 +242,5 @@ class KVCacheManager:
         table = self._tables.pop(request_id, None)
         if table is not None:
             self.pool.release(table.block_ids[table.num_released :][::-1])
+            for ring in table.rings:
+                self.pool.release(ring[::-1])

@@ -31,6 +31,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 
 import kvtransfer
+from engine.kv_groups import BlockTables
 from engine.request import Request
 from kvtransfer import HeadMap, KVChunk, KVLayout
 
@@ -55,13 +56,13 @@ class KVConnector:
         """Whatever the connector keeps for the request is dropped (it ended, or its caller gave up)."""
         return None
 
-    def save_kv(self, runner, request: Request, block_ids: Sequence[int]) -> None:
+    def save_kv(self, runner, request: Request, block_ids: BlockTables) -> None:
         return None
 
-    def send_kv(self, runner, request: Request, block_ids: Sequence[int]) -> None:
+    def send_kv(self, runner, request: Request, block_ids: BlockTables) -> None:
         return None
 
-    def load_kv(self, runner, block_ids: Sequence[int], chunk: KVChunk) -> None:
+    def load_kv(self, runner, block_ids: BlockTables, chunk: KVChunk) -> None:
         raise NotImplementedError(f"{type(self).__name__} receives no KV")
 
 
@@ -106,16 +107,18 @@ class PrefillConnector(KVConnector):
     def request_finished(self, request: Request) -> bool:
         return request.request_id in self._outgoing
 
-    def save_kv(self, runner, request: Request, block_ids: Sequence[int]) -> None:
+    def save_kv(self, runner, request: Request, block_ids: BlockTables) -> None:
         out = self._outgoing.get(request.request_id)
         if out is not None:
             self._send(runner, request, block_ids, out, request.num_computed, last=False)
 
-    def send_kv(self, runner, request: Request, block_ids: Sequence[int]) -> None:
+    def send_kv(self, runner, request: Request, block_ids: BlockTables) -> None:
         out = self._outgoing.pop(request.request_id)
         self._send(runner, request, block_ids, out, len(request.prompt_ids), last=True)
 
-    def _send(self, runner, request: Request, block_ids, out: _Outgoing, computed: int, last: bool) -> None:
+    def _send(
+        self, runner, request: Request, block_ids: BlockTables, out: _Outgoing, computed: int, last: bool
+    ) -> None:
         bs = self.layout.block_size
         num_tokens = len(request.prompt_ids) - out.first_block * bs
         if not out.plan:
@@ -128,7 +131,7 @@ class PrefillConnector(KVConnector):
         if ready:
             chunks = runner.gather_kv(
                 self.layout,
-                list(block_ids[out.first_block :]),
+                block_ids[out.first_block :],
                 num_tokens,
                 max_frame_bytes=out.max_frame_bytes,
                 head_map=out.head_map,
@@ -174,7 +177,7 @@ class DecodeConnector(KVConnector):
         if on_ready is not None:
             on_ready(num_external_tokens)
 
-    def load_kv(self, runner, block_ids: Sequence[int], chunk: KVChunk) -> None:
+    def load_kv(self, runner, block_ids: BlockTables, chunk: KVChunk) -> None:
         """Writes one verified chunk (in this engine's layout: on its mesh, or a host array) into a
         request's blocks."""
         runner.insert_kv(chunk, block_ids)

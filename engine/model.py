@@ -18,16 +18,19 @@ import numpy as np
 from engine import mla, moe
 from engine.attention import kv_written_first, ragged_paged_attention, soft_cap, token_sequences
 from engine.config import ModelConfig
+from engine.kv_groups import KVGroups
 from engine.layers import ACTIVATION_FNS, apply_rope, rms_norm, rope_inverse_frequencies
 from engine.lora import apply as lora_ops
 from engine.lora.slots import LoraWeights
 from engine.weights import Weights
 
 
-def _per_layer(cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
-    """Scanned with the layers: each one's sliding window (0: full) and row of rope frequencies."""
+def _per_layer(cfg: ModelConfig, groups: KVGroups) -> tuple[jax.Array, ...]:
+    """Scanned with the layers: each one's cache row, block table (its group's), sliding window (0: full)
+    and row of rope frequencies."""
     windows = np.asarray([cfg.window(i) for i in range(cfg.num_layers)], np.int32)
-    return jnp.asarray(windows), jnp.asarray((windows > 0).astype(np.int32))
+    rows, tables = (jnp.asarray(np.asarray(a, np.int32)) for a in (groups.layer_row, groups.layer_group))
+    return rows, tables, jnp.asarray(windows), jnp.asarray((windows > 0).astype(np.int32))
 
 
 def _pair(lo: LoraWeights | None, name: str) -> tuple:
@@ -38,11 +41,11 @@ def _pair(lo: LoraWeights | None, name: str) -> tuple:
 def forward_step(
     weights: Weights,
     lora: LoraWeights | None,  # resident adapters (None: LoRA off, nothing added)
-    cache: jax.Array,  # [num_layers, num_blocks, block_size, 2 * kv_heads, head_dim]
+    cache: jax.Array,  # [rows, num_blocks, block_size, 2 * kv_heads, head_dim] (engine.kv_groups)
     tokens: jax.Array,  # [T] int32: every sequence's new tokens back to back, then padding
     cu_q_lens: jax.Array,  # [S + 1] where each sequence's tokens start; the last: tokens in use
     kv_lens: jax.Array,  # [S] context of each sequence once its new tokens are in (0: padding)
-    block_tables: jax.Array,  # [S, P] blocks of each sequence (P: a multiple of KV_TILE_BLOCKS)
+    block_tables: jax.Array,  # [groups, S, P] blocks of each sequence (P: a multiple of KV_TILE_BLOCKS)
     lora_slots: jax.Array,  # [S] adapter slot of each sequence, -1: the base model
     *,
     cfg: ModelConfig,
@@ -64,18 +67,20 @@ def forward_step(
 
     act_fn = ACTIVATION_FNS[cfg.hidden_act]
     windowed = bool(cfg.layer_windows)  # else no window is even traced: full attention everywhere
-    column = jnp.minimum(positions // block_size, block_tables.shape[1] - 1)
-    write_blocks = jnp.where(valid, block_tables[seq, column], num_blocks)  # padding: out of range, dropped
+    groups = KVGroups.of(cfg)
+    column = jnp.minimum(positions // block_size, block_tables.shape[2] - 1)
+    # [groups, T] each token's block in each group's table; padding: out of range, dropped
+    write_blocks = jnp.where(valid, block_tables[:, seq, column], num_blocks)
     first = kv_written_first()  # the kernel reads the new K/V from the cache: write them layer by layer
 
-    def write(cache, layers, new_kv):  # new_kv [(layers,) T, slots, dims] at the tokens' positions
-        return cache.at[layers, write_blocks, positions % block_size].set(
+    def write(cache, rows, tables, new_kv):  # new_kv [(layers,) T, slots, dims] at the tokens' positions
+        return cache.at[rows, write_blocks[tables], positions % block_size].set(
             new_kv.astype(cache.dtype), mode="drop"
         )
 
     def layer(carry, lw):
         x, cache_now = carry if first else (carry, cache)
-        w, lo, index, window, rope_row = lw
+        w, lo, row, table, window, rope_row = lw
 
         def plus_lora(y, delta, *args):  # y + delta(*args); skipped at run time when no token has an adapter
             if lo is None:
@@ -101,15 +106,15 @@ def forward_step(
             )
             new_kv = jnp.stack([k, v], axis=2).reshape(t, 2 * kv_heads, head_dim)  # K, V interleaved
         if first:
-            cache_now = write(cache_now, index, new_kv)
+            cache_now = write(cache_now, row, table, new_kv)
         attn = ragged_paged_attention(
             q,
             k,
             v,
             cache_now,
-            index,
+            row,
             kv_lens,
-            block_tables,
+            block_tables[table],
             cu_q_lens,
             sm_scale=cfg.attention_scale,
             sliding_window=window if windowed else None,
@@ -133,7 +138,7 @@ def forward_step(
         x = x + (out if w.post_mlp_norm is None else rms_norm(out, w.post_mlp_norm, cfg.rms_norm_eps))
         return ((x, cache_now), None) if first else (x, new_kv)
 
-    indices = (jnp.arange(cfg.num_layers), *_per_layer(cfg))
+    indices = _per_layer(cfg, groups)
     new_kv = []
     for (start, end), segment in zip(cfg.layer_segments(), weights.layers, strict=True):  # one run: LoRA ok
         carry, kv = jax.lax.scan(
@@ -142,7 +147,13 @@ def forward_step(
         x, cache = carry if first else (carry, cache)
         new_kv.append(kv)
     if not first:  # every layer's new K/V in one scatter
-        cache = write(cache, slice(None), jnp.concatenate(new_kv) if len(new_kv) > 1 else new_kv[0])
+        new_kv = jnp.concatenate(new_kv) if len(new_kv) > 1 else new_kv[0]
+        if groups.is_identity:  # layer l in row l, one table
+            cache = write(cache, slice(None), 0, new_kv)
+        else:
+            cache = write(
+                cache, indices[0][:, None], indices[1], new_kv
+            )  # rows [layers, 1], blocks [layers, T]
     last = x[jnp.maximum(cu_q_lens[1:] - 1, 0)]  # [S, hidden]
     last = rms_norm(last, weights.final_norm, cfg.rms_norm_eps)
     if weights.lm_head is None:

@@ -31,6 +31,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from engine.kv_groups import BlockTables
 from engine.sampler import SamplingBatch
 from kvtransfer import HeadMap, KVChunk
 from kvtransfer.plan import FramePlan
@@ -79,12 +80,12 @@ def sample_batch(op: DeviceOp) -> SamplingBatch:
     return SamplingBatch(**{f.name: op.arrays.get(f.name) for f in dataclasses.fields(SamplingBatch)})
 
 
-def gather_op(block_ids, num_tokens: int, max_frame_bytes: int, head_map, frames) -> DeviceOp:
-    """The arguments of kvtransfer.gather_request (frames given) -> a `gather_kv` operation."""
+def gather_op(tables: BlockTables, num_tokens: int, max_frame_bytes: int, head_map, frames) -> DeviceOp:
+    """The arguments of ModelRunner.gather_kv -> a `gather_kv` operation."""
     return DeviceOp(
         "gather_kv",
         args={
-            "block_ids": [int(b) for b in block_ids],
+            "block_ids": tables.to_lists(),
             "num_tokens": int(num_tokens),
             "max_frame_bytes": int(max_frame_bytes),
             "head_map": None if head_map is None else dataclasses.asdict(head_map),
@@ -104,11 +105,12 @@ def gather_kwargs(op: DeviceOp) -> dict[str, Any]:
             tuple(h["dst_token_shape"]),
         )
     args["frames"] = [FramePlan(**f) for f in args["frames"]]
+    args["block_ids"] = BlockTables.from_lists(args["block_ids"])
     return args
 
 
-def insert_op(chunk: KVChunk, block_ids) -> DeviceOp:
-    """A host KVChunk and its request's block ids -> an `insert_kv` operation."""
+def insert_op(chunk: KVChunk, tables: BlockTables) -> DeviceOp:
+    """A host KVChunk and its request's block tables -> an `insert_kv` operation."""
     return DeviceOp(
         "insert_kv",
         {"data": chunk.data},
@@ -116,15 +118,16 @@ def insert_op(chunk: KVChunk, block_ids) -> DeviceOp:
             "layer_start": chunk.layer_start,
             "token_start": chunk.token_start,
             "num_tokens": chunk.num_tokens,
-            "block_ids": [int(b) for b in block_ids],
+            "block_ids": tables.to_lists(),
         },
     )
 
 
-def insert_args(op: DeviceOp) -> tuple[KVChunk, list[int]]:
-    """-> (KVChunk with a host array, block ids)."""
+def insert_args(op: DeviceOp) -> tuple[KVChunk, BlockTables]:
+    """-> (KVChunk with a host array, block tables)."""
     a = op.args
-    return KVChunk(a["layer_start"], a["token_start"], a["num_tokens"], op.arrays["data"]), a["block_ids"]
+    chunk = KVChunk(a["layer_start"], a["token_start"], a["num_tokens"], op.arrays["data"])
+    return chunk, BlockTables.from_lists(a["block_ids"])
 
 
 class Follower:

@@ -21,6 +21,7 @@ from engine import kv_cache, multihost
 from engine.attention import KV_TILE_BLOCKS
 from engine.config import EngineConfig, ModelConfig, bucket_for
 from engine.kv_cache import allocate_cache
+from engine.kv_groups import BlockTables, KVGroups
 from engine.lora import LoraSlots, LoraWeights
 from engine.model import forward_step
 from engine.multihost import DeviceOp, Publish
@@ -65,6 +66,7 @@ class ModelRunner:
         self.mesh = mesh
         self.lora = lora  # resident adapters; None: LoRA off (max_loras == 0)
         self.cache = allocate_cache(model, config, mesh)
+        self.groups = KVGroups.of(model)
         self._step = functools.partial(_jitted_step, cfg=model)
         self._replicated = jax.jit(lambda x: x, out_shardings=named(mesh))
         # The leader of a multi-process engine hands each device operation here before running it
@@ -98,7 +100,7 @@ class ModelRunner:
         tokens = np.zeros(t, np.int32)
         cu_q_lens = np.full(s + 1, num_tokens, np.int32)
         kv_lens = np.zeros(s, np.int32)
-        block_tables = np.zeros((s, self.block_table_width), np.int32)
+        block_tables = np.zeros((self.groups.num_groups, s, self.block_table_width), np.int32)
         lora_slots = np.full(s, -1, np.int32)
         start = 0
         for i, row in enumerate(rows):
@@ -107,7 +109,8 @@ class ModelRunner:
             cu_q_lens[i] = start
             kv_lens[i] = row.num_past + n
             num_blocks = -(-kv_lens[i] // c.block_size)
-            block_tables[i, :num_blocks] = row.block_ids[:num_blocks]
+            for g, table in enumerate(row.block_tables.groups):
+                block_tables[g, i, :num_blocks] = table[:num_blocks]
             lora_slots[i] = row.lora_slot
             start += n
         return self.run_step(tokens, cu_q_lens, kv_lens, block_tables, lora_slots)
@@ -164,43 +167,75 @@ class ModelRunner:
     def gather_kv(
         self,
         layout: KVLayout,
-        block_ids: Sequence[int],
+        block_ids: BlockTables | Sequence[int],
         num_tokens: int,
         *,
         max_frame_bytes: int,
         head_map: HeadMap | None,
         frames: Sequence[FramePlan],
     ) -> list[KVChunk]:
-        """kvtransfer.gather_request of these frames from the cache; in a multi-process job the chunks are
-        replicated on every process (an all-gather over the hosts), so the leader reads them locally."""
+        """kvtransfer's chunks of these frames of a request's blocks (engine.kv_groups: each layer read from
+        its group's table and its row); in a multi-process job the chunks are replicated on every process
+        (an all-gather over the hosts), so the leader reads them locally."""
+        tables = BlockTables.of(block_ids)
         if self.publish is not None:
-            self.publish(multihost.gather_op(block_ids, num_tokens, max_frame_bytes, head_map, frames))
-        chunks = kvtransfer.gather_request(
-            self.cache,
-            layout,
-            block_ids,
-            num_tokens,
-            max_frame_bytes=max_frame_bytes,
-            head_map=head_map,
-            frames=frames,
-        )
+            self.publish(multihost.gather_op(tables, num_tokens, max_frame_bytes, head_map, frames))
+        if self.groups.is_identity:
+            chunks = kvtransfer.gather_request(
+                self.cache,
+                layout,
+                tables.groups[0],
+                num_tokens,
+                max_frame_bytes=max_frame_bytes,
+                head_map=head_map,
+                frames=frames,
+            )
+        else:
+            chunks = [self._gather_frame(tables, p, head_map) for p in frames]
         if multihost.is_multi_process():
             chunks = [dataclasses.replace(c, data=self._replicated(c.data)) for c in chunks]
             jax.block_until_ready([c.data for c in chunks])  # no collective may overlap the next step's
         return chunks
 
-    def insert_kv(self, chunk: KVChunk, block_ids: Sequence[int]) -> None:
+    def _gather_frame(self, tables: BlockTables, p: FramePlan, head_map: HeadMap | None) -> KVChunk:
+        """One frame of a hybrid model's cache: its layers' runs of rows, each with its group's blocks."""
+        ids = tables[p.block_start : p.block_start + p.num_blocks]
+        parts = [
+            kvtransfer.gather(
+                self.cache,
+                ids.groups[group],
+                p.num_tokens,
+                layer_start=row,
+                num_layers=count,
+                token_start=p.token_start,
+                head_map=head_map,
+                bucket=p.bucket,
+            ).data
+            for group, row, count in self.groups.pieces(p.layer_start, p.num_layers)
+        ]
+        data = parts[0] if len(parts) == 1 else jax.numpy.concatenate(parts)
+        return KVChunk(p.layer_start, p.token_start, p.num_tokens, data)
+
+    def insert_kv(self, chunk: KVChunk, block_ids: BlockTables | Sequence[int]) -> None:
         """Writes an arriving chunk (heads in this cache's layout; on the mesh already, or a host array put
-        on it here) into a request's blocks. A multi-process engine takes host arrays only (every process
-        puts its own shards)."""
+        on it here) into a request's blocks (each layer into its group's table and its row). A
+        multi-process engine takes host arrays only (every process puts its own shards)."""
+        tables = BlockTables.of(block_ids)
         if isinstance(chunk.data, np.ndarray):
             if self.publish is not None:
-                self.publish(multihost.insert_op(chunk, block_ids))
+                self.publish(multihost.insert_op(chunk, tables))
             data = jax.device_put(chunk.data, kv_cache.chunk_sharding(self.mesh, self.model))
             chunk = dataclasses.replace(chunk, data=data)
         elif self.publish is not None:
             raise ValueError("a multi-process engine inserts host chunks only")
-        self.cache = kvtransfer.insert(self.cache, chunk, block_ids)
+        if self.groups.is_identity:
+            self.cache = kvtransfer.insert(self.cache, chunk, tables.groups[0])
+            return
+        done = 0
+        for group, row, count in self.groups.pieces(chunk.layer_start, chunk.num_layers):
+            piece = dataclasses.replace(chunk, layer_start=row, data=chunk.data[done : done + count])
+            self.cache = kvtransfer.insert(self.cache, piece, tables.groups[group])
+            done += count
 
     # ---- compilation ----------------------------------------------------------------------------------
     def warmup(self, progress: bool = True) -> int:
@@ -238,7 +273,7 @@ class ModelRunner:
             zeros(num_tokens, np.int32),
             zeros(num_seqs + 1, np.int32),
             zeros(num_seqs, np.int32),
-            zeros((num_seqs, self.block_table_width), np.int32),
+            zeros((self.groups.num_groups, num_seqs, self.block_table_width), np.int32),
             np.full(num_seqs, -1, np.int32),
             cfg=self.model,
         ).compile()

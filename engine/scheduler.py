@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from engine.config import EngineConfig
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_connector import KVConnector
+from engine.kv_groups import BlockTables
 from engine.request import FinishReason, Request, Status, TokenLogprobs
 
 if TYPE_CHECKING:
@@ -42,11 +43,11 @@ TokenSink = Callable[[Request, int, "TokenLogprobs | None"], "RequestOutput"]
 
 @dataclasses.dataclass
 class Row:
-    """One row of a step: `tokens` fed at positions num_past.., attending to `block_ids`."""
+    """One row of a step: `tokens` fed at positions num_past.., attending to its `block_tables`."""
 
     tokens: list[int]
     num_past: int
-    block_ids: list[int]
+    block_tables: BlockTables
     lora_slot: int = -1  # adapter slot (engine.lora.LoraSlots); -1: the base model
     request_id: str = ""
     samples: bool = False  # the row ends the request's uncomputed tokens: its last logits give the next
@@ -65,15 +66,19 @@ class Scheduler:
         connector: KVConnector | None = None,
         windowed_transfers: bool = False,
         release_window: int = 0,
+        ring_blocks: Sequence[int] = (),
     ):
         """`windowed_transfers`: the model has sliding-window layers, so KV received by transfer fills
         those layers' blocks only within the window (and those blocks never enter the prefix cache).
         `release_window`: every layer attends within this many tokens (0: some layer to all), so a request's
-        blocks wholly before its last `release_window` tokens are given back as it advances."""
+        blocks wholly before its last `release_window` tokens are given back as it advances.
+        `ring_blocks`: a hybrid model's rings (engine.kv_groups.KVGroups.ring_blocks)."""
         self.config = config
         self.windowed_transfers = windowed_transfers
         self.release_window = release_window
-        self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(
+            config.num_blocks, config.block_size, config.enable_prefix_caching, ring_blocks
+        )
         self.lora = lora
         self.connector = connector or KVConnector()
         self.requests: dict[str, Request] = {}  # every request not yet FINISHED
@@ -96,6 +101,9 @@ class Scheduler:
 
     def block_ids(self, request_id: str) -> list[int]:
         return self.kv.block_ids(request_id)
+
+    def block_tables(self, request_id: str) -> BlockTables:
+        return self.kv.block_tables(request_id)
 
     # ---- requests in and out --------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -244,7 +252,7 @@ class Scheduler:
         return Row(
             request.all_ids[start : start + length],
             start,
-            self.kv.block_ids(request.request_id),
+            self.kv.block_tables(request.request_id),
             request.lora_slot,
             request.request_id,
             samples=start + length == request.num_tokens,
@@ -254,7 +262,7 @@ class Scheduler:
         return Row(
             [request.output_ids[-1]],
             request.num_computed,
-            self.kv.block_ids(request.request_id),
+            self.kv.block_tables(request.request_id),
             request.lora_slot,
             request.request_id,
             samples=True,

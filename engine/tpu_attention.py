@@ -3,8 +3,9 @@
 `jax.experimental.pallas.ops.tpu.ragged_paged_attention` takes pdserve's cache layout as it is (pages
 [pages, page_size, 2 * kv_heads, head_dim], K of head h at 2h, V at 2h + 1), mixed decode and prefill
 rows, a sliding window and a soft cap. What this adapter maps:
-  * the stacked cache [layers, blocks, ...] becomes one page array (a merge of the leading axes, no copy)
-    and layer `layer`'s pages are its block ids plus layer * blocks;
+  * the stacked cache [rows, blocks, ...] (a row per layer, or per layer of a group: engine.kv_groups)
+    becomes one page array (a merge of the leading axes, no copy), and a layer's pages are its block ids
+    plus its row * blocks;
   * queries [T, kv_heads, group, d] become [T, heads, d] (query head i reads KV head i // group, the
     kernel's order too); `sm_scale` defaults to head_dim ** -0.5 as pdserve's reference does (the
     kernel's own default is 1);
@@ -17,10 +18,10 @@ The kernel reads the step's new K/V from the cache (`reads_new_kv_from_cache`): 
 layer by layer first (engine.model). MLA's latent cache is not the kernel's layout: those layers keep
 the reference.
 
-Checked here without a TPU: the mapping, against jax's reference of the kernel
-(`ref_ragged_paged_attention`, eager) in tests/engine/test_tpu_attention.py. Not checked: the Pallas
-kernel itself. In jax 0.10.2 neither interpreter runs it on CPU (TPU interpret mode: a memory-ref reshape
-at kernel.py:616 has no indices; the HLO interpreter: its scalar-prefetch arguments have no shape).
+Checked without a TPU (tests/engine/test_tpu_attention.py): the mapping, against jax's reference of the
+kernel (`ref_ragged_paged_attention`), and the Pallas kernel itself in TPU interpret mode on CPU (with two
+fixes to jax 0.10.2's interpreter, tests/tpu_interpret.py). Models the kernel cannot serve
+(`kernel_unsupported`) keep the reference on TPUs too.
 """
 
 from __future__ import annotations
@@ -36,6 +37,26 @@ from jax.sharding import PartitionSpec as P
 from engine.attention import AttentionFn, ragged_paged_attention_reference
 from engine.config import ModelConfig
 from engine.sharding import MODEL_AXIS
+
+
+def kernel_unsupported(cfg: ModelConfig, tp: int, dtype: str) -> str | None:
+    """Why jax's kernel cannot attend for this model on a mesh of TP `tp` (None: it can). Its rules, as
+    found running it in TPU interpret mode (tests/engine/test_tpu_attention.py): head_dim a multiple of 128
+    (the lanes; it asserts otherwise, e.g. SmolLM2's 64), and each chip's K and V heads tiled whole
+    (its own check, for the dtype's packing). MLA's latent cache is not its layout."""
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention.kernel import get_min_heads_per_blk
+
+    if cfg.is_mla:
+        return "MLA's latent cache is not the kernel's layout"
+    if cfg.head_dim % 128:
+        return f"head_dim {cfg.head_dim} is not a multiple of 128"
+    kv_heads = cfg.padded_num_kv_heads(tp) // tp
+    group = cfg.num_heads // cfg.num_kv_heads
+    try:
+        get_min_heads_per_blk(kv_heads * group, 2 * kv_heads, dtype, dtype)
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 def _pallas_kernel() -> Callable:
@@ -63,8 +84,8 @@ def kernel_attention(
             return ragged_paged_attention_reference(*args, sm_scale=sm_scale, latent=True)
         q, _, _, cache, layer, kv_lens, block_tables, cu_q_lens = args
         t, kv_heads, group, d = q.shape
-        num_layers, num_blocks = cache.shape[:2]
-        pages = cache.reshape(num_layers * num_blocks, *cache.shape[2:])
+        rows, num_blocks = cache.shape[:2]  # a row per layer (hybrid models: per layer of a group)
+        pages = cache.reshape(rows * num_blocks, *cache.shape[2:])
         page_indices = block_tables + layer * num_blocks
         num_seqs = jnp.count_nonzero(kv_lens).astype(jnp.int32).reshape(1)
         call = functools.partial(

@@ -7,8 +7,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from engine.block_pool import BlockPool, OutOfBlocksError, blocks_for_tokens
+from engine.config import ModelConfig
 from engine.kv_cache_manager import KVCacheManager, hash_block, hash_blocks
 from engine.kv_events import AllBlocksCleared, BlockRemoved
+from engine.kv_groups import KVGroups
 
 pytestmark = pytest.mark.fast
 
@@ -109,6 +111,45 @@ def test_a_duplicate_block_stays_private_and_caching_can_be_off():
     off.cache_blocks("a", [1, 2, 3, 4], 4)
     off.free("a")
     assert off.lookup([1, 2, 3, 4, 5]) == [] and off.pool.num_free == 8
+
+
+def test_sliding_groups_hold_a_ring_of_blocks_however_long_the_request_grows():
+    """A hybrid model's rings (engine.kv_groups): the full group's table grows with the request, each
+    sliding group's holds at most its ring, repeated over the logical blocks; nothing is cached."""
+    sizes = dict(vocab_size=8, hidden_size=8, intermediate_size=4, num_heads=2, num_kv_heads=1, head_dim=2)
+    model = ModelConfig(
+        "gemma3",
+        **sizes,
+        num_layers=3,
+        rope_theta=1e4,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        layer_windows=(24, 0, 24),
+    )
+    groups = KVGroups.of(model)
+    assert (groups.num_rows, groups.windows, groups.layer_group, groups.layer_row) == (
+        1,
+        (0, 24, 24),
+        (1, 0, 2),
+        (0,) * 3,
+    )
+    rings = groups.ring_blocks(block_size=4, max_chunk_tokens=8)  # 23 + 8 tokens -> 8 blocks, + 1
+    assert rings == (0, 9, 9)
+    kv = KVCacheManager(64, 4, ring_blocks=rings)
+    assert not kv.enable_caching and kv.lookup(list(range(20))) == []
+    assert kv.allocate("a", 6, token_ids=list(range(6)))
+    assert kv.pool.num_used == 2 + 2 * 2  # rings grow with the request up to their size
+    assert not kv.can_allocate("a", 4 * 50) and kv.can_allocate("a", 4 * 40)  # 40 + 2 x 9 of 64
+    assert kv.allocate("a", 4 * 40)
+    tables = kv.block_tables("a")
+    assert len(tables) == 40 and kv.pool.num_used == 40 + 2 * 9
+    full, ring_1, ring_2 = tables.groups
+    assert ring_1[:9] == ring_1[9:18] and ring_1[27:36] == ring_1[:9] and len(set(ring_1)) == 9
+    assert not set(full) & set(ring_1) and not set(ring_1) & set(ring_2)
+    assert tables[30:].groups[1] == ring_1[30:]  # slicing: every group alike
+    kv.free("a")
+    assert kv.pool.num_free == 64
 
 
 class CacheMachine(RuleBasedStateMachine):

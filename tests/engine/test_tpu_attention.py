@@ -22,27 +22,25 @@ def _padded(reference, q, *args, **kwargs):
     return np.pad(out, ((0, q.shape[0] - out.shape[0]), (0, 0), (0, 0)))
 
 
-@pytest.mark.fast
-@pytest.mark.parametrize("window, cap", [(None, None), (20, 4.0)])
-def test_the_adapter_calls_the_kernel_as_the_reference_attends(window, cap):
-    """jax's ref_ragged_paged_attention (eager, the kernel's arguments) through the adapter equals pdserve's
-    reference on a cache that holds the new K/V too: a decode over a past, a chunk after a past, a fresh
-    prompt, then padding rows; layer 1 of the stacked cache; GQA; a window and a soft cap."""
-    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ref_ragged_paged_attention
-
+def _case(head_dim: int, dtype, padded_head: bool = False):
+    """A decode over a past, a chunk after a past, a fresh prompt, then padding rows, in layer 1 of a stacked
+    cache that already holds the new K/V (where the model writes them before the kernel reads); GQA. With
+    `padded_head`, KV head 1 is TP padding: zeros in the cache and in its queries."""
     rng = np.random.default_rng(0)
     seqs = [(37, 1), (20, 45), (0, 9)]  # (past, new tokens)
     t, slots = 64, 5
-    cache = rng.standard_normal((LAYERS, BLOCKS, BS, 2 * KVH, D)).astype(np.float32)
+    cache = rng.standard_normal((LAYERS, BLOCKS, BS, 2 * KVH, head_dim)).astype(np.float32)
     tables = np.zeros((slots, WIDTH), np.int32)
     blocks = iter(rng.permutation(BLOCKS))
-    q = rng.standard_normal((t, KVH, G, D)).astype(np.float32)
-    k_new, v_new = (rng.standard_normal((t, KVH, D)).astype(np.float32) for _ in range(2))
+    q = rng.standard_normal((t, KVH, G, head_dim)).astype(np.float32)
+    k_new, v_new = (rng.standard_normal((t, KVH, head_dim)).astype(np.float32) for _ in range(2))
+    if padded_head:
+        q[:, 1], k_new[:, 1], v_new[:, 1], cache[..., 2:4, :] = 0, 0, 0, 0
     start = 0
     for i, (past, n) in enumerate(seqs):
         ids = [int(next(blocks)) for _ in range(-(-(past + n) // BS))]
         tables[i, : len(ids)] = ids
-        for j in range(n):  # the new tokens' K/V where the model writes them before the kernel reads
+        for j in range(n):
             pos = past + j
             cache[1, ids[pos // BS], pos % BS, 0::2] = k_new[start + j]
             cache[1, ids[pos // BS], pos % BS, 1::2] = v_new[start + j]
@@ -50,14 +48,64 @@ def test_the_adapter_calls_the_kernel_as_the_reference_attends(window, cap):
     q_lens = [n for _, n in seqs] + [0] * (slots - len(seqs))
     cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     kv_lens = np.asarray([p + n for p, n in seqs] + [0] * (slots - len(seqs)), np.int32)
-    args = (q, k_new, v_new, cache, 1, kv_lens, tables, cu)
-    kwargs = dict(sm_scale=0.3, sliding_window=window, soft_cap=cap)
+    cast = [a.astype(dtype) for a in (q, k_new, v_new, cache)]
+    return (*cast, 1, kv_lens, tables, cu), start
+
+
+def _compare(kernel, head_dim, dtype, window, cap, atol, padded_head=False, **adapter):
+    """The adapter over `kernel` against pdserve's reference on one _case."""
+    args, num_real = _case(head_dim, dtype, padded_head)
+    kwargs = dict(sm_scale=head_dim**-0.5, sliding_window=window, soft_cap=cap)
     cfg = SimpleNamespace(layer_windows=(window, window) if window else ())
-    got = kernel_attention(cfg, kernel=functools.partial(_padded, ref_ragged_paged_attention))(
-        *args, **kwargs
-    )
+    got = kernel_attention(cfg, kernel=kernel, **adapter)(*args, **kwargs)
     expected = jax.jit(functools.partial(ragged_paged_attention_reference, **kwargs))(*args)
-    np.testing.assert_allclose(np.asarray(got)[:start], np.asarray(expected)[:start], atol=2e-5)
+    got, expected = (np.asarray(x, np.float32)[:num_real] for x in (got, expected))
+    np.testing.assert_allclose(got, expected, atol=atol)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("window, cap", [(None, None), (20, 4.0)])
+def test_the_adapter_calls_the_kernel_as_the_reference_attends(window, cap):
+    """jax's ref_ragged_paged_attention (eager, the kernel's arguments) through the adapter equals pdserve's
+    reference: the pages of layer 1 of the stacked cache, queries of several sequences and partial
+    blocks, GQA, a window and a soft cap."""
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ref_ragged_paged_attention
+
+    _compare(functools.partial(_padded, ref_ragged_paged_attention), 32, np.float32, window, cap, atol=2e-5)
+
+
+@pytest.fixture
+def tpu_interpreter():
+    """jax's TPU interpret mode, with the two fixes it needs in jax 0.10.2 (tests/tpu_interpret.py)."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    from tests import tpu_interpret
+
+    undo = tpu_interpret.patch()
+    jax.clear_caches()
+    try:
+        with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):
+            yield
+    finally:
+        pltpu.reset_tpu_interpret_mode_state()
+        undo()
+        jax.clear_caches()
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize(
+    "dtype, window, cap, atol", [(np.float32, None, None, 1e-5), ("bfloat16", 20, 4.0, 0.04)]
+)
+def test_the_pallas_kernel_interpreted_on_cpu_attends_as_the_reference(
+    tpu_interpreter, dtype, window, cap, atol
+):
+    """jax's Pallas kernel itself (TPU interpret mode) through the adapter, on the shapes it tiles: head_dim
+    128, one real and one padded KV head, three sequences with partial blocks, then padding rows; float32,
+    and bfloat16 with a window and a soft cap (bfloat16 rounding of the kernel's output)."""
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
+
+    blocks = dict(num_kv_pages_per_block=2, num_queries_per_block=16)
+    _compare(ragged_paged_attention, 128, dtype, window, cap, atol, padded_head=True, block_sizes=blocks)
 
 
 @pytest.mark.model
@@ -86,3 +134,29 @@ def test_a_kernel_reading_the_new_kv_from_the_cache_gets_them_written_layer_by_l
         assert [c.token_ids for c in engine.generate(prompts, greedy)] == expected
     finally:
         set_attention_impl(None)
+
+
+@pytest.mark.fast
+def test_models_the_kernel_cannot_tile_keep_the_reference():
+    """The engine asks `kernel_unsupported` before installing the kernel on a TPU."""
+    from engine.config import ModelConfig
+    from engine.tpu_attention import kernel_unsupported
+
+    def model(head_dim, kv_heads, **extra):
+        sizes = dict(vocab_size=8, hidden_size=8, intermediate_size=4, num_layers=1, rope_theta=1e4)
+        return ModelConfig(
+            "llama",
+            **sizes,
+            num_heads=4 * kv_heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=1e-6,
+            max_position_embeddings=64,
+            tie_word_embeddings=True,
+            **extra,
+        )
+
+    assert kernel_unsupported(model(128, 2), 1, "bfloat16") is None
+    assert kernel_unsupported(model(128, 3), 2, "bfloat16") is None  # padded to 4: 2 a chip
+    assert "multiple of 128" in kernel_unsupported(model(64, 3), 1, "bfloat16")  # SmolLM2
+    assert "tiled" in kernel_unsupported(model(128, 3), 1, "bfloat16")  # 6 K and V heads in 3 words
