@@ -63,3 +63,5 @@ def test_family_matches_transformers(family, tmp_path, loaded_model):
         assert [t for t, _ in top] == list(np.argsort(-logprobs)[:TOP])
         assert max(abs(lp - logprobs[t]) for t, lp in top) <= 1e-3
     assert engine.scheduler.release_window == (24 if family == "mistral" else 0)
+    if family == "gemma3":  # sliding layers [S, F, S]: two rings of 7 blocks (23 + 64 tokens), reused
+        assert engine.scheduler.kv.ring_blocks == (7, 7) and max(PROMPT_LENGTHS) + 32 > 7 * 16
