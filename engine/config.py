@@ -31,7 +31,6 @@ _HF_ARCHITECTURES = {
     "MixtralForCausalLM": "mixtral",
     "DeepseekV2ForCausalLM": "deepseek_v2",
 }
-GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")  # the rest load from safetensors folders
 _MODEL_TYPES = {"gemma3_text": "gemma3"}  # config.json model_type -> architecture, where they differ
 # config.json activation names -> the gated MLP's activation (engine.model)
 _HF_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
@@ -40,7 +39,7 @@ _QK_NORM = ("qwen3", "gemma3", "qwen3_moe")  # RMSNorm of each query and key hea
 GEMMA = ("gemma2", "gemma3")  # scaled embeddings, GeGLU, norms around attention and MLP, norm weights 1 + w
 _MOE = ("qwen3_moe", "mixtral")  # every layer's MLP is a mixture of experts
 # config.json's default layer pattern where it has no `layer_types`: every n-th layer is a full one
-_GEMMA_FULL_EVERY = {"gemma2": 2, "gemma3": 6}
+GEMMA_FULL_EVERY = {"gemma2": 2, "gemma3": 6}
 
 
 class UnsupportedModelError(ValueError):
@@ -172,52 +171,6 @@ class ModelConfig:
     def padded_num_heads(self, tp: int) -> int:
         """Query heads padded so that every (padded) KV head keeps a full group of query heads."""
         return self.padded_num_kv_heads(tp) * self.group_size
-
-    @classmethod
-    def from_gguf_metadata(
-        cls, meta: Mapping[str, Any], tie_word_embeddings: bool, name: str = "model"
-    ) -> ModelConfig:
-        """Builds the config from GGUF key/value metadata (`{arch}.block_count`, ...).
-
-        GGUF says nothing about tied embeddings in its metadata; the caller knows from the tensor list
-        (no `output.weight`).
-        """
-        arch = meta.get("general.architecture")
-        if arch not in GGUF_ARCHITECTURES:
-            raise UnsupportedModelError(
-                f"GGUF architecture {arch!r} is not supported (supported: {GGUF_ARCHITECTURES})"
-            )
-
-        def get(key, default=None):
-            value = meta.get(f"{arch}.{key}", default)
-            if value is None:
-                raise UnsupportedModelError(f"GGUF metadata lacks {arch}.{key}")
-            return value
-
-        hidden = int(get("embedding_length"))
-        num_heads = int(get("attention.head_count"))
-        vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens", ()))
-        scaling = None
-        if meta.get(f"{arch}.rope.scaling.type") not in (None, "none"):
-            raise UnsupportedModelError(f"rope scaling {meta.get(f'{arch}.rope.scaling.type')!r} unsupported")
-        return cls(
-            architecture=arch,
-            vocab_size=int(vocab),
-            hidden_size=hidden,
-            intermediate_size=int(get("feed_forward_length")),
-            num_layers=int(get("block_count")),
-            num_heads=num_heads,
-            num_kv_heads=int(get("attention.head_count_kv", num_heads)),
-            head_dim=int(meta.get(f"{arch}.attention.key_length") or hidden // num_heads),
-            rope_theta=float(get("rope.freq_base", 10000.0)),
-            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
-            max_position_embeddings=int(get("context_length")),
-            tie_word_embeddings=tie_word_embeddings,
-            qkv_bias=arch == "qwen2",
-            qk_norm=arch in _QK_NORM,
-            rope_llama3_scaling=scaling,
-            name=name,
-        )
 
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any] | Path, name: str = "model") -> ModelConfig:
@@ -375,8 +328,8 @@ def _layer_windows(arch: str, config: Mapping[str, Any]) -> tuple[int, ...]:
     """Per layer the sliding window (0: full attention), from `layer_types` where config.json has them."""
     n, window = config["num_hidden_layers"], config.get("sliding_window") or 0
     types = config.get("layer_types")
-    if types is None and arch in _GEMMA_FULL_EVERY:
-        every = config.get("sliding_window_pattern", _GEMMA_FULL_EVERY[arch])
+    if types is None and arch in GEMMA_FULL_EVERY:
+        every = config.get("sliding_window_pattern", GEMMA_FULL_EVERY[arch])
         types = ["full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(n)]
     elif types is None and arch in ("mistral", "mixtral") and window:
         types = ["sliding_attention"] * n

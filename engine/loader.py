@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from engine import gguf_config
 from engine.config import GEMMA, ModelConfig
 from engine.tokenizer import read_gguf_metadata
 
@@ -145,9 +146,8 @@ def load_gguf(path: str | Path, name: str | None = None) -> tuple[ModelConfig, d
     reader = gguf.GGUFReader(str(path))
     meta = read_gguf_metadata(reader)
     tensors = {t.name: t for t in reader.tensors}
-    cfg = ModelConfig.from_gguf_metadata(
-        meta, tie_word_embeddings="output.weight" not in tensors, name=name or path.stem
-    )
+    config = gguf_config.hf_config(meta, tie_word_embeddings="output.weight" not in tensors)
+    cfg = ModelConfig.from_hf_config(config, name=name or path.stem)
 
     def tensor(key: str) -> np.ndarray | None:
         t = tensors.get(key)
@@ -156,7 +156,7 @@ def load_gguf(path: str | Path, name: str | None = None) -> tuple[ModelConfig, d
         arr = gguf.quants.dequantize(t.data, t.tensor_type)
         return np.asarray(arr, dtype=np.float32).reshape(tuple(reversed([int(d) for d in t.shape])))
 
-    permute = cfg.architecture in ("llama", "mistral")
+    permute = meta["general.architecture"] in gguf_config.ROPE_PERMUTED
 
     def fetch(i: int, weight: str) -> np.ndarray | None:
         w = tensor(f"blk.{i}.{_LAYER_TENSORS[weight][0]}")

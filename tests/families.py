@@ -4,6 +4,9 @@ tests/engine/test_families.py and tests/services/test_families_disaggregated.py.
 
 from __future__ import annotations
 
+import collections
+import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -162,3 +165,87 @@ def engine_of(path: Path, tokenizer, config, devices=None):
 
     cfg, host = load_hf_folder(path)
     return LLMEngine(LoadedModel(cfg, host, tokenizer, path), config, devices)
+
+
+GGUF_ARCHITECTURES = {"gemma2": "gemma2", "gemma3": "gemma3", "qwen3_moe": "qwen3moe", "mixtral": "llama"}
+_EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
+_EXPERT_KINDS = {
+    "w1": "gate",
+    "w3": "up",
+    "w2": "down",
+    "gate_proj": "gate",
+    "up_proj": "up",
+    "down_proj": "down",
+}
+
+
+def write_gguf(family: str, folder: Path, out: Path) -> None:
+    """The family's checkpoint in `folder` as llama.cpp's converter writes it (convert_hf_to_gguf at
+    ggml-org/llama.cpp@0c1e57098): gguf's own tensor names, experts stacked [experts, out, in], Gemma's norm
+    weights as 1 + w, Mixtral's q/k rows permuted for llama.cpp's rope (its GGUF architecture is `llama`),
+    no lm_head for Gemma 2; its metadata keys. Gemma's sliding layers are named by
+    `attention.sliding_window_pattern`, which llama.cpp reads (its converter leaves the fixed pattern)."""
+    import gguf
+    from safetensors.numpy import load_file
+
+    from engine.config import ModelConfig
+
+    config = json.loads((folder / "config.json").read_text())
+    cfg = ModelConfig.from_hf_config(config)
+    arch = GGUF_ARCHITECTURES[family]
+    names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch.upper()), cfg.num_layers)
+    tensors, experts = {}, collections.defaultdict(dict)
+    for key, w in load_file(str(folder / "model.safetensors")).items():
+        expert = _EXPERT.fullmatch(key)
+        if expert:
+            experts[int(expert[1]), _EXPERT_KINDS[expert[3]]][int(expert[2])] = w
+            continue
+        if family == "gemma2" and key == "lm_head.weight":
+            continue
+        if family.startswith("gemma") and key.endswith("norm.weight"):
+            w = w + 1
+        if arch == "llama" and key.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = cfg.num_heads if "q_proj" in key else cfg.num_kv_heads
+            w = w.reshape(heads, 2, -1, w.shape[-1]).swapaxes(1, 2).reshape(w.shape)
+        name = names.get_name(key, try_suffixes=(".weight", ".bias"))
+        assert name, f"gguf has no name for {key}"
+        tensors[name] = w
+    for (layer, kind), by_expert in experts.items():
+        tensors[f"blk.{layer}.ffn_{kind}_exps.weight"] = np.stack([by_expert[e] for e in sorted(by_expert)])
+
+    writer = gguf.GGUFWriter(str(out), arch)
+    writer.add_block_count(cfg.num_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(cfg.num_heads)
+    writer.add_head_count_kv(cfg.num_kv_heads)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_vocab_size(cfg.vocab_size)
+    if family != "gemma2":  # its converter writes no rope base (llama.cpp's default: 10000)
+        writer.add_rope_freq_base(cfg.rope_theta)
+    if cfg.num_experts:
+        writer.add_expert_count(cfg.num_experts)
+        writer.add_expert_used_count(cfg.num_experts_per_tok)
+        if family == "qwen3_moe":
+            writer.add_expert_feed_forward_length(cfg.intermediate_size)
+    if family.startswith("gemma"):
+        writer.add_sliding_window(cfg.widest_window or max(cfg.layer_windows))
+        writer.add_sliding_window_pattern([bool(cfg.window(i)) for i in range(cfg.num_layers)])
+        if cfg.final_logit_softcap:
+            writer.add_final_logit_softcapping(cfg.final_logit_softcap)
+    if cfg.attn_logit_softcap:
+        writer.add_attn_logit_softcapping(cfg.attn_logit_softcap)
+    if cfg.sliding_rope_theta:
+        writer.add_rope_freq_base_swa(cfg.sliding_rope_theta)
+    if cfg.rope_linear_factor != 1.0:
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(cfg.rope_linear_factor)
+    for name, w in tensors.items():
+        writer.add_tensor(name, np.asarray(w, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

@@ -1,7 +1,7 @@
 """Model families beyond Llama against transformers, each on a tiny random-weight checkpoint that
 transformers itself writes in the test set-up (its own config class, save_pretrained) over the SmolLM2
 vocabulary: last-position log-probabilities within 1e-3 in float32, and 32 identical greedy tokens,
-batched, with chunked prefill."""
+batched, with chunked prefill. And each family's GGUF, converted as llama.cpp does, loads as its folder."""
 
 from __future__ import annotations
 
@@ -65,3 +65,33 @@ def test_family_matches_transformers(family, tmp_path, loaded_model):
     assert engine.scheduler.release_window == (24 if family == "mistral" else 0)
     if family == "gemma3":  # sliding layers [S, F, S]: two rings of 7 blocks (23 + 64 tokens), reused
         assert engine.scheduler.kv.ring_blocks == (7, 7) and max(PROMPT_LENGTHS) + 32 > 7 * 16
+
+
+# llama.cpp's fixed choices where GGUF has no key (engine/gguf_config.py), against the tiny checkpoints'
+# config.json: Gemma's attention scale is head_dim's (the checkpoints say 24), Qwen3-MoE renormalizes
+_LLAMA_CPP_CHOICES = {
+    "gemma2": dict(query_pre_attn_scalar=32),
+    "gemma3": dict(query_pre_attn_scalar=32),
+    "qwen3_moe": dict(norm_topk_prob=True),
+    "mixtral": {},
+}
+
+
+@pytest.mark.parametrize("family", list(_LLAMA_CPP_CHOICES))
+def test_gguf_of_a_family_loads_as_its_safetensors_folder(family, tmp_path):
+    """A tiny transformers checkpoint converted as llama.cpp does (tests/families.py write_gguf) loads to
+    the folder's config and weights: tensor names, stacked experts, Gemma's 1 + w norms, Mixtral's
+    permuted q/k, sliding windows and their rope bases, soft caps, linear rope scaling."""
+    from engine.loader import load_gguf, load_hf_folder
+    from tests.families import write_gguf
+
+    pytest.importorskip("transformers")
+    write_family(family, tmp_path / "hf", 256)
+    write_gguf(family, tmp_path / "hf", tmp_path / "m.gguf")
+    cfg, host = load_hf_folder(tmp_path / "hf", name="m")
+    gguf_cfg, gguf_host, _ = load_gguf(tmp_path / "m.gguf", name="m")
+    expected = dataclasses.replace(cfg, rms_norm_eps=gguf_cfg.rms_norm_eps, **_LLAMA_CPP_CHOICES[family])
+    assert gguf_cfg == expected and gguf_cfg.rms_norm_eps == pytest.approx(cfg.rms_norm_eps)
+    assert host.keys() == gguf_host.keys()
+    for key in host:
+        np.testing.assert_allclose(gguf_host[key], host[key], rtol=1e-6, atol=1e-7, err_msg=key)

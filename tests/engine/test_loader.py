@@ -206,6 +206,32 @@ def test_qwen3_gguf_and_hf_folder_load_the_same_weights(tmp_path):
         np.testing.assert_allclose(host[key], gguf_host[key], rtol=1e-6, err_msg=key)
 
 
+def test_gguf_metadata_without_a_key_takes_llama_cpps_choice():
+    """Gemma 3: every sixth layer full, sliding layers at rope base 10000, head_dim's scale except for the
+    62-layer 27B; Gemma 2: alternate layers, soft caps 50 / 30; Mixtral: `llama` with experts."""
+    from engine.gguf_config import hf_config
+
+    def meta(arch, layers, **extra):
+        sizes = dict(embedding_length=64, feed_forward_length=128, block_count=layers, context_length=512)
+        keys = {**sizes, "attention.head_count": 4, "attention.layer_norm_rms_epsilon": 1e-6, **extra}
+        return {"general.architecture": arch, f"{arch}.vocab_size": 8} | {
+            f"{arch}.{k}": v for k, v in keys.items()
+        }
+
+    gemma3 = ModelConfig.from_hf_config(
+        hf_config(meta("gemma3", 12, **{"attention.sliding_window": 512}), True)
+    )
+    assert [i for i in range(12) if not gemma3.window(i)] == [5, 11] and gemma3.sliding_rope_theta == 1e4
+    assert gemma3.attention_scale == 16**-0.5 and gemma3.final_logit_softcap is None
+    big = hf_config(meta("gemma3", 62, **{"attention.key_length": 32, "attention.sliding_window": 512}), True)
+    assert big["query_pre_attn_scalar"] == 16  # hidden / heads
+    gemma2 = ModelConfig.from_hf_config(hf_config(meta("gemma2", 4), True))
+    assert gemma2.layer_windows == (4096, 0, 4096, 0) and gemma2.sliding_rope_theta is None
+    assert (gemma2.attn_logit_softcap, gemma2.final_logit_softcap) == (50.0, 30.0)
+    moe = hf_config(meta("llama", 2, expert_count=4, expert_used_count=2), True)
+    assert moe["architectures"] == ["MixtralForCausalLM"] and moe["norm_topk_prob"]
+
+
 def test_unsupported_gguf_architecture_is_named(tmp_path):
     import gguf
 
