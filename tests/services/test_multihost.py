@@ -21,9 +21,11 @@ from tests.helpers import assert_all_free
 pytestmark = pytest.mark.daemon
 
 WORDS = ["the", "quiet", "harbor", "lantern", "glows", "over", "copper", "waves", "while", "owls"]
+WORDS += ["drift", "past", "stone", "bridges", "under", "amber", "skies"]  # 17: a salt's sequence is its own
 
 
 def long_prompt(n_words: int, salt: int) -> str:
+    """Salts below len(WORDS) give prompts that differ from their first word: no two share a block."""
     return " ".join(WORDS[(i * 7 + salt) % len(WORDS)] for i in range(n_words))
 
 
@@ -31,8 +33,8 @@ def long_prompt(n_words: int, salt: int) -> str:
 JOBS = [
     ("Hello, my name is", dict(max_tokens=12)),
     ("The capital of France is", dict(max_tokens=12, temperature=0.8, seed=7)),
-    (long_prompt(420, 1), dict(max_tokens=8, ignore_eos=True)),
-    (long_prompt(60, 2), dict(max_tokens=8, temperature=0.9, top_p=0.9, seed=3, ignore_eos=True)),
+    (long_prompt(420, 12), dict(max_tokens=8, ignore_eos=True)),
+    (long_prompt(60, 13), dict(max_tokens=8, temperature=0.9, top_p=0.9, seed=3, ignore_eos=True)),
 ] + [
     (long_prompt(20 + 9 * i, i), dict(max_tokens=6, seed=i, temperature=0.7, ignore_eos=True))
     for i in range(12)
@@ -81,9 +83,8 @@ def test_prefill_group_to_decode_tp2(prefill_group, decode_tp2, colocated):
     before = client.stats()
     assert run_jobs(decode_tp2.address, JOBS) == [colocated(p, **kw) for p, kw in JOBS]
     after = client.stats()
-    # salts 10 and 11 repeat the word sequences of 0 and 1: whichever of such a pair comes second may find
-    # all but one block cached here, and is then computed here by design (nothing worth a transfer)
-    assert after.num_transfers_total - before.num_transfers_total >= len(JOBS) - 2
+    # every prompt transferred: none shares a block with another (a cached prompt is computed here)
+    assert after.num_transfers_total - before.num_transfers_total == len(JOBS)
     assert after.num_transfer_failures_total == before.num_transfer_failures_total
     client.close()
     assert_all_free(decode_tp2.address, prefill_group[0].address)
