@@ -10,7 +10,9 @@ src/llama-model.cpp and src/models/*.cpp):
     layers) whatever `query_pre_attn_scalar` the checkpoint had; Gemma 2's soft caps default to 50 / 30;
     Gemma 3's sliding layers rotate with base 10000 unless `rope.freq_base_swa` says;
   * mixtures of experts (Qwen3-MoE; Mixtral, whose GGUF architecture is `llama` with `expert_count`):
-    the top k routing weights are always renormalized (Qwen3-MoE's `norm_topk_prob` is not stored).
+    the top k routing weights are always renormalized (Qwen3-MoE's `norm_topk_prob` is not stored);
+  * DeepSeek-V2 (`deepseek2`): YaRN's mscale is `rope.scaling.yarn_log_multiplier` / 0.1 for both of
+    DeepSeek's mscales, its betas are 32 and 1; its KV head count is stored as 1 (the latent's).
 llama.cpp's converter also stores Gemma's norm weights as 1 + w, and Llama's and Mixtral's q/k rows
 permuted for its rope: engine.loader reads them back.
 """
@@ -31,6 +33,7 @@ _CLASSES = {
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
+    "deepseek2": "DeepseekV2ForCausalLM",
 }
 GGUF_ARCHITECTURES = tuple(_CLASSES)
 ROPE_PERMUTED = ("llama", "mistral")  # q/k rows stored permuted by llama.cpp's converter (Mixtral too)
@@ -72,15 +75,17 @@ def hf_config(meta: Mapping[str, Any], tie_word_embeddings: bool) -> dict[str, A
     scaling = meta.get(f"{arch}.rope.scaling.type")
     if scaling == "linear":
         config["rope_scaling"] = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
-    elif scaling not in (None, "none"):
+    elif scaling not in (None, "none") and (arch, scaling) != ("deepseek2", "yarn"):  # YaRN: _deepseek2
         raise UnsupportedModelError(f"GGUF rope scaling {scaling!r} is not supported")
-    if experts:
+    if experts and arch != "deepseek2":
         config["num_local_experts" if arch == "llama" else "num_experts"] = experts
         config["num_experts_per_tok"] = int(get("expert_used_count"))
         config["moe_intermediate_size"] = int(get("expert_feed_forward_length", config["intermediate_size"]))
         config["norm_topk_prob"] = True
     if arch in GEMMA_FULL_EVERY:
         config.update(_gemma(arch, meta, layers, hidden // heads, head_dim))
+    if arch == "deepseek2":
+        config.update(_deepseek2(meta, heads, get))
     return config
 
 
@@ -108,4 +113,48 @@ def _gemma(arch: str, meta: Mapping[str, Any], layers: int, width: int, head_dim
     swa_theta = meta.get(f"{arch}.rope.freq_base_swa", 10000.0 if arch == "gemma3" else None)
     if swa_theta is not None:
         fields["rope_local_base_freq"] = float(swa_theta)
+    return fields
+
+
+def _deepseek2(meta: Mapping[str, Any], heads: int, get) -> dict[str, Any]:
+    """DeepSeek-V2's MLA and experts. Older conversions have no `*_length_mla` keys: their key and value
+    lengths are then the heads' own."""
+    rope_dims, rank = int(get("rope.dimension_count")), int(get("attention.kv_lora_rank"))
+    if int(meta.get("deepseek2.expert_group_count") or 1) > 1:
+        raise UnsupportedModelError(
+            "GGUF deepseek2.expert_group_count > 1: llama.cpp's choice of groups (each group's top two "
+            "summed) is not implemented"
+        )
+    if int(meta.get("deepseek2.expert_gating_func") or 1) != 1:
+        raise UnsupportedModelError("GGUF deepseek2.expert_gating_func: only softmax routing is supported")
+    key, value = (meta.get(f"deepseek2.attention.{k}_length_mla") for k in ("key", "value"))
+    if key is None:
+        key, value = get("attention.key_length"), get("attention.value_length")
+    fields: dict[str, Any] = {
+        "num_key_value_heads": heads,
+        "kv_lora_rank": rank,
+        "q_lora_rank": meta.get("deepseek2.attention.q_lora_rank"),
+        "qk_rope_head_dim": rope_dims,
+        "qk_nope_head_dim": int(key) - rope_dims,
+        "v_head_dim": int(value),
+        "first_k_dense_replace": int(get("leading_dense_block_count", 0)),
+        "n_routed_experts": int(get("expert_count", 0)),
+        "num_experts_per_tok": int(get("expert_used_count", 0)),
+        "n_shared_experts": int(get("expert_shared_count", 0)),
+        "moe_intermediate_size": int(get("expert_feed_forward_length", 0)),
+        "routed_scaling_factor": float(get("expert_weights_scale", 1.0)),
+        "norm_topk_prob": bool(get("expert_weights_norm", False)),
+        "topk_method": "greedy",
+    }
+    if meta.get("deepseek2.rope.scaling.type") == "yarn":
+        mscale = float(get("rope.scaling.yarn_log_multiplier", 0.0)) / 0.1
+        fields["rope_scaling"] = {
+            "rope_type": "yarn",
+            "factor": float(get("rope.scaling.factor")),
+            "original_max_position_embeddings": int(get("rope.scaling.original_context_length")),
+            "mscale": mscale,
+            "mscale_all_dim": mscale,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+        }
     return fields

@@ -100,6 +100,15 @@ def _halves_from_interleaved_rope(w: np.ndarray, head_size: int, rope_dim: int) 
     return heads.reshape(w.shape)
 
 
+def _mla_rope_in_halves(cfg: ModelConfig, host: dict[str, np.ndarray]) -> None:
+    """MLA's query and latent projections with their rope dims in halves (both formats keep DeepSeek's
+    interleaved order: llama.cpp rotates adjacent pairs too)."""
+    if cfg.is_mla:
+        q = "w_q_b" if cfg.q_lora_rank else "wq"
+        host[q] = _halves_from_interleaved_rope(host[q], cfg.head_dim, cfg.rope_dim)
+        host["w_kv_a"] = _halves_from_interleaved_rope(host["w_kv_a"], host["w_kv_a"].shape[-1], cfg.rope_dim)
+
+
 class CheckpointError(FileNotFoundError):
     """A checkpoint file or tensor is missing."""
 
@@ -160,6 +169,12 @@ def load_gguf(path: str | Path, name: str | None = None) -> tuple[ModelConfig, d
 
     def fetch(i: int, weight: str) -> np.ndarray | None:
         w = tensor(f"blk.{i}.{_LAYER_TENSORS[weight][0]}")
+        if (
+            w is None and weight == "w_kv_b"
+        ):  # llama.cpp splits it: k_b [heads, rank, nope], v_b [heads, v, rank]
+            k_b, v_b = tensor(f"blk.{i}.attn_k_b.weight"), tensor(f"blk.{i}.attn_v_b.weight")
+            if k_b is not None and v_b is not None:
+                w = np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1).reshape(-1, k_b.shape[1])
         if w is not None and permute and weight in ("wq", "bq"):
             w = _undo_gguf_rope_permutation(w, cfg.num_heads)
         if w is not None and permute and weight in ("wk", "bk"):
@@ -174,6 +189,7 @@ def load_gguf(path: str | Path, name: str | None = None) -> tuple[ModelConfig, d
         host[target] = w
     if not cfg.tie_word_embeddings:
         host["lm_head"] = tensor("output.weight").T
+    _mla_rope_in_halves(cfg, host)
     return cfg, host, meta
 
 
@@ -230,10 +246,7 @@ def load_hf_folder(path: str | Path, name: str | None = None) -> tuple[ModelConf
         if w is None:
             raise CheckpointError(f"{path} lacks tensor {key}")
         host[target] = w
-    if cfg.is_mla:
-        q = "w_q_b" if cfg.q_lora_rank else "wq"
-        host[q] = _halves_from_interleaved_rope(host[q], cfg.head_dim, cfg.rope_dim)
-        host["w_kv_a"] = _halves_from_interleaved_rope(host["w_kv_a"], host["w_kv_a"].shape[-1], cfg.rope_dim)
+    _mla_rope_in_halves(cfg, host)
     if cfg.architecture in GEMMA:  # Gemma's RMSNorm scales by (1 + weight): folded in here, as llama.cpp does
         for key in [k for k in host if k.endswith("_norm")]:  # q/k, layers' and final norms
             host[key] = host[key] + 1.0

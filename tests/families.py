@@ -110,9 +110,9 @@ _TINY = {
 }
 
 
-def write_family(family: str, path: Path, vocab_size: int):
-    """A tiny random-weight checkpoint of `family` (a key of _TINY), 4 query heads of head_dim 32, saved in
-    `path` by transformers; returns the transformers model."""
+def write_family(family: str, path: Path, vocab_size: int, **overrides):
+    """A tiny random-weight checkpoint of `family` (a key of _TINY; `overrides`: config fields), 4 query
+    heads of head_dim 32, saved in `path` by transformers; returns the transformers model."""
     import torch
     import transformers
 
@@ -127,7 +127,7 @@ def write_family(family: str, path: Path, vocab_size: int):
         rms_norm_eps=1e-6,
         tie_word_embeddings=family != "qwen3",
     )
-    config = getattr(transformers, config_class)(**{**common, **fields})
+    config = getattr(transformers, config_class)(**{**common, **fields, **overrides})
     torch.manual_seed(0)
     model = getattr(transformers, model_class)(config).float().eval()
     with torch.no_grad():
@@ -167,7 +167,13 @@ def engine_of(path: Path, tokenizer, config, devices=None):
     return LLMEngine(LoadedModel(cfg, host, tokenizer, path), config, devices)
 
 
-GGUF_ARCHITECTURES = {"gemma2": "gemma2", "gemma3": "gemma3", "qwen3_moe": "qwen3moe", "mixtral": "llama"}
+GGUF_ARCHITECTURES = {
+    "gemma2": "gemma2",
+    "gemma3": "gemma3",
+    "qwen3_moe": "qwen3moe",
+    "mixtral": "llama",
+    "deepseek_v2": "deepseek2",
+}
 _EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
 _EXPERT_KINDS = {
     "w1": "gate",
@@ -204,6 +210,13 @@ def write_gguf(family: str, folder: Path, out: Path) -> None:
             continue
         if family.startswith("gemma") and key.endswith("norm.weight"):
             w = w + 1
+        if key.endswith("kv_b_proj.weight"):  # split: k_b [heads, rank, nope], v_b [heads, v, rank]
+            layer = key.split(".")[2]
+            w = w.reshape(config["num_key_value_heads"], -1, w.shape[-1])
+            nope = config["qk_nope_head_dim"]
+            tensors[f"blk.{layer}.attn_k_b.weight"] = w[:, :nope].transpose(0, 2, 1)
+            tensors[f"blk.{layer}.attn_v_b.weight"] = w[:, nope:]
+            continue
         if arch == "llama" and key.endswith(("q_proj.weight", "k_proj.weight")):
             heads = cfg.num_heads if "q_proj" in key else cfg.num_kv_heads
             w = w.reshape(heads, 2, -1, w.shape[-1]).swapaxes(1, 2).reshape(w.shape)
@@ -219,9 +232,12 @@ def write_gguf(family: str, folder: Path, out: Path) -> None:
     writer.add_embedding_length(cfg.hidden_size)
     writer.add_feed_forward_length(config["intermediate_size"])
     writer.add_head_count(cfg.num_heads)
-    writer.add_head_count_kv(cfg.num_kv_heads)
-    writer.add_key_length(cfg.head_dim)
-    writer.add_value_length(cfg.head_dim)
+    if cfg.is_mla:
+        _deepseek2_metadata(writer, config, cfg)
+    else:
+        writer.add_head_count_kv(cfg.num_kv_heads)
+        writer.add_key_length(cfg.head_dim)
+        writer.add_value_length(cfg.head_dim)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
     if family != "gemma2":  # its converter writes no rope base (llama.cpp's default: 10000)
@@ -229,7 +245,7 @@ def write_gguf(family: str, folder: Path, out: Path) -> None:
     if cfg.num_experts:
         writer.add_expert_count(cfg.num_experts)
         writer.add_expert_used_count(cfg.num_experts_per_tok)
-        if family == "qwen3_moe":
+        if family in ("qwen3_moe", "deepseek_v2"):
             writer.add_expert_feed_forward_length(cfg.intermediate_size)
     if family.startswith("gemma"):
         writer.add_sliding_window(cfg.widest_window or max(cfg.layer_windows))
@@ -249,3 +265,32 @@ def write_gguf(family: str, folder: Path, out: Path) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def _deepseek2_metadata(writer, config: dict, cfg) -> None:
+    """DeepSeek-V2's keys as llama.cpp's converter writes them (one KV head: the latent's)."""
+    import gguf
+
+    rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    writer.add_head_count_kv(1)
+    writer.add_key_length(cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+    writer.add_value_length(cfg.kv_lora_rank)
+    writer.add_key_length_mla(cfg.head_dim)
+    writer.add_value_length_mla(cfg.v_head_dim)
+    writer.add_kv_lora_rank(cfg.kv_lora_rank)
+    if cfg.q_lora_rank:
+        writer.add_q_lora_rank(cfg.q_lora_rank)
+    writer.add_rope_dimension_count(cfg.qk_rope_head_dim)
+    writer.add_leading_dense_block_count(cfg.first_dense_layers)
+    writer.add_expert_shared_count(config.get("n_shared_experts") or 0)
+    writer.add_expert_weights_scale(cfg.routed_scaling_factor)
+    if cfg.norm_topk_prob:
+        writer.add_expert_weights_norm(True)
+    writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SOFTMAX)
+    writer.add_expert_group_count(config.get("n_group") or 1)
+    writer.add_expert_group_used_count(config.get("topk_group") or 1)
+    if rope.get("rope_type") == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        writer.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])

@@ -10,7 +10,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from tests.families import engine_of, hf_greedy, write_family
+from tests.families import _TINY, engine_of, hf_greedy, write_family
 
 pytestmark = pytest.mark.model
 
@@ -74,6 +74,19 @@ _LLAMA_CPP_CHOICES = {
     "gemma3": dict(query_pre_attn_scalar=32),
     "qwen3_moe": dict(norm_topk_prob=True),
     "mixtral": {},
+    "deepseek_v2": {},
+}
+# what llama.cpp cannot read: group-limited routing (it sums each group's top two), two YaRN mscales
+_GGUF_CHECKPOINTS = {
+    "deepseek_v2": dict(
+        topk_method="greedy",
+        n_group=1,
+        topk_group=1,
+        rope_parameters={
+            **_TINY["deepseek_v2"][2]["rope_parameters"],
+            "mscale": 0.707,
+        },
+    )
 }
 
 
@@ -81,17 +94,19 @@ _LLAMA_CPP_CHOICES = {
 def test_gguf_of_a_family_loads_as_its_safetensors_folder(family, tmp_path):
     """A tiny transformers checkpoint converted as llama.cpp does (tests/families.py write_gguf) loads to
     the folder's config and weights: tensor names, stacked experts, Gemma's 1 + w norms, Mixtral's
-    permuted q/k, sliding windows and their rope bases, soft caps, linear rope scaling."""
+    permuted q/k, sliding windows and their rope bases, soft caps, linear rope scaling, DeepSeek-V2's split
+    kv_b and its YaRN."""
     from engine.loader import load_gguf, load_hf_folder
     from tests.families import write_gguf
 
     pytest.importorskip("transformers")
-    write_family(family, tmp_path / "hf", 256)
+    write_family(family, tmp_path / "hf", 256, **_GGUF_CHECKPOINTS.get(family, {}))
     write_gguf(family, tmp_path / "hf", tmp_path / "m.gguf")
     cfg, host = load_hf_folder(tmp_path / "hf", name="m")
     gguf_cfg, gguf_host, _ = load_gguf(tmp_path / "m.gguf", name="m")
-    expected = dataclasses.replace(cfg, rms_norm_eps=gguf_cfg.rms_norm_eps, **_LLAMA_CPP_CHOICES[family])
-    assert gguf_cfg == expected and gguf_cfg.rms_norm_eps == pytest.approx(cfg.rms_norm_eps)
+    float32s = {k: getattr(gguf_cfg, k) for k in ("rms_norm_eps", "attention_scale_factor")}  # in GGUF
+    assert float32s == pytest.approx({k: getattr(cfg, k) for k in float32s}, rel=1e-6)
+    assert gguf_cfg == dataclasses.replace(cfg, **float32s, **_LLAMA_CPP_CHOICES[family])
     assert host.keys() == gguf_host.keys()
     for key in host:
         np.testing.assert_allclose(gguf_host[key], host[key], rtol=1e-6, atol=1e-7, err_msg=key)

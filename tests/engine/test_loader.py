@@ -230,6 +230,9 @@ def test_gguf_metadata_without_a_key_takes_llama_cpps_choice():
     assert (gemma2.attn_logit_softcap, gemma2.final_logit_softcap) == (50.0, 30.0)
     moe = hf_config(meta("llama", 2, expert_count=4, expert_used_count=2), True)
     assert moe["architectures"] == ["MixtralForCausalLM"] and moe["norm_topk_prob"]
+    mla = {"rope.dimension_count": 8, "attention.kv_lora_rank": 32, "expert_group_count": 8}
+    with pytest.raises(UnsupportedModelError, match="expert_group_count"):  # DeepSeek-V2 (not Lite)
+        hf_config(meta("deepseek2", 2, **mla), True)
 
 
 def test_unsupported_gguf_architecture_is_named(tmp_path):
