@@ -73,19 +73,27 @@ def hf_figures(gguf, prompt_len: int, decode_steps: int) -> dict:
 
 
 def decode_step_times(
-    engine, batch: int, steps: int, lora: list[str | None] | None = None, prompt_len: int = 32
+    engine,
+    batch: int,
+    steps: int,
+    lora: list[str | None] | None = None,
+    prompt_len: int = 32,
+    params: list | None = None,
 ) -> list[float]:
     """Seconds of each of `steps` decode steps with `batch` running requests (`prompt_len`-token prompts,
     greedy), sampling included; the requests are aborted afterwards.
 
-    `lora`: the adapter of each request, cycled (default: the base model for all)."""
+    `lora`: the adapter of each request, cycled (default: the base model for all); `params`: each
+    request's SamplingParams, cycled (default: greedy, ignoring EOS)."""
     from engine.sampling_params import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
+    params = params or [SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)]
     rng = np.random.default_rng(batch)
     for i in range(batch):
         engine.add_request(
-            rng.integers(100, 40000, prompt_len).tolist(), params, lora=lora[i % len(lora)] if lora else None
+            rng.integers(100, 40000, prompt_len).tolist(),
+            params[i % len(params)],
+            lora=lora[i % len(lora)] if lora else None,
         )
     while engine.scheduler.waiting or engine.scheduler.prefilling:
         engine.step()

@@ -6,6 +6,7 @@ One step reads in three calls: schedule -> run -> postprocess.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import secrets
@@ -17,6 +18,7 @@ import numpy as np
 
 from engine.attention import set_attention_impl
 from engine.config import EngineConfig
+from engine.constraints import ConstraintCompiler
 from engine.kv_connector import KVConnector
 from engine.kv_events import KVEvent
 from engine.kv_groups import KVGroups
@@ -24,8 +26,9 @@ from engine.lora import AdapterRegistry, LoraSlots
 from engine.models import LoadedModel, load_model
 from engine.multihost import Publish
 from engine.output import OutputStream, RequestOutput
-from engine.request import Request, Status, TokenLogprobs
+from engine.request import FinishReason, Request, Status, TokenLogprobs
 from engine.runner import ModelRunner, SampleRow
+from engine.sampler import mask_words
 from engine.sampling_params import InvalidRequestError, SamplingParams
 from engine.scheduler import Row, Scheduler, SchedulerOutput
 from engine.sharding import make_mesh
@@ -136,7 +139,13 @@ class LLMEngine:
             params=params,
             seed=params.seed if params.seed is not None else secrets.randbits(63),
             lora=None if lora is None else self.loras.resolve(lora, lora_fingerprint),
+            matcher=None if params.constraint is None else self.constraints.matcher(params.constraint),
         )
+
+    @functools.cached_property
+    def constraints(self) -> ConstraintCompiler:
+        """The constraint compiler for this model's tokenizer (built at the first constrained request)."""
+        return ConstraintCompiler(self.tokenizer, self.model.config.vocab_size)
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, **kwargs) -> str:
         return self.add_prepared_request(self.make_request(prompt, params or SamplingParams(), **kwargs))
@@ -192,18 +201,51 @@ class LLMEngine:
         sample_rows = [
             SampleRow(r.params, r.seed, r.num_tokens, r.prompt_ids, r.output_ids) for r in samplers
         ]
-        result = self.runner.sample(logits, sample_rows, indices)
+        allowed = self._allowed_tokens(samplers)  # on the host while the device runs the step
+        result = self.runner.sample(logits, sample_rows, indices, allowed)
         out = {}
         for i, request in enumerate(samplers):
+            token = int(result.tokens[i])
+            if request.matcher is not None:
+                token = self._advance_constraint(request, token, allowed[i])
             logprobs = None
             if request.params.logprobs is not None:
                 n = request.params.logprobs
                 top = list(
                     zip(result.top_ids[i, :n].tolist(), result.top_logprobs[i, :n].tolist(), strict=True)
                 )
-                logprobs = TokenLogprobs(int(result.tokens[i]), float(result.logprob[i]), top)
-            out[request.request_id] = (int(result.tokens[i]), logprobs)
+                logprobs = TokenLogprobs(token, float(result.logprob[i]), top)
+            out[request.request_id] = (token, logprobs)
         return out
+
+    def _allowed_tokens(self, samplers: list[Request]) -> np.ndarray | None:
+        """The sampling rows' allowed-token bitmasks (all ones where unconstrained); None: none is."""
+        rows = [i for i, r in enumerate(samplers) if r.matcher is not None]
+        if not rows:
+            return None
+        allowed = np.full((len(samplers), mask_words(self.model.config.vocab_size)), -1, np.int32)
+        allowed[rows] = self.constraints.fill([samplers[i].matcher for i in rows])
+        return allowed
+
+    def _advance_constraint(self, request: Request, token: int, allowed: np.ndarray) -> int:
+        """Advances the request's matcher with its sampled token (which `allowed`, its mask, let through);
+        returns the token. An empty mask (the constraint allows nothing more) ends the request instead:
+        its token becomes EOS, never shown."""
+        if not allowed.any():
+            request.finish_reason = FinishReason.DEAD_END
+            return min(self.tokenizer.eos_token_ids, default=0)
+        self._consume(request, token)
+        return token
+
+    def _consume(self, request: Request, token: int) -> None:
+        """The request's matcher takes `token`; RuntimeError if its constraint forbids it."""
+        if not request.matcher.consume_token(token):
+            raise RuntimeError(
+                f"request {request.request_id!r}: token {token} breaks its constraint "
+                f"({request.matcher.get_error()})"
+            )
+        if request.matcher.is_stopped() and token in self.tokenizer.eos_token_ids:  # ignore_eos or not
+            request.finish_reason = FinishReason.STOP  # complete (a complete output allows only EOS next)
 
     def _on_token(self, request: Request, token: int, logprobs: TokenLogprobs | None) -> RequestOutput:
         """The scheduler's sink: detokenize, check stops; a finished request's stream ends."""
@@ -247,8 +289,12 @@ class LLMEngine:
     ) -> RequestOutput:
         """The request's prompt KV is in its blocks (DecodeConnector.load_kv) and `token` is its first
         token, sampled where the prompt was computed (`num_cached_tokens` of it found in a prefix cache
-        there): it starts decoding. Returns the token's output."""
-        self.scheduler.requests[request_id].num_cached_tokens = num_cached_tokens
+        there, under the request's constraint if it has one): it starts decoding, its constraint's matcher
+        advanced by the token. Returns the token's output."""
+        request = self.scheduler.requests[request_id]
+        request.num_cached_tokens = num_cached_tokens
+        if request.matcher is not None:
+            self._consume(request, token)
         return self.scheduler.remote_kv_arrived(request_id, token, logprobs, self._on_token)
 
     def load_kv(self, request_id: str, chunk, first_block: int = 0) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import time
+from typing import Any
 
 from engine.lora.adapter import LoraAdapter
 from engine.sampling_params import SamplingParams
@@ -27,6 +28,7 @@ class FinishReason(enum.StrEnum):
     STOP = "stop"  # EOS, a stop token or a stop string
     LENGTH = "length"  # max_tokens or the model's length
     ABORT = "abort"  # cancelled
+    DEAD_END = "constraint_dead_end"  # the constraint allowed no next token (nothing invalid was emitted)
 
 
 @dataclasses.dataclass
@@ -56,6 +58,8 @@ class Request:
     # Its full blocks may enter the prefix cache. False once KV that fills only some layers' blocks arrived
     # by transfer (sliding-window layers get only the window's blocks): no later request may hit them.
     cacheable: bool = True
+    # The constraint's matcher (engine.constraints), where its language stands after the output so far
+    matcher: Any = None
     arrival_time: float = dataclasses.field(default_factory=time.monotonic)
     first_token_time: float | None = None
 

@@ -136,9 +136,14 @@ class ModelRunner:
         return None if self.lora is None else self.lora.weights
 
     def sample(
-        self, logits: jax.Array, rows: list[SampleRow], logits_rows: list[int] | None = None
+        self,
+        logits: jax.Array,
+        rows: list[SampleRow],
+        logits_rows: list[int] | None = None,
+        allowed: np.ndarray | None = None,
     ) -> SampleResult:
-        """Samples `rows` from rows `logits_rows` (default 0..) of `logits`; returns host numpy results."""
+        """Samples `rows` from rows `logits_rows` (default 0..) of `logits`, each among the tokens its row of
+        `allowed` (engine.sampler's bitmasks; None: all) lets through; returns host numpy results."""
         params = [r.params for r in rows]
         penalties = any(p.needs_penalties for p in params)
         history = [(r.prompt_ids, r.output_ids) for r in rows] if penalties else None
@@ -150,6 +155,7 @@ class ModelRunner:
             history,
             logits.shape[0],
             self.model.vocab_size,
+            allowed,
         )
         result = jax.device_get(self.run_sample(logits, batch))
         n = len(rows)

@@ -1,4 +1,5 @@
-"""Token sampling on device: penalties, temperature, min-p, top-k, top-p, Gumbel-max, logprobs.
+"""Token sampling on device: allowed-token masks, penalties, temperature, min-p, top-k, top-p, Gumbel-max,
+logprobs.
 
 Randomness of a row comes from (seed, position) only: key = fold_in(key(seed), position). A request's
 tokens therefore never depend on which other requests share its batch, or on which server sampled them.
@@ -37,6 +38,9 @@ class SamplingBatch:
     logprobs: np.ndarray  # [B] bool: the row wants logprobs
     prompt_mask: np.ndarray | None  # [B, V] bool: token in prompt or output (repetition penalty)
     output_counts: np.ndarray | None  # [B, V] int32: occurrences in the output (presence/frequency)
+    # [B, ceil(V / 32)] int32: bit t % 32 of word t // 32 allows token t (a constraint's mask, as
+    # llguidance fills it); all ones for rows without a constraint
+    allowed: np.ndarray
 
     @classmethod
     def build(
@@ -48,9 +52,14 @@ class SamplingBatch:
         token_history: list[tuple[list[int], list[int]]] | None,
         batch: int,
         vocab_size: int,
+        allowed: np.ndarray | None = None,
     ) -> SamplingBatch:
-        """`token_history` (prompt ids, output ids) per row is needed only when a row has penalties."""
+        """`token_history` (prompt ids, output ids) per row is needed only when a row has penalties;
+        `allowed`: the rows' allowed-token bitmasks (None: every token, every row)."""
         pad = batch - len(params)
+        mask = np.full((batch, mask_words(vocab_size)), -1, np.int32)
+        if allowed is not None:
+            mask[: len(allowed)] = allowed
 
         def col(values, dtype, fill):
             return np.asarray(list(values) + [fill] * pad, dtype=dtype)
@@ -79,7 +88,19 @@ class SamplingBatch:
             logprobs=col((p.logprobs is not None for p in params), bool, False),
             prompt_mask=prompt_mask,
             output_counts=output_counts,
+            allowed=mask,
         )
+
+
+def mask_words(vocab_size: int) -> int:
+    """32-bit words of one row's allowed-token bitmask."""
+    return -(-vocab_size // 32)
+
+
+def _allowed_tokens(words: jax.Array, vocab: int) -> jax.Array:
+    """[B, W] int32 bitmasks -> [B, vocab] bool."""
+    bits = (words[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
+    return bits.reshape(words.shape[0], -1)[:, :vocab] != 0
 
 
 @jax.tree_util.register_dataclass
@@ -176,7 +197,8 @@ def sample(logits: jax.Array, s: SamplingBatch, *, num_logprobs: int) -> SampleR
     changes any row's token.
     """
     logits = logits[s.logits_row]
-    raw = logits
+    raw = logits  # logprobs are the model's own, before any mask or penalty
+    logits = jnp.where(_allowed_tokens(s.allowed, logits.shape[-1]), logits, _NEG_INF)
     if s.prompt_mask is not None:
         logits = _apply_penalties(logits, s)
     greedy = _argmax(logits)

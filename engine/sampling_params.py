@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import math
 
 
@@ -16,6 +18,40 @@ class InvalidRequestError(ValueError):
     def __init__(self, field: str, message: str):
         super().__init__(f"{field}: {message}")
         self.field = field
+
+
+CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")
+
+
+@dataclasses.dataclass(frozen=True)
+class Constraint:
+    """What the output must match, token by token (engine.constraints): a JSON schema (`value`: its JSON
+    text), any JSON object, a regex, a Lark grammar in llguidance's dialect, or one of `choices`."""
+
+    kind: str
+    value: str = ""
+    choices: tuple[str, ...] = ()
+
+    @property
+    def fingerprint(self) -> str:
+        """Names the constraint across processes (a prefill server and its decode server)."""
+        text = json.dumps([self.kind, self.value, list(self.choices)], separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def validate(self) -> None:
+        if self.kind not in CONSTRAINT_KINDS:
+            raise InvalidRequestError("constraint", f"kind {self.kind!r}: one of {CONSTRAINT_KINDS}")
+        if self.kind == "json_schema":
+            try:
+                schema = json.loads(self.value)
+            except ValueError as e:
+                raise InvalidRequestError("constraint", f"json_schema is not JSON: {e}") from None
+            if not isinstance(schema, dict | bool):
+                raise InvalidRequestError("constraint", "json_schema must be a JSON object")
+        if self.kind in ("regex", "grammar") and not self.value:
+            raise InvalidRequestError("constraint", f"{self.kind} must not be empty")
+        if self.kind == "choice" and (not self.choices or not all(self.choices)):
+            raise InvalidRequestError("constraint", "choice needs one or more non-empty strings")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +71,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # top-n logprobs per token (0: only the sampled token's)
+    constraint: Constraint | None = None  # structured output (None: free text)
 
     @property
     def greedy(self) -> bool:
@@ -84,3 +121,5 @@ class SamplingParams:
             "logprobs",
             f"must be in [0, {max_logprobs}]",
         )
+        if self.constraint is not None:
+            self.constraint.validate()

@@ -10,11 +10,12 @@ from collections.abc import Iterator, Sequence
 
 import grpc
 
+from engine.sampling_params import Constraint
 from pdserve.v1 import admin_pb2, admin_pb2_grpc
 from pdserve.v1 import generation_pb2 as pb
 from pdserve.v1 import generation_pb2_grpc as pb_grpc
 from services.grpc_server import channel_options
-from services.sampling import set_request_fields
+from services.sampling import set_constraint, set_request_fields
 from services.security import ChannelSecurity, bearer_metadata, channel_credentials, read_tokens
 
 
@@ -111,14 +112,17 @@ def build_request(
     request_id: str = "",
     lora_adapter: str = "",
     return_prompt_ids: bool = False,
+    constraint: Constraint | None = None,
     **sampling_fields,
 ) -> pb.GenerateRequest:
     """A GenerateRequest. `sampling_fields`: any knob of services.sampling.FIELDS by its SamplingParams
     name (temperature, top_p, ..., max_tokens, stop, stop_token_ids, ignore_eos); left out or None: the
-    server's default (greedy, 256 tokens)."""
+    server's default (greedy, 256 tokens). `constraint`: structured output (None: free text)."""
     request = pb.GenerateRequest(
         request_id=request_id, lora_adapter=lora_adapter, return_prompt_ids=return_prompt_ids
     )
+    if constraint is not None:
+        set_constraint(request.constraint, constraint)
     if chat is not None:
         request.chat.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in chat)
     elif isinstance(prompt, str):

@@ -6,6 +6,9 @@ proto field (in `sampling`, in `stop`, or on the request itself), the keyword of
 conversion below walks `FIELDS`; a new knob is one new line here (a test checks that the table covers
 every field of `SamplingParams` and of the protos).
 
+The constraint (structured output) is a message of its own, not a knob: `set_constraint` and
+`constraint_from_message` carry it, and the OpenAI front maps `response_format` and `tools` onto it.
+
 Defaults belong to each API, not to this table: over gRPC and on the command line an unset field takes
 the proto's default (temperature 0: greedy; max_tokens 0: the server's DEFAULT_MAX_TOKENS), while
 `SamplingParams()` and the OpenAI API default to temperature 1 as their users expect.
@@ -18,7 +21,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from engine.sampling_params import InvalidRequestError, SamplingParams
+from engine.sampling_params import Constraint, InvalidRequestError, SamplingParams
 
 DEFAULT_MAX_TOKENS = 256  # what a GenerateRequest without max_tokens gets
 
@@ -85,9 +88,33 @@ def set_request_fields(request, values: Mapping[str, Any]):
 
 
 def params_to_request(params: SamplingParams, request):
-    """Every knob of `params` into `request`, a GenerateRequest or a PrefillRequest (the inverse of
-    params_from_request)."""
+    """Every knob of `params` into `request`, a GenerateRequest or a PrefillRequest, the constraint too
+    (the inverse of params_from_request)."""
+    if params.constraint is not None:
+        set_constraint(request.constraint, params.constraint)
     return set_request_fields(request, {f.name: getattr(params, f.name) for f in FIELDS})
+
+
+def set_constraint(message, constraint: Constraint) -> None:
+    """A Constraint into a `pdserve.v1.Constraint` message."""
+    if constraint.kind == "json_object":
+        message.json_object = True
+    elif constraint.kind == "choice":
+        message.choice.values.extend(constraint.choices)
+    else:
+        setattr(message, constraint.kind, constraint.value)
+
+
+def constraint_from_message(message) -> Constraint | None:
+    """A `pdserve.v1.Constraint` message's Constraint (None: unset)."""
+    kind = message.WhichOneof("kind")
+    if kind is None:
+        return None
+    if kind == "json_object":
+        return Constraint("json_object") if message.json_object else None
+    if kind == "choice":
+        return Constraint("choice", choices=tuple(message.choice.values))
+    return Constraint(kind, getattr(message, kind))
 
 
 def params_from_request(request) -> SamplingParams:
@@ -106,7 +133,7 @@ def params_from_request(request) -> SamplingParams:
         else:
             values[field.name] = getattr(container, field.name)
     values["max_tokens"] = values["max_tokens"] or DEFAULT_MAX_TOKENS
-    return SamplingParams(**values)
+    return SamplingParams(**values, constraint=constraint_from_message(request.constraint))
 
 
 # ---- the command line -------------------------------------------------------------------------------

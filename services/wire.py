@@ -103,11 +103,16 @@ def prompt_from_proto(request: gen_pb.GenerateRequest, tokenizer) -> str | list[
 
 
 # ---- outputs -------------------------------------------------------------------------------------------
+# Prefill servers list it in HandshakeResponse.features: they sample a first token under
+# PrefillRequest.constraint; a decode server sends constrained requests to no other replica.
+CONSTRAINTS_FEATURE = "constraints"
+
 FINISH_REASONS = {
     None: gen_pb.FINISH_REASON_UNSPECIFIED,
     FinishReason.STOP: gen_pb.FINISH_REASON_STOP,
     FinishReason.LENGTH: gen_pb.FINISH_REASON_LENGTH,
     FinishReason.ABORT: gen_pb.FINISH_REASON_ABORT,
+    FinishReason.DEAD_END: gen_pb.FINISH_REASON_CONSTRAINT_DEAD_END,
 }
 
 

@@ -111,6 +111,7 @@ class RemotePrefiller(Prefiller):
         self.events_resync_s = events_resync_s
         self._follower: asyncio.Task | None = None
         self._events_endpoint = ""
+        self.features: frozenset[str] = frozenset()  # HandshakeResponse.features
         self.channel = security.open(
             target,
             options=[
@@ -156,6 +157,7 @@ class RemotePrefiller(Prefiller):
         except kvtransfer.LayoutMismatchError as e:
             raise PrefillError(f"{self.name}: {e}") from e
         self.src = src
+        self.features = frozenset(reply.features)
         if reply.kv_events_port:
             self._follow_events(reply)
         return src
@@ -180,6 +182,11 @@ class RemotePrefiller(Prefiller):
     ) -> AsyncIterator[FirstToken | KVChunk]:
         if self.src is None:
             await self.handshake()
+        constraint = request.params.constraint
+        if constraint is not None and wire.CONSTRAINTS_FEATURE not in self.features:
+            raise PrefillError(
+                f"{self.name}: samples under no constraint (an older prefill server)", replica_down=False
+            )
         message = pb.PrefillRequest(
             request_id=request.request_id,
             prompt_ids=request.prompt_ids,
@@ -188,6 +195,7 @@ class RemotePrefiller(Prefiller):
             lora_adapter=request.lora.name if request.lora else "",
             lora_fingerprint=request.lora.fingerprint if request.lora else "",
             held_block_hashes=held,
+            constraint_fingerprint=constraint.fingerprint if constraint is not None else "",
         )
         sampling.params_to_request(request.params, message)
         call = self._prefill(message, timeout=min(self.deadline_s, timeout or self.deadline_s))

@@ -88,7 +88,9 @@ class PrefillService(pb_grpc.PrefillServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except (ValueError, KeyError, TypeError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"layout_json: {e}")
-        reply = pb.HandshakeResponse(layout_json=self.layout_json, fingerprint=self.fingerprint)
+        reply = pb.HandshakeResponse(
+            layout_json=self.layout_json, fingerprint=self.fingerprint, features=[wire.CONSTRAINTS_FEATURE]
+        )
         await self.kv_events_settled.wait()
         if self.kv_events is not None:
             reply.kv_events_port = self.kv_events.port
@@ -130,6 +132,12 @@ class PrefillService(pb_grpc.PrefillServicer):
         start = time.perf_counter()
         rid = request.request_id or f"prefill-{id(request)}"
         params = dataclasses.replace(sampling.params_from_request(request), max_tokens=1)  # the first token
+        if params.constraint is not None and params.constraint.fingerprint != request.constraint_fingerprint:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"constraint_fingerprint {request.constraint_fingerprint!r} differs from this server's "
+                f"reading of the constraint ({params.constraint.fingerprint!r})",
+            )
         try:
             engine_request = self.engine.make_request(
                 list(request.prompt_ids),

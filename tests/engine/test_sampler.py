@@ -84,3 +84,39 @@ def test_logprobs_are_the_model_distribution():
     assert result.top_ids.tolist() == [[0, 1, 2]]
     assert np.allclose(result.top_logprobs[0], LOGITS[:3], atol=1e-5)
     assert float(result.logprob[0]) == pytest.approx(float(LOGITS[0]), abs=1e-5)
+
+
+def _bitmask(allowed_rows, vocab):
+    """Rows of allowed token ids -> [rows, ceil(vocab / 32)] int32: bit t % 32 of word t // 32."""
+    bits = np.zeros((len(allowed_rows), -(-vocab // 32) * 32), np.uint8)
+    for row, tokens in enumerate(allowed_rows):
+        bits[row, list(tokens)] = 1
+    return np.packbits(bits, axis=1, bitorder="little").view(np.int32)
+
+
+def test_a_rows_bitmask_restricts_its_tokens_and_leaves_other_rows_and_logprobs_alone():
+    vocab = 70  # three words: tokens 33 and 69 sit in the second and third
+    rng = np.random.default_rng(0)
+    logits = np.tile(rng.normal(size=vocab).astype(np.float32), (3, 1))
+    allowed = [{33, 69}, {1, 3, 40}, range(vocab)]  # greedy, sampled, unconstrained
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.5, seed=1),
+        SamplingParams(temperature=0.0),
+    ]
+    masked = _bitmask(allowed, vocab)
+
+    def step(position, mask):
+        batch = SamplingBatch.build(params, [0, 1, 2], [0, 1, 2], [position] * 3, None, 3, vocab, mask)
+        return sample(jnp.asarray(logits), batch, num_logprobs=2)
+
+    free = step(0, None)
+    drawn = set()
+    for position in range(60):
+        result = step(position, masked)
+        tokens = result.tokens.tolist()
+        assert tokens[0] == max(allowed[0], key=lambda t: logits[0, t]) and tokens[1] in allowed[1]
+        assert tokens[2] == free.tokens.tolist()[2]  # all ones: as if no mask
+        drawn.add(tokens[1])
+    assert drawn == allowed[1]  # every allowed token is reachable
+    np.testing.assert_array_equal(np.asarray(result.top_ids), np.asarray(free.top_ids))  # the model's own

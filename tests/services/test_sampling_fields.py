@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.sampling_params import InvalidRequestError, SamplingParams
+from engine.sampling_params import Constraint, InvalidRequestError, SamplingParams
 from pdserve.cli import build_parser, generate_request
 from pdserve.v1 import generation_pb2 as pb
 from pdserve.v1 import prefill_pb2
@@ -42,11 +42,22 @@ sampling_params = st.builds(
     ignore_eos=st.booleans(),
     logprobs=st.one_of(st.none(), st.integers(0, 20)),
 )
+constraints = st.one_of(
+    st.none(),
+    st.builds(Constraint, st.sampled_from(["json_schema", "regex", "grammar"]), words),
+    st.just(Constraint("json_object")),
+    st.builds(Constraint, st.just("choice"), choices=st.lists(words, min_size=1, max_size=3).map(tuple)),
+)
+constrained_params = st.builds(dataclasses.replace, sampling_params, constraint=constraints)
+
+
+def _keywords(params: SamplingParams) -> dict:
+    return {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
 
 
 def test_the_table_covers_every_field():
     names = {f.name for f in FIELDS}
-    assert names == {f.name for f in dataclasses.fields(SamplingParams)}
+    assert names | {"constraint"} == {f.name for f in dataclasses.fields(SamplingParams)}  # a message
     proto = (
         set(pb.SamplingParameters.DESCRIPTOR.fields_by_name)
         | set(pb.StopConditions.DESCRIPTOR.fields_by_name)
@@ -63,7 +74,7 @@ def _message(field) -> str:
 
 
 @settings(max_examples=200, deadline=None)
-@given(params=sampling_params)
+@given(params=constrained_params)
 def test_proto_round_trip(params):
     assert params_from_request(params_to_request(params, pb.GenerateRequest())) == params
     prefill = params_to_request(params, prefill_pb2.PrefillRequest())
@@ -71,9 +82,9 @@ def test_proto_round_trip(params):
 
 
 @settings(max_examples=200, deadline=None)
-@given(params=sampling_params)
+@given(params=constrained_params)
 def test_client_keywords_round_trip(params):
-    request = build_request("hi", **dataclasses.asdict(params))
+    request = build_request("hi", **_keywords(params))
     assert params_from_request(request) == params
 
 
@@ -97,7 +108,8 @@ def test_cli_flags_round_trip(params):
 @settings(max_examples=200, deadline=None)
 @given(params=sampling_params)
 def test_openai_body_round_trip(params):
-    body = {"model": "m", "prompt": "hi", **dataclasses.asdict(params)}
+    body = {"model": "m", "prompt": "hi", **_keywords(params)}
+    del body["constraint"]  # OpenAI's response_format and tools (test_openai_constraints)
     body["stop"] = list(params.stop)
     body["stop_token_ids"] = list(params.stop_token_ids)
     assert openai_params(body, default_max_tokens=16) == params

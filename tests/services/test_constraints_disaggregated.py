@@ -1,0 +1,72 @@
+"""Structured output across the prefill -> decode handoff (the session's daemons): the prefill server samples
+the first token under the request's constraint, the decode server's matcher resumes after it, and the
+outputs equal the colocated engine's and validate; a bad constraint is INVALID_ARGUMENT and the daemon
+keeps serving."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+
+import grpc
+import pytest
+
+from engine.sampling_params import Constraint
+from services.client import Client
+from tests.constraint_schemas import SCHEMAS
+from tests.helpers import assert_all_free
+
+pytestmark = pytest.mark.daemon
+
+PROMPT = "Give me a JSON record about a city you like. "
+
+
+def test_constrained_requests_disaggregated_equal_colocated(decode, prefill, colocated):
+    """Four schemas (greedy and seeded), a chunked prompt under json_object, and a free request side by
+    side: every prompt transferred, the tokens equal the colocated engine's, and each output validates."""
+    import jsonschema
+
+    jobs = [
+        (
+            f"{PROMPT}Record {i}:",
+            dict(
+                max_tokens=96,
+                temperature=0.0 if i % 2 == 0 else 0.7,
+                seed=i,
+                constraint=Constraint("json_schema", json.dumps(schema)),
+            ),
+        )
+        for i, schema in enumerate(SCHEMAS[:4])
+    ]
+    jobs.append((PROMPT * 30, dict(max_tokens=48, temperature=0.0, constraint=Constraint("json_object"))))
+    jobs.append((f"{PROMPT}Plainly:", dict(max_tokens=12, temperature=0.0)))
+    colocated.prepare(jobs)
+    client = Client(decode.address)
+    before = client.stats()
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        outs = list(pool.map(lambda job: client.generate(job[0], timeout=300, **job[1]), jobs))
+    assert [o.token_ids for o in outs] == [colocated(p, **kw) for p, kw in jobs]
+    for out, schema in zip(outs, SCHEMAS[:4], strict=False):
+        jsonschema.validate(json.loads(out.text), schema)
+    assert isinstance(json.loads(outs[4].text), dict) or outs[4].finish_reason == "length"
+    after = client.stats()
+    assert after.num_transfers_total - before.num_transfers_total == len(jobs)
+    assert after.num_transfer_failures_total == before.num_transfer_failures_total
+    client.close()
+    assert_all_free(decode.address, prefill.address)
+
+
+@pytest.mark.parametrize(
+    "constraint",
+    [
+        Constraint("json_schema", '{"type": "object", "properties": {"a": {"type": 7}}}'),
+        Constraint("regex", "("),
+    ],
+)
+def test_a_bad_constraint_is_invalid_argument_and_the_daemon_keeps_serving(decode, constraint):
+    client = Client(decode.address)
+    with pytest.raises(grpc.RpcError) as e:
+        client.generate(PROMPT, max_tokens=4, constraint=constraint)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "constraint" in e.value.details()
+    assert client.generate(PROMPT, max_tokens=4).finish_reason == "length"
+    client.close()
