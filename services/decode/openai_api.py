@@ -12,6 +12,7 @@ take the same bodies and return the prompt's token ids without generating (vLLM'
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import uuid
@@ -21,7 +22,7 @@ from aiohttp import web
 
 from engine.output import RequestOutput
 from engine.request import Request
-from engine.sampling_params import InvalidRequestError, SamplingParams
+from engine.sampling_params import Constraint, InvalidRequestError, SamplingParams
 from services.decode.core import PREFILL_HINT_HEADER, GenerationCore, ServiceError
 from services.sampling import FIELD_NAMES, params_from_values
 from services.security import ServerSecurity, token_ok
@@ -54,7 +55,49 @@ def _params(body: dict, default_max_tokens: int) -> SamplingParams:
     elif isinstance(logprobs, bool):
         values["logprobs"] = 0 if logprobs else None
     values["max_tokens"] = values.get("max_tokens") or body.get("max_completion_tokens") or default_max_tokens
-    return params_from_values(values)
+    return dataclasses.replace(params_from_values(values), constraint=_constraint(body))
+
+
+# vLLM's guided-decoding extensions: body key -> Constraint kind
+_GUIDED = {
+    "guided_json": "json_schema",
+    "guided_regex": "regex",
+    "guided_grammar": "grammar",
+    "guided_choice": "choice",
+}
+
+
+def _constraint(body: dict) -> Constraint | None:
+    """OpenAI's `response_format` ({"type": "json_object"} or {"type": "json_schema", "json_schema":
+    {"schema": ...}}), or one of vLLM's guided_* keys; None: free text."""
+    fmt = body.get("response_format")
+    if fmt is not None:
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind not in ("text", "json_object", "json_schema"):
+            raise InvalidRequestError("response_format", "type must be text, json_object or json_schema")
+        if kind == "json_object":
+            return Constraint("json_object")
+        if kind == "json_schema":
+            spec = fmt.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise InvalidRequestError("response_format", "json_schema.schema must be a JSON object")
+            return Constraint("json_schema", json.dumps(schema))
+    given = [key for key in _GUIDED if body.get(key) is not None]
+    if len(given) > 1 or (given and fmt is not None and fmt.get("type") != "text"):
+        raise InvalidRequestError(given[-1], "at most one of response_format and the guided_* keys")
+    if not given:
+        return None
+    key, value = given[0], body[given[0]]
+    if key == "guided_choice":
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise InvalidRequestError(key, "must be a list of strings")
+        return Constraint("choice", choices=tuple(value))
+    if key == "guided_json" and isinstance(value, dict):
+        value = json.dumps(value)
+    if not isinstance(value, str):
+        raise InvalidRequestError(key, "must be a string" + (" or an object" if key == "guided_json" else ""))
+    return Constraint(_GUIDED[key], value)
 
 
 class OpenAIFrontend:

@@ -70,3 +70,34 @@ def test_a_bad_constraint_is_invalid_argument_and_the_daemon_keeps_serving(decod
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "constraint" in e.value.details()
     assert client.generate(PROMPT, max_tokens=4).finish_reason == "length"
     client.close()
+
+
+def test_openai_response_format_json_schema_and_json_object(decode):
+    """The official openai client: response_format json_schema (streamed and not) and json_object; the
+    content validates, the stream carries the same text."""
+    openai = pytest.importorskip("openai")
+    import jsonschema
+
+    client = openai.OpenAI(base_url=f"http://{decode.addresses['http']}/v1", api_key="unused")
+    model = client.models.list().data[0].id
+    schema = SCHEMAS[1]  # an enum and a bounded number
+    messages = [{"role": "user", "content": "Pick a color and a score as JSON."}]
+    response_format = {
+        "type": "json_schema",
+        "json_schema": {"name": "pick", "schema": schema, "strict": True},
+    }
+    kw = dict(model=model, messages=messages, temperature=0, max_tokens=64, response_format=response_format)
+    chat = client.chat.completions.create(**kw)
+    jsonschema.validate(json.loads(chat.choices[0].message.content), schema)
+    assert chat.choices[0].finish_reason == "stop"
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    assert (
+        "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        == chat.choices[0].message.content
+    )
+    anything = client.chat.completions.create(
+        model=model, messages=messages, temperature=0, max_tokens=64, response_format={"type": "json_object"}
+    )
+    assert isinstance(json.loads(anything.choices[0].message.content), dict)
+    with pytest.raises(openai.BadRequestError, match="response_format"):
+        client.chat.completions.create(model=model, messages=messages, response_format={"type": "xml"})

@@ -9,6 +9,7 @@ of every field. And the table covers every field of SamplingParams and of the pr
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 from hypothesis import given, settings
@@ -152,3 +153,32 @@ def test_openai_shapes():
 def test_unknown_client_keyword_is_a_type_error():
     with pytest.raises(TypeError, match="temprature"):
         build_request("hi", temprature=0.5)
+
+
+def test_openai_constraints():
+    """response_format and vLLM's guided_* keys -> the constraint; shapes checked, naming the key."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    wrapped = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema, "strict": True}}
+    assert openai_params({"response_format": wrapped}, 16).constraint == Constraint(
+        "json_schema", json.dumps(schema)
+    )
+    assert openai_params({"response_format": {"type": "json_object"}}, 16).constraint == Constraint(
+        "json_object"
+    )
+    assert openai_params({"response_format": {"type": "text"}}, 16).constraint is None
+    assert openai_params({"guided_regex": "a+"}, 16).constraint == Constraint("regex", "a+")
+    assert openai_params({"guided_choice": ["x", "y"]}, 16).constraint == Constraint(
+        "choice", choices=("x", "y")
+    )
+    assert openai_params({"guided_json": schema}, 16).constraint == Constraint(
+        "json_schema", json.dumps(schema)
+    )
+    for body, field in [
+        ({"response_format": {"type": "xml"}}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "a"}}}, "response_format"),
+        ({"guided_choice": "x"}, "guided_choice"),
+        ({"guided_regex": "a", "guided_grammar": "start: x"}, "guided_grammar"),
+    ]:
+        with pytest.raises(InvalidRequestError) as err:
+            openai_params(body, 16)
+        assert err.value.field == field
