@@ -24,6 +24,7 @@ from engine.output import RequestOutput
 from engine.request import Request
 from engine.sampling_params import Constraint, InvalidRequestError, SamplingParams
 from services.decode.core import PREFILL_HINT_HEADER, GenerationCore, ServiceError
+from services.decode.tools import ToolChoice, tool_choice
 from services.sampling import FIELD_NAMES, params_from_values
 from services.security import ServerSecurity, token_ok
 
@@ -169,7 +170,8 @@ class OpenAIFrontend:
         if isinstance(body, web.Response):
             return body
         try:
-            engine_request = self._prepare(body, chat, self.service.make_request)
+            tools = tool_choice(body) if chat else None
+            engine_request = self._prepare(body, chat, self.service.make_request, tools)
             hint = self.service.prefill_hint(request.headers.get(PREFILL_HINT_HEADER))
         except InvalidRequestError as e:
             return _invalid(e)
@@ -179,8 +181,8 @@ class OpenAIFrontend:
         outputs = self.service.stream(engine_request, prefill_hint=hint)
         model = engine_request.lora.name if engine_request.lora else self.model  # echoed in responses
         if body.get("stream"):
-            return await self._stream(request, outputs, rid, chat, body, model)
-        return await self._complete(outputs, rid, chat, model)
+            return await self._stream(request, outputs, rid, chat, body, model, tools)
+        return await self._complete(outputs, rid, chat, model, tools)
 
     async def _render(self, request: web.Request, chat: bool) -> web.Response:
         """The prompt's token ids as Generate would compute them: the same parsing, validation and
@@ -189,27 +191,24 @@ class OpenAIFrontend:
         if isinstance(body, web.Response):
             return body
         try:
-            engine_request = self._prepare(body, chat, self.service.engine.make_request)
+            tools = tool_choice(body) if chat else None
+            engine_request = self._prepare(body, chat, self.service.engine.make_request, tools)
         except InvalidRequestError as e:
             return _invalid(e)
         model = engine_request.lora.name if engine_request.lora else self.model
         rendered = {"model": model, "token_ids": list(engine_request.prompt_ids)}
         return web.json_response(rendered if chat else [rendered])
 
-    def _prepare(self, body: dict, chat: bool, make_request) -> Request:
-        """The engine request of an OpenAI body (InvalidRequestError names the bad field)."""
+    def _prepare(self, body: dict, chat: bool, make_request, tools: ToolChoice | None = None) -> Request:
+        """The engine request of an OpenAI body (InvalidRequestError names the bad field); `tools`: the
+        chat's tools, given to its template, and the constraint of a required or named call."""
         tokenizer = self.service.engine.tokenizer
         if chat:
             messages = body.get("messages")
-            if (
-                not isinstance(messages, list)
-                or not messages
-                or not all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages)
-            ):
+            if not isinstance(messages, list) or not messages or not all(_message_ok(m) for m in messages):
                 raise InvalidRequestError("messages", "must be a non-empty list of {role, content}")
-            prompt = tokenizer.encode_chat(
-                [{"role": m.get("role", "user"), "content": m["content"]} for m in messages]
-            )
+            template_tools = {"tools": tools.template_tools} if tools is not None else {}
+            prompt = tokenizer.encode_chat([_message(m) for m in messages], **template_tools)
         else:
             prompt = body.get("prompt")
             if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
@@ -219,6 +218,11 @@ class OpenAIFrontend:
             ):
                 raise InvalidRequestError("prompt", "must be a string or a list of token ids")
         params = _params(body, default_max_tokens=16 if not chat else 256)
+        forced = tools.constraint() if tools is not None else None
+        if forced is not None:
+            if params.constraint is not None:
+                raise InvalidRequestError("tool_choice", "a required or named call and a response_format")
+            params = dataclasses.replace(params, constraint=forced)
         return make_request(prompt, params, lora=self._adapter(body) or None)
 
     def _adapter(self, body: dict) -> str:
@@ -231,7 +235,9 @@ class OpenAIFrontend:
             raise InvalidRequestError("lora_adapter", "must be a string")
         return name
 
-    async def _complete(self, outputs, rid: str, chat: bool, model: str) -> web.Response:
+    async def _complete(
+        self, outputs, rid: str, chat: bool, model: str, tools: ToolChoice | None
+    ) -> web.Response:
         text, finish, usage, logprobs = [], None, None, []
         try:
             async for output in outputs:
@@ -243,7 +249,11 @@ class OpenAIFrontend:
             return _error(_HTTP_STATUS.get(e.code, 500), e.message, "server_error")
         choice = {"index": 0, "finish_reason": finish, "logprobs": self._logprobs(logprobs, chat)}
         if chat:
-            choice["message"] = {"role": "assistant", "content": "".join(text)}
+            choice["message"] = message = {"role": "assistant", "content": "".join(text)}
+            calls = _tool_calls(tools, message, finish)
+            if calls:
+                choice["finish_reason"] = "tool_calls"
+                message["tool_calls"] = calls
         else:
             choice["text"] = "".join(text)
         return web.json_response(
@@ -258,8 +268,10 @@ class OpenAIFrontend:
         )
 
     async def _stream(
-        self, request, outputs, rid: str, chat: bool, body: dict, model: str
+        self, request, outputs, rid: str, chat: bool, body: dict, model: str, tools: ToolChoice | None
     ) -> web.StreamResponse:
+        """Server-sent chunks as tokens arrive. With tools (but for "none") the content is held back to the
+        end, then sent as one delta with the parsed tool calls."""
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
@@ -274,6 +286,7 @@ class OpenAIFrontend:
 
         if chat:
             await send({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None})
+        held = [] if tools is not None and tools.mode != "none" else None
         try:
             async for output in outputs:
                 choice = {
@@ -281,7 +294,16 @@ class OpenAIFrontend:
                     "finish_reason": output.finish_reason.value if output.finished else None,
                 }
                 choice["logprobs"] = self._logprobs(output.logprobs, chat)
-                if chat:
+                if held is not None:
+                    held.append(output.text)
+                    choice["delta"] = {}
+                    if output.finished:
+                        choice["delta"] = delta = {"content": "".join(held)}
+                        calls = _tool_calls(tools, delta, choice["finish_reason"])
+                        if calls:
+                            choice["finish_reason"] = "tool_calls"
+                            delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
+                elif chat:
                     choice["delta"] = {"content": output.text} if output.text else {}
                 else:
                     choice["text"] = output.text
@@ -317,6 +339,34 @@ class OpenAIFrontend:
             "token_logprobs": [lp.logprob for lp in logprobs],
             "top_logprobs": [{decode([t]): v for t, v in lp.top} for lp in logprobs],
         }
+
+
+def _message_ok(m) -> bool:
+    """A chat message: content text, or an assistant's tool calls (content null)."""
+    if not isinstance(m, dict):
+        return False
+    return isinstance(m.get("content"), str) or (
+        m.get("content") is None and isinstance(m.get("tool_calls"), list)
+    )
+
+
+def _message(m: dict) -> dict:
+    """A message as the chat template takes it: role and content, and the tool fields templates read."""
+    out = {"role": m.get("role", "user"), "content": m.get("content") or ""}
+    out.update({k: m[k] for k in ("tool_calls", "tool_call_id", "name") if k in m})
+    return out
+
+
+def _tool_calls(tools: ToolChoice | None, message: dict, finish: str | None) -> list[dict]:
+    """Parses the finished text of `message` (its content is replaced by what is left of it) into tool
+    calls; none when the output stopped short of a whole call (finish "length")."""
+    if tools is None or tools.mode == "none" or finish != "stop":
+        return []
+    try:
+        message["content"], calls = tools.calls(message["content"])
+    except (ValueError, KeyError, TypeError):  # not the call's JSON after all
+        return []
+    return calls
 
 
 async def _json_body(request: web.Request) -> dict | web.Response:

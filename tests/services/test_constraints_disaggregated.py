@@ -101,3 +101,46 @@ def test_openai_response_format_json_schema_and_json_object(decode):
     assert isinstance(json.loads(anything.choices[0].message.content), dict)
     with pytest.raises(openai.BadRequestError, match="response_format"):
         client.chat.completions.create(model=model, messages=messages, response_format={"type": "xml"})
+
+
+def test_openai_tools_required_named_and_auto(decode):
+    """tools with tool_choice required and named (streamed and not): a tool call whose arguments validate
+    against its parameters, finish_reason tool_calls; auto: text or valid calls."""
+    openai = pytest.importorskip("openai")
+    import jsonschema
+
+    from tests.services.test_tools import TIME, WEATHER
+
+    client = openai.OpenAI(base_url=f"http://{decode.addresses['http']}/v1", api_key="unused")
+    model = client.models.list().data[0].id
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    params = WEATHER["function"]["parameters"]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice in ("required", named):
+        kw = dict(
+            model=model,
+            messages=messages,
+            tools=[WEATHER, TIME],
+            tool_choice=choice,
+            temperature=0,
+            max_tokens=64,
+        )
+        out = client.chat.completions.create(**kw).choices[0]
+        assert out.finish_reason == "tool_calls" and out.message.content is None
+        [call] = out.message.tool_calls
+        assert call.type == "function" and call.function.name in ("get_weather", "get_time")
+        if call.function.name == "get_weather":
+            jsonschema.validate(json.loads(call.function.arguments), params)
+        chunks = [c for c in client.chat.completions.create(**kw, stream=True) if c.choices]
+        [streamed] = [t for c in chunks for t in (c.choices[0].delta.tool_calls or [])]
+        assert (streamed.function.name, streamed.function.arguments) == (
+            call.function.name,
+            call.function.arguments,
+        )
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    auto = client.chat.completions.create(
+        model=model, messages=messages, tools=[WEATHER], temperature=0, max_tokens=32
+    ).choices[0]
+    for call in auto.message.tool_calls or []:
+        jsonschema.validate(json.loads(call.function.arguments), params)
+    assert auto.message.tool_calls or isinstance(auto.message.content, str)
