@@ -144,3 +144,79 @@ def test_openai_tools_required_named_and_auto(decode):
     for call in auto.message.tool_calls or []:
         jsonschema.validate(json.loads(call.function.arguments), params)
     assert auto.message.tool_calls or isinstance(auto.message.content, str)
+
+
+def _schemas():
+    """Random JSON schemas of the constructs the tests use, and some that are not schemas at all."""
+    from hypothesis import strategies as st
+
+    scalar = st.one_of(
+        st.just({"type": "string"}),
+        st.builds(lambda n: {"type": "string", "maxLength": n}, st.integers(1, 12)),
+        st.builds(
+            lambda lo, span: {"type": "integer", "minimum": lo, "maximum": lo + span},
+            st.integers(-50, 50),
+            st.integers(0, 100),
+        ),
+        st.just({"type": "number"}),
+        st.just({"type": "boolean"}),
+        st.builds(
+            lambda vs: {"enum": vs},
+            st.lists(st.sampled_from(["a", "b", "c", 1, 2, None]), min_size=1, max_size=3, unique=True),
+        ),
+    )
+    names = st.sampled_from(["id", "name", "tags", "score", "ok"])
+
+    def extend(inner):
+        return st.one_of(
+            st.builds(
+                lambda items, n: {"type": "array", "items": items, "maxItems": n}, inner, st.integers(1, 3)
+            ),
+            st.builds(
+                lambda props: {
+                    "type": "object",
+                    "properties": props,
+                    "required": sorted(props),
+                    "additionalProperties": False,
+                },
+                st.dictionaries(names, inner, min_size=1, max_size=3),
+            ),
+            st.builds(lambda a, b: {"anyOf": [a, b]}, inner, inner),
+        )
+
+    valid = st.recursive(scalar, extend, max_leaves=6)
+    broken = st.sampled_from(
+        [{"type": "nope"}, {"type": "integer", "minimum": "x"}, {"anyOf": "x"}, {"$ref": "#/nowhere"}]
+    )
+    return st.one_of(valid, valid, valid, broken)
+
+
+def test_random_schemas_give_valid_outputs_or_invalid_argument(decode):
+    """Hypothesis: each random schema's output validates (when it finished) or the request is
+    INVALID_ARGUMENT naming the constraint; the daemon keeps serving throughout."""
+    import jsonschema
+    from hypothesis import HealthCheck, given, settings
+
+    client = Client(decode.address)
+
+    @settings(max_examples=12, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @given(schema=_schemas())
+    def check(schema):
+        try:
+            out = client.generate(
+                PROMPT,
+                max_tokens=48,
+                temperature=0.0,
+                constraint=Constraint("json_schema", json.dumps(schema)),
+            )
+        except grpc.RpcError as e:
+            assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and "constraint" in e.details(), e.details()
+            return
+        if out.finish_reason == "stop":
+            jsonschema.validate(json.loads(out.text), schema)
+        else:
+            assert out.finish_reason in ("length", "constraint_dead_end"), out.finish_reason
+
+    check()
+    assert client.generate(PROMPT, max_tokens=4).finish_reason == "length"
+    client.close()
