@@ -20,11 +20,18 @@ from services.daemon import (
     refusing_unloadable_models,
     serve_main,
 )
-from services.sampling import add_sampling_flags, flag_values, params_from_request
+from services.sampling import (
+    add_constraint_flags,
+    add_sampling_flags,
+    constraint_from_flags,
+    flag_values,
+    params_from_request,
+)
 
 
 def add_generate_args(parser: argparse.ArgumentParser) -> None:
     add_sampling_flags(parser)  # one flag per knob of services.sampling.FIELDS
+    add_constraint_flags(parser)
     parser.add_argument("--chat", action="store_true", help="wrap PROMPT as one user message")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
 
@@ -38,6 +45,7 @@ def generate_request(args: argparse.Namespace):
         chat=[{"role": "user", "content": args.prompt}] if args.chat else None,
         lora_adapter=args.adapter or "",
         return_prompt_ids=args.json,
+        constraint=constraint_from_flags(args),
         **flag_values(args),
     )
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from engine.sampling_params import Constraint, InvalidRequestError, SamplingParams
@@ -151,6 +152,36 @@ def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
             )
         else:
             group.add_argument(field.cli_flag, dest=field.name, type=field.kind, help=field.help)
+
+
+def add_constraint_flags(parser: argparse.ArgumentParser) -> None:
+    """At most one constraint (structured output): --json-schema, --json-object, --regex, --grammar,
+    --choice (repeatable)."""
+    group = parser.add_argument_group("structured output (at most one)").add_mutually_exclusive_group()
+    group.add_argument("--json-schema", metavar="SCHEMA", help="a JSON schema: its JSON text, or @FILE")
+    group.add_argument("--json-object", action="store_true", default=None, help="any JSON object")
+    group.add_argument("--regex", help="the output matches this regex")
+    group.add_argument("--grammar", metavar="LARK", help="a Lark grammar (llguidance's dialect), or @FILE")
+    group.add_argument("--choice", action="append", help="the output is one of these strings (repeatable)")
+
+
+def constraint_from_flags(args: argparse.Namespace) -> Constraint | None:
+    """The constraint the flags of add_constraint_flags give (None: free text); @FILE reads a file."""
+
+    def text(value: str) -> str:
+        return Path(value[1:]).read_text() if value.startswith("@") else value
+
+    if args.json_schema is not None:
+        return Constraint("json_schema", text(args.json_schema))
+    if args.json_object:
+        return Constraint("json_object")
+    if args.regex is not None:
+        return Constraint("regex", args.regex)
+    if args.grammar is not None:
+        return Constraint("grammar", text(args.grammar))
+    if args.choice:
+        return Constraint("choice", choices=tuple(args.choice))
+    return None
 
 
 def flag_values(args: argparse.Namespace) -> dict[str, Any]:

@@ -182,3 +182,21 @@ def test_openai_constraints():
         with pytest.raises(InvalidRequestError) as err:
             openai_params(body, 16)
         assert err.value.field == field
+
+
+def test_cli_constraint_flags(tmp_path):
+    grammar = tmp_path / "g.lark"
+    grammar.write_text('start: "yes" | "no"')
+    cases = [
+        (["--json-schema", '{"type": "object"}'], Constraint("json_schema", '{"type": "object"}')),
+        (["--json-object"], Constraint("json_object")),
+        (["--regex", "[a-z]+"], Constraint("regex", "[a-z]+")),
+        (["--grammar", f"@{grammar}"], Constraint("grammar", 'start: "yes" | "no"')),
+        (["--choice", "yes", "--choice", "no"], Constraint("choice", choices=("yes", "no"))),
+        ([], None),
+    ]
+    for flags, constraint in cases:
+        args = build_parser().parse_args(["generate", *flags, "--", "a prompt"])
+        assert params_from_request(generate_request(args)).constraint == constraint
+    with pytest.raises(SystemExit):  # at most one
+        build_parser().parse_args(["generate", "--regex", "a", "--json-object", "--", "p"])
