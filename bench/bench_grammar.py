@@ -12,7 +12,8 @@ Per library (each one that imports):
     so every row stays inside its grammar; a finished row restarts); ms per batch step, mean and p99;
   * what the bitmask is (a numpy int32 array, or a torch tensor), and what installing it pulls in.
 And pdserve's decode step at batch 32 with half the rows constrained by a JSON schema against none, in
-the same run (issue 18's target: >= 0.85x).
+the same run (issue 18's target: >= 0.85x), and TTFT of 512-token prompts through a decode server on a
+prefill server (real daemons) with a constraint and without.
 """
 
 from __future__ import annotations
@@ -209,6 +210,42 @@ def decode_with_constraints(steps: int) -> dict:
     }
 
 
+def disaggregated_ttft(runs: int, length: int = 512) -> dict:
+    """TTFT through a decode server on a prefill server (real daemons) for `length`-token prompts with a
+    JSON-schema constraint and without, alternated, median of `runs` each: the prefill server compiles the
+    constraint and samples the first token under it; the decode server compiles it too, at the door."""
+    import statistics
+    import tempfile
+
+    from bench_disagg import prompt
+
+    from engine.models import DEFAULT_MODEL, fetch
+    from engine.sampling_params import Constraint
+    from services.client import Client
+    from services.launch import decode_server, prefill_server
+    from tests.constraint_schemas import SCHEMAS
+
+    gguf = fetch(DEFAULT_MODEL, progress=False)
+    logs = Path(tempfile.mkdtemp())
+    pf = prefill_server(gguf, logs)
+    dc = decode_server(gguf, pf.address, logs)
+    try:
+        client = Client(dc.address)
+        constraint = Constraint("json_schema", json.dumps(SCHEMAS[3]))  # nested objects
+        for kw in ({}, {"constraint": constraint}):  # compile every shape once
+            client.generate(prompt(length, 0), max_tokens=2, **kw)
+        ttft = {"none": [], "json_schema": []}
+        for run in range(runs):
+            ttft["none"].append(client.generate(prompt(length, 2 * run + 1), max_tokens=1).ttft_s)
+            constrained = client.generate(prompt(length, 2 * run + 2), max_tokens=1, constraint=constraint)
+            ttft["json_schema"].append(constrained.ttft_s)
+        medians = {k: statistics.median(v) for k, v in ttft.items()}
+        return {"prompt_tokens": length, "ttft_s": medians, "ratio": medians["json_schema"] / medians["none"]}
+    finally:
+        dc.terminate()
+        pf.terminate()
+
+
 CASES = {"llguidance": llguidance_case, "outlines-core": outlines_case, "xgrammar": xgrammar_case}
 
 
@@ -229,6 +266,7 @@ def main() -> None:
         except ImportError as e:
             results[name] = {"not installed": str(e)}
     results["pdserve_decode_batch32"] = decode_with_constraints(args.steps // 2)
+    results["disaggregated_ttft"] = disaggregated_ttft(runs=5)
     report(results, args.json)
 
 
