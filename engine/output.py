@@ -40,8 +40,8 @@ class OutputStream:
         the request's finish reason when it ends the request."""
         r = self.request
         text = ""
-        if token in self.stop_ids:
-            r.finish_reason = FinishReason.STOP
+        if token in self.stop_ids or r.finish_reason is FinishReason.DEAD_END:  # shows nothing
+            r.finish_reason = r.finish_reason or FinishReason.STOP
         else:
             text = self.matcher.feed(self.detokenizer.add(token))
             if self.matcher.stopped:

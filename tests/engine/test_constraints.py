@@ -82,3 +82,23 @@ def test_bad_constraints_are_refused_naming_the_field(make_engine, constraint, m
     with pytest.raises(InvalidRequestError, match=message) as e:
         engine.make_request(PROMPT, SamplingParams(constraint=constraint))
     assert e.value.field == "constraint"
+
+
+def test_a_dead_end_finishes_the_request_without_an_invalid_token(make_engine, monkeypatch):
+    """A constraint that allows no next token (forced here from the third step on: llguidance's languages
+    rarely have one) ends the request with constraint_dead_end; the text stops at the last allowed token."""
+    engine = make_engine()
+    real_fill, steps = engine.constraints.fill, []
+
+    def fill(matchers):
+        mask = real_fill(matchers)
+        steps.append(len(matchers))
+        if len(steps) >= 3:
+            mask[:] = 0
+        return mask
+
+    monkeypatch.setattr(engine.constraints, "fill", fill)
+    params = SamplingParams(temperature=0.0, max_tokens=20, constraint=Constraint("json_object"))
+    out = engine.generate([PROMPT], params)[0]
+    assert out.finish_reason == "constraint_dead_end" and len(out.token_ids) == 3
+    assert out.text == engine.tokenizer.decode(out.token_ids[:2]) and out.text.startswith("{")
