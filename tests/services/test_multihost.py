@@ -9,13 +9,16 @@ it)."""
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import threading
 
 import pytest
 
+from engine.sampling_params import Constraint
 from services.client import Client, build_request
 from services.group import EXIT_GROUP_LOST
 from services.launch import daemon_group, decode_server, prefill_server
+from tests.constraint_schemas import SCHEMAS
 from tests.helpers import assert_all_free
 
 pytestmark = pytest.mark.daemon
@@ -29,7 +32,7 @@ def long_prompt(n_words: int, salt: int) -> str:
     return " ".join(WORDS[(i * 7 + salt) % len(WORDS)] for i in range(n_words))
 
 
-# 16 concurrent requests: greedy and seeded, short and one chunked (> 256 tokens: the daemons' step budget)
+# 17 concurrent requests: greedy and seeded, short and one chunked (> 256 tokens: the daemons' step budget)
 JOBS = [
     ("Hello, my name is", dict(max_tokens=12)),
     ("The capital of France is", dict(max_tokens=12, temperature=0.8, seed=7)),
@@ -39,6 +42,13 @@ JOBS = [
     (long_prompt(20 + 9 * i, i), dict(max_tokens=6, seed=i, temperature=0.7, ignore_eos=True))
     for i in range(12)
 ]
+# a constrained one: the group samples its first token under the mask the leader ships to the worker
+JOBS.append(
+    (
+        long_prompt(30, 14),
+        dict(max_tokens=24, temperature=0.0, constraint=Constraint("json_schema", json.dumps(SCHEMAS[0]))),
+    )
+)
 
 
 @pytest.fixture(scope="module")
