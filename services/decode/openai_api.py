@@ -24,7 +24,7 @@ from engine.output import RequestOutput
 from engine.request import Request
 from engine.sampling_params import Constraint, InvalidRequestError, SamplingParams
 from services.decode.core import PREFILL_HINT_HEADER, GenerationCore, ServiceError
-from services.decode.tools import ToolChoice, tool_choice
+from services.decode.tools import ToolChoice, ToolStream, tool_choice
 from services.sampling import FIELD_NAMES, params_from_values
 from services.security import ServerSecurity, token_ok
 
@@ -270,8 +270,7 @@ class OpenAIFrontend:
     async def _stream(
         self, request, outputs, rid: str, chat: bool, body: dict, model: str, tools: ToolChoice | None
     ) -> web.StreamResponse:
-        """Server-sent chunks as tokens arrive. With tools (but for "none") the content is held back to the
-        end, then sent as one delta with the parsed tool calls."""
+        """Server-sent chunks as tokens arrive; with tools, services.decode.tools.ToolStream's deltas."""
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
@@ -286,7 +285,7 @@ class OpenAIFrontend:
 
         if chat:
             await send({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None})
-        held = [] if tools is not None and tools.mode != "none" else None
+        tool_stream = ToolStream(tools) if tools is not None else None
         try:
             async for output in outputs:
                 choice = {
@@ -294,22 +293,31 @@ class OpenAIFrontend:
                     "finish_reason": output.finish_reason.value if output.finished else None,
                 }
                 choice["logprobs"] = self._logprobs(output.logprobs, chat)
-                if held is not None:
-                    held.append(output.text)
-                    choice["delta"] = {}
-                    if output.finished:
-                        choice["delta"] = delta = {"content": "".join(held)}
-                        calls = _tool_calls(tools, delta, choice["finish_reason"])
-                        if calls:
-                            choice["finish_reason"] = "tool_calls"
-                            delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
-                elif chat:
-                    choice["delta"] = {"content": output.text} if output.text else {}
-                else:
-                    choice["text"] = output.text
                 usage = None
                 if output.finished and (body.get("stream_options") or {}).get("include_usage"):
                     usage = _usage(output)
+                if tool_stream is not None:  # one chunk per delta; the last carries the finish
+                    deltas = tool_stream.feed(output.text)
+                    if output.finished:
+                        more, choice["finish_reason"] = tool_stream.finish(choice["finish_reason"])
+                        deltas += more
+                    deltas = deltas or [{}]
+                    for i, delta in enumerate(deltas):
+                        last = i == len(deltas) - 1
+                        await send(
+                            {
+                                "index": 0,
+                                "delta": delta,
+                                "logprobs": choice["logprobs"] if i == 0 else None,
+                                "finish_reason": choice["finish_reason"] if last else None,
+                            },
+                            usage if last else None,
+                        )
+                    continue
+                if chat:
+                    choice["delta"] = {"content": output.text} if output.text else {}
+                else:
+                    choice["text"] = output.text
                 await send(choice, usage)
         except ServiceError as e:
             await response.write(

@@ -75,6 +75,71 @@ class ToolChoice:
         return text, []
 
 
+_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
+
+
+class ToolStream:
+    """A streamed chat's text deltas -> OpenAI stream deltas: text goes out as content as it comes, but for
+    what may be the start of a Hermes call (held until it closes: then the call, with auto); the named
+    call's arguments go out as they are generated; a required call, once whole."""
+
+    def __init__(self, choice: ToolChoice):
+        self.choice = choice
+        self.held = ""
+        self.num_calls = 0
+
+    def feed(self, text: str) -> list[dict]:
+        """Deltas for the next piece of generated text."""
+        mode = self.choice.mode
+        if mode == "none":
+            return [{"content": text}] if text else []
+        if mode == "named":
+            deltas = [] if self.num_calls else [{"tool_calls": [{"index": 0, **_call(self.choice.name, "")}]}]
+            self.num_calls = 1
+            if text:
+                deltas.append({"tool_calls": [{"index": 0, "function": {"arguments": text}}]})
+            return deltas
+        self.held += text
+        return self._auto_deltas() if mode == "auto" else []
+
+    def _auto_deltas(self) -> list[dict]:
+        deltas = []
+        while True:
+            start = self.held.find(_OPEN)
+            if start < 0:  # keep back a tail that may be the start of a tag
+                keep = next((n for n in range(len(_OPEN) - 1, 0, -1) if self.held.endswith(_OPEN[:n])), 0)
+                text, self.held = self.held[: len(self.held) - keep], self.held[len(self.held) - keep :]
+                return deltas + ([{"content": text}] if text else [])
+            if start:
+                deltas.append({"content": self.held[:start]})
+            end = self.held.find(_CLOSE, start)
+            if end < 0:
+                self.held = self.held[start:]
+                return deltas
+            block, self.held = self.held[start : end + len(_CLOSE)], self.held[end + len(_CLOSE) :]
+            _, calls = self.choice.calls(block)
+            if calls:
+                deltas.append({"tool_calls": [{"index": self.num_calls, **calls[0]}]})
+                self.num_calls += 1
+            else:  # not a call of these tools: it was text
+                deltas.append({"content": block})
+
+    def finish(self, finish_reason: str | None) -> tuple[list[dict], str | None]:
+        """The last deltas and the choice's finish reason ("tool_calls" when calls were made)."""
+        deltas = []
+        if self.choice.mode == "required" and finish_reason == "stop":
+            try:
+                _, calls = self.choice.calls(self.held)
+                deltas.append({"tool_calls": [{"index": 0, **calls[0]}]})
+                self.num_calls = 1
+            except (ValueError, KeyError, TypeError):
+                deltas.append({"content": self.held})
+        elif self.held:
+            deltas.append({"content": self.held})
+        self.held = ""
+        return deltas, "tool_calls" if self.num_calls and finish_reason == "stop" else finish_reason
+
+
 def _call(name: str, arguments: str) -> dict:
     return {
         "id": "call_" + uuid.uuid4().hex[:24],

@@ -9,7 +9,7 @@ import jsonschema
 import pytest
 
 from engine.sampling_params import InvalidRequestError
-from services.decode.tools import tool_choice
+from services.decode.tools import ToolStream, tool_choice
 
 pytestmark = pytest.mark.fast
 
@@ -77,3 +77,43 @@ def test_bad_tools_name_the_key(body, field):
     with pytest.raises(InvalidRequestError) as e:
         tool_choice(body)
     assert e.value.field == field
+
+
+def _joined(deltas):
+    """Content and the calls (name, arguments) a client assembles from stream deltas."""
+    content, calls = "", {}
+    for delta in deltas:
+        content += delta.get("content") or ""
+        for call in delta.get("tool_calls", []):
+            entry = calls.setdefault(call["index"], ["", ""])
+            entry[0] += call.get("function", {}).get("name", "")
+            entry[1] += call.get("function", {}).get("arguments", "")
+    return content, [tuple(c) for _, c in sorted(calls.items())]
+
+
+def test_streamed_deltas_assemble_to_the_whole_answer():
+    """Text split anywhere, even inside a tag: auto streams content at once but for a possible tag, and
+    each call when it closes; named streams the arguments as they come; required sends the call whole."""
+    call = '{"name": "get_weather", "arguments": {"city": "Oslo"}}'
+    text = f"Let me look.\n<tool_call>\n{call}\n</tool_call> Done."
+    auto = tool_choice({"tools": [WEATHER]})
+    for cut in range(1, len(text), 7):
+        stream = ToolStream(auto)
+        deltas = stream.feed(text[:cut]) + stream.feed(text[cut:])
+        more, finish = stream.finish("stop")
+        assert _joined(deltas + more) == ("Let me look.\n Done.", [("get_weather", '{"city": "Oslo"}')])
+        assert finish == "tool_calls"
+    first = ToolStream(auto).feed("Sure <tool")
+    assert first == [{"content": "Sure "}]  # "<tool" may open a tag: held
+    named = ToolStream(
+        tool_choice(
+            {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+        )
+    )
+    deltas = named.feed('{"city"') + named.feed(': "Oslo"}')
+    assert len(deltas) == 3 and _joined(deltas) == ("", [("get_weather", '{"city": "Oslo"}')])
+    assert named.finish("stop") == ([], "tool_calls") and named.finish("length")[1] == "length"
+    required = ToolStream(tool_choice({"tools": [WEATHER], "tool_choice": "required"}))
+    assert required.feed('{"name": "get_weather", ') == required.feed('"arguments": {"city": "Oslo"}}') == []
+    more, finish = required.finish("stop")
+    assert _joined(more) == ("", [("get_weather", '{"city": "Oslo"}')]) and finish == "tool_calls"
