@@ -238,12 +238,18 @@ class LLMEngine:
         return token
 
     def _consume(self, request: Request, token: int) -> None:
-        """The request's matcher takes `token`; RuntimeError if its constraint forbids it."""
+        """The request's matcher takes `token`. One it refuses (a work limit reached inside the matcher,
+        or the EOS a prefill server sends for a dead end at the first token) ends the request as a dead
+        end: nothing after the last token the constraint took is shown."""
         if not request.matcher.consume_token(token):
-            raise RuntimeError(
-                f"request {request.request_id!r}: token {token} breaks its constraint "
-                f"({request.matcher.get_error()})"
+            log.warning(
+                "constraint failed at token %d: %s",
+                token,
+                request.matcher.get_error(),
+                extra={"request_id": request.request_id},
             )
+            request.finish_reason = FinishReason.DEAD_END
+            return
         if request.matcher.is_stopped() and token in self.tokenizer.eos_token_ids:  # ignore_eos or not
             request.finish_reason = FinishReason.STOP  # complete (a complete output allows only EOS next)
 

@@ -28,7 +28,8 @@ class FinishReason(enum.StrEnum):
     STOP = "stop"  # EOS, a stop token or a stop string
     LENGTH = "length"  # max_tokens or the model's length
     ABORT = "abort"  # cancelled
-    DEAD_END = "constraint_dead_end"  # the constraint allowed no next token (nothing invalid was emitted)
+    # the constraint allowed no next token, or its matcher failed (a work limit): nothing invalid was shown
+    DEAD_END = "constraint_dead_end"
 
 
 @dataclasses.dataclass

@@ -87,6 +87,7 @@ class Scheduler:
         self.running: list[Request] = []  # RUNNING, decoding
         self.remote: list[Request] = []  # WAITING_FOR_REMOTE_KV
         self.sending: list[Request] = []  # FINISHED_SENDING
+        self.num_preemptions = 0
 
     # ---- counts ---------------------------------------------------------------------------------------
     @property
@@ -181,10 +182,14 @@ class Scheduler:
 
     # ---- one step -------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput | None:
-        """The next step's rows (None: nothing can run): decodes, then chunks within the token budget."""
+        """The next step's rows (None: nothing can run): decodes, then chunks within the token budget. A step
+        that had to preempt admits nobody (as vLLM's): the blocks it freed are for the running requests,
+        and a victim must not come straight back."""
+        num_preempted = self.num_preemptions
         rows = [self._decode_row(r) for r in self._reserve_decode_slots()]
         budget = self.config.max_num_batched_tokens - len(rows)
-        self._admit()
+        if self.num_preemptions == num_preempted:
+            self._admit()
         for request in self.prefilling:
             if budget <= 0:
                 break
@@ -320,10 +325,12 @@ class Scheduler:
             if request.status is Status.RUNNING:
                 self.kv.allocate(request.request_id, request.num_computed + 1)
                 scheduled.append(request)
-        return scheduled
+        # a request that got its slot may have been preempted since, as the newest, for a later one's
+        return [r for r in scheduled if r.status is Status.RUNNING]
 
     def _preempt(self, request: Request) -> None:
         """Gives a running request's blocks back (its full blocks stay cached); it is queued first."""
+        self.num_preemptions += 1
         (self.running if request in self.running else self.prefilling).remove(request)
         self.kv.free(request.request_id)
         request.num_computed = 0

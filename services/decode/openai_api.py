@@ -223,7 +223,18 @@ class OpenAIFrontend:
             if params.constraint is not None:
                 raise InvalidRequestError("tool_choice", "a required or named call and a response_format")
             params = dataclasses.replace(params, constraint=forced)
-        return make_request(prompt, params, lora=self._adapter(body) or None)
+        try:
+            return make_request(prompt, params, lora=self._adapter(body) or None)
+        except InvalidRequestError as e:
+            if e.field != "constraint":
+                raise
+            # name the key the constraint came from
+            key = (
+                "tool_choice"
+                if forced is not None
+                else next((k for k in ("response_format", *_GUIDED) if body.get(k) is not None), e.field)
+            )
+            raise InvalidRequestError(key, str(e).removeprefix("constraint: ")) from None
 
     def _adapter(self, body: dict) -> str:
         """`lora_adapter`, else `model` when it names a loaded adapter (vLLM's convention); "": the base."""

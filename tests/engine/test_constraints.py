@@ -102,3 +102,16 @@ def test_a_dead_end_finishes_the_request_without_an_invalid_token(make_engine, m
     out = engine.generate([PROMPT], params)[0]
     assert out.finish_reason == "constraint_dead_end" and len(out.token_ids) == 3
     assert out.text == engine.tokenizer.decode(out.token_ids[:2]) and out.text.startswith("{")
+
+
+def test_a_matcher_past_its_work_limit_ends_the_request_and_the_engine_serves_on(make_engine):
+    """A grammar llguidance compiles but cannot follow ('start: "a" start': its parser exceeds its item
+    limit at the first token) ends its request as constraint_dead_end, beside a free request."""
+    engine = make_engine()
+    runaway = SamplingParams(
+        temperature=0.0, max_tokens=8, constraint=Constraint("grammar", 'start: "a" start')
+    )
+    free = SamplingParams(temperature=0.0, max_tokens=4)
+    out = engine.generate([PROMPT, PROMPT], [runaway, free])
+    assert out[0].finish_reason == "constraint_dead_end" and out[0].text == ""
+    assert out[1].finish_reason == "length" and len(out[1].token_ids) == 4

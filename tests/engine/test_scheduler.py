@@ -4,7 +4,7 @@ every row and samples token 1 for the rows that sample."""
 import collections
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from engine.config import EngineConfig
@@ -76,6 +76,8 @@ def test_long_prompt_is_chunked_while_running_requests_decode():
 @given(
     st.lists(st.tuples(st.integers(1, 30), st.integers(1, 12), st.integers(0, 3)), min_size=1, max_size=12)
 )
+@example([(4, 1, 0), (26, 12, 0), (28, 8, 0), (2, 8, 0), (3, 7, 0)])  # a preempted victim came straight back
+@example([(4, 1, 0), (26, 12, 1), (28, 8, 0), (2, 8, 0), (3, 7, 0)])
 def test_no_running_request_waits_while_prompts_are_computed(arrivals):
     """(prompt length, max tokens, steps before the next arrival): every step holds a decode row for each
     request that was running (unless it was preempted for blocks) and stays within the token budget."""

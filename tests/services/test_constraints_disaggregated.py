@@ -101,6 +101,9 @@ def test_openai_response_format_json_schema_and_json_object(decode):
     assert isinstance(json.loads(anything.choices[0].message.content), dict)
     with pytest.raises(openai.BadRequestError, match="response_format"):
         client.chat.completions.create(model=model, messages=messages, response_format={"type": "xml"})
+    broken = {"type": "json_schema", "json_schema": {"name": "b", "schema": {"type": "nope"}}}
+    with pytest.raises(openai.BadRequestError, match="response_format: invalid json_schema"):
+        client.chat.completions.create(model=model, messages=messages, response_format=broken)
 
 
 def test_openai_tools_required_named_and_auto(decode):
@@ -191,9 +194,11 @@ def _schemas():
 
 def test_random_schemas_give_valid_outputs_or_invalid_argument(decode):
     """Hypothesis: each random schema's output validates (when it finished) or the request is
-    INVALID_ARGUMENT naming the constraint; the daemon keeps serving throughout."""
+    INVALID_ARGUMENT naming the constraint, and so do random grammars; the daemon keeps serving
+    throughout."""
     import jsonschema
     from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
 
     client = Client(decode.address)
 
@@ -215,6 +220,19 @@ def test_random_schemas_give_valid_outputs_or_invalid_argument(decode):
         else:
             assert out.finish_reason in ("length", "constraint_dead_end"), out.finish_reason
 
+    @settings(max_examples=8, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @given(grammar=st.one_of(st.text(max_size=40), st.just("start: x"), st.just('start: "a" start')))
+    def check_grammar(grammar):  # mostly not Lark at all: refused; otherwise served
+        try:
+            out = client.generate(
+                PROMPT, max_tokens=8, temperature=0.0, constraint=Constraint("grammar", grammar)
+            )
+        except grpc.RpcError as e:
+            assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and "constraint" in e.details(), e.details()
+            return
+        assert out.finish_reason in ("stop", "length", "constraint_dead_end")
+
     check()
+    check_grammar()
     assert client.generate(PROMPT, max_tokens=4).finish_reason == "length"
     client.close()
