@@ -21,7 +21,6 @@ from engine.config import EngineConfig
 from engine.constraints import ConstraintCompiler
 from engine.kv_connector import KVConnector
 from engine.kv_events import KVEvent
-from engine.kv_groups import KVGroups
 from engine.lora import AdapterRegistry, LoraSlots
 from engine.models import LoadedModel, load_model
 from engine.multihost import Publish
@@ -71,9 +70,7 @@ class LLMEngine:
             self.lora_slots,
             windowed_transfers=bool(model.config.layer_windows),
             release_window=model.config.widest_window,
-            ring_blocks=KVGroups.of(model.config).ring_blocks(
-                config.block_size, config.max_num_batched_tokens
-            ),
+            ring_blocks=self.runner.groups.ring_blocks(config.block_size, config.max_num_batched_tokens),
         )
         self._streams: dict[str, OutputStream] = {}
         self._ids = itertools.count()

@@ -105,14 +105,15 @@ class KVCacheManager:
         return [] if table is None else table.block_ids
 
     def block_tables(self, request_id: str) -> BlockTables:
-        """The request's table of every group: its blocks, then each ring's blocks repeated over as many."""
+        """The request's table of every group: its blocks (the table itself, not a copy: this runs for every
+        row of every step), then each ring's blocks repeated over as many."""
         table = self._tables.get(request_id)
         ids = [] if table is None else table.block_ids
         rings = [[]] * len(self.ring_blocks) if table is None else table.rings
         repeated = (
             tuple(r[j % cap] for j in range(len(ids))) for r, cap in zip(rings, self.ring_blocks, strict=True)
         )
-        return BlockTables((tuple(ids), *repeated))
+        return BlockTables((ids, *repeated))
 
     def _blocks_needed(self, table: _Table | None, num_tokens: int, have: int) -> int:
         """New blocks for `num_tokens` tokens: the table's beyond `have`, and each ring's up to its size."""

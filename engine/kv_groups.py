@@ -64,13 +64,9 @@ class KVGroups:
         return len(self.windows)
 
     @property
-    def is_hybrid(self) -> bool:
-        return self.num_groups > 1
-
-    @property
     def is_identity(self) -> bool:
         """One group, layer l in row l: the cache is the plain stacked [layers, blocks, ...]."""
-        return not self.is_hybrid
+        return self.num_groups == 1
 
     def ring_blocks(self, block_size: int, max_chunk_tokens: int) -> tuple[int, ...]:
         """Blocks of each group's ring (0: group 0, which holds every block of a request). A step's row
@@ -99,7 +95,7 @@ class BlockTables:
     """A request's block table of each group, all as long (one entry per logical block); slicing slices
     every group's alike. A sliding group's entries repeat its ring's blocks."""
 
-    groups: tuple[tuple[int, ...], ...]
+    groups: tuple[Sequence[int], ...]
 
     @classmethod
     def of(cls, block_ids: BlockTables | Sequence[int]) -> BlockTables:
