@@ -169,9 +169,8 @@ def load_gguf(path: str | Path, name: str | None = None) -> tuple[ModelConfig, d
 
     def fetch(i: int, weight: str) -> np.ndarray | None:
         w = tensor(f"blk.{i}.{_LAYER_TENSORS[weight][0]}")
-        if (
-            w is None and weight == "w_kv_b"
-        ):  # llama.cpp splits it: k_b [heads, rank, nope], v_b [heads, v, rank]
+        # llama.cpp splits DeepSeek's kv_b: k_b [heads, rank, nope], v_b [heads, v, rank]
+        if w is None and weight == "w_kv_b":
             k_b, v_b = tensor(f"blk.{i}.attn_k_b.weight"), tensor(f"blk.{i}.attn_v_b.weight")
             if k_b is not None and v_b is not None:
                 w = np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1).reshape(-1, k_b.shape[1])

@@ -72,10 +72,13 @@ def _constraint(body: dict) -> Constraint | None:
     """OpenAI's `response_format` ({"type": "json_object"} or {"type": "json_schema", "json_schema":
     {"schema": ...}}), or one of vLLM's guided_* keys; None: free text."""
     fmt = body.get("response_format")
+    given = [key for key in _GUIDED if body.get(key) is not None]
     if fmt is not None:
         kind = fmt.get("type") if isinstance(fmt, dict) else None
         if kind not in ("text", "json_object", "json_schema"):
             raise InvalidRequestError("response_format", "type must be text, json_object or json_schema")
+        if given and kind != "text":
+            raise InvalidRequestError(given[0], "at most one of response_format and the guided_* keys")
         if kind == "json_object":
             return Constraint("json_object")
         if kind == "json_schema":
@@ -84,8 +87,7 @@ def _constraint(body: dict) -> Constraint | None:
             if not isinstance(schema, dict):
                 raise InvalidRequestError("response_format", "json_schema.schema must be a JSON object")
             return Constraint("json_schema", json.dumps(schema))
-    given = [key for key in _GUIDED if body.get(key) is not None]
-    if len(given) > 1 or (given and fmt is not None and fmt.get("type") != "text"):
+    if len(given) > 1:
         raise InvalidRequestError(given[-1], "at most one of response_format and the guided_* keys")
     if not given:
         return None

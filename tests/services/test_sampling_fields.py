@@ -178,6 +178,7 @@ def test_openai_constraints():
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "a"}}}, "response_format"),
         ({"guided_choice": "x"}, "guided_choice"),
         ({"guided_regex": "a", "guided_grammar": "start: x"}, "guided_grammar"),
+        ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex"),
     ]:
         with pytest.raises(InvalidRequestError) as err:
             openai_params(body, 16)
