@@ -28,7 +28,7 @@ class OutputStream:
 
     def __init__(self, request: Request, tokenizer: Tokenizer, max_model_len: int):
         self.request = request
-        self.detokenizer = IncrementalDetokenizer(tokenizer)
+        self.detokenizer = IncrementalDetokenizer(tokenizer, request.params.skip_special_tokens)
         self.matcher = StopStringMatcher(request.params.stop)
         self.stop_ids = set(request.params.stop_token_ids)
         if not request.params.ignore_eos:

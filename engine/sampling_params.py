@@ -71,6 +71,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # top-n logprobs per token (0: only the sampled token's)
+    skip_special_tokens: bool = True  # the text leaves out the model's special tokens (not its stop tokens)
     constraint: Constraint | None = None  # structured output (None: free text)
 
     @property

@@ -8,6 +8,7 @@ import os
 
 from engine.args import add_engine_args, configure_jax, engine_config, load_adapters
 from engine.distributed import ProcessGroup, add_distributed_args, join, process_group
+from services.decode.tool_formats import PARSERS
 
 
 @contextlib.contextmanager
@@ -260,6 +261,12 @@ def decode_args(parser: argparse.ArgumentParser) -> None:
         help="serve the HTTP API without the port's TLS (behind an inference gateway; tokens still apply)",
     )
     parser.add_argument(
+        "--tool-call-parser",
+        choices=("auto", *PARSERS),
+        default="auto",
+        help="how the model writes tool calls, for tool_choice auto (auto: what its chat template asks for)",
+    )
+    parser.add_argument(
         "--auth-token-file",
         metavar="FILE",
         help="bearer tokens (one a line) that Generation and Admin calls must present",
@@ -335,7 +342,9 @@ def run_decode_server(core, args: argparse.Namespace, security, leader=None) -> 
     from services.decode.server import serve
 
     options = serve_options(args, security)
-    http = dict(http_port=args.http_port, http_plaintext=args.http_plaintext)
+    http = dict(
+        http_port=args.http_port, http_plaintext=args.http_plaintext, tool_call_parser=args.tool_call_parser
+    )
     run_daemon(leader, lambda stop: serve(core, args.port, stop, **http, **options))
 
 

@@ -54,6 +54,13 @@ FIELDS: tuple[Field, ...] = (
     Field("frequency_penalty", float, "sampling", "OpenAI-style, [-2, 2] over the output"),
     Field("seed", int, "sampling", "seeded sampling; unset: a random seed per request", optional=True),
     Field("logprobs", int, "sampling", "top-n logprobs per token (0: the sampled one's only)", optional=True),
+    Field(
+        "skip_special_tokens",
+        bool,
+        "sampling",
+        "leave special tokens out of the text (default)",
+        optional=True,
+    ),
     Field("max_tokens", int, "request", f"tokens to generate; 0 or unset: {DEFAULT_MAX_TOKENS}"),
     Field("stop", str, "stop", "stop string, not included in the output (repeatable)", repeated=True),
     Field("stop_token_ids", int, "stop", "stop token id (repeatable)", repeated=True, flag="--stop-token-id"),
@@ -144,7 +151,11 @@ def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
     for field in FIELDS:
         if field.kind is bool:
             group.add_argument(
-                field.cli_flag, dest=field.name, action="store_true", default=None, help=field.help
+                field.cli_flag,
+                dest=field.name,
+                action=argparse.BooleanOptionalAction,
+                default=None,
+                help=field.help,
             )
         elif field.repeated:
             group.add_argument(

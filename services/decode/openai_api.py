@@ -24,6 +24,7 @@ from engine.output import RequestOutput
 from engine.request import Request
 from engine.sampling_params import Constraint, InvalidRequestError, SamplingParams
 from services.decode.core import PREFILL_HINT_HEADER, GenerationCore, ServiceError
+from services.decode.tool_formats import detect, marked_by_special_tokens
 from services.decode.tools import ToolChoice, ToolStream, tool_choice
 from services.sampling import FIELD_NAMES, params_from_values
 from services.security import ServerSecurity, token_ok
@@ -104,12 +105,18 @@ def _constraint(body: dict) -> Constraint | None:
 
 
 class OpenAIFrontend:
-    """`security`: the public port's settings; its bearer tokens and TLS apply here too."""
+    """`security`: the public port's settings; its bearer tokens and TLS apply here too. `tool_call_parser`:
+    the format of the model's own tool calls (services.decode.tool_formats; "auto": its chat template's)."""
 
-    def __init__(self, service: GenerationCore, security: ServerSecurity | None = None):
+    def __init__(
+        self, service: GenerationCore, security: ServerSecurity | None = None, tool_call_parser: str = "auto"
+    ):
         self.service = service
         self.security = security
         self.model = service.engine.model.config.name
+        tokenizer = service.engine.tokenizer
+        self.tool_format = detect(tokenizer.chat_template) if tool_call_parser == "auto" else tool_call_parser
+        self.tool_markers_special = marked_by_special_tokens(self.tool_format, tokenizer)
         middlewares = [self._authorize] if security is not None and security.tokens else []
         self.app = web.Application(client_max_size=8 << 20, middlewares=middlewares)
         self.app.add_routes(
@@ -172,7 +179,7 @@ class OpenAIFrontend:
         if isinstance(body, web.Response):
             return body
         try:
-            tools = tool_choice(body) if chat else None
+            tools = tool_choice(body, self.tool_format) if chat else None
             engine_request = self._prepare(body, chat, self.service.make_request, tools)
             hint = self.service.prefill_hint(request.headers.get(PREFILL_HINT_HEADER))
         except InvalidRequestError as e:
@@ -193,7 +200,7 @@ class OpenAIFrontend:
         if isinstance(body, web.Response):
             return body
         try:
-            tools = tool_choice(body) if chat else None
+            tools = tool_choice(body, self.tool_format) if chat else None
             engine_request = self._prepare(body, chat, self.service.engine.make_request, tools)
         except InvalidRequestError as e:
             return _invalid(e)
@@ -225,6 +232,8 @@ class OpenAIFrontend:
             if params.constraint is not None:
                 raise InvalidRequestError("tool_choice", "a required or named call and a response_format")
             params = dataclasses.replace(params, constraint=forced)
+        if tools is not None and tools.mode == "auto" and self.tool_markers_special:
+            params = dataclasses.replace(params, skip_special_tokens=False)
         try:
             return make_request(prompt, params, lora=self._adapter(body) or None)
         except InvalidRequestError as e:

@@ -114,6 +114,7 @@ async def serve(
     lora_root: str | None = None,
     kv_events: KVEventsConfig | None = None,
     http_plaintext: bool = False,
+    tool_call_parser: str = "auto",
 ) -> None:
     """Serves Generate (and Admin, and optionally /metrics and the OpenAI HTTP API) over `core` until
     `stop` is set; then refuses new requests and lets running ones finish.
@@ -122,7 +123,8 @@ async def serve(
     the HTTP port unless `http_plaintext` (behind an inference gateway, whose proxy and endpoint picker
     reach pods over plain HTTP: the bearer tokens still apply). `kv_events`: publish this engine's KV
     cache events (None: do not); their topic names the HTTP port when there is one (the port an
-    InferencePool targets), else the gRPC port."""
+    InferencePool targets), else the gRPC port. `tool_call_parser`: the HTTP API's format of the model's own
+    tool calls (services.decode.tool_formats; "auto": the one its chat template writes)."""
     await core.start()
     if metrics_port is not None:
         print(f"metrics on {host}:{core.metrics.serve(metrics_port, host)}", flush=True)
@@ -131,7 +133,7 @@ async def serve(
         http_security = security
         if http_plaintext and security is not None:
             http_security = ServerSecurity(tokens=security.tokens)
-        http = OpenAIFrontend(core, http_security)
+        http = OpenAIFrontend(core, http_security, tool_call_parser)
         http_bound = await http.start(host, http_port)
         print(f"http on {host}:{http_bound}", flush=True)
     # `pdserve serve`: adapters loaded at run time go into the local prefill engine too

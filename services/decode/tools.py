@@ -2,9 +2,9 @@
 `tools`), and the generated text -> `tool_calls`.
 
   tool_choice "none"        the tools go to the template; the output is text
-  tool_choice "auto"        the same; tool calls the model writes in the Hermes format that Qwen, Hermes and
-                            most chat templates with tools use (`<tool_call>{"name": ..., "arguments":
-                            {...}}</tool_call>`) are parsed out of the text into `tool_calls`
+  tool_choice "auto"        the same; calls the model writes in its own format (services.decode.tool_formats:
+                            Hermes `<tool_call>`, Llama 3's JSON, Mistral's `[TOOL_CALLS]`) are parsed out of
+                            the text into `tool_calls`
   tool_choice "required"    the output is constrained to one call: {"name": one of the tools,
                             "arguments": that tool's parameters}
   {"type": "function", ...} the output is constrained to the named function's arguments
@@ -19,9 +19,11 @@ import re
 import uuid
 
 from engine.sampling_params import Constraint, InvalidRequestError
+from services.decode.tool_formats import PARSERS, ParsedCall
 
-_HERMES_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
 _ANY_OBJECT = {"type": "object"}
+# a required call's text up to its arguments (llguidance keeps the schema's property order)
+_REQUIRED_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +31,7 @@ class ToolChoice:
     tools: tuple[dict, ...]  # each tool's OpenAI "function" object
     mode: str  # "none", "auto", "required" or "named"
     name: str | None = None  # the named function
+    format: str = "hermes"  # how the model writes calls (tool_formats.PARSERS), for "auto"
 
     @property
     def template_tools(self) -> list[dict]:
@@ -53,39 +56,40 @@ class ToolChoice:
         ]
         return Constraint("json_schema", json.dumps(calls[0] if len(calls) == 1 else {"anyOf": calls}))
 
+    def parser(self):
+        """A fresh reader of the model's own call format (tool_formats), for "auto"."""
+        return PARSERS[self.format](frozenset(f["name"] for f in self.tools))
+
     def calls(self, text: str) -> tuple[str | None, list[dict]]:
-        """(the message's content, its tool calls) from the generated text."""
+        """(the message's content, its tool calls) from the whole generated text; ValueError when a
+        required call's text is not its JSON (it stopped short)."""
         if self.mode == "named":
             return None, [_call(self.name, text)]
-        if self.mode == "required":
-            call = json.loads(text)
-            return None, [_call(call["name"], json.dumps(call["arguments"]))]
+        if self.mode == "required":  # the arguments as generated, as ToolStream sends them
+            head = _REQUIRED_HEAD.match(text)
+            arguments = text[head.end() :].rstrip().removesuffix("}").strip() if head else ""
+            json.loads(arguments)
+            return None, [_call(json.loads(head.group(1)), arguments)]
         if self.mode == "auto":
-            calls = []
-            for match in _HERMES_CALL.finditer(text):
-                try:
-                    call = json.loads(match.group(1))
-                except ValueError:
-                    continue
-                if isinstance(call, dict) and call.get("name") in {f["name"] for f in self.tools}:
-                    calls.append(_call(call["name"], json.dumps(call.get("arguments", {}))))
+            parser = self.parser()
+            events = parser.feed(text) + parser.finish()
+            calls = [_call(e.name, e.arguments) for e in events if isinstance(e, ParsedCall)]
             if calls:
-                content = _HERMES_CALL.sub("", text).strip()
+                content = "".join(e for e in events if isinstance(e, str)).strip()
                 return content or None, calls
         return text, []
 
 
-_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
-
-
 class ToolStream:
-    """A streamed chat's text deltas -> OpenAI stream deltas: text goes out as content as it comes, but for
-    what may be the start of a Hermes call (held until it closes: then the call, with auto); the named
-    call's arguments go out as they are generated; a required call, once whole."""
+    """A streamed chat's text deltas -> OpenAI stream deltas. "none": content. "auto": content as it comes
+    but for what may become a call (tool_formats holds it), each call once whole. "named" and "required":
+    the call's header, then its arguments as they are generated."""
 
     def __init__(self, choice: ToolChoice):
         self.choice = choice
-        self.held = ""
+        self.parser = choice.parser() if choice.mode == "auto" else None
+        self.held = ""  # a required call's text not sent yet
+        self.arguments_sent = False
         self.num_calls = 0
 
     def feed(self, text: str) -> list[dict]:
@@ -93,51 +97,63 @@ class ToolStream:
         mode = self.choice.mode
         if mode == "none":
             return [{"content": text}] if text else []
+        if mode == "auto":
+            return self._deltas(self.parser.feed(text))
         if mode == "named":
-            deltas = [] if self.num_calls else [{"tool_calls": [{"index": 0, **_call(self.choice.name, "")}]}]
+            deltas = [] if self.num_calls else [self._header(self.choice.name)]
             self.num_calls = 1
-            if text:
-                deltas.append({"tool_calls": [{"index": 0, "function": {"arguments": text}}]})
-            return deltas
-        self.held += text
-        return self._auto_deltas() if mode == "auto" else []
-
-    def _auto_deltas(self) -> list[dict]:
+            return deltas + ([_arguments(text)] if text else [])
+        self.held += text  # required: {"name": "...", "arguments": {...}}
         deltas = []
-        while True:
-            start = self.held.find(_OPEN)
-            if start < 0:  # keep back a tail that may be the start of a tag
-                keep = next((n for n in range(len(_OPEN) - 1, 0, -1) if self.held.endswith(_OPEN[:n])), 0)
-                text, self.held = self.held[: len(self.held) - keep], self.held[len(self.held) - keep :]
-                return deltas + ([{"content": text}] if text else [])
-            if start:
-                deltas.append({"content": self.held[:start]})
-            end = self.held.find(_CLOSE, start)
-            if end < 0:
-                self.held = self.held[start:]
-                return deltas
-            block, self.held = self.held[start : end + len(_CLOSE)], self.held[end + len(_CLOSE) :]
-            _, calls = self.choice.calls(block)
-            if calls:
-                deltas.append({"tool_calls": [{"index": self.num_calls, **calls[0]}]})
+        if not self.num_calls:
+            head = _REQUIRED_HEAD.match(self.held)
+            if head is None:
+                return []
+            deltas.append(self._header(json.loads(head.group(1))))
+            self.held = self.held[head.end() :]
+        if not self.arguments_sent:  # blanks before the arguments are the call's
+            self.held = self.held.lstrip()
+        # the arguments, less a tail of closing braces and blanks that may be the call's own "}"
+        cut = len(self.held.rstrip("} \t\r\n"))
+        if cut:
+            self.arguments_sent = True
+            deltas.append(_arguments(self.held[:cut]))
+            self.held = self.held[cut:]
+        return deltas
+
+    def _header(self, name: str) -> dict:
+        self.num_calls += 1
+        return {"tool_calls": [{"index": self.num_calls - 1, **_call(name, "")}]}
+
+    def _deltas(self, events) -> list[dict]:
+        deltas = []
+        for event in events:
+            if isinstance(event, str):
+                deltas.append({"content": event})
+            else:
+                deltas.append(
+                    {"tool_calls": [{"index": self.num_calls, **_call(event.name, event.arguments)}]}
+                )
                 self.num_calls += 1
-            else:  # not a call of these tools: it was text
-                deltas.append({"content": block})
+        return deltas
 
     def finish(self, finish_reason: str | None) -> tuple[list[dict], str | None]:
         """The last deltas and the choice's finish reason ("tool_calls" when calls were made)."""
         deltas = []
-        if self.choice.mode == "required" and finish_reason == "stop":
-            try:
-                _, calls = self.choice.calls(self.held)
-                deltas.append({"tool_calls": [{"index": 0, **calls[0]}]})
-                self.num_calls = 1
-            except (ValueError, KeyError, TypeError):
-                deltas.append({"content": self.held})
+        if self.parser is not None:
+            deltas = self._deltas(self.parser.finish())
+        elif self.choice.mode == "required" and self.num_calls:
+            tail = self.held.rstrip()  # the call's own closing brace ends it (when it stopped, not cut)
+            tail = tail[:-1].rstrip() if finish_reason == "stop" and tail.endswith("}") else tail
+            deltas = [_arguments(tail)] if tail else []
         elif self.held:
-            deltas.append({"content": self.held})
+            deltas = [{"content": self.held}]
         self.held = ""
         return deltas, "tool_calls" if self.num_calls and finish_reason == "stop" else finish_reason
+
+
+def _arguments(text: str) -> dict:
+    return {"tool_calls": [{"index": 0, "function": {"arguments": text}}]}
 
 
 def _call(name: str, arguments: str) -> dict:
@@ -148,8 +164,9 @@ def _call(name: str, arguments: str) -> dict:
     }
 
 
-def tool_choice(body: dict) -> ToolChoice | None:
-    """The body's tools and tool_choice (None: no tools); InvalidRequestError names the bad key."""
+def tool_choice(body: dict, format: str = "hermes") -> ToolChoice | None:
+    """The body's tools and tool_choice (None: no tools); InvalidRequestError names the bad key. `format`:
+    how the model writes calls (tool_formats)."""
     tools, choice = body.get("tools"), body.get("tool_choice")
     if not tools:
         if choice not in (None, "none"):
@@ -169,11 +186,11 @@ def tool_choice(body: dict) -> ToolChoice | None:
     functions = tuple(t["function"] for t in tools)
     names = [f["name"] for f in functions]
     if choice is None or choice in ("none", "auto", "required"):
-        return ToolChoice(functions, choice or "auto")
+        return ToolChoice(functions, choice or "auto", format=format)
     name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
     if not isinstance(choice, dict) or choice.get("type") != "function" or name not in names:
         raise InvalidRequestError(
             "tool_choice",
             f'"none", "auto", "required" or {{"type": "function", "function": {{"name": one of {names}}}}}',
         )
-    return ToolChoice(functions, "named", name)
+    return ToolChoice(functions, "named", name, format)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from engine.multihost import sample_batch, sample_op
 from engine.sampler import SamplingBatch, sample
 from engine.sampling_params import SamplingParams
 
@@ -120,3 +123,22 @@ def test_a_rows_bitmask_restricts_its_tokens_and_leaves_other_rows_and_logprobs_
         drawn.add(tokens[1])
     assert drawn == allowed[1]  # every allowed token is reachable
     np.testing.assert_array_equal(np.asarray(result.top_ids), np.asarray(free.top_ids))  # the model's own
+
+
+def test_a_sample_operation_carries_only_the_constrained_rows_masks():
+    """engine.multihost's `sample` op ships the bitmask rows of constrained requests only, and a worker
+    rebuilds the same SamplingBatch (padding rows and free rows all ones)."""
+    vocab = 70
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.5, seed=3)] * 2
+    mask = _bitmask([(), {1, 40}, (), {69}], vocab)
+    mask[[0, 2]] = -1  # free rows: all ones, as the engine fills them
+    batch = SamplingBatch.build(params, [0, 1, 2, 3], [0, 1, 2, 3], [5] * 4, None, 8, vocab, mask)
+    op = sample_op(batch)
+    assert op.arrays["allowed_rows"].tolist() == [1, 3] and op.arrays["allowed"].shape == (2, 3)
+    rebuilt = sample_batch(op)
+    for field in dataclasses.fields(SamplingBatch):
+        got, want = getattr(rebuilt, field.name), getattr(batch, field.name)
+        assert (got is None and want is None) or np.array_equal(got, want), field.name
+    free = sample_op(SamplingBatch.build(params, [0, 1, 2, 3], [0] * 4, [5] * 4, None, 8, vocab))
+    assert free.arrays["allowed"].size == 0
+    assert np.array_equal(sample_batch(free).allowed, np.full((8, 3), -1, np.int32))

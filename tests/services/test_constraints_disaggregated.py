@@ -145,6 +145,23 @@ def test_openai_tools_required_named_and_auto(decode):
     for call in auto.message.tool_calls or []:
         jsonschema.validate(json.loads(call.function.arguments), params)
     assert auto.message.tool_calls or isinstance(auto.message.content, str)
+    # auto reading a call in the model's format (Hermes here), which a regex makes this small model write
+    call_json = r'\{"name": "get_weather", "arguments": \{"city": "[A-Z][a-z]{2,9}"\}\}'
+    hermes = rf"Checking\.\n<tool_call>\n{call_json}\n</tool_call>"
+    kw = dict(model=model, messages=messages, tools=[WEATHER], temperature=0, max_tokens=64)
+    out = client.chat.completions.create(**kw, extra_body={"guided_regex": hermes}).choices[0]
+    assert out.finish_reason == "tool_calls" and out.message.content == "Checking."
+    [call] = out.message.tool_calls
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), params)
+    chunks = [
+        c for c in client.chat.completions.create(**kw, stream=True, extra_body={"guided_regex": hermes})
+    ]
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(d.content or "" for d in deltas).strip() == "Checking."
+    [piece] = [t for d in deltas for t in (d.tool_calls or [])]  # the call in one delta once it closed
+    assert (piece.function.name, piece.function.arguments) == ("get_weather", call.function.arguments)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
 def _schemas():

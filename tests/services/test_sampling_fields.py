@@ -41,6 +41,7 @@ sampling_params = st.builds(
     stop_token_ids=st.lists(st.integers(0, 49151), max_size=3).map(tuple),
     stop=st.lists(words, max_size=3).map(tuple),
     ignore_eos=st.booleans(),
+    skip_special_tokens=st.booleans(),
     logprobs=st.one_of(st.none(), st.integers(0, 20)),
 )
 constraints = st.one_of(
@@ -96,7 +97,7 @@ def test_cli_flags_round_trip(params):
     for field in FIELDS:
         value = getattr(params, field.name)
         if field.kind is bool:
-            argv += [field.cli_flag] if value else []
+            argv.append(field.cli_flag if value else "--no-" + field.cli_flag.removeprefix("--"))
         elif field.repeated:
             for item in value:
                 argv.append(f"{field.cli_flag}={item}")
