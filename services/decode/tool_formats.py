@@ -6,6 +6,9 @@
                after `<|python_tag|>` (Llama 3.1 to 3.3's JSON tool calling)
   mistral      `[TOOL_CALLS]` then a JSON list of `{"name", "arguments"}` (Mistral's v3 tokenizers), or
                `name[ARGS]{...}` after each `[TOOL_CALLS]` (v11 and later)
+  deepseek_v3  `<｜tool▁calls▁begin｜>`, calls `<｜tool▁call▁begin｜>function<｜tool▁sep｜>name` + a ```json
+               fence (V2.5, V3) or `name<｜tool▁sep｜>{...}` (V3.1), each up to `<｜tool▁call▁end｜>`, then
+               `<｜tool▁calls▁end｜>`
 
 The decode server takes the format its chat template writes (`detect`) unless `--tool-call-parser` names
 one. A parser turns text deltas into events: text (content) or a `ParsedCall`. Text that may still become
@@ -128,6 +131,28 @@ class MistralParser(_MarkerParser):
         return ([call] if call else []), read[1]
 
 
+class DeepSeekParser(_MarkerParser):
+    marker, end = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+    _call = re.compile(r"<｜tool▁call▁begin｜>(.*?)<｜tool▁call▁end｜>", re.DOTALL)
+    _fenced = re.compile(r"\s*function<｜tool▁sep｜>(.+?)\n```(?:json)?\n(.*)\n```\s*", re.DOTALL)
+    _plain = re.compile(r"\s*(.+?)<｜tool▁sep｜>(.*)", re.DOTALL)
+
+    def _body(self, body, final):
+        end = body.find(self.end)
+        if end < 0 and not final:
+            return None
+        block = body if end < 0 else body[:end]
+        calls = [self._read(m.group(1)) for m in self._call.finditer(block)] or [None]
+        return ([] if None in calls else calls), len(body) if end < 0 else end + len(self.end)
+
+    def _read(self, text: str) -> ParsedCall | None:
+        match = self._fenced.fullmatch(text) or self._plain.fullmatch(text)
+        read = _json_at(match.group(2)) if match else None
+        if read is None or match.group(2)[read[1] :].strip():
+            return None
+        return _call_of({"name": match.group(1).strip(), "arguments": read[0]}, self.names)
+
+
 class Llama3JsonParser:
     """The output is calls if it starts with `{` or `<|python_tag|>`, else text."""
 
@@ -171,12 +196,18 @@ class Llama3JsonParser:
         return self.feed("", final=True)
 
 
-PARSERS = {"hermes": HermesParser, "llama3_json": Llama3JsonParser, "mistral": MistralParser}
+PARSERS = {
+    "hermes": HermesParser,
+    "llama3_json": Llama3JsonParser,
+    "mistral": MistralParser,
+    "deepseek_v3": DeepSeekParser,
+}
 # the text each format's calls are marked with (a model's special tokens among them are kept in the text)
 MARKERS = {
     "hermes": ("<tool_call>", "</tool_call>"),
     "llama3_json": ("<|python_tag|>",),
     "mistral": ("[TOOL_CALLS]", "[ARGS]"),
+    "deepseek_v3": (DeepSeekParser.marker, DeepSeekParser.end, "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>"),
 }
 
 
@@ -196,4 +227,6 @@ def detect(chat_template: str | None) -> str:
         return "mistral"
     if "<|python_tag|>" in template:
         return "llama3_json"
+    if DeepSeekParser.marker in template:
+        return "deepseek_v3"
     return "hermes"

@@ -142,6 +142,27 @@ FORMAT_CASES = [
         '[TOOL_CALLS][{"name": "unknown", "arguments": {}}]',
         [],
     ),
+    (
+        "deepseek_v3",  # V2.5 / V3: a fenced JSON object per call
+        "Checking.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
+        '{"city": "Oslo"}\n```<｜tool▁call▁end｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_time\n'
+        "```json\n{}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+        "Checking.",
+        [("get_weather", '{"city": "Oslo"}'), ("get_time", "{}")],
+    ),
+    (
+        "deepseek_v3",  # V3.1: name<｜tool▁sep｜>arguments
+        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>"
+        '{"city": "Oslo"}<｜tool▁call▁end｜><｜tool▁calls▁end｜> Done.',
+        " Done.",
+        [("get_weather", '{"city": "Oslo"}')],
+    ),
+    (
+        "deepseek_v3",  # cut short: text
+        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{",
+        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{",
+        [],
+    ),
 ]
 
 
@@ -195,6 +216,7 @@ def test_formats_are_detected_from_the_chat_template():
     assert detect("<tools>{{ tools }}</tools> ... <tool_call>") == "hermes"  # Qwen 2.5
     assert detect('{{- "<|python_tag|>" + tool_call.name }}') == "llama3_json"  # Llama 3.1
     assert detect("[AVAILABLE_TOOLS] {{ tools }} [/AVAILABLE_TOOLS] ... [TOOL_CALLS]") == "mistral"
+    assert detect("{{'<｜Assistant｜><｜tool▁calls▁begin｜><｜tool▁call▁begin｜>'}}") == "deepseek_v3"
 
 
 def test_streamed_deltas_assemble_to_the_whole_answer():
