@@ -394,7 +394,7 @@ def _tool_calls(tools: ToolChoice | None, message: dict, finish: str | None) -> 
         return []
     try:
         message["content"], calls = tools.calls(message["content"])
-    except (ValueError, KeyError, TypeError):  # not the call's JSON after all
+    except ValueError:  # a required call that stopped short of its JSON
         return []
     return calls
 

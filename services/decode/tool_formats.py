@@ -64,6 +64,7 @@ class _MarkerParser:
     start; a call is held from its marker until `_body` reads it whole."""
 
     marker = ""
+    markers: tuple[str, ...] = ()  # every piece of text that marks its calls
 
     def __init__(self, names: frozenset[str]):
         self.names = names
@@ -100,6 +101,7 @@ class _MarkerParser:
 
 class HermesParser(_MarkerParser):
     marker, close = "<tool_call>", "</tool_call>"
+    markers = (marker, close)
 
     def _body(self, body, final):
         end = body.find(self.close)
@@ -112,8 +114,9 @@ class HermesParser(_MarkerParser):
 
 
 class MistralParser(_MarkerParser):
-    marker = "[TOOL_CALLS]"
-    _named = re.compile(r"\s*([A-Za-z_][\w.-]*)\[ARGS\]")  # v11: name[ARGS]{...}
+    marker, args = "[TOOL_CALLS]", "[ARGS]"
+    markers = (marker, args)
+    _named = re.compile(r"\s*([A-Za-z_][\w.-]*)" + re.escape(args))  # v11: name[ARGS]{...}
 
     def _body(self, body, final):
         if body.lstrip().startswith("["):  # v3: a list of calls
@@ -133,9 +136,11 @@ class MistralParser(_MarkerParser):
 
 class DeepSeekParser(_MarkerParser):
     marker, end = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
-    _call = re.compile(r"<｜tool▁call▁begin｜>(.*?)<｜tool▁call▁end｜>", re.DOTALL)
-    _fenced = re.compile(r"\s*function<｜tool▁sep｜>(.+?)\n```(?:json)?\n(.*)\n```\s*", re.DOTALL)
-    _plain = re.compile(r"\s*(.+?)<｜tool▁sep｜>(.*)", re.DOTALL)
+    call_begin, call_end, sep = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+    markers = (marker, end, call_begin, call_end, sep)
+    _call = re.compile(f"{call_begin}(.*?){call_end}", re.DOTALL)
+    _fenced = re.compile(rf"\s*function{sep}(.+?)\n```(?:json)?\n(.*)\n```\s*", re.DOTALL)
+    _plain = re.compile(rf"\s*(.+?){sep}(.*)", re.DOTALL)
 
     def _body(self, body, final):
         end = body.find(self.end)
@@ -157,6 +162,7 @@ class Llama3JsonParser:
     """The output is calls if it starts with `{` or `<|python_tag|>`, else text."""
 
     tag = "<|python_tag|>"
+    markers = (tag,)
 
     def __init__(self, names: frozenset[str]):
         self.names = names
@@ -202,13 +208,6 @@ PARSERS = {
     "mistral": MistralParser,
     "deepseek_v3": DeepSeekParser,
 }
-# the text each format's calls are marked with (a model's special tokens among them are kept in the text)
-MARKERS = {
-    "hermes": ("<tool_call>", "</tool_call>"),
-    "llama3_json": ("<|python_tag|>",),
-    "mistral": ("[TOOL_CALLS]", "[ARGS]"),
-    "deepseek_v3": (DeepSeekParser.marker, DeepSeekParser.end, "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>"),
-}
 
 
 def marked_by_special_tokens(fmt: str, tokenizer) -> bool:
@@ -216,16 +215,16 @@ def marked_by_special_tokens(fmt: str, tokenizer) -> bool:
     text the parser reads must keep special tokens (SamplingParams.skip_special_tokens False)."""
     return any(
         len(ids := tokenizer.encode(marker)) == 1 and ids[0] in tokenizer.special_ids
-        for marker in MARKERS[fmt]
+        for marker in PARSERS[fmt].markers
     )
 
 
 def detect(chat_template: str | None) -> str:
     """The format a chat template asks for (hermes when it says nothing of tools)."""
     template = chat_template or ""
-    if "[TOOL_CALLS]" in template or "[AVAILABLE_TOOLS]" in template:
+    if MistralParser.marker in template or "[AVAILABLE_TOOLS]" in template:
         return "mistral"
-    if "<|python_tag|>" in template:
+    if Llama3JsonParser.tag in template:
         return "llama3_json"
     if DeepSeekParser.marker in template:
         return "deepseek_v3"

@@ -67,7 +67,7 @@ class ToolChoice:
             return None, [_call(self.name, text)]
         if self.mode == "required":  # the arguments as generated, as ToolStream sends them
             head = _REQUIRED_HEAD.match(text)
-            arguments = text[head.end() :].rstrip().removesuffix("}").strip() if head else ""
+            arguments = _without_call_close(text[head.end() :]).lstrip() if head else ""
             json.loads(arguments)
             return None, [_call(json.loads(head.group(1)), arguments)]
         if self.mode == "auto":
@@ -143,13 +143,18 @@ class ToolStream:
         if self.parser is not None:
             deltas = self._deltas(self.parser.finish())
         elif self.choice.mode == "required" and self.num_calls:
-            tail = self.held.rstrip()  # the call's own closing brace ends it (when it stopped, not cut)
-            tail = tail[:-1].rstrip() if finish_reason == "stop" and tail.endswith("}") else tail
+            # the call's own closing brace ends it (when it stopped, not cut)
+            tail = _without_call_close(self.held) if finish_reason == "stop" else self.held.rstrip()
             deltas = [_arguments(tail)] if tail else []
         elif self.held:
             deltas = [{"content": self.held}]
         self.held = ""
         return deltas, "tool_calls" if self.num_calls and finish_reason == "stop" else finish_reason
+
+
+def _without_call_close(text: str) -> str:
+    """A required call's text from its arguments on, less the call's own closing brace."""
+    return text.rstrip().removesuffix("}").rstrip()
 
 
 def _arguments(text: str) -> dict:
