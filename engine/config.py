@@ -415,6 +415,12 @@ class EngineConfig:
         return dataclasses.replace(self, dtype="float32" if platform == "cpu" else "bfloat16")
 
     @property
+    def max_prompt_chars(self) -> int:
+        """The longest prompt text (or chat, before its template) taken: 16 characters a token of the
+        model length, refused before any CPU is spent on tokenizing it."""
+        return 16 * self.max_model_len
+
+    @property
     def max_blocks_per_seq(self) -> int:
         return self.max_model_len // self.block_size
 

@@ -63,9 +63,7 @@ class ConstraintCompiler:
             grammar = grammar_of(constraint)
         except ValueError as e:
             raise InvalidRequestError("constraint", f"invalid {constraint.kind}: {e}") from None
-        error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer, limits=self.limits)
-        if error and not error.startswith("WARNING"):
-            raise InvalidRequestError("constraint", f"invalid {constraint.kind}: {error}")
+        # compiled once: the matcher's own error is validate_grammar's (a second compile doubles the cost)
         matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=self.limits)
         if matcher.is_error():
             raise InvalidRequestError("constraint", f"invalid {constraint.kind}: {matcher.get_error()}")

@@ -77,6 +77,7 @@ class LLMEngine:
         # The last step found nothing to run: queued requests wait for blocks or slots, and only a command
         # (an abort, arriving KV, a new request) can change that. The engine thread may sleep until one.
         self.stalled = False
+        self._stepping: list[str] = []  # the requests of the step under way (fail_step ends them)
 
     @classmethod
     def from_model(
@@ -113,10 +114,8 @@ class LLMEngine:
         vocab = self.model.config.vocab_size
         params.validate(vocab, self.config.max_logprobs)
         if isinstance(prompt, str):
-            if len(prompt) > 16 * self.config.max_model_len:  # refuse before spending CPU on tokenizing it
-                raise InvalidRequestError(
-                    "prompt", f"longer than {16 * self.config.max_model_len} characters"
-                )
+            if len(prompt) > self.config.max_prompt_chars:  # refuse before spending CPU on tokenizing it
+                raise InvalidRequestError("prompt", f"longer than {self.config.max_prompt_chars} characters")
             prompt_ids = self.tokenizer.encode(prompt)
         else:
             prompt_ids = [int(t) for t in prompt]
@@ -170,10 +169,13 @@ class LLMEngine:
     # ---- the loop -------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One model step for the scheduled requests; returns what each produced."""
+        self._stepping = []
         scheduled = self.scheduler.schedule()
         self.stalled = scheduled is None
         if scheduled is None:
             return []
+        self._stepping = [row.request_id for row in scheduled.rows]
+        self._stepping += [r.request_id for r in self.scheduler.sending]
         sampled = self._execute(scheduled)
         outputs = self.scheduler.update_from_output(scheduled, sampled, self._on_token)
         # the connector's worker side: hand over the KV of prompts computed in part, then of finished ones
@@ -186,7 +188,32 @@ class LLMEngine:
         for request in list(self.scheduler.sending):
             self.kv_connector.send_kv(self.runner, request, self.scheduler.block_tables(request.request_id))
             self.scheduler.finish_sending(request.request_id)
+        self._stepping = []
         return outputs
+
+    def fail_step(self, reason: str) -> list[RequestOutput]:
+        """After step() raised: ends the requests of that step (their state may be half updated) with
+        FinishReason.ERROR, freeing what they hold; returns their last outputs. The other requests are
+        untouched."""
+        outputs = []
+        for request_id in dict.fromkeys(self._stepping):
+            request = self.scheduler.requests.get(request_id)
+            if request is None:
+                continue
+            request.error = request.error or f"the step failed: {reason}"
+            request.finish_reason = FinishReason.ERROR
+            self.kv_connector.forget(request_id)
+            self.abort(request_id)
+            outputs.append(RequestOutput.failed(request))
+        self._stepping = []
+        return outputs
+
+    def _fail_request(self, request: Request, what: str, error: Exception) -> None:
+        """A failure pinned to one request (its matcher, its detokenizer, its stop strings): it ends with
+        FinishReason.ERROR at this step, the batch goes on."""
+        log.exception("%s failed", what, extra={"request_id": request.request_id})
+        request.error = f"{what}: {type(error).__name__}: {error}"
+        request.finish_reason = FinishReason.ERROR
 
     def _execute(self, scheduled: SchedulerOutput) -> dict[str, tuple[int, TokenLogprobs | None]]:
         """Runs the step's rows; samples the rows that end their request's uncomputed tokens."""
@@ -202,16 +229,18 @@ class LLMEngine:
         result = self.runner.sample(logits, sample_rows, indices, allowed)
         out = {}
         for i, request in enumerate(samplers):
-            token = int(result.tokens[i])
-            if request.matcher is not None:
-                token = self._advance_constraint(request, token, allowed[i])
-            logprobs = None
-            if request.params.logprobs is not None:
-                n = request.params.logprobs
-                top = list(
-                    zip(result.top_ids[i, :n].tolist(), result.top_logprobs[i, :n].tolist(), strict=True)
-                )
-                logprobs = TokenLogprobs(token, float(result.logprob[i]), top)
+            token, logprobs = int(result.tokens[i]), None
+            try:
+                if request.matcher is not None:
+                    token = self._advance_constraint(request, token, allowed[i])
+                if request.params.logprobs is not None:
+                    n = request.params.logprobs
+                    top = list(
+                        zip(result.top_ids[i, :n].tolist(), result.top_logprobs[i, :n].tolist(), strict=True)
+                    )
+                    logprobs = TokenLogprobs(token, float(result.logprob[i]), top)
+            except Exception as e:  # noqa: BLE001 - pinned to this request
+                self._fail_request(request, "sampling", e)
             out[request.request_id] = (token, logprobs)
         return out
 
@@ -254,9 +283,15 @@ class LLMEngine:
         """The scheduler's sink: detokenize, check stops; a finished request's stream ends."""
         if request.first_token_time is None:
             request.first_token_time = time.monotonic()
-        output = self._streams[request.request_id].on_token(token, logprobs)
+        if request.finish_reason is not FinishReason.ERROR:
+            try:
+                output = self._streams[request.request_id].on_token(token, logprobs)
+            except Exception as e:  # noqa: BLE001 - pinned to this request
+                self._fail_request(request, "detokenizing", e)
+        if request.finish_reason is FinishReason.ERROR:
+            output = RequestOutput.failed(request)
         if output.finished:
-            del self._streams[request.request_id]
+            self._streams.pop(request.request_id, None)
         return output
 
     # ---- one engine over several processes (engine.multihost) -----------------------------------------

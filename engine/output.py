@@ -21,6 +21,21 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (not computed for this request)
+    error: str = ""  # with FinishReason.ERROR: what failed
+
+    @classmethod
+    def failed(cls, request: Request) -> RequestOutput:
+        """The last output of a request the engine failed on (FinishReason.ERROR, `request.error`)."""
+        return cls(
+            request.request_id,
+            [],
+            "",
+            finished=True,
+            finish_reason=FinishReason.ERROR,
+            num_prompt_tokens=len(request.prompt_ids),
+            num_output_tokens=len(request.output_ids),
+            error=request.error,
+        )
 
 
 class OutputStream:

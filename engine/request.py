@@ -30,6 +30,8 @@ class FinishReason(enum.StrEnum):
     ABORT = "abort"  # cancelled
     # the constraint allowed no next token, or its matcher failed (a work limit): nothing invalid was shown
     DEAD_END = "constraint_dead_end"
+    # the engine failed on this request (Request.error says how): it ended, the others go on
+    ERROR = "error"
 
 
 @dataclasses.dataclass
@@ -63,6 +65,7 @@ class Request:
     matcher: Any = None
     arrival_time: float = dataclasses.field(default_factory=time.monotonic)
     first_token_time: float | None = None
+    error: str = ""  # with FinishReason.ERROR: what failed
 
     @property
     def all_ids(self) -> list[int]:

@@ -87,40 +87,60 @@ class SamplingParams:
         return not self.greedy and (self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0)
 
     def validate(self, vocab_size: int | None = None, max_logprobs: int | None = None) -> None:
-        """Raises InvalidRequestError naming the first bad field. Without `vocab_size` / `max_logprobs`
-        (no engine yet, e.g. a command line checking its flags) the checks that need them are skipped."""
-
-        def check(ok: bool, field: str, message: str):
-            if not ok:
-                raise InvalidRequestError(field, message)
-
-        check(
-            math.isfinite(self.temperature) and self.temperature >= 0, "temperature", "must be finite, >= 0"
-        )
-        check(self.top_k >= 0, "top_k", "must be >= 0")
-        check(math.isfinite(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
-        check(math.isfinite(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
-        check(
-            math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0,
-            "repetition_penalty",
-            "must be finite, > 0",
-        )
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            check(math.isfinite(value) and -2 <= value <= 2, name, "must be in [-2, 2]")
-        check(self.max_tokens >= 1, "max_tokens", "must be >= 1")
-        check(self.seed is None or 0 <= self.seed < 2**63, "seed", "must be in [0, 2**63)")
-        check(
-            all(0 <= t < (vocab_size or 2**31) for t in self.stop_token_ids),
-            "stop_token_ids",
-            "outside the vocabulary",
-        )
-        check(all(s for s in self.stop), "stop", "stop strings must be non-empty")
-        check(
-            self.logprobs is None
-            or 0 <= self.logprobs <= (max_logprobs if max_logprobs is not None else 2**31),
-            "logprobs",
-            f"must be in [0, {max_logprobs}]",
-        )
+        """Raises InvalidRequestError naming the first bad field and its range (BOUNDS). Without
+        `vocab_size` / `max_logprobs` (no engine yet, e.g. a command line checking its flags) the checks
+        that need them are skipped."""
+        for name, bound in BOUNDS.items():
+            bound.check(name, getattr(self, name))
+        if self.logprobs is not None:
+            Bound(0, max_logprobs if max_logprobs is not None else INT32_MAX).check("logprobs", self.logprobs)
+        token_bound = Bound(0, (vocab_size or 2**31) - 1, what="token id")
+        for token in self.stop_token_ids:
+            token_bound.check("stop_token_ids", token)
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise InvalidRequestError("stop", "stop strings must be non-empty strings")
         if self.constraint is not None:
             self.constraint.validate()
+
+
+INT32_MAX = 2**31 - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Bound:
+    """The closed range [low, high] of one knob (`also`: values outside it that mean something, e.g. a
+    temperature of 0 is greedy). An int knob must be an int, a float knob a finite number."""
+
+    low: float
+    high: float
+    also: tuple = ()
+    what: str = ""
+
+    def check(self, field: str, value) -> None:
+        if value in self.also and not isinstance(value, bool):
+            return
+        is_int = isinstance(self.low, int) and isinstance(self.high, int)
+        kind_ok = not isinstance(value, bool) and isinstance(value, int if is_int else int | float)
+        if not (kind_ok and math.isfinite(value) and self.low <= value <= self.high):
+            also = "".join(f"{a!r} or " for a in self.also if a is not None)
+            kind = "an int" if is_int else "a number"
+            got = f"{self.what} {value!r}" if self.what else f"got {value!r}"
+            raise InvalidRequestError(field, f"must be {also}{kind} in [{self.low}, {self.high}] ({got})")
+
+
+# Each knob's range, from what it becomes on the device: top_k is an int32 column; the float knobs are
+# float32 columns that the sampler divides by or multiplies with, so their lower ends keep float32 normal
+# (never rounded to 0) and the products finite (a logit over a repetition penalty of 1e-46 is inf: NaN in
+# the softmax). seed is two uint32 words; max_tokens is checked against the model length too (make_request);
+# logprobs against the engine's max_logprobs and stop_token_ids against its vocabulary (validate).
+BOUNDS: dict[str, Bound] = {
+    "temperature": Bound(1e-6, 1e3, also=(0, 0.0)),
+    "top_k": Bound(0, INT32_MAX),
+    "top_p": Bound(1e-6, 1.0),
+    "min_p": Bound(0.0, 1.0),
+    "repetition_penalty": Bound(1e-2, 1e2),
+    "presence_penalty": Bound(-2.0, 2.0),
+    "frequency_penalty": Bound(-2.0, 2.0),
+    "seed": Bound(0, 2**63 - 1, also=(None,)),
+    "max_tokens": Bound(1, INT32_MAX),
+}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from bisect import bisect_right
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from functools import cached_property
@@ -20,6 +21,8 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as _Backend
+
+from engine.sampling_params import InvalidRequestError
 
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token_type values
 _LLAMA3 = (
@@ -276,10 +279,25 @@ class Tokenizer:
         )
 
     def encode_chat(
-        self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        field: str = "messages",
+        max_chars: int | None = None,
+        **kwargs: Any,
     ) -> list[int]:
-        """Token ids of the rendered chat (the template writes any BOS itself, as in transformers)."""
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt, **kwargs))
+        """Token ids of the rendered chat (the template writes any BOS itself, as in transformers).
+
+        A chat the template refuses or fails on (its raise_exception, a type it cannot render, the
+        sandbox's limits), or one rendered to more than `max_chars` characters, is an InvalidRequestError
+        naming `field`."""
+        try:
+            text = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
+        except (jinja2.TemplateError, TypeError, ValueError, AttributeError, RecursionError) as e:
+            raise InvalidRequestError(field, f"the chat template failed: {type(e).__name__}: {e}") from None
+        if max_chars is not None and len(text) > max_chars:
+            raise InvalidRequestError(field, f"renders to {len(text)} characters: the limit is {max_chars}")
+        return self.encode(text)
 
 
 class IncrementalDetokenizer:
@@ -332,12 +350,22 @@ class StopStringMatcher:
     `feed(delta)` returns the text that is safe to emit: it holds back a tail of the text that could be the
     start of a stop string. Once a stop string is seen, `stopped` is set, its text (`matched`) and everything
     after it are dropped. At the end of a stream without a stop, `flush()` returns what was held back.
+
+    The work per `feed` does not grow with the number N of stop strings (a request may send 100,000s): with
+    L the longest stop's length and D <= L the number of distinct lengths, it hashes len(delta) * D slices of
+    at most L characters (a set lookup each) and runs at most L - 1 binary searches for the held tail, each
+    O(L log N). Construction (O(N log N), once) keeps a frozenset and a sorted tuple of the stop strings,
+    sharing the strings themselves, and their distinct lengths: O(N) memory beyond the strings.
     """
 
     def __init__(self, stop_strings: Iterable[str]) -> None:
         self.stop_strings = tuple(s for s in stop_strings if s)
         self.stopped, self.matched = False, None
         self._held = ""
+        self._stops = frozenset(self.stop_strings)
+        self._sorted = tuple(sorted(self._stops))  # strings with a given prefix form a contiguous run
+        self._lengths = sorted({len(s) for s in self._stops}, reverse=True)  # longest first: ties go to it
+        self._longest = self._lengths[0] if self._lengths else 0
 
     def feed(self, delta: str) -> str:
         """Add newly generated text; return the part of it (with earlier held text) that can be emitted."""
@@ -345,17 +373,20 @@ class StopStringMatcher:
             return ""
         text = self._held + delta
         # The stop that ends first wins (ties: the longest), as if the text had come one character at a time.
-        hits = [(text.find(s) + len(s), text.find(s), s) for s in self.stop_strings if s in text]
-        if hits:
-            _, index, self.matched = min(hits)
-            self.stopped, self._held = True, ""
-            return text[:index]
-        keep = 0
-        for s in self.stop_strings:  # longest tail of `text` that is a proper prefix of a stop string
-            for n in range(min(len(s) - 1, len(text)), keep, -1):
-                if text.endswith(s[:n]):
-                    keep = n
-                    break
+        # Held text never contains a whole stop (it was checked last call), so a stop can only end in `delta`.
+        for end in range(len(self._held) + 1, len(text) + 1):
+            for n in self._lengths:
+                if n <= end and text[end - n : end] in self._stops:
+                    self.stopped, self.matched, self._held = True, text[end - n : end], ""
+                    return text[: end - n]
+        keep = 0  # longest tail of `text` that is a proper prefix of a stop string (tail itself is no stop)
+        for n in range(min(self._longest - 1, len(text)), 0, -1):
+            tail = text[len(text) - n :]
+            # Stops that start with tail sort together, right after tail: check the first stop > tail.
+            i = bisect_right(self._sorted, tail)
+            if i < len(self._sorted) and self._sorted[i].startswith(tail):
+                keep = n
+                break
         self._held = text[len(text) - keep :]
         return text[: len(text) - keep]
 

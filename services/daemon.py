@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import os
+import sys
 
 from engine.args import add_engine_args, configure_jax, engine_config, load_adapters
 from engine.distributed import ProcessGroup, add_distributed_args, join, process_group
 from services.decode.tool_formats import PARSERS
+from services.sampling import add_limit_flags, limits_from_flags
+
+EXIT_ENGINE_FAILED = 4  # the engine could not serve any more (services.engine_loop): restart the process
 
 
 @contextlib.contextmanager
@@ -76,6 +81,14 @@ def common_args(parser: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="Admin.LoadLoraAdapter reads adapters inside DIR only (default: any)",
     )
+    parser.add_argument(
+        "--engine-step-timeout",
+        type=float,
+        default=600.0,
+        metavar="S",
+        help="a step running longer means a hung engine: NOT_SERVING, then exit 4",
+    )
+    add_limit_flags(parser)
     events = parser.add_argument_group("KV cache events (ZMQ, vLLM's format: llm-d's router reads them)")
     events.add_argument(
         "--kv-events-port",
@@ -141,9 +154,10 @@ def devices_per_process(args: argparse.Namespace, group: ProcessGroup | None) ->
     return args.cpu_devices or -(-args.tp // group.num_processes)
 
 
-def build_engine(args: argparse.Namespace, group: ProcessGroup | None = None):
+def build_engine(args: argparse.Namespace, group: ProcessGroup | None = None, engine_class=None):
     """-> (engine, services.group.Leader or None): the daemon's engine, compiled (unless --no-warmup),
-    with the --lora adapters loaded. In a multi-process group the processes join one JAX job first; a
+    with the --lora adapters loaded (`engine_class`: an LLMEngine subclass instead, e.g. the
+    fault-injecting one of the tests). In a multi-process group the processes join one JAX job first; a
     worker then follows the leader's device operations here and exits when the leader stops; the leader
     returns once every worker follows."""
     from engine.engine import LLMEngine
@@ -157,7 +171,7 @@ def build_engine(args: argparse.Namespace, group: ProcessGroup | None = None):
         if config.tp != jax.device_count():
             raise SystemExit(f"error: --tp {config.tp} must span the group's {jax.device_count()} devices")
     with refusing_unloadable_models():
-        engine = LLMEngine.from_model(args.model, config, warmup=not args.no_warmup)
+        engine = (engine_class or LLMEngine).from_model(args.model, config, warmup=not args.no_warmup)
     leader = None
     if group is not None:
         from services.group import follow, lead
@@ -192,7 +206,7 @@ def prefill_main(argv: list[str] | None = None, service_class=None) -> int:
     from services.prefill.server import PrefillService, serve
 
     engine, leader = build_engine(args, group)
-    service = (service_class or PrefillService).for_engine(engine)
+    service = (service_class or PrefillService).for_engine(engine, limits=limits_from_flags(args))
     run_daemon(leader, lambda stop: serve(service, args.port, stop, **serve_options(args, security)))
     return 0
 
@@ -205,6 +219,7 @@ def serve_options(args: argparse.Namespace, security) -> dict:
         metrics_port=args.metrics_port,
         lora_root=args.lora_root,
         kv_events=kv_events_config(args),
+        step_timeout_s=args.engine_step_timeout,
     )
 
 
@@ -212,10 +227,17 @@ def run_daemon(leader, serving) -> None:
     """Runs `serving(stop)` (a daemon's serve coroutine) until SIGTERM drains it. `leader`: the
     services.group.Leader of a multi-process daemon (None: one process), whose broken group ends the
     process, and whose workers are stopped after the drain."""
+    from services.engine_loop import EngineStopped
     from services.group import supervised
     from services.grpc_server import run_until_signal
 
-    run_until_signal(lambda stop: supervised(leader, stop, serving(stop)))
+    try:
+        run_until_signal(lambda stop: supervised(leader, stop, serving(stop)))
+    except EngineStopped as e:  # health went NOT_SERVING and waiting calls were failed: exit for a restart
+        logging.getLogger(__name__).error("exiting %d: the engine failed: %s", EXIT_ENGINE_FAILED, e)
+        logging.shutdown()
+        sys.stdout.flush()
+        os._exit(EXIT_ENGINE_FAILED)  # the engine thread may be hung in a device call: do not join it
     if leader is not None:
         leader.stop()
 
@@ -267,6 +289,13 @@ def decode_args(parser: argparse.ArgumentParser) -> None:
         help="how the model writes tool calls, for tool_choice auto (auto: what its chat template asks for)",
     )
     parser.add_argument(
+        "--http-timeout",
+        type=float,
+        default=600.0,
+        metavar="S",
+        help="an HTTP request's deadline (a client's X-Request-Timeout header may ask for less)",
+    )
+    parser.add_argument(
         "--auth-token-file",
         metavar="FILE",
         help="bearer tokens (one a line) that Generation and Admin calls must present",
@@ -281,6 +310,7 @@ def decode_config(args: argparse.Namespace):
         max_queue=args.max_queue,
         fallback_local=not args.no_fallback_local,
         accept_prefill_hint=args.accept_prefill_hint,
+        limits=limits_from_flags(args),
     )
 
 
@@ -309,7 +339,8 @@ def decode_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def decode_main(argv: list[str] | None = None) -> int:
+def decode_main(argv: list[str] | None = None, engine_class=None) -> int:
+    """`decode-server ARGS`. `engine_class`: an LLMEngine subclass to serve with (tests)."""
     args = decode_parser().parse_args(argv)
     security = server_security(args)
     prefill_security = prefill_channel_security(args)
@@ -323,7 +354,7 @@ def decode_main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         raise SystemExit(f"error: {e}") from e
 
-    engine, leader = build_engine(args, group)
+    engine, leader = build_engine(args, group, engine_class)
     targets = None if args.prefill == "local" else [t for t in args.prefill.split(",") if t]
     core = GenerationCore.for_engine(
         engine,
@@ -343,7 +374,10 @@ def run_decode_server(core, args: argparse.Namespace, security, leader=None) -> 
 
     options = serve_options(args, security)
     http = dict(
-        http_port=args.http_port, http_plaintext=args.http_plaintext, tool_call_parser=args.tool_call_parser
+        http_port=args.http_port,
+        http_plaintext=args.http_plaintext,
+        tool_call_parser=args.tool_call_parser,
+        http_timeout_s=args.http_timeout,
     )
     run_daemon(leader, lambda stop: serve(core, args.port, stop, **http, **options))
 

@@ -1,16 +1,27 @@
-"""Runs an LLMEngine on its own thread so device work never blocks the asyncio event loop.
+"""Runs an LLMEngine on its own thread so device work never blocks the asyncio event loop, and
+supervises it.
 
 Everything that touches the engine (adding, aborting, inserting KV, stepping) runs on the engine thread,
 between steps, in submission order. Async callers `await loop.call(fn)` to run `fn(engine)` there, and
 receive each request's outputs on an asyncio queue.
+
+Supervision: a step that raises fails the requests it scheduled (each gets an output with
+FinishReason.ERROR; the engine pins what it can to one request itself, see LLMEngine.step) and serving
+goes on. When the engine itself is broken (a second step in a row fails, a step runs past the watchdog's
+limit, the thread is gone), the loop is failed: `failure` says why, every waiting `call` raises
+EngineStopped and every open stream receives an EngineFailure at once, later calls raise at once, and
+`supervise()` returns the reason to the daemon, which reports NOT_SERVING and exits non-zero.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -18,6 +29,21 @@ from engine.engine import LLMEngine
 from engine.output import RequestOutput
 
 log = logging.getLogger(__name__)
+
+MAX_FAILED_STEPS = 2  # steps failing in a row: the engine is broken
+STEP_TIMEOUT_S = 600.0  # a step running longer is hung (compiling a new shape takes seconds, not minutes)
+FAILED_GRACE_S = 2.0  # after a failure: health says NOT_SERVING and calls get UNAVAILABLE, then exit
+
+
+class EngineStopped(RuntimeError):
+    """The engine can no longer serve (EngineLoop.failure says why)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineFailure:
+    """What an open stream receives instead of further RequestOutputs when the engine stopped."""
+
+    message: str
 
 
 class EngineLoop:
@@ -29,6 +55,12 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._stopped = threading.Event()
         self._kv_events: Callable[[list], None] | None = None
+        self.failure: str | None = None  # why the engine cannot serve (None: it can)
+        self._lock = threading.Lock()  # failure, _pending
+        self._pending: set[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = set()
+        self._failed_steps = 0  # in a row
+        self._on_failure: list[Callable[[], None]] = []  # supervise()'s wake-ups (any thread)
+        self.step_started: float | None = None  # monotonic time the running step began (None: none runs)
 
     def publish_kv_events(self, sink: Callable[[list], None]) -> None:
         """The engine's KV cache events go to `sink` from the next command on (called on the engine
@@ -50,7 +82,10 @@ class EngineLoop:
 
     # ---- called from asyncio -----------------------------------------------------------------------
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
-        """Runs fn(engine) on the engine thread; returns its result or raises its exception."""
+        """Runs fn(engine) on the engine thread; returns its result or raises its exception (EngineStopped
+        when the engine cannot serve, at once)."""
+        if self.failure is not None:
+            raise EngineStopped(self.failure)
         loop = asyncio.get_running_loop()
         future = loop.create_future()
 
@@ -63,7 +98,21 @@ class EngineLoop:
                 loop.call_soon_threadsafe(set_result, future, result)
 
         self._commands.put(run)
-        return await future
+        return await self.wait(future)
+
+    async def wait(self, future: asyncio.Future) -> Any:
+        """Awaits a future the engine thread resolves (e.g. through a connector's callback); raises
+        EngineStopped when the engine stops first."""
+        entry = (asyncio.get_running_loop(), future)
+        with self._lock:
+            if self.failure is not None:
+                raise EngineStopped(self.failure)
+            self._pending.add(entry)
+        try:
+            return await future
+        finally:
+            with self._lock:
+                self._pending.discard(entry)
 
     def submit(self, fn: Callable[[LLMEngine], Any]) -> None:
         """Runs fn(engine) on the engine thread, fire and forget (errors are logged)."""
@@ -77,16 +126,69 @@ class EngineLoop:
         self._commands.put(run)
 
     def open_stream(self, request_id: str) -> asyncio.Queue:
-        """A queue that receives the request's RequestOutputs; open it before the request is added."""
-        outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        """A queue that receives the request's RequestOutputs (or an EngineFailure, last); open it before
+        the request is added."""
+        outputs: asyncio.Queue[RequestOutput | EngineFailure] = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), outputs)
+        if self.failure is not None:
+            outputs.put_nowait(EngineFailure(self.failure))
         return outputs
 
     def close_stream(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
 
+    # ---- supervision -------------------------------------------------------------------------------
+    def fail(self, reason: str) -> None:
+        """The engine cannot serve (any thread; idempotent): every waiting call and open stream is told at
+        once, later calls are refused."""
+        with self._lock:
+            if self.failure is not None:
+                return
+            self.failure = reason
+            pending, self._pending = self._pending, set()
+            streams = list(self._streams.values())
+        log.error("%s: engine failed, serving stops: %s", self.name, reason)
+        for wake in self._on_failure:  # first: health turns NOT_SERVING before any caller hears of it
+            with contextlib.suppress(RuntimeError):  # its event loop is closed already
+                wake()
+        error = EngineStopped(reason)
+        for loop, future in pending:
+            loop.call_soon_threadsafe(_set_exception, future, error)
+        for loop, outputs in streams:
+            loop.call_soon_threadsafe(outputs.put_nowait, EngineFailure(reason))
+
+    def check(self, step_timeout_s: float = STEP_TIMEOUT_S) -> str | None:
+        """Why the engine cannot serve (None: it can), looking also for a hung step and a thread that is
+        gone; fails the loop when it finds one."""
+        if self.failure is None:
+            started = self.step_started
+            if started is not None and time.monotonic() - started > step_timeout_s:
+                self.fail(f"a step has run for more than {step_timeout_s:.0f} s")
+            elif (
+                self._thread.ident is not None and not self._thread.is_alive() and not self._stopped.is_set()
+            ):
+                self.fail("the engine thread is gone")
+        return self.failure
+
+    async def supervise(self, step_timeout_s: float = STEP_TIMEOUT_S, every_s: float = 0.5) -> str:
+        """Returns the reason once the engine cannot serve: at once when fail() is called, and within
+        `every_s` of check()'s watchdog finding a hung step or a thread that is gone."""
+        aloop, failed = asyncio.get_running_loop(), asyncio.Event()
+        self._on_failure.append(lambda: aloop.call_soon_threadsafe(failed.set))
+        while self.check(step_timeout_s) is None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(failed.wait(), every_s)
+        return self.failure
+
     # ---- the engine thread -------------------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as e:  # noqa: BLE001 - the thread ends: the loop is failed, never silent
+            log.exception("%s: engine thread failed", self.name)
+            self.fail(f"engine thread failed: {type(e).__name__}: {e}")
+
+    def _serve(self) -> None:
         engine = self.engine
         while True:
             block = not engine.has_unfinished or engine.stalled  # nothing a step could do: wait for a command
@@ -104,16 +206,28 @@ class EngineLoop:
                 except queue.Empty:
                     command = False
             if engine.has_unfinished:
-                try:
-                    outputs = engine.step()
-                except Exception:
-                    log.exception("%s: engine step failed", self.name)
-                    raise
-                self.publish(outputs)
+                self.publish(self._step())
             if self._kv_events is not None:
                 events = engine.take_kv_events()
                 if events:
                     self._kv_events(events)
+
+    def _step(self) -> list[RequestOutput]:
+        """One engine step; a failed one fails the requests it scheduled (its outputs say so), and a
+        second failure in a row is raised (the thread ends, the loop fails)."""
+        self.step_started = time.monotonic()
+        try:
+            outputs = self.engine.step()
+        except Exception as e:
+            self._failed_steps += 1
+            log.exception("%s: engine step failed (%d in a row)", self.name, self._failed_steps)
+            if self._failed_steps >= MAX_FAILED_STEPS:
+                raise
+            return self.engine.fail_step(f"{type(e).__name__}: {e}")
+        finally:
+            self.step_started = None
+        self._failed_steps = 0
+        return outputs
 
     def publish(self, outputs: list[RequestOutput]) -> None:
         """Hands outputs to their streams (engine thread)."""
@@ -134,3 +248,17 @@ def set_result(future: asyncio.Future, result: Any) -> None:
 def _set_exception(future: asyncio.Future, error: BaseException) -> None:
     if not future.done():
         future.set_exception(error)
+
+
+async def until_stopped(
+    stop: asyncio.Event, loops: list[EngineLoop], step_timeout_s: float = STEP_TIMEOUT_S
+) -> str | None:
+    """A daemon's life: waits for `stop` (SIGTERM) or for one of its engines to fail (EngineLoop.supervise);
+    returns the failure's reason, None when stopped."""
+    stopping = asyncio.ensure_future(stop.wait())
+    watches = [asyncio.ensure_future(loop.supervise(step_timeout_s)) for loop in loops]
+    done, _ = await asyncio.wait([stopping, *watches], return_when=asyncio.FIRST_COMPLETED)
+    for task in [stopping, *watches]:
+        task.cancel()
+    failed = [task.result() for task in watches if task in done]
+    return failed[0] if failed else None

@@ -108,7 +108,10 @@ class RunningServer:
         await set_serving(health_servicer, service_names, True)
         return cls(server, health_servicer, service_names, bound)
 
-    async def stop(self, grace_s: float) -> None:
-        """Drain: NOT_SERVING for probes, then running calls get `grace_s` to finish."""
+    async def stop(self, grace_s: float, linger_s: float = 0.0) -> None:
+        """Drain: NOT_SERVING for probes (and `linger_s` seconds in which calls are still answered, as
+        they are by a failed engine: UNAVAILABLE), then running calls get `grace_s` to finish."""
         await set_serving(self.health, self.service_names, False)
+        if linger_s:
+            await asyncio.sleep(linger_s)
         await self.server.stop(grace_s)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +75,60 @@ def _container(request, field: Field):
     if field.message != "request":
         return getattr(request, field.message)
     return request if field.name in request.DESCRIPTOR.fields_by_name else None
+
+
+# ---- what one request may carry -----------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """The sizes a request may carry, checked where it enters (gRPC Generate and Prefill, the OpenAI
+    bodies) before anything is queued, beside SamplingParams.validate's ranges of each knob (engine.
+    sampling_params.BOUNDS). A request past one is INVALID_ARGUMENT / HTTP 400 naming the field and the
+    limit. Each has a daemon flag (add_limit_flags): the defaults admit what real clients send (OpenAI
+    allows 4 stop strings and 128 tools; lm-evaluation-harness sends a few stop strings)."""
+
+    max_stop_strings: int = 64
+    max_stop_string_chars: int = 512
+    max_stop_token_ids: int = 256
+    max_request_id_chars: int = 256  # printable ASCII without spaces (it goes into logs and KV frames)
+    max_tools: int = 128
+    max_chat_messages: int = 4096
+
+    def check(self, params: SamplingParams) -> None:
+        """The sizes of a request's stop conditions (InvalidRequestError naming the field)."""
+        _at_most("stop", len(params.stop), self.max_stop_strings, "stop strings")
+        longest = max((len(s) for s in params.stop if isinstance(s, str)), default=0)
+        _at_most("stop", longest, self.max_stop_string_chars, "characters in a stop string")
+        _at_most("stop_token_ids", len(params.stop_token_ids), self.max_stop_token_ids, "stop token ids")
+
+    def check_request_id(self, request_id: str, field: str = "request_id") -> str:
+        """A client's request id (a label in logs, responses and KV frames, never an engine key)."""
+        _at_most(field, len(request_id), self.max_request_id_chars, "characters")
+        if not all("!" <= c <= "~" for c in request_id):
+            raise InvalidRequestError(field, "printable ASCII characters without spaces only")
+        return request_id
+
+    def check_chat(self, contents: Sequence[str], max_chars: int, field: str = "messages") -> None:
+        """A chat before it is rendered: its number of messages, and the characters of their texts
+        together against `max_chars` (the engine's max_prompt_chars: rendering costs CPU by the
+        character)."""
+        _at_most(field, len(contents), self.max_chat_messages, "messages")
+        _at_most(field, sum(len(c) for c in contents), max_chars, "characters in all")
+
+
+def _at_most(field: str, value: int, limit: int, what: str) -> None:
+    if value > limit:
+        raise InvalidRequestError(field, f"{value} {what}: the limit is {limit}")
+
+
+def add_limit_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per Limits field (--max-stop-strings ...), defaulting to Limits()'s values."""
+    group = parser.add_argument_group("request limits (past one: INVALID_ARGUMENT / HTTP 400)")
+    for field in dataclasses.fields(Limits):
+        group.add_argument("--" + field.name.replace("_", "-"), type=int, default=field.default, metavar="N")
+
+
+def limits_from_flags(args: argparse.Namespace) -> Limits:
+    return Limits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Limits)})
 
 
 # ---- GenerateRequest (and the Prefill request, which carries the same messages) ---------------------

@@ -18,6 +18,7 @@ from engine.request import FinishReason, TokenLogprobs
 from engine.sampling_params import InvalidRequestError
 from pdserve.v1 import generation_pb2 as gen_pb
 from pdserve.v1 import prefill_pb2 as prefill_pb
+from services.sampling import Limits
 
 _KV_FRAME_TAG = b"\x12"  # field 2, wire type 2 (length-delimited)
 
@@ -88,7 +89,12 @@ def lenient(parse):
 
 
 # ---- prompts ------------------------------------------------------------------------------------------
-def prompt_from_proto(request: gen_pb.GenerateRequest, tokenizer) -> str | list[int]:
+def prompt_from_proto(
+    request: gen_pb.GenerateRequest, tokenizer, limits: Limits | None = None, max_chars: int | None = None
+) -> str | list[int]:
+    """The prompt of a GenerateRequest: text, token ids, or a chat rendered by the model's template
+    (after its size is checked against `limits` and `max_chars`, before any rendering; None: the
+    tokenizer's own length is the only bound)."""
     kind = request.WhichOneof("prompt")
     if kind == "text":
         return request.text
@@ -98,7 +104,10 @@ def prompt_from_proto(request: gen_pb.GenerateRequest, tokenizer) -> str | list[
         messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
         if not messages:
             raise InvalidRequestError("chat", "must have at least one message")
-        return tokenizer.encode_chat(messages)
+        (limits or Limits()).check_chat(
+            [m["role"] + m["content"] for m in messages], max_chars or 2**62, field="chat"
+        )
+        return tokenizer.encode_chat(messages, field="chat", max_chars=max_chars)
     raise InvalidRequestError("prompt", "one of text, token_ids or chat is required")
 
 

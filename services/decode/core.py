@@ -24,7 +24,7 @@ from engine.kv_cache_manager import hash_blocks
 from engine.kv_connector import DecodeConnector
 from engine.multihost import is_multi_process
 from engine.output import RequestOutput
-from engine.request import Request
+from engine.request import FinishReason, Request
 from engine.sampling_params import InvalidRequestError
 from kvtransfer import KVChunk, chunk_sharding
 from services.admin import Counters
@@ -36,10 +36,13 @@ from services.decode.prefill_pool import (
     PrefillPool,
     Route,
     Routing,
+    check_first_token,
 )
-from services.engine_loop import EngineLoop, set_result
+from services.engine_loop import EngineFailure, EngineLoop, EngineStopped, set_result
 from services.kv import engine_layout
 from services.metrics import Metrics
+from services.prepare import Overloaded, Preparer
+from services.sampling import Limits
 from services.security import PLAINTEXT, ChannelSecurity
 
 log = logging.getLogger(__name__)
@@ -58,6 +61,8 @@ class DecodeConfig:
     max_attempts: int = 3  # prefill replicas tried per request
     fallback_local: bool = True  # prefill here when every replica failed
     accept_prefill_hint: bool = False  # honour PREFILL_HINT_HEADER (else: ignore it, route by our own pool)
+    limits: Limits = Limits()  # what one request may carry (services.sampling.Limits)
+    max_preparing: int = 64  # requests being rendered / tokenized at once before RESOURCE_EXHAUSTED
 
 
 class ServiceError(Exception):
@@ -94,6 +99,7 @@ class GenerationCore:
         # kept on the host until its insert (every process puts its own shards: engine.multihost)
         self.sharding = None if is_multi_process() else chunk_sharding(self.engine.mesh, self.layout)
         self.draining = False
+        self.preparer = Preparer(max_waiting=config.max_preparing, name="decode-prepare")
 
     @classmethod
     def for_engine(
@@ -158,18 +164,33 @@ class GenerationCore:
         if self.pool is not None:
             await self.pool.close()
         self.loop.stop()
+        self.preparer.close()
 
-    def make_request(self, prompt, params, request_id: str = "", lora: str = "") -> Request:
-        """Validates and tokenizes (InvalidRequestError names the field); refuses while draining."""
+    def make_request(self, prompt, params, label: str = "", lora: str = "") -> Request:
+        """Checks the limits, validates and tokenizes (InvalidRequestError names the field); refuses while
+        draining. Blocking CPU work by the size of the request: call it through `prepare`.
+
+        The engine's key is this server's own, unique whatever clients send: the client's `label` (its
+        request id, checked by the caller) and a random suffix, so that two requests of one id never meet.
+        """
         if self.draining:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, "decode server is shutting down")
+        limits = self.config.limits
+        limits.check(params)
+        suffix = uuid.uuid4().hex[:12]  # the key stays within the limit a prefill server checks it against
+        key = f"{label[: limits.max_request_id_chars - 13]}-{suffix}" if label else uuid.uuid4().hex
+        return self.engine.make_request(prompt, params, request_id=key, lora=lora or None)
+
+    async def prepare(self, build):
+        """Runs `build()` (parse, render, tokenize, compile: typically a make_request call) off the event
+        loop (services.prepare); RESOURCE_EXHAUSTED when too many requests are being prepared."""
         try:
-            return self.engine.make_request(
-                prompt, params, request_id=request_id or uuid.uuid4().hex, lora=lora or None
-            )
+            return await self.preparer.run(build)
         except InvalidRequestError:
             self.counters.count_outcome("invalid")
             raise
+        except Overloaded as e:
+            raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e), e.retry_after_ms) from None
 
     def prefill_hint(self, value: str | None) -> str | None:
         """The prefill replica a request's PREFILL_HINT_HEADER names, as HOST:PORT; None when there is none
@@ -182,12 +203,18 @@ class GenerationCore:
         return f"{host}:{int(port)}"
 
     async def stream(
-        self, engine_request: Request, time_remaining: float | None = None, prefill_hint: str | None = None
+        self,
+        engine_request: Request,
+        time_remaining: float | None = None,
+        prefill_hint: str | None = None,
+        label: str = "",
     ):
         """Runs one request: prefill (remote or here), decode; yields its RequestOutputs. `prefill_hint`:
-        the replica an endpoint picker chose (`prefill_hint()`), preferred when it is one of the pool's.
+        the replica an endpoint picker chose (`prefill_hint()`), preferred when it is one of the pool's;
+        `label`: the client's id of it, for the log line (default: the engine's key).
 
-        Raises ServiceError (RESOURCE_EXHAUSTED, UNAVAILABLE); cancelling the consumer frees everything.
+        Raises ServiceError (RESOURCE_EXHAUSTED, UNAVAILABLE; INTERNAL when the engine failed on this
+        request; UNAVAILABLE when the engine stopped); cancelling the consumer frees everything.
         """
         rid = engine_request.request_id
         self.counters.num_requests_total += 1
@@ -204,11 +231,20 @@ class GenerationCore:
                     pending.append(first)
             while True:
                 output = pending.pop() if pending else await outputs.get()
+                if isinstance(output, EngineFailure):
+                    raise EngineStopped(output.message)
+                if output.finish_reason is FinishReason.ERROR:
+                    raise ServiceError(
+                        grpc.StatusCode.INTERNAL, f"the engine failed on this request: {output.error}"
+                    )
                 token_times += [time.monotonic()] * len(output.new_token_ids)
                 yield output
                 if output.finished:
                     outcome = output.finish_reason.value
                     return
+        except EngineStopped as e:
+            outcome = "unavailable"
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"the decode engine stopped: {e}") from None
         except ServiceError as e:
             outcome = e.code.name.lower()
             raise
@@ -219,7 +255,8 @@ class GenerationCore:
             log.info(
                 "request ended",
                 extra={
-                    "request_id": rid,
+                    "request_id": label or rid,
+                    "engine_id": rid,
                     "outcome": outcome,
                     "prompt_tokens": len(engine_request.prompt_ids),
                     "output_tokens": len(token_times),
@@ -264,7 +301,7 @@ class GenerationCore:
         rid = request.request_id
         allocated = asyncio.get_running_loop().create_future()
         await self._enqueue(request, on_blocks=allocated)
-        num_external = await allocated
+        num_external = await self.loop.wait(allocated)
         if not num_external:
             return None
         bs, num_tokens = self.engine.config.block_size, len(request.prompt_ids)
@@ -273,8 +310,14 @@ class GenerationCore:
         hashes = hash_blocks(request.prompt_ids[:-1], bs, request.cache_key)
         held = hashes[:first_block]
         tried: set[str] = set()
+        busy: dict[str, int] = {}  # replicas that answered busy, and their retry hints (ms)
         for _ in range(self.config.max_attempts):
             route = self.pool.pick(exclude=tried, block_hashes=hashes, num_tokens=num_tokens, prefer=hint)
+            if route is None and busy:  # every replica left is busy: wait for the soonest, then again
+                await asyncio.sleep(min(busy.values()) / 1000)
+                tried -= busy.keys()
+                busy.clear()
+                route = self.pool.pick(exclude=tried, block_hashes=hashes, num_tokens=num_tokens, prefer=hint)
             if route is None:
                 break
             if hint is not None and not tried and route.reason != "hint":
@@ -282,16 +325,21 @@ class GenerationCore:
             replica = route.replica
             tried.add(replica.name)
             try:
-                first, started, nbytes = await self._transfer(route, request, time_remaining, hashes, held)
+                first, started, nbytes, insert_errors = await self._transfer(
+                    route, request, time_remaining, hashes, held
+                )
+                output = await self.loop.call(_starter(rid, first, insert_errors))  # after every insert
             except PrefillError as e:
+                where = {"request_id": request.request_id, "replica": replica.name}
+                if e.retry_after_ms is not None:  # up, its cache still known: another one, or later
+                    busy[replica.name] = e.retry_after_ms
+                    log.info("prefill replica busy: %s", e, extra=where)
+                    continue
                 if e.replica_down:
                     replica.mark_failed()
                 self.counters.num_transfer_failures_total += 1
-                log.warning(
-                    "prefill failed: %s", e, extra={"request_id": request.request_id, "replica": replica.name}
-                )
+                log.warning("prefill failed: %s", e, extra=where)
                 continue
-            output = await self.loop.call(_starter(rid, first))  # after every chunk's insert, in order
             self._count_route(route, first.num_cached_tokens, hashes, routed)
             self.counters.num_transfers_total += 1
             self.counters.kv_transfer_seconds_total += time.perf_counter() - started
@@ -317,8 +365,9 @@ class GenerationCore:
 
     async def _transfer(
         self, route: Route, request: Request, timeout: float | None, hashes: list[int], held: list[int]
-    ) -> tuple[FirstToken, float, int]:
-        """One attempt: (first token, perf_counter when the first KV arrived, KV bytes received).
+    ) -> tuple[FirstToken, float, int, list[str]]:
+        """One attempt: (first token, perf_counter when the first KV arrived, KV bytes received, the
+        errors of inserts that failed here, filled on the engine thread: see _starter).
         `hashes`: the prompt's block hashes; `held`: the leading ones this engine holds. On failure the
         request's blocks stay allocated (to be refilled by the next try).
 
@@ -331,7 +380,7 @@ class GenerationCore:
         replica.outstanding += 1
         replica.pending_tokens += work
         try:
-            first, started, nbytes = None, None, 0
+            first, started, nbytes, insert_errors = None, None, 0, []
             async with contextlib.aclosing(
                 replica.prefill(request, self.layout, self.sharding, timeout, held)
             ) as items:
@@ -341,20 +390,36 @@ class GenerationCore:
                     else:  # inserted as it arrives (on the engine thread, in order)
                         started = started or time.perf_counter()
                         nbytes += item.data.nbytes
-                        self.loop.submit(_loader(request.request_id, item, len(held)))
+                        self.loop.submit(_loader(request.request_id, item, len(held), insert_errors))
             if first is None:
                 raise PrefillError(f"{replica.name}: no first token")
-            return first, started or time.perf_counter(), nbytes
+            check_first_token(first, request, self.engine.model.config.vocab_size, replica.name)
+            return first, started or time.perf_counter(), nbytes, insert_errors
         finally:
             replica.outstanding -= 1
             replica.pending_tokens -= work
 
 
-def _starter(request_id: str, first: FirstToken):
-    return lambda engine: engine.remote_kv_arrived(
-        request_id, first.token, first.logprobs, first.num_cached_tokens
-    )
+def _starter(request_id: str, first: FirstToken, insert_errors: list[str]):
+    """Starts the request on its first token, after its chunks' inserts (the commands before it): unless
+    one of them failed (PrefillError: the attempt is discarded, the blocks are written again)."""
+
+    def start(engine: LLMEngine) -> RequestOutput:
+        if insert_errors:
+            raise PrefillError(f"inserting the KV failed here: {insert_errors[0]}", replica_down=False)
+        return engine.remote_kv_arrived(request_id, first.token, first.logprobs, first.num_cached_tokens)
+
+    return start
 
 
-def _loader(request_id: str, chunk: KVChunk, first_block: int):
-    return lambda engine: engine.load_kv(request_id, chunk, first_block)
+def _loader(request_id: str, chunk: KVChunk, first_block: int, errors: list[str]):
+    """Writes one chunk on the engine thread; a failure is kept in `errors` (for _starter), never fatal."""
+
+    def load(engine: LLMEngine) -> None:
+        try:
+            engine.load_kv(request_id, chunk, first_block)
+        except Exception as e:  # noqa: BLE001 - pinned to this transfer
+            log.exception("KV insert failed", extra={"request_id": request_id})
+            errors.append(f"{type(e).__name__}: {e}")
+
+    return load

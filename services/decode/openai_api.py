@@ -12,6 +12,7 @@ take the same bodies and return the prompt's token ids without generating (vLLM'
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import time
@@ -29,12 +30,28 @@ from services.decode.tools import ToolChoice, ToolStream, tool_choice
 from services.sampling import FIELD_NAMES, params_from_values
 from services.security import ServerSecurity, token_ok
 
-_HTTP_STATUS = {grpc.StatusCode.RESOURCE_EXHAUSTED: 429, grpc.StatusCode.UNAVAILABLE: 503}
+_HTTP_STATUS = {
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+    grpc.StatusCode.INTERNAL: 500,
+}
+REQUEST_ID_HEADER = "X-Request-Id"  # the client's id of the request: in the log line (vLLM's header)
+TIMEOUT_HEADER = "X-Request-Timeout"  # seconds the client will wait (at most the server's --http-timeout)
 
 
-def _error(status: int, message: str, kind: str, param: str | None = None) -> web.Response:
+def _error(
+    status: int, message: str, kind: str, param: str | None = None, retry_after_ms: int | None = None
+) -> web.Response:
     body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
-    return web.json_response(body, status=status)
+    headers = {}
+    if retry_after_ms is not None or status in (429, 503):  # seconds, as RFC 9110 has it
+        headers["Retry-After"] = str(max(1, -(-(retry_after_ms or 1000) // 1000)))
+    return web.json_response(body, status=status, headers=headers)
+
+
+def _service_error(e: ServiceError) -> web.Response:
+    return _error(_HTTP_STATUS.get(e.code, 500), e.message, "server_error", retry_after_ms=e.retry_after_ms)
 
 
 def _invalid(e: InvalidRequestError) -> web.Response:
@@ -109,10 +126,15 @@ class OpenAIFrontend:
     the format of the model's own tool calls (services.decode.tool_formats; "auto": its chat template's)."""
 
     def __init__(
-        self, service: GenerationCore, security: ServerSecurity | None = None, tool_call_parser: str = "auto"
+        self,
+        service: GenerationCore,
+        security: ServerSecurity | None = None,
+        tool_call_parser: str = "auto",
+        timeout_s: float = 600.0,
     ):
         self.service = service
         self.security = security
+        self.timeout_s = timeout_s  # a request's deadline unless its TIMEOUT_HEADER asks for less
         self.model = service.engine.model.config.name
         tokenizer = service.engine.tokenizer
         self.tool_format = detect(tokenizer.chat_template) if tool_call_parser == "auto" else tool_call_parser
@@ -132,7 +154,8 @@ class OpenAIFrontend:
         self._runner: web.AppRunner | None = None
 
     async def start(self, host: str, port: int) -> int:
-        self._runner = web.AppRunner(self.app)
+        # a client that goes away cancels its handler: the request is aborted and its blocks freed
+        self._runner = web.AppRunner(self.app, handler_cancellation=True)
         await self._runner.setup()
         ssl_context = self.security.ssl_context() if self.security is not None else None
         site = web.TCPSite(self._runner, host, port, ssl_context=ssl_context)
@@ -170,24 +193,42 @@ class OpenAIFrontend:
         return await self._render(request, chat=True)
 
     async def health(self, request: web.Request) -> web.Response:
+        if self.service.loop.failure is not None:
+            return web.json_response({"status": "engine failed"}, status=503)
         if self.service.draining:
             return web.json_response({"status": "draining"}, status=503)
         return web.json_response({"status": "ok"})
+
+    def _timeout(self, request: web.Request) -> float:
+        """The request's deadline in seconds: TIMEOUT_HEADER when it asks for less than the server's."""
+        value = request.headers.get(TIMEOUT_HEADER)
+        if value is None:
+            return self.timeout_s
+        try:
+            seconds = float(value)
+        except ValueError:
+            seconds = float("nan")
+        if not 0 < seconds < float("inf"):
+            raise InvalidRequestError(TIMEOUT_HEADER, f"{value!r} is not a positive number of seconds")
+        return min(seconds, self.timeout_s)
 
     async def _handle(self, request: web.Request, chat: bool) -> web.StreamResponse:
         body = await _json_body(request)
         if isinstance(body, web.Response):
             return body
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         try:
-            tools = tool_choice(body, self.tool_format) if chat else None
-            engine_request = self._prepare(body, chat, self.service.make_request, tools)
+            label = self.service.config.limits.check_request_id(
+                request.headers.get(REQUEST_ID_HEADER, rid), REQUEST_ID_HEADER
+            )
+            timeout_s = self._timeout(request)
             hint = self.service.prefill_hint(request.headers.get(PREFILL_HINT_HEADER))
+            engine_request, tools = await self.service.prepare(lambda: self.engine_request(body, chat, label))
         except InvalidRequestError as e:
             return _invalid(e)
         except ServiceError as e:
-            return _error(_HTTP_STATUS.get(e.code, 500), e.message, "server_error")
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        outputs = self.service.stream(engine_request, prefill_hint=hint)
+            return _service_error(e)
+        outputs = _until(self.service.stream(engine_request, timeout_s, hint, label), timeout_s)
         model = engine_request.lora.name if engine_request.lora else self.model  # echoed in responses
         if body.get("stream"):
             return await self._stream(request, outputs, rid, chat, body, model, tools)
@@ -195,29 +236,41 @@ class OpenAIFrontend:
 
     async def _render(self, request: web.Request, chat: bool) -> web.Response:
         """The prompt's token ids as Generate would compute them: the same parsing, validation and
-        tokenizer (chat template included), through the engine's own make_request; nothing is queued."""
+        tokenizer (chat template included), through the engine's own make_request, off the event loop
+        and admission-bounded like a generation; nothing is queued."""
         body = await _json_body(request)
         if isinstance(body, web.Response):
             return body
         try:
-            tools = tool_choice(body, self.tool_format) if chat else None
-            engine_request = self._prepare(body, chat, self.service.engine.make_request, tools)
+            engine_request, _ = await self.service.prepare(lambda: self.engine_request(body, chat))
         except InvalidRequestError as e:
             return _invalid(e)
+        except ServiceError as e:
+            return _service_error(e)
         model = engine_request.lora.name if engine_request.lora else self.model
         rendered = {"model": model, "token_ids": list(engine_request.prompt_ids)}
         return web.json_response(rendered if chat else [rendered])
 
-    def _prepare(self, body: dict, chat: bool, make_request, tools: ToolChoice | None = None) -> Request:
-        """The engine request of an OpenAI body (InvalidRequestError names the bad field); `tools`: the
-        chat's tools, given to its template, and the constraint of a required or named call."""
-        tokenizer = self.service.engine.tokenizer
+    def engine_request(self, body: dict, chat: bool, label: str = "") -> tuple[Request, ToolChoice | None]:
+        """The engine request of an OpenAI body whose key types _json_body checked, and its tools
+        (InvalidRequestError names the bad field). CPU work by the size of the body (the chat template,
+        the tokenizer, a constraint's compilation): run it through GenerationCore.prepare."""
+        tools = tool_choice(body, self.tool_format, self.service.config.limits.max_tools) if chat else None
+        return self._prepare(body, chat, tools, label), tools
+
+    def _prepare(self, body: dict, chat: bool, tools: ToolChoice | None, label: str) -> Request:
+        """engine_request's request; `tools`: the chat's tools, given to its template, and the constraint
+        of a required or named call."""
+        tokenizer, max_chars = self.service.engine.tokenizer, self.service.engine.config.max_prompt_chars
         if chat:
             messages = body.get("messages")
             if not isinstance(messages, list) or not messages or not all(_message_ok(m) for m in messages):
                 raise InvalidRequestError("messages", "must be a non-empty list of {role, content}")
+            self.service.config.limits.check_chat([_text_of(m) for m in messages], max_chars)
             template_tools = {"tools": tools.template_tools} if tools is not None else {}
-            prompt = tokenizer.encode_chat([_message(m) for m in messages], **template_tools)
+            prompt = tokenizer.encode_chat(
+                [_message(m) for m in messages], max_chars=max_chars, **template_tools
+            )
         else:
             prompt = body.get("prompt")
             if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
@@ -235,7 +288,7 @@ class OpenAIFrontend:
         if tools is not None and tools.mode == "auto" and self.tool_markers_special:
             params = dataclasses.replace(params, skip_special_tokens=False)
         try:
-            return make_request(prompt, params, lora=self._adapter(body) or None)
+            return self.service.make_request(prompt, params, label, lora=self._adapter(body))
         except InvalidRequestError as e:
             if e.field != "constraint":
                 raise
@@ -268,7 +321,7 @@ class OpenAIFrontend:
                 if output.finished:
                     finish, usage = output.finish_reason.value, _usage(output)
         except ServiceError as e:
-            return _error(_HTTP_STATUS.get(e.code, 500), e.message, "server_error")
+            return _service_error(e)
         choice = {"index": 0, "finish_reason": finish, "logprobs": self._logprobs(logprobs, chat)}
         if chat:
             choice["message"] = message = {"role": "assistant", "content": "".join(text)}
@@ -371,6 +424,32 @@ class OpenAIFrontend:
         }
 
 
+def _text_of(m: dict) -> str:
+    """What a chat message gives the template to render, as text (its size is what rendering costs)."""
+    calls = m.get("tool_calls")
+    return str(m.get("role", "")) + (m.get("content") or "") + (json.dumps(calls) if calls else "")
+
+
+async def _until(outputs, timeout_s: float):
+    """`outputs` (GenerationCore.stream) within a deadline of `timeout_s` seconds; past it the stream is
+    closed (the request aborted, its blocks freed) and ServiceError DEADLINE_EXCEEDED raised."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    try:
+        while True:
+            try:
+                async with asyncio.timeout_at(deadline):
+                    output = await anext(outputs)
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                raise ServiceError(
+                    grpc.StatusCode.DEADLINE_EXCEEDED, f"the request's deadline ({timeout_s:g} s) passed"
+                ) from None
+            yield output
+    finally:
+        await outputs.aclose()
+
+
 def _message_ok(m) -> bool:
     """A chat message: content text, or an assistant's tool calls (content null)."""
     if not isinstance(m, dict):
@@ -399,14 +478,54 @@ def _tool_calls(tools: ToolChoice | None, message: dict, finish: str | None) -> 
     return calls
 
 
+# The JSON types of the body keys read here, besides services.sampling's knobs (params_from_values checks
+# those): a key of another type is a 400 naming it before anything reads it.
+_BODY_TYPES: dict[str, tuple[type, ...]] = {
+    "model": (str,),
+    "messages": (list,),
+    "prompt": (str, list),
+    "stream": (bool,),
+    "stream_options": (dict,),
+    "n": (int,),
+    "logprobs": (bool, int),
+    "top_logprobs": (int,),
+    "max_completion_tokens": (int,),
+    "response_format": (dict,),
+    "tools": (list,),
+    "tool_choice": (str, dict),
+    "lora_adapter": (str,),
+    "user": (str,),
+    "guided_json": (str, dict),
+    "guided_regex": (str,),
+    "guided_grammar": (str,),
+    "guided_choice": (list,),
+}
+_JSON_NAMES = {str: "a string", list: "a list", dict: "an object", bool: "a boolean", int: "an integer"}
+
+
+def _check_types(body: dict) -> None:
+    for key, kinds in _BODY_TYPES.items():
+        value = body.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+            raise InvalidRequestError(key, "must be " + " or ".join(_JSON_NAMES[k] for k in kinds))
+
+
 async def _json_body(request: web.Request) -> dict | web.Response:
-    """The request's JSON object, or the 400 response saying why it is not one."""
+    """The request's JSON object with its keys of the right types, or the 400 response saying why not."""
     try:
         body = await request.json()
         if not isinstance(body, dict):
             raise ValueError("the body must be a JSON object")
+    except RecursionError:
+        return _error(400, "invalid JSON: nested too deeply", "invalid_request_error")
     except ValueError as e:
         return _error(400, f"invalid JSON: {e}", "invalid_request_error")
+    try:
+        _check_types(body)
+    except InvalidRequestError as e:
+        return _invalid(e)
     return body
 
 

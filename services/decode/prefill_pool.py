@@ -15,6 +15,7 @@ import abc
 import asyncio
 import dataclasses
 import logging
+import math
 import socket
 import time
 from collections.abc import AsyncIterator
@@ -28,9 +29,9 @@ from kvtransfer import KVChunk, KVLayout
 from pdserve.v1 import prefill_pb2 as pb
 from services import sampling, wire
 from services.decode.prefix_index import ReplicaCache, follow
-from services.engine_loop import EngineLoop
+from services.engine_loop import EngineLoop, EngineStopped
 from services.grpc_server import KEEPALIVE_OPTIONS, channel_options
-from services.prefill.runner import PrefillStream, install_connector
+from services.prefill.runner import PrefillFailed, PrefillStream, install_connector
 from services.security import PLAINTEXT, ChannelSecurity
 
 log = logging.getLogger(__name__)
@@ -39,19 +40,38 @@ log = logging.getLogger(__name__)
 class PrefillError(RuntimeError):
     """A prefill failed (unreachable, died mid-stream, bad frame, layout mismatch, adapter not there).
 
-    `replica_down`: the replica itself failed (avoid it for a while), rather than refused this request."""
+    `replica_down`: the replica itself failed (avoid it for a while, forget what it was known to cache),
+    rather than refused this request. `retry_after_ms`: the replica is busy (RESOURCE_EXHAUSTED, or too
+    slow for the deadline): it is up, what it caches is still known, and it may take the request after
+    that long."""
 
-    def __init__(self, message: str, replica_down: bool = True):
+    def __init__(self, message: str, replica_down: bool = True, retry_after_ms: int | None = None):
         super().__init__(message)
-        self.replica_down = replica_down
+        self.replica_down = replica_down and retry_after_ms is None
+        self.retry_after_ms = retry_after_ms
 
 
-# Refusals of one request (its adapter is missing or differs there), not a sign of a broken replica.
+# Refusals of one request (its adapter is missing or differs there; the engine failed on it and serves
+# on; the handler raised on it), not a sign of a broken replica.
 _REQUEST_REFUSALS = (
     grpc.StatusCode.NOT_FOUND,
     grpc.StatusCode.FAILED_PRECONDITION,
     grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.UNKNOWN,
 )
+# A replica that is up but busy: its queue is full (RESOURCE_EXHAUSTED, with a retry-after-ms hint), or
+# it did not finish within the call's deadline.
+_BUSY = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED)
+DEFAULT_RETRY_AFTER_MS = 100
+
+
+def _retry_after_ms(error: grpc.aio.AioRpcError) -> int:
+    """The retry-after-ms hint of a busy replica's trailing metadata (a default when absent or odd)."""
+    for key, value in error.trailing_metadata() or ():
+        if key == "retry-after-ms" and str(value).isdigit():
+            return min(int(value), 10_000)
+    return DEFAULT_RETRY_AFTER_MS
 
 
 @dataclasses.dataclass
@@ -234,8 +254,10 @@ class RemotePrefiller(Prefiller):
                     return
             raise PrefillError(f"{self.name}: stream ended without a trailer")
         except grpc.aio.AioRpcError as e:
-            down = e.code() not in _REQUEST_REFUSALS
-            raise PrefillError(f"{self.name}: {e.code().name}: {e.details()}", replica_down=down) from e
+            message = f"{self.name}: {e.code().name}: {e.details()}"
+            if e.code() in _BUSY:
+                raise PrefillError(message, retry_after_ms=_retry_after_ms(e)) from e
+            raise PrefillError(message, replica_down=e.code() not in _REQUEST_REFUSALS) from e
         except PrefillError:
             raise
         except Exception as e:  # noqa: BLE001 - anything wrong with a stream makes it unusable, never fatal
@@ -286,10 +308,39 @@ class LocalPrefiller(Prefiller):
             async for chunk in stream.achunks():  # each as its tokens are computed
                 yield kvtransfer.move_chunk(chunk, sharding)
             first = await stream.first_token()
+        except PrefillFailed as e:  # the prefill engine failed on this request and serves on
+            raise PrefillError(f"{self.name}: {e}", replica_down=False) from e
+        except EngineStopped as e:
+            raise PrefillError(f"{self.name}: the prefill engine stopped: {e}") from e
         finally:
             stream.close()
         logprobs = first.logprobs[0] if first.logprobs else None
         yield FirstToken(first.new_token_ids[0], logprobs, first.num_cached_tokens)
+
+
+def check_first_token(first: FirstToken, request: Request, vocab_size: int, replica: str) -> None:
+    """A replica's trailer, range-checked like a client's request (PrefillError, the replica at fault):
+    the first token in the vocabulary, the cached tokens within the prompt, the logprobs only as asked
+    (the sampled token's first, at most the top-n asked for, each id in the vocabulary, each logprob a
+    finite number <= 0)."""
+
+    def refuse(what: str):
+        raise PrefillError(f"{replica}: trailer {what}")
+
+    if not 0 <= first.token < vocab_size:
+        refuse(f"first_token {first.token} outside the vocabulary [0, {vocab_size})")
+    if not 0 <= first.num_cached_tokens <= len(request.prompt_ids):
+        refuse(f"num_cached_tokens {first.num_cached_tokens} outside [0, {len(request.prompt_ids)}]")
+    asked, lp = request.params.logprobs, first.logprobs
+    if lp is None:
+        if asked is not None:
+            refuse("lacks the first token's logprobs")
+        return
+    if asked is None or lp.token_id != first.token or len(lp.top) > asked:
+        refuse(f"first_logprobs differ from what was asked ({asked} for token {first.token})")
+    for token, value in [(lp.token_id, lp.logprob), *lp.top]:
+        if not 0 <= token < vocab_size or not math.isfinite(value) or value > 1e-3:
+            refuse(f"first_logprobs entry ({token}, {value}) out of range")
 
 
 def _check_adapter(request: Request, name: str, fingerprint: str, replica: str) -> None:

@@ -35,6 +35,7 @@ from services.admin import SERVICE_NAME as ADMIN_SERVICE
 from services.admin import AdminService
 from services.decode.core import PREFILL_HINT_HEADER, GenerationCore, ServiceError
 from services.decode.openai_api import OpenAIFrontend
+from services.engine_loop import FAILED_GRACE_S, STEP_TIMEOUT_S, EngineStopped, until_stopped
 from services.grpc_server import RunningServer
 from services.kv_events import KVEventsConfig, start_publishing
 from services.security import ServerSecurity
@@ -61,17 +62,26 @@ class GenerationService(pb_grpc.GenerationServicer):
             lora_adapters=sorted(self.engine.loras.adapters),
         )
 
+    def _make_request(self, request: pb.GenerateRequest, label: str):
+        """The engine request of a GenerateRequest: on a preparation thread (a chat renders here)."""
+        config = self.core.config
+        prompt = wire.prompt_from_proto(
+            request, self.engine.tokenizer, config.limits, self.engine.config.max_prompt_chars
+        )
+        params = sampling.params_from_request(request)
+        return self.core.make_request(prompt, params, label, request.lora_adapter)
+
     async def Generate(self, request: pb.GenerateRequest, context):
         if isinstance(request, wire.Unparsable):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request: {request.error}")
         try:
-            prompt = wire.prompt_from_proto(request, self.engine.tokenizer)
-            params = sampling.params_from_request(request)
-            engine_request = self.core.make_request(prompt, params, request.request_id, request.lora_adapter)
+            label = self.core.config.limits.check_request_id(request.request_id)
             hint = self.core.prefill_hint(dict(context.invocation_metadata() or ()).get(PREFILL_HINT_HEADER))
+            engine_request = await self.core.prepare(lambda: self._make_request(request, label))
+            label = label or engine_request.request_id
             prompt_ids = engine_request.prompt_ids if request.return_prompt_ids else ()
-            async for output in self.core.stream(engine_request, context.time_remaining(), hint):
-                yield wire.output_to_response(output, engine_request.request_id, prompt_ids)
+            async for output in self.core.stream(engine_request, context.time_remaining(), hint, label):
+                yield wire.output_to_response(output, label, prompt_ids)
                 prompt_ids = ()  # on the first message only
         except InvalidRequestError as e:  # INVALID_ARGUMENT; NOT_FOUND for an adapter not loaded here
             await context.abort(grpc.StatusCode[e.status], str(e))
@@ -115,6 +125,8 @@ async def serve(
     kv_events: KVEventsConfig | None = None,
     http_plaintext: bool = False,
     tool_call_parser: str = "auto",
+    http_timeout_s: float = 600.0,
+    step_timeout_s: float = STEP_TIMEOUT_S,
 ) -> None:
     """Serves Generate (and Admin, and optionally /metrics and the OpenAI HTTP API) over `core` until
     `stop` is set; then refuses new requests and lets running ones finish.
@@ -124,7 +136,10 @@ async def serve(
     reach pods over plain HTTP: the bearer tokens still apply). `kv_events`: publish this engine's KV
     cache events (None: do not); their topic names the HTTP port when there is one (the port an
     InferencePool targets), else the gRPC port. `tool_call_parser`: the HTTP API's format of the model's own
-    tool calls (services.decode.tool_formats; "auto": the one its chat template writes)."""
+    tool calls (services.decode.tool_formats; "auto": the one its chat template writes); `http_timeout_s`:
+    an HTTP request's deadline. When an engine fails (services.engine_loop: a step failing twice running,
+    one running past `step_timeout_s`), health turns NOT_SERVING, waiting calls get UNAVAILABLE and this
+    raises EngineStopped (the daemon exits non-zero)."""
     await core.start()
     if metrics_port is not None:
         print(f"metrics on {host}:{core.metrics.serve(metrics_port, host)}", flush=True)
@@ -133,7 +148,7 @@ async def serve(
         http_security = security
         if http_plaintext and security is not None:
             http_security = ServerSecurity(tokens=security.tokens)
-        http = OpenAIFrontend(core, http_security, tool_call_parser)
+        http = OpenAIFrontend(core, http_security, tool_call_parser, http_timeout_s)
         http_bound = await http.start(host, http_port)
         print(f"http on {host}:{http_bound}", flush=True)
     # `pdserve serve`: adapters loaded at run time go into the local prefill engine too
@@ -152,12 +167,15 @@ async def serve(
     if on_ready is not None:
         on_ready(f"{host}:{bound}")
     refresher = asyncio.create_task(core.refresh_pool(stop))
-    await stop.wait()
+    failure = await until_stopped(stop, [core.loop, *core.mirror_loops], step_timeout_s)
     refresher.cancel()
     core.draining = True
-    await running.stop(grace_s)
+    await (running.stop(0, linger_s=FAILED_GRACE_S) if failure else running.stop(grace_s))
     if http is not None:
         await http.stop()
-    await core.close()
+    if failure is None:
+        await core.close()
     if publisher is not None:
         publisher.close()
+    if failure is not None:
+        raise EngineStopped(failure)

@@ -169,14 +169,16 @@ def _call(name: str, arguments: str) -> dict:
     }
 
 
-def tool_choice(body: dict, format: str = "hermes") -> ToolChoice | None:
+def tool_choice(body: dict, format: str = "hermes", max_tools: int = 128) -> ToolChoice | None:
     """The body's tools and tool_choice (None: no tools); InvalidRequestError names the bad key. `format`:
-    how the model writes calls (tool_formats)."""
+    how the model writes calls (tool_formats); `max_tools`: how many a request may carry."""
     tools, choice = body.get("tools"), body.get("tool_choice")
     if not tools:
         if choice not in (None, "none"):
             raise InvalidRequestError("tool_choice", "needs tools")
         return None
+    if isinstance(tools, list) and len(tools) > max_tools:
+        raise InvalidRequestError("tools", f"{len(tools)} tools: the limit is {max_tools}")
     if not isinstance(tools, list) or not all(
         isinstance(t, dict)
         and t.get("type") == "function"
@@ -192,7 +194,8 @@ def tool_choice(body: dict, format: str = "hermes") -> ToolChoice | None:
     names = [f["name"] for f in functions]
     if choice is None or choice in ("none", "auto", "required"):
         return ToolChoice(functions, choice or "auto", format=format)
-    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    function = choice.get("function") if isinstance(choice, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
     if not isinstance(choice, dict) or choice.get("type") != "function" or name not in names:
         raise InvalidRequestError(
             "tool_choice",

@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -45,12 +46,14 @@ from pdserve.v1 import prefill_pb2_grpc as pb_grpc
 from services import sampling, wire
 from services.admin import SERVICE_NAME as ADMIN_SERVICE
 from services.admin import AdminService, Counters
-from services.engine_loop import EngineLoop
+from services.engine_loop import FAILED_GRACE_S, STEP_TIMEOUT_S, EngineLoop, EngineStopped, until_stopped
 from services.grpc_server import RunningServer
 from services.kv import engine_layout
 from services.kv_events import KVEventPublisher, KVEventsConfig, start_publishing
 from services.metrics import Metrics
-from services.prefill.runner import PrefillStream, install_connector
+from services.prefill.runner import PrefillFailed, PrefillStream, install_connector
+from services.prepare import Overloaded, Preparer
+from services.sampling import Limits
 from services.security import ServerSecurity
 
 log = logging.getLogger(__name__)
@@ -59,7 +62,14 @@ SERVICE_NAME = "pdserve.v1.Prefill"
 
 
 class PrefillService(pb_grpc.PrefillServicer):
-    def __init__(self, loop: EngineLoop, counters: Counters, max_queue: int = 64, lease_s: float = 30.0):
+    def __init__(
+        self,
+        loop: EngineLoop,
+        counters: Counters,
+        max_queue: int = 64,
+        lease_s: float = 30.0,
+        limits: Limits | None = None,
+    ):
         self.loop = loop
         self.counters = counters
         self.engine: LLMEngine = loop.engine
@@ -69,6 +79,9 @@ class PrefillService(pb_grpc.PrefillServicer):
         self.fingerprint = self.layout.fingerprint()
         self.max_queue = max_queue
         self.lease_s = lease_s
+        self.limits = limits or Limits()
+        self.preparer = Preparer(max_waiting=max_queue, name="prefill-prepare")
+        self._keys = itertools.count()  # the engine's own request keys, unique whatever peers send
         self.num_active = 0
         self.metrics = Metrics("prefill", loop, counters)
         self.draining = False
@@ -120,18 +133,41 @@ class PrefillService(pb_grpc.PrefillServicer):
             async for message in self._prefill(request, context):
                 await asyncio.wait_for(context.write(message), self.lease_s)
             outcome = "ok"
-        except TimeoutError:
+        except TimeoutError as e:
             outcome = "lease_expired"
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"frame not taken within {self.lease_s} s")
+            await context.abort(
+                grpc.StatusCode.DEADLINE_EXCEEDED, str(e) or f"frame not taken within {self.lease_s:g} s"
+            )
+        except PrefillFailed as e:
+            outcome = "error"
+            await context.abort(grpc.StatusCode.INTERNAL, str(e))
+        except EngineStopped as e:
+            outcome = "unavailable"
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the prefill engine stopped: {e}")
         finally:
             self.num_active -= 1
             self.counters.num_waiting -= 1
             self.counters.count_outcome(outcome)
 
+    def _make_request(self, request: pb.PrefillRequest, params):
+        """The engine request of a Prefill call (a thread of the Preparer: a constraint compiles here)."""
+        self.limits.check(params)
+        return self.engine.make_request(
+            list(request.prompt_ids),
+            params,
+            request_id=f"prefill-{next(self._keys)}",
+            lora=request.lora_adapter or None,
+            lora_fingerprint=request.lora_fingerprint or None,
+        )
+
     async def _prefill(self, request: pb.PrefillRequest, context):
         start = time.perf_counter()
-        rid = request.request_id or f"prefill-{id(request)}"
-        params = dataclasses.replace(sampling.params_from_request(request), max_tokens=1)  # the first token
+        try:  # the decode side's id: in the header, the frames and the log line (never an engine key)
+            rid = self.limits.check_request_id(request.request_id) or f"prefill-{id(request)}"
+            params = dataclasses.replace(sampling.params_from_request(request), max_tokens=1)  # first token
+            params.validate()
+        except InvalidRequestError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if params.constraint is not None and params.constraint.fingerprint != request.constraint_fingerprint:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -139,15 +175,12 @@ class PrefillService(pb_grpc.PrefillServicer):
                 f"reading of the constraint ({params.constraint.fingerprint!r})",
             )
         try:
-            engine_request = self.engine.make_request(
-                list(request.prompt_ids),
-                params,
-                request_id=rid,
-                lora=request.lora_adapter or None,
-                lora_fingerprint=request.lora_fingerprint or None,
-            )
+            engine_request = await self.preparer.run(lambda: self._make_request(request, params))
         except InvalidRequestError as e:  # NOT_FOUND / FAILED_PRECONDITION: the adapter is not here as asked
             await context.abort(grpc.StatusCode[e.status], str(e))
+        except Overloaded as e:
+            context.set_trailing_metadata((("retry-after-ms", str(e.retry_after_ms)),))
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         engine_request.seed = request.seed
         first_block = len(request.held_block_hashes)
         if first_block:
@@ -177,7 +210,13 @@ class PrefillService(pb_grpc.PrefillServicer):
                 async for message in messages:
                     num_frames += 1
                     num_bytes += len(message)
-                    yield message
+                    yield message  # back here once gRPC took it
+                    computed = stream.computed_at
+                    if computed is not None and time.monotonic() - computed > self.lease_s:
+                        # the KV waits outside the block pool for this receiver: it may not for long
+                        raise TimeoutError(
+                            f"the KV was not taken within {self.lease_s:g} s of its computation"
+                        )
             output = await stream.first_token()
         finally:
             stream.close()
@@ -185,7 +224,13 @@ class PrefillService(pb_grpc.PrefillServicer):
         self.counters.kv_frames_sent_total += num_frames
         self.counters.kv_frames_after_compute_total += stream.num_chunks_after_compute  # a frame a chunk
         log.info(
-            "prefilled", extra={"request_id": rid, "prompt_tokens": stream.num_tokens, "frames": num_frames}
+            "prefilled",
+            extra={
+                "request_id": rid,
+                "engine_id": engine_request.request_id,
+                "prompt_tokens": stream.num_tokens,
+                "frames": num_frames,
+            },
         )
         trailer = pb.PrefillTrailer(
             num_frames=num_frames,
@@ -239,9 +284,11 @@ async def serve(
     security: ServerSecurity | None = None,
     lora_root: str | None = None,
     kv_events: KVEventsConfig | None = None,
+    step_timeout_s: float = STEP_TIMEOUT_S,
 ):
     """Serves `service` (and Admin, and optionally /metrics) until `stop` is set, then drains: refuses
-    new prefills, finishes running ones.
+    new prefills, finishes running ones. When its engine fails (services.engine_loop), health turns
+    NOT_SERVING, waiting calls get UNAVAILABLE and this raises EngineStopped (the daemon exits non-zero).
 
     `security`: TLS / mutual TLS of the port and the client names allowed (default: plaintext, open).
     `kv_events`: publish the KV cache events (None: do not); Handshake tells decode servers where."""
@@ -264,9 +311,13 @@ async def serve(
     print(f"prefill-server ready on {host}:{bound}", flush=True)
     if on_ready is not None:
         on_ready(f"{host}:{bound}")
-    await stop.wait()
+    failure = await until_stopped(stop, [loop], step_timeout_s)
     service.draining = True
-    await running.stop(grace_s)
-    loop.stop()
+    await (running.stop(0, linger_s=FAILED_GRACE_S) if failure else running.stop(grace_s))
+    if failure is None:
+        loop.stop()
+    service.preparer.close()
     if service.kv_events is not None:
         service.kv_events.close()
+    if failure is not None:
+        raise EngineStopped(failure)

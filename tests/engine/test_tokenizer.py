@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 import unicodedata
 
 import gguf
@@ -322,6 +323,92 @@ def test_stop_string_earliest_end_wins_and_after_stop_nothing():
     assert [matcher.feed(p) for p in ["xE", "N", "Dy"]] == ["x", "", ""]
     matcher = StopStringMatcher(["END"])
     assert [matcher.feed(p) for p in ["xE", "N", "o"]] == ["x", "", "ENo"]
+
+
+def reference_stop(text, stops):
+    """Reference: feed `text` one character at a time; at the first position where some stop string ends,
+    the longest one ending there wins. Returns (index where it starts, the stop) or (None, None)."""
+    stops = [s for s in stops if s]
+    for end in range(1, len(text) + 1):
+        ending = [s for s in stops if text[:end].endswith(s)]
+        if ending:
+            stop = max(ending, key=len)
+            return end - len(stop), stop
+    return None, None
+
+
+def reference_emitted(text, stops):
+    """What a matcher may have emitted after being fed `text`: up to the first stop, or all of `text` but its
+    longest tail that is a proper prefix of a stop string."""
+    index, _ = reference_stop(text, stops)
+    if index is not None:
+        return text[:index]
+    tails = [n for s in stops for n in range(1, len(s)) if n <= len(text) and text.endswith(s[:n])]
+    return text[: len(text) - max(tails, default=0)]
+
+
+@pytest.mark.fast
+@settings(derandomize=True, max_examples=300, deadline=None)
+@given(
+    text=st.text(alphabet="ab\n", max_size=30),
+    stops=st.lists(st.text(alphabet="ab\n", max_size=5), max_size=6),
+    data=st.data(),
+)
+def test_stop_strings_match_char_by_char_reference(text, stops, data):
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=10)))  # repeated cuts: empty deltas
+    pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+    index, stop = reference_stop(text, stops)
+    matcher, emitted, fed = StopStringMatcher(stops), "", ""
+    assert matcher.stop_strings == tuple(s for s in stops if s)
+    for piece in pieces:
+        fed += piece
+        emitted += matcher.feed(piece)
+        assert emitted == reference_emitted(fed, stops)  # as much as is safe, never part of a possible stop
+        assert matcher.stopped == (reference_stop(fed, stops)[0] is not None)
+    emitted += matcher.flush()
+    assert emitted == (text if index is None else text[:index])
+    assert matcher.stopped == (index is not None) and matcher.matched == stop
+    if matcher.stopped:
+        assert matcher.feed("ab") == "" and matcher.flush() == ""
+
+
+def count_lines(fn, *args):
+    """Python lines executed by fn(*args): a measure of work that does not depend on the machine's speed."""
+    lines = 0
+
+    def tracer(frame, event, arg):
+        nonlocal lines
+        lines += event == "line"
+        return tracer
+
+    previous = sys.gettrace()
+    sys.settrace(tracer)
+    try:
+        result = fn(*args)
+    finally:
+        sys.settrace(previous)
+    return result, lines
+
+
+@pytest.mark.fast
+def test_many_stop_strings_cost_does_not_grow_with_their_number():
+    few = ["STOP!!", "END", "<|im_end|>"]
+    filler = [f"{i:06d}" for i in range(100_000)]  # digits never occur in the text: never match, never held
+    pieces = ["Hello <", "|im", "_x", "> world E", "N", "o, S", "TOP", "!! and after"]
+    text = "".join(pieces)
+    results = []
+    for stops in (few, filler + few):
+        matcher = StopStringMatcher(stops)
+        assert len(matcher.stop_strings) == len(stops)
+        outputs, work = [], []
+        for piece in pieces:
+            output, lines = count_lines(matcher.feed, piece)
+            outputs.append(output)
+            work.append(lines)
+        results.append((outputs, work, matcher.matched))
+        assert "".join(outputs) == text[: reference_stop(text, stops)[0]] == "Hello <|im_x> world ENo, "
+        assert matcher.stopped and matcher.matched == "STOP!!"
+    assert results[0] == results[1]  # same outputs and exactly as many lines run with 100,003 stops as with 3
 
 
 @pytest.mark.model

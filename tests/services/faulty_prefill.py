@@ -4,7 +4,9 @@ It is the real prefill-server (same engine, same service) whose Prefill stream i
 cycling through FAULTS by request count: a corrupted payload byte, a frame cut short, a frame sent twice,
 the trailer dropped, a stream that dies after the first frame, and one healthy stream. A request whose id
 reads `fuzz:<offset>:<xor>:<cut>` instead gets exactly that damage on its first frame (hypothesis drives it);
-`die:<n>:...` dies after its n-th frame (between two prompt chunks of a long prompt).
+`die:<n>:...` dies after its n-th frame (between two prompt chunks of a long prompt); `badtoken:<t>` sends
+<t> as the first token in its trailer. (The id a decode server sends is its engine's key: the client's id,
+then `-` and a random suffix.)
 Run: python -c "from tests.services.faulty_prefill import main; main()" ARGS... (prefill-server's flags)
 """
 
@@ -20,12 +22,19 @@ FAULTS = ("corrupt", "truncate", "duplicate", "no_trailer", "die", "ok")
 class FaultyPrefillService(prefill_server.PrefillService):
     async def _prefill(self, request, context):
         fault = FAULTS[(self.counters.num_requests_total - 1) % len(FAULTS)]
-        if request.request_id.startswith("fuzz:"):
+        label = request.request_id.rpartition("-")[0]  # the client's id
+        if label.startswith("badtoken:"):
+            async for message in super()._prefill(request, context):
+                if not isinstance(message, bytes) and message.HasField("trailer"):
+                    message.trailer.first_token = int(label.split(":")[1])
+                yield message
+            return
+        if label.startswith("fuzz:"):
             async for message in self._fuzzed(request, context):
                 yield message
             return
-        if request.request_id.startswith("die:"):
-            after, frames = int(request.request_id.split(":")[1]), 0
+        if label.startswith("die:"):
+            after, frames = int(label.split(":")[1]), 0
             async for message in super()._prefill(request, context):
                 yield message
                 frames += isinstance(message, bytes)
@@ -49,7 +58,7 @@ class FaultyPrefillService(prefill_server.PrefillService):
                 raise RuntimeError("injected: prefill died mid-stream")
 
     async def _fuzzed(self, request, context):
-        _, offset, xor, cut = request.request_id.split(":")
+        _, offset, xor, cut = request.request_id.rpartition("-")[0].split(":")
         first = True
         async for message in super()._prefill(request, context):
             if isinstance(message, bytes) and first:

@@ -224,7 +224,8 @@ def test_overload_is_resource_exhausted_then_sigterm_drains(prefill, daemons):
 def test_damaged_kv_frames_are_never_decoded(faulty, daemons, reference, loaded_model):
     """A damaged first frame (a header byte; a payload byte and a cut), a replica that dies between two
     chunks of a long prompt (the first chunk's frames already inserted), and a damaged frame of a delta
-    transfer (the decode server holds the conversation's head) are detected end to end: the request is
+    transfer (the decode server holds the conversation's head), and a trailer whose first token is outside
+    the vocabulary are detected end to end: the request is
     prefilled again elsewhere (here: locally, in the same blocks) and its tokens equal the colocated
     engine's; nothing leaks. (Any damage to any frame: the assembler fuzz in
     tests/kvtransfer/test_codec.py.)"""
@@ -246,6 +247,10 @@ def test_damaged_kv_frames_are_never_decoded(faulty, daemons, reference, loaded_
     turn = head + " " + make_prompts(1, seed=23)[0]
     damaged = client.generate(turn, max_tokens=4, ignore_eos=True, request_id="fuzz:4000:1:0")
     assert damaged.token_ids == reference(turn, 4) and damaged.cached_prompt_tokens > 0
-    assert client.stats().num_transfer_failures_total >= 4
+    # a trailer whose first token is out of range (the detokenizer or the sampler would fail on it)
+    for bad, prompt in zip((-1, 49152), make_prompts(2, seed=24), strict=True):
+        result = client.generate(prompt, max_tokens=4, ignore_eos=True, request_id=f"badtoken:{bad}")
+        assert result.token_ids == reference(prompt, 4)
+    assert client.stats().num_transfer_failures_total >= 6
     s = wait_all_free(decode.address)
     assert s.num_free_blocks + s.num_cached_blocks == s.num_blocks

@@ -1,0 +1,49 @@
+"""An engine that fails on purpose, for the supervision tests: a subclass of the real one (nothing is
+patched), whose requests ask for their failure in a stop string.
+
+- PINNED: the request's output stream raises at its second token, as a bug in its detokenizer or its stop
+  matcher would: a failure of that request alone, which the engine pins to it.
+- BROKEN: from the step that would run it on, every step raises, as a lost device would: the engine is
+  broken, and its daemon must say so and exit.
+
+Run as a decode-server: python -c "from tests.faulty_engine import main; main()" ARGS...
+"""
+
+from __future__ import annotations
+
+import sys
+
+from engine.engine import LLMEngine
+from engine.output import OutputStream
+
+PINNED = "\x00inject:pinned"
+BROKEN = "\x00inject:broken"
+
+
+class FailingStream(OutputStream):
+    def on_token(self, token, logprobs):
+        if len(self.request.output_ids) >= 2:
+            raise RuntimeError("injected: this request's output stream failed")
+        return super().on_token(token, logprobs)
+
+
+class FaultyEngine(LLMEngine):
+    broken = False
+
+    def add_prepared_request(self, request):
+        request_id = super().add_prepared_request(request)
+        if PINNED in request.params.stop:
+            self._streams[request_id] = FailingStream(request, self.tokenizer, self.config.max_model_len)
+        return request_id
+
+    def step(self):
+        if self.broken or any(BROKEN in r.params.stop for r in self.scheduler.requests.values()):
+            self.broken = True
+            raise RuntimeError("injected: the device is gone")
+        return super().step()
+
+
+def main() -> int:
+    from services.daemon import decode_main
+
+    return decode_main(sys.argv[1:], engine_class=FaultyEngine)
