@@ -77,7 +77,7 @@ class LLMEngine:
         # The last step found nothing to run: queued requests wait for blocks or slots, and only a command
         # (an abort, arriving KV, a new request) can change that. The engine thread may sleep until one.
         self.stalled = False
-        self._stepping: list[str] = []  # the requests of the step under way (fail_step ends them)
+        self._stepping: dict[str, Request] = {}  # the requests of the step under way (fail_step ends them)
 
     @classmethod
     def from_model(
@@ -169,13 +169,14 @@ class LLMEngine:
     # ---- the loop -------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One model step for the scheduled requests; returns what each produced."""
-        self._stepping = []
+        self._stepping = {}
         scheduled = self.scheduler.schedule()
         self.stalled = scheduled is None
         if scheduled is None:
             return []
-        self._stepping = [row.request_id for row in scheduled.rows]
-        self._stepping += [r.request_id for r in self.scheduler.sending]
+        requests = self.scheduler.requests
+        self._stepping = {row.request_id: requests[row.request_id] for row in scheduled.rows}
+        self._stepping.update((r.request_id, r) for r in self.scheduler.sending)
         sampled = self._execute(scheduled)
         outputs = self.scheduler.update_from_output(scheduled, sampled, self._on_token)
         # the connector's worker side: hand over the KV of prompts computed in part, then of finished ones
@@ -188,24 +189,21 @@ class LLMEngine:
         for request in list(self.scheduler.sending):
             self.kv_connector.send_kv(self.runner, request, self.scheduler.block_tables(request.request_id))
             self.scheduler.finish_sending(request.request_id)
-        self._stepping = []
+        self._stepping = {}
         return outputs
 
     def fail_step(self, reason: str) -> list[RequestOutput]:
-        """After step() raised: ends the requests of that step (their state may be half updated) with
-        FinishReason.ERROR, freeing what they hold; returns their last outputs. The other requests are
-        untouched."""
+        """After step() raised: ends the requests of that step (their state may be half updated; those it
+        finished already never had their outputs returned) with FinishReason.ERROR, freeing what they
+        still hold; returns their last outputs. The other requests are untouched."""
         outputs = []
-        for request_id in dict.fromkeys(self._stepping):
-            request = self.scheduler.requests.get(request_id)
-            if request is None:
-                continue
+        for request_id, request in self._stepping.items():
             request.error = request.error or f"the step failed: {reason}"
             request.finish_reason = FinishReason.ERROR
             self.kv_connector.forget(request_id)
             self.abort(request_id)
             outputs.append(RequestOutput.failed(request))
-        self._stepping = []
+        self._stepping = {}
         return outputs
 
     def _fail_request(self, request: Request, what: str, error: Exception) -> None:

@@ -3,6 +3,8 @@ patched), whose requests ask for their failure in a stop string.
 
 - PINNED: the request's output stream raises at its second token, as a bug in its detokenizer or its stop
   matcher would: a failure of that request alone, which the engine pins to it.
+- ONCE: the first step that runs it raises once, after scheduling (a step failure the engine cannot pin to
+  one request: the requests of that step end, the engine serves on).
 - BROKEN: from the step that would run it on, every step raises, as a lost device would: the engine is
   broken, and its daemon must say so and exit.
 
@@ -17,6 +19,7 @@ from engine.engine import LLMEngine
 from engine.output import OutputStream
 
 PINNED = "\x00inject:pinned"
+ONCE = "\x00inject:step"
 BROKEN = "\x00inject:broken"
 
 
@@ -29,6 +32,7 @@ class FailingStream(OutputStream):
 
 class FaultyEngine(LLMEngine):
     broken = False
+    failed_once = False
 
     def add_prepared_request(self, request):
         request_id = super().add_prepared_request(request)
@@ -41,6 +45,13 @@ class FaultyEngine(LLMEngine):
             self.broken = True
             raise RuntimeError("injected: the device is gone")
         return super().step()
+
+    def _execute(self, scheduled):
+        rows = [self.scheduler.requests[row.request_id] for row in scheduled.rows]
+        if not self.failed_once and any(ONCE in r.params.stop for r in rows):
+            self.failed_once = True
+            raise RuntimeError("injected: one step failed")
+        return super()._execute(scheduled)
 
 
 def main() -> int:

@@ -11,7 +11,7 @@ import pytest
 
 from engine.request import FinishReason
 from engine.sampling_params import SamplingParams
-from tests.faulty_engine import PINNED, FaultyEngine
+from tests.faulty_engine import ONCE, PINNED, FaultyEngine
 
 pytestmark = pytest.mark.model
 
@@ -30,3 +30,27 @@ def test_a_failure_pinned_to_one_request_ends_it_alone(loaded_model, small_confi
     assert not engine.has_unfinished and engine.scheduler.kv.pool.num_used == 0
     # and the engine serves on
     assert engine.generate([PROMPTS[1]], GREEDY)[0].finish_reason == "length"
+
+
+def test_a_failed_step_ends_its_requests_and_the_engine_serves_on(loaded_model, small_config, make_engine):
+    """As services.engine_loop drives it: a step that raises is followed by fail_step, which ends the
+    requests of that step with FinishReason.ERROR and frees their blocks; a request added afterwards runs
+    to the colocated engine's tokens."""
+    engine = FaultyEngine(loaded_model, small_config)
+    ids = [engine.add_request(PROMPTS[0], GREEDY), engine.add_request(PROMPTS[1], replace_stop(ONCE))]
+    finished = {}
+    while engine.has_unfinished:
+        try:
+            outputs = engine.step()
+        except RuntimeError as e:
+            outputs = engine.fail_step(str(e))
+        finished.update((o.request_id, o) for o in outputs if o.finished)
+    assert [finished[i].finish_reason for i in ids] == [FinishReason.ERROR] * 2  # one step ran both
+    assert "injected: one step failed" in finished[ids[1]].error
+    assert engine.scheduler.kv.pool.num_used == 0
+    (after,) = engine.generate([PROMPTS[2]], GREEDY)
+    assert after.token_ids == make_engine().generate([PROMPTS[2]], GREEDY)[0].token_ids
+
+
+def replace_stop(marker: str) -> SamplingParams:
+    return dataclasses.replace(GREEDY, stop=(marker,))
