@@ -6,16 +6,19 @@ validating a request costs against its TTFT.
 
 Rounds alternate alone / hostile, so that the shared machine's drift hits both alike. Each round runs 8
 greedy streams of `--tokens` tokens (128-token prompts, no shared prefix) over gRPC; their inter-token gaps
-give TPOT p50 and p99. The hostile traffic, from threads of this process while the 8 streams run:
-  * max-size stop lists: valid requests carrying the limit of stop strings (64 of 512 characters), two at
-    a time, decoding in the same batch as the 8 streams;
-  * max-size chat bodies: OpenAI chat requests just under the character limit (16 x max_model_len), one
-    token each, two at a time (rendered and tokenized off the event loop);
-  * slow Prefill readers: Prefill streams of 768-token prompts opened straight on the prefill server, each
-    reading a message every 5 s (the KV they leave waiting is cut loose after the lease);
-  * a flood of invalid requests: top_k = 2**31 over gRPC and over HTTP, as fast as two threads send them.
-Validation: services.sampling.Limits.check + SamplingParams.validate + the request id, per request, against
-the median TTFT of a 128-token prompt measured in the same run.
+give TPOT p50 and p99. Both phases also run two companion requests in the same batch (so the batch has the
+same shape): plain in the alone phase, hostile in the other. The hostile traffic, from threads of this
+process while the 8 streams run, each at a fixed rate (`--rate-scale` multiplies them; the daemons and
+this client share the machine's cores, so an unbounded flood measures the client's own CPU as well):
+  * max-size stop lists: the two companions carry the limit of stop strings (64 of 512 characters);
+  * max-size chat bodies: OpenAI chat requests at the character limit (16 x max_model_len characters),
+    2/s (rendered and tokenized off the event loop, then refused: past the model length);
+  * slow Prefill readers: two Prefill streams of 768-token prompts opened straight on the prefill server,
+    each reading a message every 5 s (the KV they leave waiting is cut loose after the lease);
+  * a flood of invalid requests: top_k = 2**31, 50/s over gRPC and 50/s over HTTP.
+The prefill server and this client share core 0, the decode server has core 1 to itself (one role per
+device, as deployed). Validation: services.sampling.Limits.check + SamplingParams.validate + the request
+id, per request, against the median TTFT of a 128-token prompt measured in the same run.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import contextlib
 import dataclasses
 import http.client
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -62,23 +66,25 @@ def _streams(client, tokens: int, salt: int) -> list[float]:
 class Hostile:
     """The hostile traffic's threads (started, then stopped after the streams)."""
 
-    def __init__(self, decode, prefill, limits, max_chars: int, layout):
+    KINDS = ("stop_lists", "chat_bodies", "slow_readers", "invalid")
+
+    def __init__(
+        self, decode, prefill, limits, max_chars: int, layout, hostile: bool = True, scale=1.0, only=KINDS
+    ):
         self.decode, self.prefill, self.limits = decode, prefill, limits
-        self.max_chars, self.layout = max_chars, layout
+        self.max_chars, self.layout, self.scale = max_chars, layout, scale
         self.stop = threading.Event()
         self.counts: dict[str, int] = {"stop_lists": 0, "chat_bodies": 0, "slow_readers": 0, "invalid": 0}
+        kinds = {
+            "chat_bodies": (self._chat_bodies,),
+            "slow_readers": (self._slow_reader, self._slow_reader),
+            "invalid": (self._invalid_grpc, self._invalid_http),
+        }
+        others = tuple(fn for kind, fns in kinds.items() if kind in only for fn in fns)
+        companions = (self._companion, self._companion)
+        self.hostile = hostile and "stop_lists" in only  # the companions carry the stop lists
         self.threads = [
-            threading.Thread(target=fn, daemon=True)
-            for fn in (
-                self._stop_lists,
-                self._stop_lists,
-                self._chat_bodies,
-                self._chat_bodies,
-                self._slow_reader,
-                self._slow_reader,
-                self._invalid_grpc,
-                self._invalid_http,
-            )
+            threading.Thread(target=fn, daemon=True) for fn in companions + (others if hostile else ())
         ]
 
     def __enter__(self):
@@ -91,24 +97,34 @@ class Hostile:
         for t in self.threads:
             t.join(60)
 
-    def _loop(self, name: str, fn) -> None:
+    def _loop(self, name: str, fn, per_s: float | None = None) -> None:
+        """fn() again and again until stopped, at most `per_s` times a second (scaled)."""
+        period = 1.0 / (per_s * self.scale) if per_s else 0.0
         while not self.stop.is_set():
+            started = time.perf_counter()
             with contextlib.suppress(Exception):  # refusals are what they are for
                 fn()
             self.counts[name] += 1
+            if period:
+                self.stop.wait(max(0.0, period - (time.perf_counter() - started)))
 
-    def _stop_lists(self) -> None:
+    def _companion(self) -> None:
+        """A request decoding beside the 8 streams: with the limit of stop strings when hostile."""
         from services.client import Client
 
         client = Client(self.decode.address)
-        stops = [f"{i:03d}" + "z" * (self.limits.max_stop_string_chars - 3) for i in range(64)]
+        limit, chars = self.limits.max_stop_strings, self.limits.max_stop_string_chars
+        stops = [f"{i:03d}" + "z" * (chars - 3) for i in range(limit)] if self.hostile else None
         text = prompt(PROMPT_TOKENS, 777)
         self._loop("stop_lists", lambda: client.generate(text, max_tokens=16, ignore_eos=True, stop=stops))
 
     def _chat_bodies(self) -> None:
-        words = ("lorem ipsum dolor sit amet " * (self.max_chars // 27))[: self.max_chars - 64]
+        words = ("lorem ipsum dolor sit amet " * (self.max_chars // 27))[
+            : self.max_chars - 400
+        ]  # rendered: <= max
         body = {"messages": [{"role": "user", "content": words}], "max_tokens": 1}
-        self._loop("chat_bodies", lambda: _post(self.decode.addresses["http"], "/v1/chat/completions", body))
+        address = self.decode.addresses["http"]
+        self._loop("chat_bodies", lambda: _post(address, "/v1/chat/completions", body), per_s=2)
 
     def _slow_reader(self) -> None:
         import grpc
@@ -148,11 +164,11 @@ class Hostile:
         from services.client import Client
 
         client = Client(self.decode.address)
-        self._loop("invalid", lambda: client.generate("hi", top_k=2**31, max_tokens=4))
+        self._loop("invalid", lambda: client.generate("hi", top_k=2**31, max_tokens=4), per_s=50)
 
     def _invalid_http(self) -> None:
         body = {"prompt": "hi", "top_k": 2**31}
-        self._loop("invalid", lambda: _post(self.decode.addresses["http"], "/v1/completions", body))
+        self._loop("invalid", lambda: _post(self.decode.addresses["http"], "/v1/completions", body), per_s=50)
 
 
 def _post(address: str, path: str, body: dict) -> int:
@@ -192,6 +208,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=48)
+    parser.add_argument("--rate-scale", type=float, default=1.0, help="multiplies the hostile rates")
+    parser.add_argument("--only", nargs="+", choices=Hostile.KINDS, default=Hostile.KINDS, help="these kinds")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
@@ -206,20 +224,29 @@ def main() -> None:
     logs = Path(tempfile.mkdtemp())
     config = dataclasses.replace(EngineConfig(max_model_len=1024, num_blocks=192), dtype="float32")
     layout = model_layout(load_model(gguf).config, config)
-    pf = prefill_server(gguf, logs, engine_args=ENGINE_ARGS)
-    dc = decode_server(gguf, pf.address, logs, engine_args=ENGINE_ARGS, extra=["--http-port", "0"])
+    # as deployed, the roles do not share their devices: the prefill server and this client on core 0, the
+    # decode server alone on core 1, so what the decode streams feel is the decode server's own handling
+    # of the hostile traffic (on a CPU host the cores are the device)
+    os.sched_setaffinity(0, {0})
+    pf = prefill_server(gguf, logs, engine_args=ENGINE_ARGS, cpus="0")
+    dc = decode_server(gguf, pf.address, logs, engine_args=ENGINE_ARGS, extra=["--http-port", "0"], cpus="1")
     limits = Limits()
     try:
         client = Client(dc.address)
-        _streams(client, 4, salt=0)  # compile the shapes of both phases once
-        with Hostile(dc, pf, limits, config.max_prompt_chars, layout):
-            _streams(client, 4, salt=1)
+
+        def phase(hostile: bool, salt: int, tokens: int) -> tuple[list[float], dict]:
+            kinds = dict(hostile=hostile, scale=args.rate_scale, only=args.only)
+            with Hostile(dc, pf, limits, config.max_prompt_chars, layout, **kinds) as h:
+                return _streams(client, tokens, salt), h.counts
+
+        phase(False, 0, 4)  # compile the shapes of both phases once
+        phase(True, 1, 4)
         alone, hostile, counts = [], [], {}
         for r in range(args.rounds):
-            alone += _streams(client, args.tokens, salt=10 + 2 * r)
-            with Hostile(dc, pf, limits, config.max_prompt_chars, layout) as h:
-                hostile += _streams(client, args.tokens, salt=11 + 2 * r)
-            counts = {k: counts.get(k, 0) + v for k, v in h.counts.items()}
+            alone += phase(False, 10 + 2 * r, args.tokens)[0]
+            gaps, seen = phase(True, 11 + 2 * r, args.tokens)
+            hostile += gaps
+            counts = {k: counts.get(k, 0) + v for k, v in seen.items()}
         ttft = statistics.median(
             client.generate(prompt(PROMPT_TOKENS, 500 + i), max_tokens=1).ttft_s for i in range(5)
         )

@@ -181,6 +181,18 @@ class GenerationCore:
         key = f"{label[: limits.max_request_id_chars - 13]}-{suffix}" if label else uuid.uuid4().hex
         return self.engine.make_request(prompt, params, request_id=key, lora=lora or None)
 
+    def check_params(self, params):
+        """The checks of make_request that cost next to nothing (the limits, each knob's range), for a
+        front to refuse a bad request on the event loop, before it waits for a preparation thread; returns
+        `params`."""
+        try:
+            self.config.limits.check(params)
+            params.validate(self.engine.model.config.vocab_size, self.engine.config.max_logprobs)
+        except InvalidRequestError:
+            self.counters.count_outcome("invalid")
+            raise
+        return params
+
     async def prepare(self, build):
         """Runs `build()` (parse, render, tokenize, compile: typically a make_request call) off the event
         loop (services.prepare); RESOURCE_EXHAUSTED when too many requests are being prepared."""

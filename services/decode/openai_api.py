@@ -36,6 +36,7 @@ _HTTP_STATUS = {
     grpc.StatusCode.DEADLINE_EXCEEDED: 504,
     grpc.StatusCode.INTERNAL: 500,
 }
+_DEFAULT_MAX_TOKENS = {False: 16, True: 256}  # completions, chat: OpenAI's defaults
 REQUEST_ID_HEADER = "X-Request-Id"  # the client's id of the request: in the log line (vLLM's header)
 TIMEOUT_HEADER = "X-Request-Timeout"  # seconds the client will wait (at most the server's --http-timeout)
 
@@ -223,6 +224,7 @@ class OpenAIFrontend:
             )
             timeout_s = self._timeout(request)
             hint = self.service.prefill_hint(request.headers.get(PREFILL_HINT_HEADER))
+            self._precheck(body, chat)
             engine_request, tools = await self.service.prepare(lambda: self.engine_request(body, chat, label))
         except InvalidRequestError as e:
             return _invalid(e)
@@ -242,6 +244,7 @@ class OpenAIFrontend:
         if isinstance(body, web.Response):
             return body
         try:
+            self._precheck(body, chat)
             engine_request, _ = await self.service.prepare(lambda: self.engine_request(body, chat))
         except InvalidRequestError as e:
             return _invalid(e)
@@ -250,6 +253,11 @@ class OpenAIFrontend:
         model = engine_request.lora.name if engine_request.lora else self.model
         rendered = {"model": model, "token_ids": list(engine_request.prompt_ids)}
         return web.json_response(rendered if chat else [rendered])
+
+    def _precheck(self, body: dict, chat: bool) -> None:
+        """The checks that cost next to nothing (the sampling knobs), on the event loop: a bad body is
+        refused before it waits for a preparation thread."""
+        self.service.check_params(_params(body, default_max_tokens=_DEFAULT_MAX_TOKENS[chat]))
 
     def engine_request(self, body: dict, chat: bool, label: str = "") -> tuple[Request, ToolChoice | None]:
         """The engine request of an OpenAI body whose key types _json_body checked, and its tools
@@ -279,7 +287,7 @@ class OpenAIFrontend:
                 isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)
             ):
                 raise InvalidRequestError("prompt", "must be a string or a list of token ids")
-        params = _params(body, default_max_tokens=16 if not chat else 256)
+        params = _params(body, default_max_tokens=_DEFAULT_MAX_TOKENS[chat])
         forced = tools.constraint() if tools is not None else None
         if forced is not None:
             if params.constraint is not None:

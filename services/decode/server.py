@@ -62,13 +62,12 @@ class GenerationService(pb_grpc.GenerationServicer):
             lora_adapters=sorted(self.engine.loras.adapters),
         )
 
-    def _make_request(self, request: pb.GenerateRequest, label: str):
+    def _make_request(self, request: pb.GenerateRequest, params, label: str):
         """The engine request of a GenerateRequest: on a preparation thread (a chat renders here)."""
         config = self.core.config
         prompt = wire.prompt_from_proto(
             request, self.engine.tokenizer, config.limits, self.engine.config.max_prompt_chars
         )
-        params = sampling.params_from_request(request)
         return self.core.make_request(prompt, params, label, request.lora_adapter)
 
     async def Generate(self, request: pb.GenerateRequest, context):
@@ -77,7 +76,8 @@ class GenerationService(pb_grpc.GenerationServicer):
         try:
             label = self.core.config.limits.check_request_id(request.request_id)
             hint = self.core.prefill_hint(dict(context.invocation_metadata() or ()).get(PREFILL_HINT_HEADER))
-            engine_request = await self.core.prepare(lambda: self._make_request(request, label))
+            params = self.core.check_params(sampling.params_from_request(request))  # cheap: here, first
+            engine_request = await self.core.prepare(lambda: self._make_request(request, params, label))
             label = label or engine_request.request_id
             prompt_ids = engine_request.prompt_ids if request.return_prompt_ids else ()
             async for output in self.core.stream(engine_request, context.time_remaining(), hint, label):
