@@ -148,14 +148,18 @@ class EngineLoop:
             pending, self._pending = self._pending, set()
             streams = list(self._streams.values())
         log.error("%s: engine failed, serving stops: %s", self.name, reason)
-        for wake in self._on_failure:  # first: health turns NOT_SERVING before any caller hears of it
-            with contextlib.suppress(RuntimeError):  # its event loop is closed already
-                wake()
         error = EngineStopped(reason)
-        for loop, future in pending:
-            loop.call_soon_threadsafe(_set_exception, future, error)
-        for loop, outputs in streams:
-            loop.call_soon_threadsafe(outputs.put_nowait, EngineFailure(reason))
+        tell = [*self._on_failure]  # first: health turns NOT_SERVING before any caller hears of it
+        tell += [
+            lambda loop=loop, f=f: loop.call_soon_threadsafe(_set_exception, f, error) for loop, f in pending
+        ]
+        tell += [
+            lambda loop=loop, q=q: loop.call_soon_threadsafe(q.put_nowait, EngineFailure(reason))
+            for loop, q in streams
+        ]
+        for notify in tell:
+            with contextlib.suppress(RuntimeError):  # its event loop is closed already
+                notify()
 
     def check(self, step_timeout_s: float = STEP_TIMEOUT_S) -> str | None:
         """Why the engine cannot serve (None: it can), looking also for a hung step and a thread that is
