@@ -63,7 +63,9 @@ def test_metrics_move_under_load(decode, prefill):
         m["pdserve_time_per_output_token_seconds_count"] >= 6
         and m["pdserve_request_duration_seconds_sum"] > 0
     )
-    assert m['pdserve_kv_blocks_free{role="decode"}'] > 0 and 'pdserve_decode_queue_depth{role="decode"}' in m
+    # free, or held only by the prefix cache (reclaimable): earlier tests' blocks may fill the cache
+    reclaimable = m['pdserve_kv_blocks_free{role="decode"}'] + m['pdserve_kv_blocks_cached{role="decode"}']
+    assert reclaimable > 0 and 'pdserve_decode_queue_depth{role="decode"}' in m
     routed = sum(v for k, v in m.items() if k.startswith("pdserve_prefill_routes_total{"))
     assert routed >= 6 and 'pdserve_prefill_route_actual_hit_tokens_total{role="decode"}' in m
     p = scrape(prefill.addresses["metrics"])
