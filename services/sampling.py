@@ -115,6 +115,16 @@ class Limits:
         _at_most(field, sum(len(c) for c in contents), max_chars, "characters in all")
 
 
+def check_knobs(
+    params: SamplingParams, limits: Limits, vocab_size: int | None = None, max_logprobs: int | None = None
+) -> None:
+    """What costs next to nothing to check of a request's parameters (its sizes and each knob's range), for a
+    front to refuse a bad request on the event loop. The constraint is not read: its text grows with the
+    request, so it is parsed off the loop (make_request validates it)."""
+    limits.check(params)
+    dataclasses.replace(params, constraint=None).validate(vocab_size, max_logprobs)
+
+
 def _at_most(field: str, value: int, limit: int, what: str) -> None:
     if value > limit:
         raise InvalidRequestError(field, f"{value} {what}: the limit is {limit}")

@@ -42,7 +42,7 @@ from services.engine_loop import EngineFailure, EngineLoop, EngineStopped, set_r
 from services.kv import engine_layout
 from services.metrics import Metrics
 from services.prepare import Overloaded, Preparer
-from services.sampling import Limits
+from services.sampling import Limits, check_knobs
 from services.security import PLAINTEXT, ChannelSecurity
 
 log = logging.getLogger(__name__)
@@ -186,8 +186,8 @@ class GenerationCore:
         front to refuse a bad request on the event loop, before it waits for a preparation thread; returns
         `params`."""
         try:
-            self.config.limits.check(params)
-            params.validate(self.engine.model.config.vocab_size, self.engine.config.max_logprobs)
+            cfg = self.engine.config
+            check_knobs(params, self.config.limits, self.engine.model.config.vocab_size, cfg.max_logprobs)
         except InvalidRequestError:
             self.counters.count_outcome("invalid")
             raise

@@ -64,6 +64,11 @@ def _params(body: dict, default_max_tokens: int) -> SamplingParams:
     """OpenAI fields (and vLLM's extensions: top_k, min_p, repetition_penalty, stop_token_ids, ignore_eos)
     -> SamplingParams through services.sampling's one mapping; OpenAI's own shapes are normalised first.
     Type errors become InvalidRequestError naming the field; the defaults are OpenAI's (temperature 1)."""
+    return dataclasses.replace(_knobs(body, default_max_tokens), constraint=_constraint(body))
+
+
+def _knobs(body: dict, default_max_tokens: int) -> SamplingParams:
+    """_params without the constraint (whose text grows with the body: it is read off the event loop)."""
     values = {name: body[name] for name in FIELD_NAMES if name in body}
     if body.get("n", 1) not in (1, None):
         raise InvalidRequestError("n", "only n=1 is supported")
@@ -75,7 +80,7 @@ def _params(body: dict, default_max_tokens: int) -> SamplingParams:
     elif isinstance(logprobs, bool):
         values["logprobs"] = 0 if logprobs else None
     values["max_tokens"] = values.get("max_tokens") or body.get("max_completion_tokens") or default_max_tokens
-    return dataclasses.replace(params_from_values(values), constraint=_constraint(body))
+    return params_from_values(values)
 
 
 # vLLM's guided-decoding extensions: body key -> Constraint kind
@@ -257,7 +262,7 @@ class OpenAIFrontend:
     def _precheck(self, body: dict, chat: bool) -> None:
         """The checks that cost next to nothing (the sampling knobs), on the event loop: a bad body is
         refused before it waits for a preparation thread."""
-        self.service.check_params(_params(body, default_max_tokens=_DEFAULT_MAX_TOKENS[chat]))
+        self.service.check_params(_knobs(body, default_max_tokens=_DEFAULT_MAX_TOKENS[chat]))
 
     def engine_request(self, body: dict, chat: bool, label: str = "") -> tuple[Request, ToolChoice | None]:
         """The engine request of an OpenAI body whose key types _json_body checked, and its tools

@@ -151,7 +151,6 @@ class PrefillService(pb_grpc.PrefillServicer):
 
     def _make_request(self, request: pb.PrefillRequest, params):
         """The engine request of a Prefill call (a thread of the Preparer: a constraint compiles here)."""
-        self.limits.check(params)
         return self.engine.make_request(
             list(request.prompt_ids),
             params,
@@ -165,7 +164,7 @@ class PrefillService(pb_grpc.PrefillServicer):
         try:  # the decode side's id: in the header, the frames and the log line (never an engine key)
             rid = self.limits.check_request_id(request.request_id) or f"prefill-{id(request)}"
             params = dataclasses.replace(sampling.params_from_request(request), max_tokens=1)  # first token
-            params.validate()
+            sampling.check_knobs(params, self.limits)
         except InvalidRequestError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if params.constraint is not None and params.constraint.fingerprint != request.constraint_fingerprint:
