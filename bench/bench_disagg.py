@@ -28,9 +28,9 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.models import DEFAULT_MODEL, fetch
-from services.client import Client
-from services.launch import decode_server, prefill_server
+from pdserve.engine.loading.sources import DEFAULT_MODEL, fetch
+from pdserve.services.client import Client
+from pdserve.testing.launch import decode_server, prefill_server
 
 ENGINE_ARGS = ["--max-model-len", "4352", "--num-blocks", "640", "--max-num-seqs", "16"]
 CHUNK_TOKENS = 512  # --max-num-batched-tokens (the default): the prefill server's chunk

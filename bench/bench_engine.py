@@ -85,7 +85,7 @@ def decode_step_times(
 
     `lora`: the adapter of each request, cycled (default: the base model for all); `params`: each
     request's SamplingParams, cycled (default: greedy, ignoring EOS)."""
-    from engine.sampling_params import SamplingParams
+    from pdserve.engine.sampling_params import SamplingParams
 
     params = params or [SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)]
     rng = np.random.default_rng(batch)
@@ -122,10 +122,10 @@ def main() -> None:
     args = parser.parse_args()
     steps = 8 if args.quick else 24
 
-    from engine.config import EngineConfig
-    from engine.engine import LLMEngine
-    from engine.models import DEFAULT_MODEL, fetch
-    from engine.weights import weight_bytes
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.loading.sources import DEFAULT_MODEL, fetch
+    from pdserve.engine.model.weights import weight_bytes
 
     gguf = fetch(DEFAULT_MODEL, progress=False)
     batches = [int(b) for b in args.batches.split(",")]

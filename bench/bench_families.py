@@ -3,7 +3,7 @@ family's layout moves per token, measured in one run.
 
     .venv/bin/python bench/bench_families.py [--families qwen3,gemma3,...] [--steps 16] [--json OUT]
 
-Per family (the checkpoints of tests/families.py, written by transformers: hidden 64, 2-3 layers, so the
+Per family (the checkpoints of testing.families, written by transformers: hidden 64, 2-3 layers, so the
 figures measure each implementation's per-token overheads more than its arithmetic), in float32 on CPU:
   * prefill of 512 tokens, best of 3: pdserve (engine.prompt_logits) and transformers (one forward);
   * decode tokens/s at batch 1 and 32 (prompts of 32 tokens, greedy): pdserve's mean engine step and
@@ -20,16 +20,11 @@ manager: hybrid layer groups sharing rows (engine.kv_groups) against one table f
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
 from bench_engine import best_of, pdserve_decode_step, report  # noqa: E402  bench/ is on the path
 
 PROMPT, TRANSFER_TOKENS = 512, 2048
@@ -54,8 +49,8 @@ def kv_bytes_per_token(engine, num_tokens: int) -> dict:
     """Payload bytes per prompt token of the family's transfer, and of full attention with its heads."""
     import dataclasses
 
-    from kvtransfer import KVLayout, LayerSpec, SpecKind, plan_frames
-    from services.kv import engine_layout
+    from pdserve.kvtransfer import KVLayout, LayerSpec, SpecKind, plan_frames
+    from pdserve.services.kv import engine_layout
 
     layout = engine_layout(engine)
     sent = sum(f.num_layers * f.num_blocks for f in plan_frames(layout, num_tokens)) * layout.block_bytes
@@ -78,9 +73,9 @@ def kv_bytes_per_token(engine, num_tokens: int) -> dict:
 def hybrid_cache_layer_blocks(lengths=(1024, 4096, 32768)) -> dict:
     """Gemma 3 4B's layer-blocks held per request length: (blocks in use x cache rows) with its layer
     groups, and (blocks x layers) with one table, as the KV cache manager allocates them."""
-    from engine.config import ModelConfig
-    from engine.kv_cache_manager import KVCacheManager
-    from engine.kv_groups import KVGroups
+    from pdserve.engine.config import ModelConfig
+    from pdserve.engine.core.kv_cache_manager import KVCacheManager
+    from pdserve.engine.core.kv_groups import KVGroups
 
     sizes = dict(vocab_size=8, hidden_size=8, intermediate_size=4, num_heads=8, num_kv_heads=4, head_dim=256)
     windows = tuple(0 if (i + 1) % 6 == 0 else 1024 for i in range(34))
@@ -102,8 +97,8 @@ def hybrid_cache_layer_blocks(lengths=(1024, 4096, 32768)) -> dict:
 def measure(family: str, steps: int, tokenizer, vocab: int) -> dict:
     import torch
 
-    from engine.config import EngineConfig
-    from tests.families import engine_of, write_family
+    from pdserve.engine.config import EngineConfig
+    from pdserve.testing.families import engine_of, write_family
 
     with tempfile.TemporaryDirectory() as tmp:
         model = write_family(family, Path(tmp), vocab)
@@ -141,7 +136,7 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
-    from engine.models import load_model
+    from pdserve.engine.loading.sources import load_model
 
     default = load_model()  # its tokenizer and vocabulary (the tiny checkpoints have none)
     results = {

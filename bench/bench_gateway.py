@@ -31,10 +31,10 @@ import numpy as np
 import zmq
 from bench_engine import report  # bench/ is on the path when a script of it runs
 
-from engine.models import DEFAULT_MODEL, fetch
-from services.client import Client
-from services.launch import decode_server
-from services.metrics import PICKER_PATH
+from pdserve.engine.loading.sources import DEFAULT_MODEL, fetch
+from pdserve.services.client import Client
+from pdserve.services.metrics import PICKER_PATH
+from pdserve.testing.launch import decode_server
 
 ENGINE_ARGS = ["--max-model-len", "1024", "--num-blocks", "512", "--max-num-seqs", "8"]
 STREAMS, DECODE_TOKENS, SCRAPE_EVERY_S = 8, 96, 0.05
@@ -180,12 +180,12 @@ def scrape_cost(repeats: int = 500) -> dict:
 
     from prometheus_client import generate_latest
 
-    from engine.config import EngineConfig
-    from engine.engine import LLMEngine
-    from engine.models import load_model
-    from services.admin import Counters
-    from services.engine_loop import EngineLoop
-    from services.metrics import Metrics
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.loading.sources import load_model
+    from pdserve.services.admin import Counters
+    from pdserve.services.engine_loop import EngineLoop
+    from pdserve.services.metrics import Metrics
 
     engine = LLMEngine(load_model(fetch(DEFAULT_MODEL, progress=False)), EngineConfig(num_blocks=512))
     metrics = Metrics("decode", EngineLoop(engine), Counters())

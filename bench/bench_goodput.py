@@ -21,10 +21,10 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.models import DEFAULT_MODEL, fetch
+from pdserve.engine.loading.sources import DEFAULT_MODEL, fetch
 from pdserve.loadgen import _pyplot, bench, plot_latency_cdfs, plot_throughput
-from services.client import Client
-from services.launch import decode_server, prefill_server
+from pdserve.services.client import Client
+from pdserve.testing.launch import decode_server, prefill_server
 
 ENGINE_ARGS = ["--max-model-len", "2048", "--num-blocks", "640", "--max-num-seqs", "16"]
 PLOTS = Path(__file__).parent / "plots"

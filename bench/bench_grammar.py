@@ -5,7 +5,7 @@ and per-token mask time at batch 32, over the default model's vocabulary (SmolLM
     .venv/bin/python bench/bench_grammar.py [--steps 64] [--json OUT]
 
 Per library (each one that imports):
-  * compile: each test schema (tests/constraint_schemas.py) compiled cold, p50 / p99 / max, and the one-off
+  * compile: each test schema (pdserve.testing) compiled cold, p50 / p99 / max, and the one-off
     tokenizer set-up;
   * mask at batch 32: 32 matchers (the schemas in turn) walk `--steps` tokens, each step filling all 32 rows'
     allowed-token bitmask and consuming one allowed token per row (a seeded choice among the allowed ones,
@@ -20,15 +20,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
 from bench_engine import report  # noqa: E402  bench/ is on the path
 
 BATCH = 32
@@ -121,7 +116,7 @@ def outlines_case(tokenizer, schemas, steps, rng) -> dict:
     from outlines_core import Guide, Index, Vocabulary
     from outlines_core.json_schema import build_regex_from_schema
 
-    from engine.tokenizer import _byte_alphabet
+    from pdserve.engine.tokenizer import _byte_alphabet
 
     t0 = time.perf_counter()
     eos = min(tokenizer.eos_token_ids)
@@ -186,10 +181,10 @@ def decode_with_constraints(steps: int) -> dict:
     ratio of tokens/s (best of each)."""
     from bench_engine import decode_step_times
 
-    from engine.config import EngineConfig
-    from engine.engine import LLMEngine
-    from engine.models import DEFAULT_MODEL, fetch
-    from engine.sampling_params import Constraint, SamplingParams
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.loading.sources import DEFAULT_MODEL, fetch
+    from pdserve.engine.sampling_params import Constraint, SamplingParams
 
     config = EngineConfig(num_blocks=1024, max_model_len=1024, max_num_seqs=BATCH, max_num_batched_tokens=512)
     engine = LLMEngine.from_model(str(fetch(DEFAULT_MODEL, progress=False)), config, progress=False)
@@ -219,11 +214,11 @@ def disaggregated_ttft(runs: int, length: int = 512) -> dict:
 
     from bench_disagg import prompt
 
-    from engine.models import DEFAULT_MODEL, fetch
-    from engine.sampling_params import Constraint
-    from services.client import Client
-    from services.launch import decode_server, prefill_server
-    from tests.constraint_schemas import SCHEMAS
+    from pdserve.engine.loading.sources import DEFAULT_MODEL, fetch
+    from pdserve.engine.sampling_params import Constraint
+    from pdserve.services.client import Client
+    from pdserve.testing.constraint_schemas import SCHEMAS
+    from pdserve.testing.launch import decode_server, prefill_server
 
     gguf = fetch(DEFAULT_MODEL, progress=False)
     logs = Path(tempfile.mkdtemp())
@@ -255,8 +250,8 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
-    from engine.models import load_model
-    from tests.constraint_schemas import SCHEMAS
+    from pdserve.engine.loading.sources import load_model
+    from pdserve.testing.constraint_schemas import SCHEMAS
 
     tokenizer = load_model().tokenizer
     results = {}

@@ -31,7 +31,6 @@ import http.client
 import json
 import os
 import statistics
-import sys
 import tempfile
 import threading
 import time
@@ -39,10 +38,6 @@ import timeit
 from pathlib import Path
 
 import numpy as np
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
 from bench_disagg import prompt  # noqa: E402  bench/ is on the path
 from bench_engine import report  # noqa: E402
 
@@ -52,7 +47,7 @@ PROMPT_TOKENS = 128
 
 def _streams(client, tokens: int, salt: int) -> list[float]:
     """8 concurrent greedy streams; every inter-token gap (seconds) of all of them."""
-    from services.client import build_request
+    from pdserve.services.client import build_request
 
     def one(i: int) -> list[float]:
         request = build_request(prompt(PROMPT_TOKENS, salt * 100 + i), max_tokens=tokens, ignore_eos=True)
@@ -110,7 +105,7 @@ class Hostile:
 
     def _companion(self) -> None:
         """A request decoding beside the 8 streams: with the limit of stop strings when hostile."""
-        from services.client import Client
+        from pdserve.services.client import Client
 
         client = Client(self.decode.address)
         limit, chars = self.limits.max_stop_strings, self.limits.max_stop_string_chars
@@ -129,8 +124,8 @@ class Hostile:
     def _slow_reader(self) -> None:
         import grpc
 
+        from pdserve.services import wire
         from pdserve.v1 import prefill_pb2 as pb
-        from services import wire
 
         channel = grpc.insecure_channel(self.prefill.address)
         handshake = channel.unary_unary(
@@ -161,7 +156,7 @@ class Hostile:
         self._loop("slow_readers", read_slowly)
 
     def _invalid_grpc(self) -> None:
-        from services.client import Client
+        from pdserve.services.client import Client
 
         client = Client(self.decode.address)
         self._loop("invalid", lambda: client.generate("hi", top_k=2**31, max_tokens=4), per_s=50)
@@ -186,7 +181,7 @@ def _percentiles(gaps: list[float]) -> dict:
 
 def validation_cost(limits, ttft_s: float) -> dict:
     """Seconds per request of the checks at the door, against `ttft_s` (a 128-token prompt's TTFT)."""
-    from engine.sampling_params import SamplingParams
+    from pdserve.engine.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.7, top_p=0.9, top_k=40, seed=1, stop=("\n\n", "Question:"))
 
@@ -213,12 +208,12 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
-    from engine.config import EngineConfig
-    from engine.models import DEFAULT_MODEL, fetch, load_model
-    from services.client import Client
-    from services.kv import model_layout
-    from services.launch import ENGINE_ARGS, decode_server, prefill_server
-    from services.sampling import Limits
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.loading.sources import DEFAULT_MODEL, fetch, load_model
+    from pdserve.services.client import Client
+    from pdserve.services.kv import model_layout
+    from pdserve.services.sampling import Limits
+    from pdserve.testing.launch import ENGINE_ARGS, decode_server, prefill_server
 
     gguf = fetch(DEFAULT_MODEL, progress=False)
     logs = Path(tempfile.mkdtemp())

@@ -26,10 +26,7 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -38,7 +35,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
-from kvtransfer import (  # noqa: E402
+from pdserve.kvtransfer import (  # noqa: E402
     FrameAssembler,
     KVLayout,
     LayerSpec,
@@ -50,10 +47,10 @@ from kvtransfer import (  # noqa: E402
     insert,
     insert_stream,
 )
-from kvtransfer.gather import _gather_kernel  # noqa: E402
-from kvtransfer.insert import _insert_kernel, insert_scratch_bytes  # noqa: E402
-from kvtransfer.plan import MAX_FRAME_BYTES, chunk_shapes, plan_frames  # noqa: E402
-from kvtransfer.synthetic import make_cache  # noqa: E402
+from pdserve.kvtransfer.gather import _gather_kernel  # noqa: E402
+from pdserve.kvtransfer.insert import _insert_kernel, insert_scratch_bytes  # noqa: E402
+from pdserve.kvtransfer.plan import MAX_FRAME_BYTES, chunk_shapes, plan_frames  # noqa: E402
+from pdserve.testing.kv_cache import make_cache  # noqa: E402
 
 DTYPE = os.environ.get("KVBENCH_DTYPE", "float32")  # set by --dtype, for this process and the peer
 os.environ["KVBENCH_DTYPE"] = DTYPE
@@ -64,7 +61,7 @@ RAW_CHUNK = MAX_FRAME_BYTES - 64
 
 
 def _engine_config():
-    from engine.config import EngineConfig
+    from pdserve.engine.config import EngineConfig
 
     # 4,096 tokens (180 MiB of float32 KV) fit a request; the prefix cache keeps repeats cheap to compute.
     return EngineConfig(max_model_len=4096, num_blocks=512, max_num_seqs=4, max_num_batched_tokens=512)
@@ -92,11 +89,11 @@ def mesh_of(device: int) -> Mesh:
 def serve() -> None:
     import asyncio
 
-    from engine.args import configure_jax
-    from engine.engine import LLMEngine
-    from services.daemon import keep_freed_memory
-    from services.grpc_server import RunningServer
-    from services.prefill.server import SERVICE_NAME, PrefillService, add_to_server
+    from pdserve.daemons import keep_freed_memory
+    from pdserve.engine.args import configure_jax
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.services.grpc_server import RunningServer
+    from pdserve.services.prefill.server import SERVICE_NAME, PrefillService, add_to_server
 
     keep_freed_memory()  # as the daemons do
     configure_jax()
@@ -248,15 +245,15 @@ class DaemonPaths:
     """
 
     def __init__(self, port: int):
-        from engine.args import configure_jax
-        from engine.engine import LLMEngine
-        from engine.models import load_model
-        from services.daemon import keep_freed_memory
-        from services.decode.core import GenerationCore
-        from services.decode.prefill_pool import LocalPrefiller
-        from services.engine_loop import EngineLoop
-        from services.grpc_server import channel_options
-        from services.kv import engine_layout
+        from pdserve.daemons import keep_freed_memory
+        from pdserve.engine.args import configure_jax
+        from pdserve.engine.llm_engine import LLMEngine
+        from pdserve.engine.loading.sources import load_model
+        from pdserve.services.decode.core import GenerationCore
+        from pdserve.services.decode.prefill_pool import LocalPrefiller
+        from pdserve.services.engine_loop import EngineLoop
+        from pdserve.services.grpc_server import channel_options
+        from pdserve.services.kv import engine_layout
 
         keep_freed_memory()  # as the daemons do
         configure_jax()
@@ -290,7 +287,7 @@ class DaemonPaths:
 
     async def transfer(self, core, prompt: list[int]) -> tuple[float, int]:
         """One request through `core`: (KV transfer seconds, KV bytes) from its counters."""
-        from engine.sampling_params import SamplingParams
+        from pdserve.engine.sampling_params import SamplingParams
 
         c = core.counters
         seconds, nbytes = c.kv_transfer_seconds_total, c.kv_transfer_bytes_total

@@ -29,10 +29,10 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
-    from engine.config import EngineConfig
-    from engine.engine import LLMEngine
-    from engine.lora.synthetic import write_random_adapter
-    from engine.models import load_model
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.loading.sources import load_model
+    from pdserve.testing.lora import write_random_adapter
 
     model = load_model(None)
     base = EngineConfig(

@@ -35,10 +35,10 @@ from pathlib import Path
 import numpy as np
 from bench_engine import report  # bench/ is on the path when a script of it runs
 
-from engine.distributed import add_distributed_args
-from engine.models import DEFAULT_MODEL, fetch
-from services.client import Client
-from services.launch import daemon_group, decode_server, free_port
+from pdserve.engine.distributed import add_distributed_args
+from pdserve.engine.loading.sources import DEFAULT_MODEL, fetch
+from pdserve.services.client import Client
+from pdserve.testing.launch import daemon_group, decode_server, free_port
 
 ENGINE_ARGS = ["--max-model-len", "1024", "--num-blocks", "256", "--max-num-seqs", "8", "--tp", "8"]
 PROMPT_TOKENS, DECODE_TOKENS = 256, 64
@@ -109,12 +109,12 @@ def daemons_study(rounds: int) -> dict:
 def lockstep_engine(args: argparse.Namespace) -> None:
     """One process of the lockstep reference (--lockstep-process): joins the job, runs the same requests
     as every other process of it, prints its medians of FIGURES as JSON."""
-    from engine.distributed import join, process_group
+    from pdserve.engine.distributed import join, process_group
 
     join(process_group(args))
-    from engine.config import EngineConfig
-    from engine.engine import LLMEngine
-    from engine.sampling_params import SamplingParams
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.sampling_params import SamplingParams
 
     config = EngineConfig(tp=8, max_model_len=1024, num_blocks=256, max_num_seqs=8)
     engine = LLMEngine.from_model(None, config, warmup=False, progress=False)

@@ -30,9 +30,9 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.models import DEFAULT_MODEL, fetch
-from services.client import Client
-from services.launch import decode_server, prefill_server
+from pdserve.engine.loading.sources import DEFAULT_MODEL, fetch
+from pdserve.services.client import Client
+from pdserve.testing.launch import decode_server, prefill_server
 
 ENGINE_ARGS = ["--max-model-len", "2048", "--num-blocks", "1024", "--max-num-seqs", "8"]
 
@@ -122,11 +122,11 @@ def chat_study(gguf: Path, logs: Path, num: int, turns: int) -> dict:
 
 def throughput_study(rounds: int) -> dict:
     """Engines with caching on and off over the same random prompts (no prefix shared), interleaved."""
-    from engine.args import configure_jax
-    from engine.config import EngineConfig
-    from engine.engine import LLMEngine
-    from engine.models import load_model
-    from engine.sampling_params import SamplingParams
+    from pdserve.engine.args import configure_jax
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.loading.sources import load_model
+    from pdserve.engine.sampling_params import SamplingParams
 
     configure_jax()
     model = load_model(None)

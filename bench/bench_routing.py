@@ -22,9 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.models import DEFAULT_MODEL, fetch
-from services.client import Client
-from services.launch import decode_server, prefill_server
+from pdserve.engine.loading.sources import DEFAULT_MODEL, fetch
+from pdserve.services.client import Client
+from pdserve.testing.launch import decode_server, prefill_server
 
 ENGINE_ARGS = ["--max-model-len", "1024", "--max-num-seqs", "8"]
 IN_FLIGHT_BLOCKS = 3 * 36  # requests of 560 tokens in flight on a replica (4 in all, on 2 replicas)

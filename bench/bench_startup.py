@@ -19,8 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from engine.models import DEFAULT_MODEL, fetch
-from services.launch import EPHEMERAL_KV_EVENTS, Daemon
+from pdserve.engine.loading.sources import DEFAULT_MODEL, fetch
+from pdserve.testing.launch import EPHEMERAL_KV_EVENTS, Daemon
 
 
 def start(role: str, gguf: Path, logs: Path, name: str) -> float:

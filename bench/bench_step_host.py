@@ -39,7 +39,7 @@ def timed(table: dict, key: str, fn, wait: bool = False):
 
 
 def breakdown(engine, batch: int, steps: int) -> dict:
-    import engine.runner as runner_module
+    import pdserve.engine.model_runner as runner_module
 
     runner, scheduler = engine.runner, engine.scheduler
     plain = decode_step_times(engine, batch, steps)  # no waits: the step as it runs
@@ -83,10 +83,10 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
-    from engine.args import configure_jax
-    from engine.config import EngineConfig
-    from engine.engine import LLMEngine
-    from engine.models import DEFAULT_MODEL, fetch
+    from pdserve.engine.args import configure_jax
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.loading.sources import DEFAULT_MODEL, fetch
 
     configure_jax()
     batches = [int(b) for b in args.batches.split(",")]

@@ -41,9 +41,9 @@ def worker(tree: Path, batches: list[int], contexts: list[int], steps: int) -> d
     sys.path.insert(0, str(tree))  # `engine` from the tree measured (bench_engine imports it when called)
     import time
 
-    from engine.config import EngineConfig
-    from engine.engine import LLMEngine
-    from engine.models import DEFAULT_MODEL, fetch
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.loading.sources import DEFAULT_MODEL, fetch
 
     budget = (
         "max_num_batched_tokens" if "max_num_batched_tokens" in EngineConfig.__dataclass_fields__ else None

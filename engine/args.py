@@ -2,7 +2,7 @@
 
 `add_engine_args` declares the flags, `engine_config` turns them into an `EngineConfig`, `load_adapters`
 loads the `--lora` adapters into a built engine, `configure_jax` points XLA at the persistent
-compilation cache. The command line (pdserve/cli.py) and the daemons (services/daemon.py) both call
+compilation cache. The command line (pdserve/cli.py) and the daemons (pdserve/daemons.py) both call
 down into this module; nothing here imports either of them.
 """
 
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import argparse
 
-from engine.config import DTYPES, EngineConfig
-from engine.models import DEFAULT_MODEL, cache_dir
+from pdserve.engine.config import DTYPES, EngineConfig
+from pdserve.engine.loading.sources import DEFAULT_MODEL, cache_dir
 
 
 def configure_jax() -> None:
@@ -95,7 +95,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 def load_adapters(engine, specs: list[tuple[str, str]]) -> None:
     """Loads the --lora adapters into `engine`; exits naming the one that cannot be served."""
-    from engine.lora import LoraLoadError
+    from pdserve.engine.lora import LoraLoadError
 
     for name, path in specs:
         try:

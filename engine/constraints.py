@@ -15,9 +15,9 @@ import llguidance
 import llguidance.numpy as llnp
 import numpy as np
 
-from engine.sampler import mask_words
-from engine.sampling_params import Constraint, InvalidRequestError
-from engine.tokenizer import Tokenizer
+from pdserve.engine.model.sampler import mask_words
+from pdserve.engine.sampling_params import Constraint, InvalidRequestError
+from pdserve.engine.tokenizer import Tokenizer
 
 # JSON: whitespace between tokens allowed, but at most a few characters at a time (a small model left to
 # itself may emit newlines forever)

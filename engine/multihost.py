@@ -31,10 +31,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from engine.kv_groups import BlockTables
-from engine.sampler import SamplingBatch
-from kvtransfer import HeadMap, KVChunk
-from kvtransfer.plan import FramePlan
+from pdserve.engine.core.kv_groups import BlockTables
+from pdserve.engine.model.sampler import SamplingBatch
+from pdserve.kvtransfer import HeadMap, KVChunk
+from pdserve.kvtransfer.plan import FramePlan
 
 OP_KINDS = ("step", "sample", "gather_kv", "insert_kv", "lora_write", "stop")
 

@@ -22,7 +22,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as _Backend
 
-from engine.sampling_params import InvalidRequestError
+from pdserve.engine.sampling_params import InvalidRequestError
 
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token_type values
 _LLAMA3 = (

@@ -24,20 +24,17 @@ The API (everything else is internal):
     encode_request(request_id, layout, num_tokens, chunks, lead=None) -> Iterator[bytes]   # the sender
     aprefetch(iterable, depth=1) -> AsyncIterator     # frames produced on a thread ahead of the sender
     move_chunk(chunk, dst_sharding) -> KVChunk        # device to device (one process), CPU memory aliased
-    RequestRecord(request_id, prompt_ids, first_token, block_ids, num_computed_tokens,
-                  sampling_params, lora_adapter)
 
-Decode side, end to end (services/decode/prefill_pool.py):
-    assembler = FrameAssembler(request_id, num_tokens, src_layout, my_layout, sharding)
-    for message in stream: cache = insert(cache, assembler.add(deserialize_frame(message)), my_block_ids)
-    assembler.finish()
+Who calls what: the engine's KV connectors (engine/core/kv_connector.py) gather on the prefill side and
+insert on the decode side, on the engine thread; the daemons own the streams (docs/architecture.md tells
+one request's whole path).
 
 Padded tokens: chunks have a fixed number of blocks (as many as fit a frame), the last one of a layer
 group padded to a power of two capped at that number, so that requests of any length compile a bounded
 set of kernels; KVChunk.num_tokens says how many are real, .valid() trims.
 """
 
-from kvtransfer.codec import (
+from pdserve.kvtransfer.codec import (
     Frame,
     FrameAssembler,
     FrameEncoder,
@@ -45,14 +42,13 @@ from kvtransfer.codec import (
     deserialize_frame,
     serialize_frame,
 )
-from kvtransfer.gather import gather, gather_request
-from kvtransfer.insert import insert, insert_stream
-from kvtransfer.layout import HeadMap, KVLayout, LayerSpec, LayoutMismatchError, SpecKind, head_map
-from kvtransfer.pipeline import aprefetch
-from kvtransfer.plan import MAX_FRAME_BYTES, KVChunk, plan_frames
-from kvtransfer.record import RequestRecord
-from kvtransfer.reshard import cache_sharding, chunk_sharding, on_pathways, reshard
-from kvtransfer.transport import LOCAL_CHUNK_BYTES, encode_request, move_chunk
+from pdserve.kvtransfer.gather import gather, gather_request
+from pdserve.kvtransfer.insert import insert, insert_stream
+from pdserve.kvtransfer.layout import HeadMap, KVLayout, LayerSpec, LayoutMismatchError, SpecKind, head_map
+from pdserve.kvtransfer.pipeline import aprefetch
+from pdserve.kvtransfer.plan import MAX_FRAME_BYTES, KVChunk, plan_frames
+from pdserve.kvtransfer.reshard import cache_sharding, chunk_sharding, on_pathways, reshard
+from pdserve.kvtransfer.transport import LOCAL_CHUNK_BYTES, encode_request, move_chunk
 
 __all__ = [
     "LOCAL_CHUNK_BYTES",
@@ -66,7 +62,6 @@ __all__ = [
     "KVLayout",
     "LayerSpec",
     "LayoutMismatchError",
-    "RequestRecord",
     "SpecKind",
     "cache_sharding",
     "aprefetch",

@@ -16,9 +16,16 @@ from dataclasses import dataclass
 import google_crc32c
 import numpy as np
 
-from kvtransfer.layout import KVLayout, head_map
-from kvtransfer.plan import HEADER_RESERVE_BYTES, MAX_FRAME_BYTES, KVChunk, bucket_blocks, cdiv, plan_frames
-from kvtransfer.reshard import reshard
+from pdserve.kvtransfer.layout import KVLayout, head_map
+from pdserve.kvtransfer.plan import (
+    HEADER_RESERVE_BYTES,
+    MAX_FRAME_BYTES,
+    KVChunk,
+    bucket_blocks,
+    cdiv,
+    plan_frames,
+)
+from pdserve.kvtransfer.reshard import reshard
 from pdserve.v1 import kv_frame_pb2 as pb
 
 _PREFIX = struct.Struct("<II")

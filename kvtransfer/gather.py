@@ -14,9 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvtransfer.bits import as_bits, from_bits
-from kvtransfer.layout import HeadMap, KVLayout
-from kvtransfer.plan import (
+from pdserve.kvtransfer.bits import as_bits, from_bits
+from pdserve.kvtransfer.layout import HeadMap, KVLayout
+from pdserve.kvtransfer.plan import (
     MAX_FRAME_BYTES,
     FramePlan,
     KVChunk,

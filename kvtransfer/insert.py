@@ -18,8 +18,8 @@ from collections.abc import Iterable, Sequence
 import jax
 import numpy as np
 
-from kvtransfer.bits import as_bits, from_bits
-from kvtransfer.plan import KVChunk, cdiv, check_block_ids, layer_spans
+from pdserve.kvtransfer.bits import as_bits, from_bits
+from pdserve.kvtransfer.plan import KVChunk, cdiv, check_block_ids, layer_spans
 
 
 def _write(view, piece, start, dst):

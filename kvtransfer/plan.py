@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvtransfer.layout import KVLayout
+from pdserve.kvtransfer.layout import KVLayout
 
 MAX_FRAME_BYTES = 4 << 20  # default gRPC message limit, header included
 HEADER_RESERVE_BYTES = 16 << 10  # room left in a frame for the prefix and the protobuf header

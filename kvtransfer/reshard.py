@@ -13,7 +13,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from kvtransfer.layout import KVLayout
+from pdserve.kvtransfer.layout import KVLayout
 
 
 def on_pathways() -> bool:

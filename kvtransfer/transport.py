@@ -18,10 +18,10 @@ from collections.abc import Callable, Iterable, Iterator
 import jax
 import numpy as np
 
-from kvtransfer.codec import FrameEncoder, serialize_frame
-from kvtransfer.layout import KVLayout
-from kvtransfer.plan import MAX_FRAME_BYTES, KVChunk
-from kvtransfer.reshard import on_pathways, reshard
+from pdserve.kvtransfer.codec import FrameEncoder, serialize_frame
+from pdserve.kvtransfer.layout import KVLayout
+from pdserve.kvtransfer.plan import MAX_FRAME_BYTES, KVChunk
+from pdserve.kvtransfer.reshard import on_pathways, reshard
 
 LOCAL_CHUNK_BYTES = 64 << 20  # no wire: chunks as large as this, so a request is a few kernels
 

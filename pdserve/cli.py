@@ -9,10 +9,7 @@ import os
 import sys
 import time
 
-from engine.args import add_engine_args, configure_jax, engine_config, load_adapters
-from engine.models import DEFAULT_MODEL, KNOWN_MODELS, cache_dir
-from services.client import add_client_flags, client_from_flags
-from services.daemon import (
+from pdserve.daemons import (
     common_args,
     decode_args,
     decode_main,
@@ -20,7 +17,10 @@ from services.daemon import (
     refusing_unloadable_models,
     serve_main,
 )
-from services.sampling import (
+from pdserve.engine.args import add_engine_args, configure_jax, engine_config, load_adapters
+from pdserve.engine.loading.sources import DEFAULT_MODEL, KNOWN_MODELS, cache_dir
+from pdserve.services.client import add_client_flags, client_from_flags
+from pdserve.services.sampling import (
     add_constraint_flags,
     add_sampling_flags,
     constraint_from_flags,
@@ -38,7 +38,7 @@ def add_generate_args(parser: argparse.ArgumentParser) -> None:
 
 def generate_request(args: argparse.Namespace):
     """The GenerateRequest of `pdserve generate`: the local engine and --server run the same one."""
-    from services.client import build_request
+    from pdserve.services.client import build_request
 
     return build_request(
         None if args.chat else args.prompt,
@@ -84,7 +84,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     or prints one JSON record (Completion.record: the same fields in both modes)."""
     import grpc
 
-    from engine.sampling_params import InvalidRequestError
+    from pdserve.engine.sampling_params import InvalidRequestError
 
     request = generate_request(args)
 
@@ -116,7 +116,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def local_engine(args: argparse.Namespace):
-    from engine.engine import LLMEngine
+    from pdserve.engine.llm_engine import LLMEngine
 
     configure_jax()
     with refusing_unloadable_models():
@@ -129,9 +129,9 @@ def local_engine(args: argparse.Namespace):
 
 def generate_locally(engine, request, on_response=None):
     """Runs a GenerateRequest on a colocated engine exactly as a decode-server would (same prompt
-    rendering, same sampling mapping, same responses); returns its services.client.Completion."""
-    from services import wire
-    from services.client import Completion
+    rendering, same sampling mapping, same responses); returns its pdserve.services.client.Completion."""
+    from pdserve.services import wire
+    from pdserve.services.client import Completion
 
     prompt = wire.prompt_from_proto(request, engine.tokenizer)
     engine_request = engine.make_request(
@@ -151,7 +151,7 @@ def generate_locally(engine, request, on_response=None):
 
 
 def cmd_models(args: argparse.Namespace) -> int:
-    from engine.models import fetch
+    from pdserve.engine.loading.sources import fetch
 
     if args.action == "list":
         for name, model in KNOWN_MODELS.items():

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from services.client import add_client_flags, client_from_flags
+from pdserve.services.client import add_client_flags, client_from_flags
 
 PERCENTILES = (50, 90, 99)
 # Prompt token ids are drawn from this range: ordinary vocabulary ids of the Llama-family models, clear of
@@ -271,7 +271,7 @@ def throughput_timeline(records: Sequence[RequestRecord], bin_s: float = 1.0) ->
 def _one_request(client, spec: RequestSpec, t0: float, ignore_eos: bool, timeout: float | None):
     import grpc
 
-    from services.client import FINISH_NAMES, build_request
+    from pdserve.services.client import FINISH_NAMES, build_request
 
     request = build_request(
         spec.prompt, max_tokens=spec.max_tokens, ignore_eos=ignore_eos, lora_adapter=spec.lora_adapter
@@ -467,7 +467,7 @@ def bench(
     `client`: a services.client.Client to use instead of a new plaintext one (TLS, tokens)."""
     from tqdm import tqdm
 
-    from services.client import Client
+    from pdserve.services.client import Client
 
     if rate is None and concurrency is None:
         rate = math.inf

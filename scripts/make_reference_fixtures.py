@@ -55,8 +55,8 @@ def hf_reference(gguf: Path, prompts: list[list[int]]) -> list[tuple[np.ndarray,
 
 
 def main() -> None:
-    from engine.models import DEFAULT_MODEL, fetch
-    from engine.tokenizer import Tokenizer
+    from pdserve.engine.loading.sources import DEFAULT_MODEL, fetch
+    from pdserve.engine.tokenizer import Tokenizer
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--gguf", type=Path, default=None)

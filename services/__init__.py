@@ -1,1 +1,3 @@
-"""The gRPC daemons (prefill-server, decode-server) and what they share."""
+"""The gRPC daemons' services (installed as `pdserve.services`): the prefill role (`prefill/`), the decode
+role (`decode/`) and what both share here. The roles never import each other; `pdserve.daemons` composes
+them."""

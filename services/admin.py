@@ -9,11 +9,11 @@ from pathlib import Path
 
 import grpc
 
-from engine.engine import LLMEngine
-from engine.lora import LoraAdapter, LoraLoadError
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.lora import LoraAdapter, LoraLoadError
+from pdserve.services.engine_loop import EngineLoop
 from pdserve.v1 import admin_pb2 as pb
 from pdserve.v1 import admin_pb2_grpc as pb_grpc
-from services.engine_loop import EngineLoop
 
 SERVICE_NAME = "pdserve.v1.Admin"
 

@@ -10,13 +10,13 @@ from collections.abc import Iterator, Sequence
 
 import grpc
 
-from engine.sampling_params import Constraint
+from pdserve.engine.sampling_params import Constraint
+from pdserve.services.grpc_server import channel_options
+from pdserve.services.sampling import set_constraint, set_request_fields
+from pdserve.services.security import ChannelSecurity, bearer_metadata, channel_credentials, read_tokens
 from pdserve.v1 import admin_pb2, admin_pb2_grpc
 from pdserve.v1 import generation_pb2 as pb
 from pdserve.v1 import generation_pb2_grpc as pb_grpc
-from services.grpc_server import channel_options
-from services.sampling import set_constraint, set_request_fields
-from services.security import ChannelSecurity, bearer_metadata, channel_credentials, read_tokens
 
 
 @dataclasses.dataclass

@@ -25,8 +25,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from engine.engine import LLMEngine
-from engine.output import RequestOutput
+from pdserve.engine.core.output import RequestOutput
+from pdserve.engine.llm_engine import LLMEngine
 
 log = logging.getLogger(__name__)
 

@@ -37,10 +37,10 @@ from collections.abc import Awaitable
 import grpc
 import numpy as np
 
-from engine.distributed import ProcessGroup
-from engine.multihost import DeviceOp, Follower, engine_fingerprint
+from pdserve.engine.distributed import ProcessGroup
+from pdserve.engine.multihost import DeviceOp, Follower, engine_fingerprint
+from pdserve.services.grpc_server import KEEPALIVE_OPTIONS, channel_options, server_options
 from pdserve.v1 import group_pb2 as pb
-from services.grpc_server import KEEPALIVE_OPTIONS, channel_options, server_options
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.security import ServerSecurity
+from pdserve.services.security import ServerSecurity
 
 log = logging.getLogger(__name__)
 

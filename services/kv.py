@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from engine.engine import LLMEngine
-from kvtransfer import KVLayout, LayerSpec, SpecKind
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.kvtransfer import KVLayout, LayerSpec, SpecKind
 
 
 def engine_layout(engine: LLMEngine) -> KVLayout:

@@ -21,8 +21,8 @@ from prometheus_client import CollectorRegistry, Histogram, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import ThreadingWSGIServer
 
-from services.admin import Counters, read_load
-from services.engine_loop import EngineLoop
+from pdserve.services.admin import Counters, read_load
+from pdserve.services.engine_loop import EngineLoop
 
 # The series an endpoint picker scores pods by, under the keys of llm-d's core-metrics-extractor
 # `engineConfigs` (deploy/components/inference-gateway/epp-config.yaml maps them; {role}: prefill or decode).

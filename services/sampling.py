@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from engine.sampling_params import Constraint, InvalidRequestError, SamplingParams
+from pdserve.engine.sampling_params import Constraint, InvalidRequestError, SamplingParams
 
 DEFAULT_MAX_TOKENS = 256  # what a GenerateRequest without max_tokens gets
 

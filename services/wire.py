@@ -13,12 +13,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from engine.output import RequestOutput
-from engine.request import FinishReason, TokenLogprobs
-from engine.sampling_params import InvalidRequestError
+from pdserve.engine.core.output import RequestOutput
+from pdserve.engine.core.request import FinishReason, TokenLogprobs
+from pdserve.engine.sampling_params import InvalidRequestError
+from pdserve.services.sampling import Limits
 from pdserve.v1 import generation_pb2 as gen_pb
 from pdserve.v1 import prefill_pb2 as prefill_pb
-from services.sampling import Limits
 
 _KV_FRAME_TAG = b"\x12"  # field 2, wire type 2 (length-delimited)
 

@@ -22,7 +22,7 @@ import re  # noqa: E402
 
 import pytest  # noqa: E402
 
-from engine.args import configure_jax  # noqa: E402
+from pdserve.engine.args import configure_jax  # noqa: E402
 
 # the daemons' persistent XLA cache (under the pdserve cache folder) serves the test process too: a later
 # run loads the executables an earlier one compiled (the model tier takes about a third less time)
@@ -88,7 +88,7 @@ def unexpected_skips() -> list[tuple[str, str]]:
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     import resource
 
-    from services.launch import Daemon
+    from pdserve.testing.launch import Daemon
 
     gib = 1 / (1 << 20)  # KiB -> GiB
     own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * gib  # KiB on Linux
@@ -111,14 +111,14 @@ def pytest_sessionfinish(session, exitstatus):
 @pytest.fixture(scope="session")
 def gguf_path():
     """The default model's GGUF file, where `pdserve models fetch` puts it (fetched on first use)."""
-    from engine.models import DEFAULT_MODEL, fetch
+    from pdserve.engine.loading.sources import DEFAULT_MODEL, fetch
 
     return fetch(DEFAULT_MODEL, progress=False)
 
 
 @pytest.fixture(scope="session")
 def loaded_model(gguf_path):
-    from engine.models import load_model
+    from pdserve.engine.loading.sources import load_model
 
     return load_model(gguf_path)
 
@@ -127,7 +127,7 @@ def loaded_model(gguf_path):
 def small_config():
     """Engine sizes for tests: few buckets, chunked prefill past 256 tokens (services.launch.ENGINE_ARGS
     gives the daemons the same sizes)."""
-    from engine.config import EngineConfig
+    from pdserve.engine.config import EngineConfig
 
     return EngineConfig(num_blocks=192, max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=256)
 
@@ -144,7 +144,7 @@ def make_engine(loaded_model, small_config):
     module that built it: engines and their compiled steps are what fills the test process's memory."""
     import dataclasses
 
-    from engine.engine import LLMEngine
+    from pdserve.engine.llm_engine import LLMEngine
 
     def make(devices=None, **overrides):
         config = dataclasses.replace(small_config, **overrides)
@@ -193,7 +193,7 @@ def log_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def prefill(gguf_path, log_dir):
     """A prefill-server with /metrics, shared by every daemon test."""
-    from services.launch import prefill_server
+    from pdserve.testing.launch import prefill_server
 
     daemon = prefill_server(gguf_path, log_dir, extra=["--metrics-port", "0"])
     yield daemon
@@ -204,7 +204,7 @@ def prefill(gguf_path, log_dir):
 def decode(gguf_path, prefill, log_dir):
     """A decode-server on `prefill` with /metrics, the OpenAI HTTP API and JSON logs, shared by every
     daemon test that only sends it requests."""
-    from services.launch import decode_server
+    from pdserve.testing.launch import decode_server
 
     extra = ["--max-num-seqs", "32", "--metrics-port", "0", "--http-port", "0", "--log-format", "json"]
     daemon = decode_server(gguf_path, prefill.address, log_dir, extra=extra)

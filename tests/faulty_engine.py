@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import sys
 
-from engine.engine import LLMEngine
-from engine.output import OutputStream
+from pdserve.engine.core.output import OutputStream
+from pdserve.engine.llm_engine import LLMEngine
 
 PINNED = "\x00inject:pinned"
 ONCE = "\x00inject:step"
@@ -55,6 +55,6 @@ class FaultyEngine(LLMEngine):
 
 
 def main() -> int:
-    from services.daemon import decode_main
+    from pdserve.daemons import decode_main
 
     return decode_main(sys.argv[1:], engine_class=FaultyEngine)

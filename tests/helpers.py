@@ -9,10 +9,10 @@ import time
 import urllib.request
 from collections.abc import Iterator
 
+from pdserve.services.client import Client, build_request
+from pdserve.services.sampling import params_from_request
+from pdserve.testing.launch import Daemon, ServerThread, decode_server, prefill_server
 from pdserve.v1 import admin_pb2
-from services.client import Client, build_request
-from services.launch import Daemon, ServerThread, decode_server, prefill_server
-from services.sampling import params_from_request
 
 
 class Reference:

@@ -66,8 +66,8 @@ def test_models_list():
 
 
 def test_generate_with_a_lora_adapter(gguf_path, loaded_model, make_engine, tmp_path):
-    from engine.lora.synthetic import write_random_adapter
-    from engine.sampling_params import SamplingParams
+    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.testing.lora import write_random_adapter
 
     folder = write_random_adapter(tmp_path / "sql", loaded_model.config, rank=4, seed=5)
     args = ("generate", "--json", "--max-tokens", "8", "--lora", f"sql={folder}", "--adapter", "sql", "Hello")

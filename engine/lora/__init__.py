@@ -1,7 +1,8 @@
-"""Multi-LoRA: PEFT adapters read from disk (adapter), the adapters an engine serves (registry), device
-slots with LRU eviction (slots), and the batched low-rank deltas the forward step adds (apply)."""
+"""Multi-LoRA on the host: PEFT adapters read from disk (adapter) and the adapters an engine serves
+(registry). On the device: the slots with LRU eviction (engine/lora_slots.py) and the batched low-rank
+deltas the forward step adds (engine/model/lora.py)."""
 
-from engine.lora.adapter import (
+from pdserve.engine.lora.adapter import (
     TARGET_MODULES,
     AdapterExistsError,
     AdapterMismatchError,
@@ -11,8 +12,7 @@ from engine.lora.adapter import (
     UnknownAdapterError,
     load_peft_adapter,
 )
-from engine.lora.registry import AdapterRegistry
-from engine.lora.slots import LoraSlots, LoraWeights
+from pdserve.engine.lora.registry import AdapterRegistry
 
 __all__ = [
     "TARGET_MODULES",
@@ -22,8 +22,6 @@ __all__ = [
     "LoraAdapter",
     "LoraDisabledError",
     "LoraLoadError",
-    "LoraSlots",
-    "LoraWeights",
     "UnknownAdapterError",
     "load_peft_adapter",
 ]

@@ -3,7 +3,7 @@
 An adapter adds `x @ A @ B * scaling` to a projection `x @ W`. pdserve keeps A as [L, in, r] and B as
 [L, r, out] (math layout, layers stacked like the base weights) with the scaling folded into B; layers
 and projections the adapter does not touch are zeros. Everything here is numpy: device placement and
-slots are engine.lora.slots.
+slots are engine.lora_slots.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.config import ModelConfig
-from engine.sampling_params import InvalidRequestError
+from pdserve.engine.config import ModelConfig
+from pdserve.engine.sampling_params import InvalidRequestError
 
 # PEFT module names of the Llama family's projections, in the order pdserve stores them.
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

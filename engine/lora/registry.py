@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from engine.config import ModelConfig
-from engine.lora.adapter import (
+from pdserve.engine.config import ModelConfig
+from pdserve.engine.lora.adapter import (
     AdapterExistsError,
     AdapterMismatchError,
     LoraAdapter,
@@ -15,7 +15,7 @@ from engine.lora.adapter import (
 
 class AdapterRegistry:
     """Loaded adapters by name. `adapters` is replaced, never mutated, so other threads may read it while
-    the engine thread loads and unloads. Device slots are engine.lora.slots' business: an adapter enters
+    the engine thread loads and unloads. Device slots are engine.lora_slots' business: an adapter enters
     one only when a request needs it."""
 
     def __init__(self, cfg: ModelConfig, max_rank: int, enabled: bool):

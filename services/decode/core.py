@@ -19,16 +19,16 @@ import uuid
 
 import grpc
 
-from engine.engine import LLMEngine
-from engine.kv_cache_manager import hash_blocks
-from engine.kv_connector import DecodeConnector
-from engine.multihost import is_multi_process
-from engine.output import RequestOutput
-from engine.request import FinishReason, Request
-from engine.sampling_params import InvalidRequestError
-from kvtransfer import KVChunk, chunk_sharding
-from services.admin import Counters
-from services.decode.prefill_pool import (
+from pdserve.engine.core.kv_cache_manager import hash_blocks
+from pdserve.engine.core.kv_connector import DecodeConnector
+from pdserve.engine.core.output import RequestOutput
+from pdserve.engine.core.request import FinishReason, Request
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.multihost import is_multi_process
+from pdserve.engine.sampling_params import InvalidRequestError
+from pdserve.kvtransfer import KVChunk, chunk_sharding
+from pdserve.services.admin import Counters
+from pdserve.services.decode.prefill_pool import (
     FirstToken,
     LocalPrefiller,
     Prefiller,
@@ -38,12 +38,12 @@ from services.decode.prefill_pool import (
     Routing,
     check_first_token,
 )
-from services.engine_loop import EngineFailure, EngineLoop, EngineStopped, set_result
-from services.kv import engine_layout
-from services.metrics import Metrics
-from services.prepare import Overloaded, Preparer
-from services.sampling import Limits, check_knobs
-from services.security import PLAINTEXT, ChannelSecurity
+from pdserve.services.engine_loop import EngineFailure, EngineLoop, EngineStopped, set_result
+from pdserve.services.kv import engine_layout
+from pdserve.services.metrics import Metrics
+from pdserve.services.prepare import Overloaded, Preparer
+from pdserve.services.sampling import Limits, check_knobs
+from pdserve.services.security import PLAINTEXT, ChannelSecurity
 
 log = logging.getLogger(__name__)
 

@@ -21,14 +21,14 @@ import uuid
 import grpc
 from aiohttp import web
 
-from engine.output import RequestOutput
-from engine.request import Request
-from engine.sampling_params import Constraint, InvalidRequestError, SamplingParams
-from services.decode.core import PREFILL_HINT_HEADER, GenerationCore, ServiceError
-from services.decode.tool_formats import detect, marked_by_special_tokens
-from services.decode.tools import ToolChoice, ToolStream, tool_choice
-from services.sampling import FIELD_NAMES, params_from_values
-from services.security import ServerSecurity, token_ok
+from pdserve.engine.core.output import RequestOutput
+from pdserve.engine.core.request import Request
+from pdserve.engine.sampling_params import Constraint, InvalidRequestError, SamplingParams
+from pdserve.services.decode.core import PREFILL_HINT_HEADER, GenerationCore, ServiceError
+from pdserve.services.decode.tool_formats import detect, marked_by_special_tokens
+from pdserve.services.decode.tools import ToolChoice, ToolStream, tool_choice
+from pdserve.services.sampling import FIELD_NAMES, params_from_values
+from pdserve.services.security import ServerSecurity, token_ok
 
 _HTTP_STATUS = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: 429,

@@ -22,17 +22,17 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-import kvtransfer
-from engine.request import Request, TokenLogprobs
-from engine.sampling_params import InvalidRequestError
-from kvtransfer import KVChunk, KVLayout
+from pdserve import kvtransfer
+from pdserve.engine.core.request import Request, TokenLogprobs
+from pdserve.engine.sampling_params import InvalidRequestError
+from pdserve.kvtransfer import KVChunk, KVLayout
+from pdserve.services import sampling, wire
+from pdserve.services.decode.prefix_index import ReplicaCache, follow
+from pdserve.services.engine_loop import EngineLoop, EngineStopped
+from pdserve.services.grpc_server import KEEPALIVE_OPTIONS, channel_options
+from pdserve.services.prefill_stream import PrefillFailed, PrefillStream, install_connector
+from pdserve.services.security import PLAINTEXT, ChannelSecurity
 from pdserve.v1 import prefill_pb2 as pb
-from services import sampling, wire
-from services.decode.prefix_index import ReplicaCache, follow
-from services.engine_loop import EngineLoop, EngineStopped
-from services.grpc_server import KEEPALIVE_OPTIONS, channel_options
-from services.prefill.runner import PrefillFailed, PrefillStream, install_connector
-from services.security import PLAINTEXT, ChannelSecurity
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""What each prefill replica's prefix cache holds, as its KV events tell (services/kv_events.py): the index
+"""What each prefill replica's prefix cache holds, as its KV events tell (kv_events_zmq): the index
 a decode server routes on.
 
 `ReplicaCache` is one replica's set of cached block hashes and where its event stream stands. `follow()`
@@ -24,8 +24,8 @@ import zlib
 import zmq
 import zmq.asyncio
 
-from engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from services.kv_events import END_OF_REPLAY, decode_batch
+from pdserve.engine.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from pdserve.services.kv_events_zmq import END_OF_REPLAY, decode_batch
 
 log = logging.getLogger(__name__)
 

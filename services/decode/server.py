@@ -26,19 +26,19 @@ from collections.abc import Callable
 
 import grpc
 
-from engine.sampling_params import InvalidRequestError
+from pdserve.engine.sampling_params import InvalidRequestError
+from pdserve.services import sampling, wire
+from pdserve.services.admin import SERVICE_NAME as ADMIN_SERVICE
+from pdserve.services.admin import AdminService
+from pdserve.services.decode.core import PREFILL_HINT_HEADER, GenerationCore, ServiceError
+from pdserve.services.decode.openai_api import OpenAIFrontend
+from pdserve.services.engine_loop import FAILED_GRACE_S, STEP_TIMEOUT_S, EngineStopped, until_stopped
+from pdserve.services.grpc_server import RunningServer
+from pdserve.services.kv_events_zmq import KVEventsConfig, start_publishing
+from pdserve.services.security import ServerSecurity
 from pdserve.v1 import admin_pb2_grpc
 from pdserve.v1 import generation_pb2 as pb
 from pdserve.v1 import generation_pb2_grpc as pb_grpc
-from services import sampling, wire
-from services.admin import SERVICE_NAME as ADMIN_SERVICE
-from services.admin import AdminService
-from services.decode.core import PREFILL_HINT_HEADER, GenerationCore, ServiceError
-from services.decode.openai_api import OpenAIFrontend
-from services.engine_loop import FAILED_GRACE_S, STEP_TIMEOUT_S, EngineStopped, until_stopped
-from services.grpc_server import RunningServer
-from services.kv_events import KVEventsConfig, start_publishing
-from services.security import ServerSecurity
 
 SERVICE_NAME = "pdserve.v1.Generation"
 

@@ -18,8 +18,8 @@ import json
 import re
 import uuid
 
-from engine.sampling_params import Constraint, InvalidRequestError
-from services.decode.tool_formats import PARSERS, ParsedCall
+from pdserve.engine.sampling_params import Constraint, InvalidRequestError
+from pdserve.services.decode.tool_formats import PARSERS, ParsedCall
 
 _ANY_OBJECT = {"type": "object"}
 # a required call's text up to its arguments (llguidance keeps the schema's property order)

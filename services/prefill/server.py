@@ -36,25 +36,31 @@ from collections.abc import Callable
 
 import grpc
 
-import kvtransfer
-from engine.engine import LLMEngine
-from engine.kv_cache_manager import hash_blocks
-from engine.sampling_params import InvalidRequestError
+from pdserve import kvtransfer
+from pdserve.engine.core.kv_cache_manager import hash_blocks
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.sampling_params import InvalidRequestError
+from pdserve.services import sampling, wire
+from pdserve.services.admin import SERVICE_NAME as ADMIN_SERVICE
+from pdserve.services.admin import AdminService, Counters
+from pdserve.services.engine_loop import (
+    FAILED_GRACE_S,
+    STEP_TIMEOUT_S,
+    EngineLoop,
+    EngineStopped,
+    until_stopped,
+)
+from pdserve.services.grpc_server import RunningServer
+from pdserve.services.kv import engine_layout
+from pdserve.services.kv_events_zmq import KVEventPublisher, KVEventsConfig, start_publishing
+from pdserve.services.metrics import Metrics
+from pdserve.services.prefill_stream import PrefillFailed, PrefillStream, install_connector
+from pdserve.services.prepare import Overloaded, Preparer
+from pdserve.services.sampling import Limits
+from pdserve.services.security import ServerSecurity
 from pdserve.v1 import admin_pb2_grpc
 from pdserve.v1 import prefill_pb2 as pb
 from pdserve.v1 import prefill_pb2_grpc as pb_grpc
-from services import sampling, wire
-from services.admin import SERVICE_NAME as ADMIN_SERVICE
-from services.admin import AdminService, Counters
-from services.engine_loop import FAILED_GRACE_S, STEP_TIMEOUT_S, EngineLoop, EngineStopped, until_stopped
-from services.grpc_server import RunningServer
-from services.kv import engine_layout
-from services.kv_events import KVEventPublisher, KVEventsConfig, start_publishing
-from services.metrics import Metrics
-from services.prefill.runner import PrefillFailed, PrefillStream, install_connector
-from services.prepare import Overloaded, Preparer
-from services.sampling import Limits
-from services.security import ServerSecurity
 
 log = logging.getLogger(__name__)
 

@@ -411,8 +411,8 @@ def test_multihost_pods_read_their_group_as_the_tests_start_it():
     to its place in the group: same command and arguments everywhere, --tp global, one process per host
     with the host's chips, the coordinator on the leader's open ports, TPU_WORKER_HOSTNAMES listing the
     group's pods leader first."""
-    from engine.distributed import DEFAULT_COORDINATOR_PORT, ProcessGroup, lws_environ, process_group
-    from services.daemon import devices_per_process, prefill_parser
+    from pdserve.daemons import devices_per_process, prefill_parser
+    from pdserve.engine.distributed import DEFAULT_COORDINATOR_PORT, ProcessGroup, lws_environ, process_group
 
     docs = render("gke-tpu-multihost")
     [lws] = [d for d in docs if (d["apiVersion"], d["kind"]) == LWS]
@@ -456,9 +456,9 @@ def test_the_inference_pool_and_its_picker_fit_the_decode_pods():
     and the HTTPRoute resolve; the picker reads what a decode-server (parsed by its own parser) serves:
     /metrics under PICKER_SERIES on the metrics port, render on the Service's HTTP port, KV events on the
     event ports, blocks of the engine's size, the served model's name."""
-    from engine.config import EngineConfig
-    from services.daemon import decode_parser
-    from services.metrics import CACHE_NUM_BLOCKS_LABEL, PICKER_PATH, PICKER_SERIES
+    from pdserve.daemons import decode_parser
+    from pdserve.engine.config import EngineConfig
+    from pdserve.services.metrics import CACHE_NUM_BLOCKS_LABEL, PICKER_PATH, PICKER_SERIES
 
     docs = render("gke-tpu-gateway")
     [pool] = of_kind(docs, "InferencePool")

@@ -4,7 +4,7 @@ sharded over every process's devices, prints what it saw as JSON."""
 import argparse
 import json
 
-from engine.distributed import add_distributed_args, join, process_group
+from pdserve.engine.distributed import add_distributed_args, join, process_group
 
 parser = argparse.ArgumentParser()
 add_distributed_args(parser)

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.attention import KV_TILE_BLOCKS, Q_WINDOW, ragged_paged_attention_reference
+from pdserve.engine.model.attention import KV_TILE_BLOCKS, Q_WINDOW, ragged_paged_attention_reference
 
 pytestmark = pytest.mark.fast
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.compile_watch import count_compilations
-from engine.sampling_params import SamplingParams
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.testing.compile_watch import count_compilations
 
 pytestmark = pytest.mark.model
 

@@ -9,8 +9,8 @@ import re
 
 import pytest
 
-from engine.sampling_params import Constraint, InvalidRequestError, SamplingParams
-from tests.constraint_schemas import SCHEMAS
+from pdserve.engine.sampling_params import Constraint, InvalidRequestError, SamplingParams
+from pdserve.testing.constraint_schemas import SCHEMAS
 
 pytestmark = pytest.mark.model
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.distributed import ProcessGroup, add_distributed_args, process_group
-from services.launch import free_port
+from pdserve.engine.distributed import ProcessGroup, add_distributed_args, process_group
+from pdserve.testing.launch import free_port
 
 pytestmark = pytest.mark.fast
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import jax
 import pytest
 
-from engine.request import FinishReason
-from engine.sampling_params import InvalidRequestError, SamplingParams
+from pdserve.engine.core.request import FinishReason
+from pdserve.engine.sampling_params import InvalidRequestError, SamplingParams
 
 pytestmark = pytest.mark.model
 

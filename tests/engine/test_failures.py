@@ -9,8 +9,8 @@ import dataclasses
 
 import pytest
 
-from engine.request import FinishReason
-from engine.sampling_params import SamplingParams
+from pdserve.engine.core.request import FinishReason
+from pdserve.engine.sampling_params import SamplingParams
 from tests.faulty_engine import ONCE, PINNED, FaultyEngine
 
 pytestmark = pytest.mark.model

@@ -10,7 +10,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from tests.families import _TINY, engine_of, hf_greedy, write_family
+from pdserve.testing.families import _TINY, engine_of, hf_greedy, write_family
 
 pytestmark = pytest.mark.model
 
@@ -20,12 +20,12 @@ SMALL = dict(num_blocks=96, max_model_len=512, max_num_seqs=4, max_num_batched_t
 
 
 def _engine(path, tokenizer, **overrides):
-    from engine.config import EngineConfig
+    from pdserve.engine.config import EngineConfig
 
     return engine_of(path, tokenizer, dataclasses.replace(EngineConfig(**SMALL), **overrides))
 
 
-# What each family adds to Llama's forward pass (tests/families.py writes them)
+# What each family adds to Llama's forward pass (pdserve/testing/families.py writes them)
 FAMILIES = {
     "qwen3": "q/k norm per head",
     "mistral": "every layer sliding (blocks out of the window given back as requests advance)",
@@ -45,7 +45,7 @@ def test_family_matches_transformers(family, tmp_path, loaded_model):
     the raw logits) within 1e-3. TP 2: tests/services/test_families_disaggregated.py."""
     import torch
 
-    from engine.sampling_params import SamplingParams
+    from pdserve.engine.sampling_params import SamplingParams
 
     pytest.importorskip("transformers")
     model = write_family(family, tmp_path, loaded_model.config.vocab_size)
@@ -67,7 +67,7 @@ def test_family_matches_transformers(family, tmp_path, loaded_model):
         assert engine.scheduler.kv.ring_blocks == (7, 7) and max(PROMPT_LENGTHS) + 32 > 7 * 16
 
 
-# llama.cpp's fixed choices where GGUF has no key (engine/gguf_config.py), against the tiny checkpoints'
+# llama.cpp's fixed choices where GGUF has no key (loading/gguf_config.py), against the tiny checkpoints'
 # config.json: Gemma's attention scale is head_dim's (the checkpoints say 24), Qwen3-MoE renormalizes
 _LLAMA_CPP_CHOICES = {
     "gemma2": dict(query_pre_attn_scalar=32),
@@ -92,12 +92,12 @@ _GGUF_CHECKPOINTS = {
 
 @pytest.mark.parametrize("family", list(_LLAMA_CPP_CHOICES))
 def test_gguf_of_a_family_loads_as_its_safetensors_folder(family, tmp_path):
-    """A tiny transformers checkpoint converted as llama.cpp does (tests/families.py write_gguf) loads to
+    """A tiny transformers checkpoint converted as llama.cpp does (testing.families.write_gguf) loads to
     the folder's config and weights: tensor names, stacked experts, Gemma's 1 + w norms, Mixtral's
     permuted q/k, sliding windows and their rope bases, soft caps, linear rope scaling, DeepSeek-V2's split
     kv_b and its YaRN."""
-    from engine.loader import load_gguf, load_hf_folder
-    from tests.families import write_gguf
+    from pdserve.engine.loading.checkpoints import load_gguf, load_hf_folder
+    from pdserve.testing.families import write_gguf
 
     pytest.importorskip("transformers")
     write_family(family, tmp_path / "hf", 256, **_GGUF_CHECKPOINTS.get(family, {}))

@@ -31,7 +31,7 @@ BUDGET = 256  # the grid engine's max_prefill_tokens: its prefill chunk
 
 def workload(engine, adapter_paths: dict[str, str]) -> dict[str, list[int]]:
     """(name -> token ids) of the workload's requests, driven step by step on `engine`."""
-    from engine.sampling_params import SamplingParams
+    from pdserve.engine.sampling_params import SamplingParams
 
     for name, path in adapter_paths.items():
         engine.loras.load(name, path)
@@ -60,7 +60,7 @@ def workload(engine, adapter_paths: dict[str, str]) -> dict[str, list[int]]:
 
 
 def write_adapters(folder: Path, cfg) -> dict[str, str]:
-    from engine.lora.synthetic import write_random_adapter
+    from pdserve.testing.lora import write_random_adapter
 
     return {
         "a8": str(write_random_adapter(folder / "a8", cfg, rank=8, seed=21)),
@@ -82,10 +82,10 @@ def record(out: Path) -> None:
 
     import jax
 
-    import engine
-    from engine.config import EngineConfig
-    from engine.engine import LLMEngine
-    from engine.models import load_model
+    from pdserve import engine
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.loading.sources import load_model
 
     print(f"recording with {engine.__file__}", file=sys.stderr)
     budget = (

@@ -6,11 +6,11 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from engine.block_pool import BlockPool, OutOfBlocksError, blocks_for_tokens
-from engine.config import ModelConfig
-from engine.kv_cache_manager import KVCacheManager, hash_block, hash_blocks
-from engine.kv_events import AllBlocksCleared, BlockRemoved
-from engine.kv_groups import KVGroups
+from pdserve.engine.config import ModelConfig
+from pdserve.engine.core.block_pool import BlockPool, OutOfBlocksError, blocks_for_tokens
+from pdserve.engine.core.kv_cache_manager import KVCacheManager, hash_block, hash_blocks
+from pdserve.engine.core.kv_events import AllBlocksCleared, BlockRemoved
+from pdserve.engine.core.kv_groups import KVGroups
 
 pytestmark = pytest.mark.fast
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import kvtransfer
-from engine.kv_connector import PrefillConnector
-from engine.request import Status
-from engine.sampling_params import SamplingParams
-from services.kv import engine_layout
+from pdserve import kvtransfer
+from pdserve.engine.core.kv_connector import PrefillConnector
+from pdserve.engine.core.request import Status
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.services.kv import engine_layout
 
 pytestmark = pytest.mark.model
 

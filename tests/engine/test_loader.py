@@ -9,10 +9,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine.config import ModelConfig, UnsupportedModelError
-from engine.loader import CheckpointError, _undo_gguf_rope_permutation, load_gguf, load_hf_folder
-from engine.models import resolve
-from engine.weights import pad_heads
+from pdserve.engine.config import ModelConfig, UnsupportedModelError
+from pdserve.engine.loading.checkpoints import (
+    CheckpointError,
+    _undo_gguf_rope_permutation,
+    load_gguf,
+    load_hf_folder,
+)
+from pdserve.engine.loading.sources import resolve
+from pdserve.engine.model.weights import pad_heads
 
 pytestmark = pytest.mark.fast
 
@@ -209,7 +214,7 @@ def test_qwen3_gguf_and_hf_folder_load_the_same_weights(tmp_path):
 def test_gguf_metadata_without_a_key_takes_llama_cpps_choice():
     """Gemma 3: every sixth layer full, sliding layers at rope base 10000, head_dim's scale except for the
     62-layer 27B; Gemma 2: alternate layers, soft caps 50 / 30; Mixtral: `llama` with experts."""
-    from engine.gguf_config import hf_config
+    from pdserve.engine.loading.gguf_config import hf_config
 
     def meta(arch, layers, **extra):
         sizes = dict(embedding_length=64, feed_forward_length=128, block_count=layers, context_length=512)
@@ -277,9 +282,9 @@ def test_small_hf_folder_loads_and_runs(tmp_path):
     """A random 2-layer Llama in safetensors runs through the engine (config, stacking, tied head)."""
     from safetensors.numpy import save_file
 
-    from engine.config import EngineConfig
-    from engine.engine import LLMEngine
-    from engine.models import LoadedModel
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.loading.sources import LoadedModel
 
     rng = np.random.default_rng(0)
     tensors = {"model.embed_tokens.weight": rng.normal(size=(32, 16)), "model.norm.weight": np.ones(16)}
@@ -343,7 +348,7 @@ def test_head_padding_keeps_groups_with_their_kv_head():
 
 
 def test_dtype_auto_is_bfloat16_on_accelerators_and_float32_on_cpu():
-    from engine.config import EngineConfig
+    from pdserve.engine.config import EngineConfig
 
     assert EngineConfig().dtype == "auto"
     assert [EngineConfig().on_platform(p).dtype for p in ("tpu", "gpu", "cpu")] == [

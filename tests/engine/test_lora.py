@@ -9,16 +9,16 @@ import jax
 import numpy as np
 import pytest
 
-from engine.compile_watch import count_compilations
-from engine.lora import (
+from pdserve.engine.lora import (
     AdapterExistsError,
     AdapterMismatchError,
     LoraLoadError,
     UnknownAdapterError,
     load_peft_adapter,
 )
-from engine.lora.synthetic import write_random_adapter
-from engine.sampling_params import SamplingParams
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.testing.compile_watch import count_compilations
+from pdserve.testing.lora import write_random_adapter
 from tests.conftest import requires_reference
 from tests.engine.test_compile import WARMUP_CONFIG
 
@@ -101,9 +101,9 @@ def test_request_waits_while_every_slot_is_pinned(lora_engine):
     assert [r.request_id for r in engine.scheduler.prefilling + engine.scheduler.running] == [first, base]
     assert [r.request_id for r in engine.scheduler.waiting] == [second]
     # what an endpoint picker's LoRA-affinity scorer reads (services.metrics: vLLM's lora_requests_info shape)
-    from services.admin import Counters
-    from services.engine_loop import EngineLoop
-    from services.metrics import Metrics
+    from pdserve.services.admin import Counters
+    from pdserve.services.engine_loop import EngineLoop
+    from pdserve.services.metrics import Metrics
 
     registry = Metrics("decode", EngineLoop(engine), Counters()).registry
     labels = {"role": "decode", "max_lora": "1"}
@@ -278,10 +278,10 @@ def test_a_follower_replays_the_published_operations(lora_engine):
     operation a workload publishes (steps, sampling, an adapter write, a KV gather and insert), through the
     group's wire encoding, replayed by a Follower from the state before the workload, rebuilds the same KV
     cache and adapter slots bit for bit. (One engine plays both processes: its state is put back first.)"""
-    from engine.multihost import Follower
-    from kvtransfer import KVChunk, plan_frames
-    from services.group import from_message, to_message
-    from services.kv import engine_layout
+    from pdserve.engine.multihost import Follower
+    from pdserve.kvtransfer import KVChunk, plan_frames
+    from pdserve.services.group import from_message, to_message
+    from pdserve.services.kv import engine_layout
 
     engine = lora_engine()
     runner, slots, layout = engine.runner, engine.lora_slots, engine_layout(engine)
@@ -322,7 +322,7 @@ def test_constrained_requests_with_adapters_validate_and_match_alone(lora_engine
     equals its run alone, and the constrained outputs validate."""
     import jsonschema
 
-    from engine.sampling_params import Constraint
+    from pdserve.engine.sampling_params import Constraint
 
     engine = lora_engine()
     schema = {  # a finite language: random adapters cannot run it to max_tokens

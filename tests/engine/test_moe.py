@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine import moe
+from pdserve.engine.model import moe
 
 pytestmark = pytest.mark.fast
 

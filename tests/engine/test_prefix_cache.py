@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from engine.sampling_params import SamplingParams
+from pdserve.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.model
 

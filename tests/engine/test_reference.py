@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine.sampling_params import SamplingParams
+from pdserve.engine.sampling_params import SamplingParams
 from tests.conftest import requires_reference
 
 pytestmark = pytest.mark.model
@@ -59,8 +59,8 @@ def test_live_cross_check_and_hf_folder_loading(gguf_path, loaded_model, small_c
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from engine.engine import LLMEngine
-    from engine.models import load_model
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.loading.sources import load_model
 
     hf = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
     hf_tok = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)

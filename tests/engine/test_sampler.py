@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engine.multihost import sample_batch, sample_op
-from engine.sampler import SamplingBatch, sample
-from engine.sampling_params import SamplingParams
+from pdserve.engine.model.sampler import SamplingBatch, sample
+from pdserve.engine.multihost import sample_batch, sample_op
+from pdserve.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.fast
 

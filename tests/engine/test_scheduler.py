@@ -7,11 +7,11 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from engine.config import EngineConfig
-from engine.kv_connector import KVConnector
-from engine.request import FinishReason, Request, Status
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.core.kv_connector import KVConnector
+from pdserve.engine.core.request import FinishReason, Request, Status
+from pdserve.engine.core.scheduler import Scheduler
+from pdserve.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.fast
 
@@ -248,7 +248,7 @@ def test_a_remote_request_is_admitted_while_a_long_prompt_is_chunked():
 
 
 def test_remote_kv_fills_only_the_blocks_after_the_decode_sides_cached_prefix():
-    from engine.kv_connector import DecodeConnector
+    from pdserve.engine.core.kv_connector import DecodeConnector
 
     connector = DecodeConnector(block_size=4, local_below=3)
     ready = {}

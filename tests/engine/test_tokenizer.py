@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.tokenizer import (
+from pdserve.engine.tokenizer import (
     IncrementalDetokenizer,
     StopStringMatcher,
     Tokenizer,

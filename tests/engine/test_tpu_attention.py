@@ -1,4 +1,4 @@
-"""The TPU kernel's adapter (engine/tpu_attention.py) without a TPU: its argument mapping against jax's own
+"""The TPU kernel's adapter (model/tpu_attention.py) without a TPU: its argument mapping against jax's own
 reference of the kernel, and the model's path for kernels that read the new K/V from the cache."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import jax
 import numpy as np
 import pytest
 
-from engine.attention import ragged_paged_attention_reference, set_attention_impl
-from engine.tpu_attention import kernel_attention
+from pdserve.engine.model.attention import ragged_paged_attention_reference, set_attention_impl
+from pdserve.engine.model.tpu_attention import kernel_attention
 
 LAYERS, BLOCKS, BS, KVH, G, D, WIDTH = 2, 64, 16, 2, 3, 32, 8
 
@@ -113,9 +113,9 @@ def test_a_kernel_reading_the_new_kv_from_the_cache_gets_them_written_layer_by_l
     """The model's path for such kernels (cache carried through the layer scan, each layer's K/V written
     before its attention), run with the reference flagged as one: transformers' greedy tokens on Gemma 3's
     sliding and full layers, batched with a chunked prefill."""
-    from engine.config import EngineConfig
-    from engine.sampling_params import SamplingParams
-    from tests.families import engine_of, hf_greedy, write_family
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.testing.families import engine_of, hf_greedy, write_family
 
     pytest.importorskip("transformers")
     model = write_family("gemma3", tmp_path, loaded_model.config.vocab_size)
@@ -139,8 +139,8 @@ def test_a_kernel_reading_the_new_kv_from_the_cache_gets_them_written_layer_by_l
 @pytest.mark.fast
 def test_models_the_kernel_cannot_tile_keep_the_reference():
     """The engine asks `kernel_unsupported` before installing the kernel on a TPU."""
-    from engine.config import ModelConfig
-    from engine.tpu_attention import kernel_unsupported
+    from pdserve.engine.config import ModelConfig
+    from pdserve.engine.model.tpu_attention import kernel_unsupported
 
     def model(head_dim, kv_heads, **extra):
         sizes = dict(vocab_size=8, hidden_size=8, intermediate_size=4, num_layers=1, rope_theta=1e4)

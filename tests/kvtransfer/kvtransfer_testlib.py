@@ -7,8 +7,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from kvtransfer import KVLayout, LayerSpec, SpecKind, cache_sharding
-from kvtransfer.synthetic import logical_layout, logical_values, make_cache, physical
+from pdserve.kvtransfer import KVLayout, LayerSpec, SpecKind, cache_sharding
+from pdserve.testing.kv_cache import logical_layout, logical_values, make_cache, physical
 
 SENTINEL = 1000.0  # what a decode cache holds before insert; synthetic values lie in [-125, 125]
 NUM_BLOCKS = 32

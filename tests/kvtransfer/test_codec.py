@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvtransfer_testlib import SENTINEL, check_transferred, dst_cache, make_layout, mesh, src_cache, to_host
 
-from kvtransfer import (
+from pdserve.kvtransfer import (
     MAX_FRAME_BYTES,
     FrameAssembler,
     FrameEncoder,
@@ -20,7 +20,7 @@ from kvtransfer import (
     insert,
     serialize_frame,
 )
-from kvtransfer.plan import HEADER_RESERVE_BYTES
+from pdserve.kvtransfer.plan import HEADER_RESERVE_BYTES
 
 pytestmark = pytest.mark.fast
 

@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 from kvtransfer_testlib import SENTINEL, check_transferred, dst_cache, make_layout, mesh, src_cache, to_host
 
-from kvtransfer import gather, insert
-from kvtransfer.gather import _gather_kernel
-from kvtransfer.insert import _insert_kernel, insert_scratch_bytes
-from kvtransfer.synthetic import make_cache
+from pdserve.kvtransfer import gather, insert
+from pdserve.kvtransfer.gather import _gather_kernel
+from pdserve.kvtransfer.insert import _insert_kernel, insert_scratch_bytes
+from pdserve.testing.kv_cache import make_cache
 
 pytestmark = pytest.mark.fast
 

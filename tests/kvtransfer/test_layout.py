@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from kvtransfer_testlib import make_layout
 
-from kvtransfer import KVLayout, LayerSpec, LayoutMismatchError, SpecKind, head_map
+from pdserve.kvtransfer import KVLayout, LayerSpec, LayoutMismatchError, SpecKind, head_map
 
 pytestmark = pytest.mark.fast
 

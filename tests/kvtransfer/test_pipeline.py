@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from kvtransfer.pipeline import aprefetch
+from pdserve.kvtransfer.pipeline import aprefetch
 
 pytestmark = pytest.mark.fast
 

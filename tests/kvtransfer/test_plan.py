@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvtransfer_testlib import make_layout
 
-from kvtransfer.plan import (
+from pdserve.kvtransfer.plan import (
     HEADER_RESERVE_BYTES,
     MAX_FRAME_BYTES,
     Run,
@@ -91,7 +91,7 @@ def test_layers_too_big_for_one_block_per_frame_go_in_groups_of_one_block():
 
 def test_chunk_shapes_stay_few_for_1_to_512_blocks():
     # A 30-layer model like the default one: every request length maps to a handful of chunk shapes.
-    from kvtransfer import KVLayout, LayerSpec
+    from pdserve.kvtransfer import KVLayout, LayerSpec
 
     layout = KVLayout("smollm2", (LayerSpec(),) * 30, 3, 64, "bfloat16", 16, tp_size=1)
     assert chunk_shapes(layout, 512) == {(30, 1), (30, 2), (30, 4), (30, 8), (30, 11)}

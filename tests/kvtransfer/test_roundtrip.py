@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvtransfer_testlib import NUM_BLOCKS, check_transferred, dst_cache, make_layout, mesh, src_cache
 
-from kvtransfer import (
+from pdserve.kvtransfer import (
     LOCAL_CHUNK_BYTES,
     FrameAssembler,
     chunk_sharding,
@@ -21,7 +21,7 @@ from kvtransfer import (
     insert_stream,
     move_chunk,
 )
-from kvtransfer.plan import HEADER_RESERVE_BYTES
+from pdserve.kvtransfer.plan import HEADER_RESERVE_BYTES
 
 pytestmark = pytest.mark.fast
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from kvtransfer_testlib import check_transferred, dst_cache, make_layout, mesh, src_cache
 
-from kvtransfer import (
+from pdserve.kvtransfer import (
     LOCAL_CHUNK_BYTES,
     FrameAssembler,
     LayoutMismatchError,
@@ -25,7 +25,7 @@ from kvtransfer import (
     move_chunk,
     reshard,
 )
-from kvtransfer.plan import HEADER_RESERVE_BYTES
+from pdserve.kvtransfer.plan import HEADER_RESERVE_BYTES
 
 pytestmark = pytest.mark.fast
 

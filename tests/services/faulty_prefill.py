@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import sys
 
-from services.prefill import server as prefill_server
+from pdserve.services.prefill import server as prefill_server
 
 FAULTS = ("corrupt", "truncate", "duplicate", "no_trailer", "die", "ok")
 
@@ -70,6 +70,6 @@ class FaultyPrefillService(prefill_server.PrefillService):
 
 
 def main() -> int:
-    from services.daemon import prefill_main
+    from pdserve.daemons import prefill_main
 
     return prefill_main(sys.argv[1:], service_class=FaultyPrefillService)

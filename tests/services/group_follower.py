@@ -5,8 +5,8 @@ until `stop`."""
 import json
 import sys
 
-from engine.distributed import ProcessGroup
-from services.group import operations
+from pdserve.engine.distributed import ProcessGroup
+from pdserve.services.group import operations
 
 address, process_id, fingerprint = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 host, port = address.rsplit(":", 1)

@@ -11,9 +11,9 @@ import json
 import grpc
 import pytest
 
-from engine.sampling_params import Constraint
-from services.client import Client
-from tests.constraint_schemas import SCHEMAS
+from pdserve.engine.sampling_params import Constraint
+from pdserve.services.client import Client
+from pdserve.testing.constraint_schemas import SCHEMAS
 from tests.helpers import assert_all_free
 
 pytestmark = pytest.mark.daemon

@@ -11,9 +11,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from pdserve.services.client import Client, build_request
+from pdserve.testing.launch import decode_server
 from pdserve.v1 import prefill_pb2
-from services.client import Client, build_request
-from services.launch import decode_server
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +69,7 @@ def test_short_prompts_are_prefilled_locally(prefill, conditional, loaded_model)
 
 @pytest.mark.daemon
 def test_layout_mismatch_is_failed_precondition_naming_the_field(prefill, make_engine):
-    from services.kv import engine_layout
+    from pdserve.services.kv import engine_layout
 
     layout = engine_layout(make_engine())
     other = dataclasses.replace(layout, dtype="bfloat16", block_size=32)
@@ -112,7 +112,7 @@ def test_bad_input_is_invalid_argument(conditional, kwargs, field):
 
 @pytest.mark.fast
 def test_dns_targets_resolve_to_every_address():
-    from services.decode.prefill_pool import PrefillPool
+    from pdserve.services.decode.prefill_pool import PrefillPool
 
     assert PrefillPool.resolve("10.0.0.1:50051") == ["10.0.0.1:50051"]
     resolved = PrefillPool.resolve("dns:///localhost:50051")

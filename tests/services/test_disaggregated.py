@@ -8,8 +8,8 @@ import concurrent.futures
 
 import pytest
 
-from services.client import Client, build_request
-from services.launch import serve_daemon
+from pdserve.services.client import Client, build_request
+from pdserve.testing.launch import serve_daemon
 from tests.helpers import assert_all_free, in_process
 
 pytestmark = pytest.mark.daemon
@@ -112,11 +112,11 @@ def test_32_concurrent_streams(decode, prefill, colocated, loaded_model):
 def test_two_prefill_replicas_are_both_used(prefill, loaded_model, small_config):
     """A decode server with two replicas (the shared prefill-server and one on a thread here) uses both.
     (Its engine and the second replica's have the default shapes: nothing new to compile.)"""
-    from engine.engine import LLMEngine
-    from services.decode.core import GenerationCore
-    from services.decode.server import serve as serve_decode
-    from services.prefill.server import PrefillService
-    from services.prefill.server import serve as serve_prefill
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.services.decode.core import GenerationCore
+    from pdserve.services.decode.server import serve as serve_decode
+    from pdserve.services.prefill.server import PrefillService
+    from pdserve.services.prefill.server import serve as serve_prefill
 
     second_service = PrefillService.for_engine(LLMEngine(loaded_model, small_config))
     with in_process(lambda stop, ready: serve_prefill(second_service, 0, stop, on_ready=ready)) as second:
@@ -136,9 +136,9 @@ def test_two_prefill_replicas_are_both_used(prefill, loaded_model, small_config)
 
 def test_scattered_decode_blocks(prefill, loaded_model, small_config, colocated):
     """The decode engine's free blocks are made non-contiguous first; the KV lands in scattered blocks."""
-    from engine.engine import LLMEngine
-    from services.decode.core import GenerationCore
-    from services.decode.server import serve
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.services.decode.core import GenerationCore
+    from pdserve.services.decode.server import serve
 
     engine = LLMEngine(loaded_model, small_config)
     pool = engine.scheduler.kv.pool
@@ -162,9 +162,9 @@ def test_a_conversation_over_heterogeneous_tp_moves_only_its_new_blocks(
     colocated engine's."""
     import jax
 
-    from engine.engine import LLMEngine
-    from services.decode.core import GenerationCore
-    from services.decode.server import serve
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.services.decode.core import GenerationCore
+    from pdserve.services.decode.server import serve
 
     core = GenerationCore.for_engine(
         LLMEngine(loaded_model, small_config, jax.devices()[2:4]), prefill_targets=[prefill.address]

@@ -1,4 +1,4 @@
-"""Model families disaggregated: checkpoints of tests/families.py prefilled at TP 1 and decoded at TP 2 by
+"""Model families disaggregated: checkpoints of testing/families.py prefilled at TP 1 and decoded at TP 2 by
 servers on threads of this process give transformers' greedy tokens; sliding-window layers receive only the
 window's blocks, DeepSeek-V2's MLA layers only the latent."""
 
@@ -9,10 +9,10 @@ import contextlib
 import numpy as np
 import pytest
 
-from kvtransfer import plan_frames
-from services.client import Client
-from services.kv import engine_layout
-from tests.families import engine_of, hf_greedy, write_family
+from pdserve.kvtransfer import plan_frames
+from pdserve.services.client import Client
+from pdserve.services.kv import engine_layout
+from pdserve.testing.families import engine_of, hf_greedy, write_family
 from tests.helpers import assert_all_free, in_process
 
 pytestmark = pytest.mark.daemon
@@ -26,10 +26,10 @@ def test_prefill_tp1_to_decode_tp2_equals_transformers(family, tmp_path, loaded_
 
     import jax
 
-    from services.decode.core import GenerationCore
-    from services.decode.server import serve as serve_decode
-    from services.prefill.server import PrefillService
-    from services.prefill.server import serve as serve_prefill
+    from pdserve.services.decode.core import GenerationCore
+    from pdserve.services.decode.server import serve as serve_decode
+    from pdserve.services.prefill.server import PrefillService
+    from pdserve.services.prefill.server import serve as serve_prefill
 
     pytest.importorskip("transformers")
     model = write_family(family, tmp_path, loaded_model.config.vocab_size)

@@ -16,8 +16,8 @@ import time
 import grpc
 import pytest
 
-from services.client import Client, build_request
-from services.launch import ENGINE_ARGS, EPHEMERAL_KV_EVENTS, Daemon
+from pdserve.services.client import Client, build_request
+from pdserve.testing.launch import ENGINE_ARGS, EPHEMERAL_KV_EVENTS, Daemon
 from tests.helpers import wait_all_free
 
 pytestmark = pytest.mark.daemon

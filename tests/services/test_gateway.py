@@ -16,9 +16,9 @@ import grpc
 import pytest
 import zmq
 
-from services.client import Client
-from services.launch import free_port
-from services.metrics import CACHE_NUM_BLOCKS_LABEL, PICKER_PATH, PICKER_SERIES
+from pdserve.services.client import Client
+from pdserve.services.metrics import CACHE_NUM_BLOCKS_LABEL, PICKER_PATH, PICKER_SERIES
+from pdserve.testing.launch import free_port
 from tests.helpers import assert_all_free, in_process, scrape
 from tests.llmd_index import RouterIndex
 
@@ -30,10 +30,10 @@ SYSTEM = "You are a patient tutor. Explain each step of a calculation before you
 
 @pytest.fixture(scope="module")
 def gateway(prefill, loaded_model, small_config):
-    from engine.engine import LLMEngine
-    from services.decode.core import DecodeConfig, GenerationCore
-    from services.decode.server import serve as serve_decode
-    from services.kv_events import KVEventsConfig
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.services.decode.core import DecodeConfig, GenerationCore
+    from pdserve.services.decode.server import serve as serve_decode
+    from pdserve.services.kv_events_zmq import KVEventsConfig
 
     http, metrics, events = free_port(), free_port(), free_port()
     core = GenerationCore.for_engine(

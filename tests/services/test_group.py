@@ -14,10 +14,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine.distributed import ProcessGroup
-from engine.multihost import DeviceOp
-from services.group import EXIT_GROUP_LOST, Leader
-from services.launch import free_port
+from pdserve.engine.distributed import ProcessGroup
+from pdserve.engine.multihost import DeviceOp
+from pdserve.services.group import EXIT_GROUP_LOST, Leader
+from pdserve.testing.launch import free_port
 
 pytestmark = pytest.mark.fast
 

@@ -14,7 +14,7 @@ import time
 import grpc
 import pytest
 
-from services.client import Client, build_request
+from pdserve.services.client import Client, build_request
 from tests.helpers import assert_all_free, scrape
 
 pytestmark = pytest.mark.daemon

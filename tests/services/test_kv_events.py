@@ -8,9 +8,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-from services.decode.prefix_index import ReplicaCache, follow, replay
-from services.kv_events import KVEventPublisher, decode_batch, encode_batch, topic
+from pdserve.engine.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from pdserve.services.decode.prefix_index import ReplicaCache, follow, replay
+from pdserve.services.kv_events_zmq import KVEventPublisher, decode_batch, encode_batch, topic
 
 pytestmark = pytest.mark.fast
 
@@ -148,8 +148,8 @@ def test_a_follower_tracks_a_publisher_through_its_restart_and_a_cut_stream():
 
 
 def test_routing_prefers_the_replica_holding_the_prefix_unless_its_queue_costs_more():
-    from kvtransfer import KVLayout, LayerSpec
-    from services.decode.prefill_pool import PrefillPool, RemotePrefiller, Routing
+    from pdserve.kvtransfer import KVLayout, LayerSpec
+    from pdserve.services.decode.prefill_pool import PrefillPool, RemotePrefiller, Routing
 
     async def main():
         layout = KVLayout("tiny", (LayerSpec(),) * 2, 2, 8, "float32", 4)
@@ -216,7 +216,7 @@ def test_the_routers_index_of_the_published_events_equals_the_prefix_cache(steps
     """Requests (some with an adapter) computed, extended by generated tokens and freed in any order on a
     small cache (evictions): after each, a subscriber written from the router's schema, fed the batches the
     publisher sends, finds for every prompt seen the leading blocks the prefix cache would hit."""
-    from engine.kv_cache_manager import KVCacheManager
+    from pdserve.engine.core.kv_cache_manager import KVCacheManager
     from tests.llmd_index import RouterIndex
 
     kv = KVCacheManager(10, _BLOCK)

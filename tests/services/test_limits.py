@@ -15,13 +15,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.request import Request, TokenLogprobs
-from engine.sampling_params import BOUNDS, INT32_MAX, InvalidRequestError, SamplingParams
-from services.decode.openai_api import _BODY_TYPES, _check_types
-from services.decode.prefill_pool import FirstToken, PrefillError, check_first_token
-from services.decode.tools import tool_choice
-from services.logs import TextFormatter
-from services.sampling import Limits, add_limit_flags, limits_from_flags
+from pdserve.engine.core.request import Request, TokenLogprobs
+from pdserve.engine.sampling_params import BOUNDS, INT32_MAX, InvalidRequestError, SamplingParams
+from pdserve.services.decode.openai_api import _BODY_TYPES, _check_types
+from pdserve.services.decode.prefill_pool import FirstToken, PrefillError, check_first_token
+from pdserve.services.decode.tools import tool_choice
+from pdserve.services.logs import TextFormatter
+from pdserve.services.sampling import Limits, add_limit_flags, limits_from_flags
 
 pytestmark = pytest.mark.fast
 

@@ -15,10 +15,10 @@ import urllib.request
 import grpc
 import pytest
 
-from engine.lora.synthetic import write_random_adapter
+from pdserve.services.client import Client
+from pdserve.testing.launch import decode_server, prefill_server, serve_daemon
+from pdserve.testing.lora import write_random_adapter
 from pdserve.v1 import admin_pb2
-from services.client import Client
-from services.launch import decode_server, prefill_server, serve_daemon
 from tests.helpers import Reference, in_process
 
 pytestmark = pytest.mark.daemon
@@ -214,9 +214,9 @@ def test_openai_api_model_names_an_adapter(lora_decode, colocated_lora, loaded_m
 def test_prefill_ignoring_the_adapter_is_never_used(make_engine, colocated_lora):
     """A prefill server that ignores lora_adapter (an older build) prefills with the base weights; its
     header says so, and the decode server prefills the request here instead."""
-    from services.decode.core import GenerationCore
-    from services.decode.server import serve as serve_decode
-    from services.prefill import server as prefill_module
+    from pdserve.services.decode.core import GenerationCore
+    from pdserve.services.decode.server import serve as serve_decode
+    from pdserve.services.prefill import server as prefill_module
 
     class AdapterBlind(prefill_module.PrefillService):
         async def _prefill(self, request, context):

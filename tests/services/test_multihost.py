@@ -14,11 +14,11 @@ import threading
 
 import pytest
 
-from engine.sampling_params import Constraint
-from services.client import Client, build_request
-from services.group import EXIT_GROUP_LOST
-from services.launch import daemon_group, decode_server, prefill_server
-from tests.constraint_schemas import SCHEMAS
+from pdserve.engine.sampling_params import Constraint
+from pdserve.services.client import Client, build_request
+from pdserve.services.group import EXIT_GROUP_LOST
+from pdserve.testing.constraint_schemas import SCHEMAS
+from pdserve.testing.launch import daemon_group, decode_server, prefill_server
 from tests.helpers import assert_all_free
 
 pytestmark = pytest.mark.daemon

@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from engine.sampling_params import SamplingParams
-from services.client import Client
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.services.client import Client
 from tests.helpers import scrape
 
 pytestmark = pytest.mark.daemon

@@ -12,10 +12,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.sampling_params import InvalidRequestError
-from services import wire
-from services.client import build_request
-from services.sampling import Limits, params_from_request
+from pdserve.engine.sampling_params import InvalidRequestError
+from pdserve.services import wire
+from pdserve.services.client import build_request
+from pdserve.services.sampling import Limits, params_from_request
 
 pytestmark = pytest.mark.model
 
@@ -91,9 +91,9 @@ def test_fuzzed_requests_are_refused_naming_a_field_or_answered(make_engine, tex
 def frontend(make_engine):
     """The decode server's OpenAI front over the default engine, not started: its parsing and validation
     (GenerationCore's make_request included) are what the fuzzer below drives."""
-    from services.decode.core import GenerationCore
-    from services.decode.openai_api import OpenAIFrontend
-    from services.engine_loop import EngineLoop
+    from pdserve.services.decode.core import GenerationCore
+    from pdserve.services.decode.openai_api import OpenAIFrontend
+    from pdserve.services.engine_loop import EngineLoop
 
     return OpenAIFrontend(GenerationCore(EngineLoop(make_engine())))
 
@@ -113,8 +113,8 @@ JSON = st.recursive(
 
 
 def _openai_keys():
-    from services.decode.openai_api import _BODY_TYPES, _GUIDED
-    from services.sampling import FIELD_NAMES
+    from pdserve.services.decode.openai_api import _BODY_TYPES, _GUIDED
+    from pdserve.services.sampling import FIELD_NAMES
 
     return sorted(
         FIELD_NAMES | _BODY_TYPES.keys() | _GUIDED.keys() | {"max_completion_tokens", "top_logprobs"}
@@ -135,7 +135,7 @@ def _openai_keys():
 def test_fuzzed_openai_bodies_are_refused_naming_a_key_or_answered(frontend, make_engine, chat, text, extra):
     """Every key an OpenAI body may carry, with values of any JSON type and at every width's edge: a 400
     naming one of the body's keys (or the chat's / prompt's), or an engine request that runs."""
-    from services.decode.openai_api import _check_types
+    from pdserve.services.decode.openai_api import _check_types
 
     base = {"messages": [{"role": "user", "content": text}]} if chat else {"prompt": text}
     body = {**base, **extra}

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from services.client import Client
-from services.launch import free_port
+from pdserve.services.client import Client
+from pdserve.testing.launch import free_port
 from tests.helpers import assert_all_free, in_process
 
 pytestmark = pytest.mark.daemon
@@ -35,14 +35,14 @@ def _wait(predicate, what: str, timeout: float = 30.0) -> None:
 def test_prefix_routing_follows_what_each_replica_caches(prefill, loaded_model, small_config, colocated):
     """Two replicas: the shared prefill-server and one on a thread here, which restarts (same ports, empty
     cache) and then loses its events stream."""
-    from engine.engine import LLMEngine
-    from engine.kv_cache_manager import hash_blocks
-    from services.decode.core import GenerationCore
-    from services.decode.prefill_pool import Routing
-    from services.decode.server import serve as serve_decode
-    from services.kv_events import KVEventsConfig
-    from services.prefill.server import PrefillService
-    from services.prefill.server import serve as serve_prefill
+    from pdserve.engine.core.kv_cache_manager import hash_blocks
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.services.decode.core import GenerationCore
+    from pdserve.services.decode.prefill_pool import Routing
+    from pdserve.services.decode.server import serve as serve_decode
+    from pdserve.services.kv_events_zmq import KVEventsConfig
+    from pdserve.services.prefill.server import PrefillService
+    from pdserve.services.prefill.server import serve as serve_prefill
 
     tokenize = loaded_model.tokenizer.encode
     events = KVEventsConfig(free_port(), free_port())  # fixed ports: a restart publishes where it did

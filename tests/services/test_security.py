@@ -18,10 +18,10 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pdserve.services.client import Client, build_request
+from pdserve.services.security import ChannelSecurity, ServerSecurity, bearer_metadata, channel_credentials
+from pdserve.testing.launch import ServerThread, decode_server, prefill_server
 from pdserve.v1 import admin_pb2, admin_pb2_grpc, prefill_pb2
-from services.client import Client, build_request
-from services.launch import ServerThread, decode_server, prefill_server
-from services.security import ChannelSecurity, ServerSecurity, bearer_metadata, channel_credentials
 
 pytestmark = pytest.mark.daemon
 
@@ -308,7 +308,7 @@ def test_peer_names_are_checked_in_process(pki):
     import asyncio
     import queue
 
-    from services.grpc_server import add_port, make_server
+    from pdserve.services.grpc_server import add_port, make_server
 
     cert, key = pki["server"]
     security = ServerSecurity(
@@ -351,8 +351,8 @@ def test_peer_names_are_checked_in_process(pki):
 
 
 def test_security_config_is_checked(tmp_path, pki):
-    from services.daemon import prefill_main
-    from services.security import read_tokens
+    from pdserve.daemons import prefill_main
+    from pdserve.services.security import read_tokens
 
     cert, key = pki["server"]
     base = ["--model", "unused", "--port", "0", "--tls-cert", cert, "--tls-key", key]

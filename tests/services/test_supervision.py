@@ -14,9 +14,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.client import Client, build_request
-from services.daemon import EXIT_ENGINE_FAILED
-from services.launch import ENGINE_ARGS, EPHEMERAL_KV_EVENTS, Daemon
+from pdserve.daemons import EXIT_ENGINE_FAILED
+from pdserve.services.client import Client, build_request
+from pdserve.testing.launch import ENGINE_ARGS, EPHEMERAL_KV_EVENTS, Daemon
 from tests.faulty_engine import BROKEN, PINNED
 
 pytestmark = pytest.mark.daemon

@@ -10,12 +10,12 @@ import pytest
 from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, models
 
-from engine.output import OutputStream
-from engine.request import Request
-from engine.sampling_params import InvalidRequestError, SamplingParams
-from engine.tokenizer import Tokenizer
-from services.decode.tool_formats import detect, marked_by_special_tokens
-from services.decode.tools import ToolStream, tool_choice
+from pdserve.engine.core.output import OutputStream
+from pdserve.engine.core.request import Request
+from pdserve.engine.sampling_params import InvalidRequestError, SamplingParams
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.services.decode.tool_formats import detect, marked_by_special_tokens
+from pdserve.services.decode.tools import ToolStream, tool_choice
 
 pytestmark = pytest.mark.fast
 

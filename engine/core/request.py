@@ -1,0 +1,85 @@
+"""A request's state inside one engine: tokens, blocks, progress, outcome. No device code."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+from typing import Any
+
+from pdserve.engine.lora.adapter import LoraAdapter
+from pdserve.engine.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    """Where a request is in the scheduler (engine.scheduler changes it; nothing else does)."""
+
+    WAITING = "waiting"  # queued: no blocks yet
+    WAITING_FOR_REMOTE_KV = (
+        "waiting_for_remote_kv"  # decode role: holds blocks, its KV arrives from elsewhere
+    )
+    RUNNING = "running"  # holds blocks: its prompt is being computed (in chunks), then it decodes
+    PREEMPTED = "preempted"  # gave its blocks back under block pressure; queued first, recomputed
+    FINISHED_SENDING = "finished_sending"  # prefill role: finished, its KV is being handed to a sender
+    FINISHED = "finished"
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"  # EOS, a stop token or a stop string
+    LENGTH = "length"  # max_tokens or the model's length
+    ABORT = "abort"  # cancelled
+    # the constraint allowed no next token, or its matcher failed (a work limit): nothing invalid was shown
+    DEAD_END = "constraint_dead_end"
+    # the engine failed on this request (Request.error says how): it ended, the others go on
+    ERROR = "error"
+
+
+@dataclasses.dataclass
+class TokenLogprobs:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclasses.dataclass
+class Request:
+    """Invariant: `num_computed` tokens of `all_ids` have their KV in the request's blocks (held by the
+    scheduler's KV cache manager); the rest are fed next."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int  # resolved seed (params.seed or a random one drawn at arrival)
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)
+    num_computed: int = 0
+    num_cached_tokens: int = 0  # prompt tokens whose KV was found in the prefix cache at admission
+    status: Status = Status.WAITING
+    finish_reason: FinishReason | None = None
+    lora: LoraAdapter | None = None  # None: the base model
+    lora_slot: int = -1  # device slot pinned for `lora` from admission to the end; -1: none
+    # Its full blocks may enter the prefix cache. False once KV that fills only some layers' blocks arrived
+    # by transfer (sliding-window layers get only the window's blocks): no later request may hit them.
+    cacheable: bool = True
+    # The constraint's matcher (engine.constraints), where its language stands after the output so far
+    matcher: Any = None
+    arrival_time: float = dataclasses.field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    error: str = ""  # with FinishReason.ERROR: what failed
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed
+
+    @property
+    def cache_key(self) -> str | None:
+        """What else besides the tokens the KV depends on (prefix cache hashes): the adapter's weights."""
+        return None if self.lora is None else self.lora.fingerprint

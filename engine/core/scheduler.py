@@ -1,0 +1,349 @@
+"""The scheduler: every request's state and blocks, which rows run in the next step, and what a step's
+results change. No device code.
+
+States (engine.request.Status): WAITING (queued, no blocks) -> RUNNING (blocks held: prompt computed in
+chunks, then decoding) -> FINISHED. Under block pressure the newest request holding blocks (decoding, or
+with its prompt partly computed) is PREEMPTED: it gives its blocks back and is queued first (its prefix
+is found in the cache again when it is readmitted). With a KV connector (engine.kv_connector), a request
+whose prompt KV arrives from elsewhere is admitted into WAITING_FOR_REMOTE_KV instead of RUNNING, and a
+finished request whose KV a sender still wants is held in FINISHED_SENDING until the engine has handed
+it over.
+
+`schedule()` returns plain data (rows of request ids, token ids, positions, block ids, which rows sample)
+for the runner; `update_from_output()` applies what the step produced: computed tokens, cached blocks,
+sampled tokens, finishes. No other module changes a request's progress or block table.
+
+A step is ragged and token-budgeted (Sarathi-Serve's stall-free batching, as in vLLM v1): every running
+request's decode token goes in first, then prefill chunks of the prompts being computed, oldest first,
+until `max_num_batched_tokens` is spent (at most `max_prefill_seqs` prompts are computed at once). A
+running request is in every step, so a long prompt delays it by one budget's compute per token at most.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Protocol
+
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.core.kv_cache_manager import KVCacheManager
+from pdserve.engine.core.kv_connector import KVConnector
+from pdserve.engine.core.kv_groups import BlockTables
+from pdserve.engine.core.request import FinishReason, Request, Status, TokenLogprobs
+from pdserve.engine.lora import LoraAdapter
+
+if TYPE_CHECKING:
+    from pdserve.engine.core.output import RequestOutput
+
+
+class AdapterSlots(Protocol):
+    """The device slots of the adapters in use (engine/lora_slots.py LoraSlots), as admission sees them."""
+
+    def acquire(self, adapter: LoraAdapter) -> int | None:
+        """Pins the adapter in a slot (loading it if needed); None when every slot is pinned by another."""
+
+    def release(self, adapter: LoraAdapter) -> None:
+        """Unpins what acquire pinned."""
+
+
+# (request, sampled token, its logprobs) -> the client's view of it; sets request.finish_reason when the
+# token ends the request (engine.output.OutputStream).
+TokenSink = Callable[[Request, int, "TokenLogprobs | None"], "RequestOutput"]
+
+
+@dataclasses.dataclass
+class Row:
+    """One row of a step: `tokens` fed at positions num_past.., attending to its `block_tables`."""
+
+    tokens: list[int]
+    num_past: int
+    block_tables: BlockTables
+    lora_slot: int = -1  # adapter slot (engine.lora.LoraSlots); -1: the base model
+    request_id: str = ""
+    samples: bool = False  # the row ends the request's uncomputed tokens: its last logits give the next
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    rows: list[Row]  # decode rows first, then prefill chunks
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: EngineConfig,
+        lora: AdapterSlots | None = None,
+        connector: KVConnector | None = None,
+        windowed_transfers: bool = False,
+        release_window: int = 0,
+        ring_blocks: Sequence[int] = (),
+    ):
+        """`windowed_transfers`: the model has sliding-window layers, so KV received by transfer fills
+        those layers' blocks only within the window (and those blocks never enter the prefix cache).
+        `release_window`: every layer attends within this many tokens (0: some layer to all), so a request's
+        blocks wholly before its last `release_window` tokens are given back as it advances.
+        `ring_blocks`: a hybrid model's rings (engine.kv_groups.KVGroups.ring_blocks)."""
+        self.config = config
+        self.windowed_transfers = windowed_transfers
+        self.release_window = release_window
+        self.kv = KVCacheManager(
+            config.num_blocks, config.block_size, config.enable_prefix_caching, ring_blocks
+        )
+        self.lora = lora
+        self.connector = connector or KVConnector()
+        self.requests: dict[str, Request] = {}  # every request not yet FINISHED
+        self.waiting: collections.deque[Request] = collections.deque()  # WAITING, PREEMPTED
+        self.prefilling: list[Request] = []  # RUNNING, prompt partly computed
+        self.running: list[Request] = []  # RUNNING, decoding
+        self.remote: list[Request] = []  # WAITING_FOR_REMOTE_KV
+        self.sending: list[Request] = []  # FINISHED_SENDING
+        self.num_preemptions = 0
+
+    # ---- counts ---------------------------------------------------------------------------------------
+    @property
+    def num_unfinished(self) -> int:
+        """Requests a step can make progress on (those waiting for remote KV wait for a command)."""
+        return len(self.waiting) + len(self.prefilling) + len(self.running)
+
+    @property
+    def num_active(self) -> int:
+        """Requests holding blocks toward max_num_seqs."""
+        return len(self.running) + len(self.prefilling) + len(self.remote)
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return self.kv.block_ids(request_id)
+
+    def block_tables(self, request_id: str) -> BlockTables:
+        return self.kv.block_tables(request_id)
+
+    # ---- requests in and out --------------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request {request.request_id!r} is already scheduled")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort(self, request_id: str) -> Request | None:
+        """Takes the request out of whatever state it is in and frees what it holds; None if unknown."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        if request.finish_reason is None:
+            request.finish_reason = FinishReason.ABORT
+        self._finish(request, send=False)
+        return request
+
+    def _cache_blocks(self, request: Request) -> None:
+        if not request.cacheable:
+            return
+        lora_name = request.lora.name if request.lora else None
+        self.kv.cache_blocks(
+            request.request_id, request.all_ids, request.num_computed, request.cache_key, lora_name
+        )
+
+    def remote_kv_arrived(
+        self, request_id: str, token: int, logprobs: TokenLogprobs | None, sink: TokenSink
+    ) -> RequestOutput:
+        """Decode role: the prompt's KV is in the request's blocks and its first token was sampled
+        elsewhere: record the token and start decoding (the request may already be finished by it)."""
+        request = self.requests[request_id]
+        if request.status is not Status.WAITING_FOR_REMOTE_KV:
+            raise ValueError(f"request {request_id!r} is {request.status.value}, not waiting for KV")
+        self.remote.remove(request)
+        request.num_computed = len(request.prompt_ids)
+        request.cacheable = not self.windowed_transfers
+        self._cache_blocks(request)
+        request.status = Status.RUNNING
+        self.running.append(request)
+        return self._append_token(request, token, logprobs, sink)
+
+    def remote_kv_failed(self, request_id: str) -> None:
+        """Decode role: no KV will arrive; the request is prefilled here, in the blocks it holds, after
+        the cached prefix it was admitted with (whatever arrived behind it is overwritten)."""
+        request = self.requests[request_id]
+        if request.status is not Status.WAITING_FOR_REMOTE_KV:
+            raise ValueError(f"request {request_id!r} is {request.status.value}, not waiting for KV")
+        self.remote.remove(request)
+        request.status = Status.RUNNING
+        self.prefilling.append(request)
+
+    def finish_sending(self, request_id: str) -> None:
+        """Prefill role: the KV of a FINISHED_SENDING request has been handed over: free its blocks."""
+        request = self.requests[request_id]
+        self.sending.remove(request)
+        self._release(request)
+
+    # ---- adapters -------------------------------------------------------------------------------------
+    def pin_adapter(self, request: Request) -> bool:
+        """Pins the request's adapter in a device slot (loading it); False when every slot is pinned by
+        other adapters. Idempotent; True for base-model requests."""
+        if request.lora is None or request.lora_slot >= 0:
+            return True
+        slot = self.lora.acquire(request.lora)
+        if slot is None:
+            return False
+        request.lora_slot = slot
+        return True
+
+    def unpin_adapter(self, request: Request) -> None:
+        if request.lora_slot >= 0:
+            self.lora.release(request.lora)
+            request.lora_slot = -1
+
+    # ---- one step -------------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput | None:
+        """The next step's rows (None: nothing can run): decodes, then chunks within the token budget. A step
+        that had to preempt admits nobody (as vLLM's): the blocks it freed are for the running requests,
+        and a victim must not come straight back."""
+        num_preempted = self.num_preemptions
+        rows = [self._decode_row(r) for r in self._reserve_decode_slots()]
+        budget = self.config.max_num_batched_tokens - len(rows)
+        if self.num_preemptions == num_preempted:
+            self._admit()
+        for request in self.prefilling:
+            if budget <= 0:
+                break
+            rows.append(self._chunk_row(request, budget))
+            budget -= len(rows[-1].tokens)
+        return SchedulerOutput(rows) if rows else None
+
+    def update_from_output(
+        self, output: SchedulerOutput, sampled: dict[str, tuple[int, TokenLogprobs | None]], sink: TokenSink
+    ) -> list[RequestOutput]:
+        """Applies a step: every row's tokens are now computed (full blocks enter the prefix cache); each
+        sampling row's token is appended and handed to `sink`; finished requests leave."""
+        outputs = []
+        bs = self.config.block_size
+        for row in output.rows:
+            request = self.requests[row.request_id]
+            before = request.num_computed
+            request.num_computed += len(row.tokens)
+            if request.num_computed // bs > before // bs:  # a block filled up (decode: 1 step in bs)
+                self._cache_blocks(request)
+            if self.release_window:  # from the first block kvtransfer would send on (KVLayout)
+                first_read = max(0, request.num_computed - self.release_window) // bs
+                self.kv.release_before(request.request_id, first_read)
+            if row.samples:
+                token, logprobs = sampled[row.request_id]
+                outputs.append(self._append_token(request, token, logprobs, sink))
+        return outputs
+
+    def _append_token(
+        self, request: Request, token: int, logprobs: TokenLogprobs | None, sink: TokenSink
+    ) -> RequestOutput:
+        request.output_ids.append(token)
+        if logprobs is not None:
+            request.logprobs.append(logprobs)
+        output = sink(request, token, logprobs)
+        if request.finish_reason is not None:
+            self._finish(request, send=True)
+        elif request in self.prefilling:
+            self.prefilling.remove(request)
+            self.running.append(request)
+        return output
+
+    def _finish(self, request: Request, send: bool) -> None:
+        for queue in (self.prefilling, self.running, self.remote, self.sending):
+            if request in queue:
+                queue.remove(request)
+        if request in self.waiting:
+            self.waiting.remove(request)
+        self.unpin_adapter(request)
+        if send and self.connector.request_finished(request):
+            request.status = Status.FINISHED_SENDING
+            self.sending.append(request)
+        else:
+            self._release(request)
+
+    def _release(self, request: Request) -> None:
+        self.kv.free(request.request_id)
+        request.status = Status.FINISHED
+        self.requests.pop(request.request_id, None)
+
+    # ---- prefill --------------------------------------------------------------------------------------
+    def _chunk_row(self, request: Request, budget: int) -> Row:
+        start = request.num_computed
+        length = min(request.num_uncomputed, budget)
+        return Row(
+            request.all_ids[start : start + length],
+            start,
+            self.kv.block_tables(request.request_id),
+            request.lora_slot,
+            request.request_id,
+            samples=start + length == request.num_tokens,
+        )
+
+    def _decode_row(self, request: Request) -> Row:
+        return Row(
+            [request.output_ids[-1]],
+            request.num_computed,
+            self.kv.block_tables(request.request_id),
+            request.lora_slot,
+            request.request_id,
+            samples=True,
+        )
+
+    def _admit(self) -> None:
+        """Admits queued requests in order while blocks and sequence slots last; at most max_prefill_seqs
+        prompts are being computed at once. Requests whose adapter has no free slot are passed over (later
+        requests go first, these keep their place)."""
+        passed = []
+        while self.waiting and self.num_active < self.config.max_num_seqs:
+            request = self.waiting[0]
+            rid, key = request.request_id, request.cache_key
+            cached = self.kv.lookup(request.all_ids, key)
+            num_cached = len(cached) * self.config.block_size
+            external = 0  # prompt tokens whose KV arrives from elsewhere (a preempted request recomputes)
+            if request.status is Status.WAITING:
+                external = self.connector.num_external_tokens(request, num_cached)
+            if not external and len(self.prefilling) >= self.config.max_prefill_seqs:
+                break
+            # arriving KV fills the blocks after the cached ones; one more slot for the first token
+            num_tokens = len(request.prompt_ids) + 1 if external else request.num_tokens
+            if not self.kv.can_allocate(rid, num_tokens, cached):
+                break
+            self.waiting.popleft()
+            if not self.pin_adapter(request):
+                passed.append(request)
+                continue
+            self.kv.allocate(rid, num_tokens, cached, request.all_ids)
+            request.num_computed = num_cached
+            if request.status is Status.WAITING:
+                request.num_cached_tokens = num_cached
+            if external:
+                request.status = Status.WAITING_FOR_REMOTE_KV
+                self.remote.append(request)
+            else:
+                request.status = Status.RUNNING
+                self.prefilling.append(request)
+            self.connector.on_blocks_allocated(request, self.kv.block_ids(rid), external)
+        self.waiting.extendleft(reversed(passed))
+
+    # ---- decode ---------------------------------------------------------------------------------------
+    def _reserve_decode_slots(self) -> list[Request]:
+        """Every running request gets a slot for the token it feeds; when short, preempts the newest request
+        holding blocks here (decoding, or with its prompt partly computed)."""
+        scheduled = []
+        for request in sorted(self.running, key=lambda r: r.arrival_time):
+            if request.status is not Status.RUNNING:  # preempted above as a victim: nothing to reserve
+                continue
+            while not self.kv.can_allocate(request.request_id, request.num_computed + 1):
+                victim = max(self.running + self.prefilling, key=lambda r: r.arrival_time)
+                self._preempt(victim)
+                if victim is request:
+                    break
+            if request.status is Status.RUNNING:
+                self.kv.allocate(request.request_id, request.num_computed + 1)
+                scheduled.append(request)
+        # a request that got its slot may have been preempted since, as the newest, for a later one's
+        return [r for r in scheduled if r.status is Status.RUNNING]
+
+    def _preempt(self, request: Request) -> None:
+        """Gives a running request's blocks back (its full blocks stay cached); it is queued first."""
+        self.num_preemptions += 1
+        (self.running if request in self.running else self.prefilling).remove(request)
+        self.kv.free(request.request_id)
+        request.num_computed = 0
+        request.status = Status.PREEMPTED
+        self.waiting.appendleft(request)

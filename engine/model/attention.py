@@ -1,0 +1,240 @@
+"""Ragged paged attention: a reference implementation in plain JAX, and the seam where a TPU kernel plugs in.
+
+A step is one flat axis of new tokens: the tokens of sequence s are q[cu_q_lens[s]:cu_q_lens[s + 1]]
+(a decode token, or a prefill chunk), and s has kv_lens[s] tokens of context once they are in: the
+first kv_lens[s] - q_len(s) are already in the paged cache, in the blocks `block_tables[s]` lists; the
+new ones are in registers (`k_new`, `v_new`). The arguments are those of JAX's and tpu-inference's
+`ragged_paged_attention` (queries, new keys and values, the paged cache with K/V interleaved on the
+heads axis, kv_lens, page indices, cu_q_lens), plus the layer index of pdserve's stacked cache. The
+model writes the new K/V into the cache once, after all layers (engine.model); a kernel that writes
+them itself is equally valid, the cache it is handed is not read back.
+
+Per model it also takes the softmax scale, a sliding window (a query sees the last `sliding_window`
+positions, itself included; the loops start at the first tile a window reaches) and a soft cap on the
+scores (Gemma 2), and with `latent` a multi-head-latent cache (MLA, engine.mla): one latent head a token
+that is the key and, its first dims, the value.
+
+The reference runs everywhere and is what the tests pin down. Its cost follows the work, not the static
+shape: three parts share one softmax (flash-attention style running max and sum), each looping only as
+far as the step's longest context:
+  * new tokens over new tokens (causal, same sequence): one [T, T] masked product;
+  * single-token sequences (decodes) over their past: all sequences at once, a tile of their block
+    tables per iteration (decode_tile_blocks);
+  * multi-token sequences (prefill chunks after a cached or computed head) over their past: one window
+    of Q_WINDOW queries at a time, CHUNK_TILE_BLOCKS of the sequence's past blocks per iteration.
+The prefill-window part is skipped at run time when the step has no such sequence.
+The static shape is (tokens, sequences, block-table width); the number of past blocks read is not part
+of it, so one compiled step serves every context length.
+
+The seam: `set_attention_impl(fn)` swaps the implementation for another function with the same
+signature: engine/model/tpu_attention.py wraps jax's Pallas kernel (jax.experimental.pallas.ops.tpu), which
+reads the new K/V from the cache (`kv_written_first`).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+_NEG_INF = -1e30  # finite: a fully masked row stays finite (padding tokens), exp(-1e30 - m) == 0
+_NO_WINDOW = 1 << 30  # the reach of full attention: past any context
+# Cache blocks read per iteration of the past loops. Measured on CPU: an iteration costs about 14 us
+# besides its work, while a tile longer than the context is wasted reading. The decode loop reads up to
+# DECODE_TILE_BUDGET blocks per iteration over all its sequences, 2 to KV_TILE_BLOCKS each (one to four
+# sequences: 8 blocks each; 32: 2 each); the prefill windows' matmuls take 8-block tiles. Block tables
+# are padded to whole tiles of the largest size (KV_TILE_BLOCKS), which every tile size divides.
+DECODE_TILE_BUDGET = 32
+CHUNK_TILE_BLOCKS = 8
+KV_TILE_BLOCKS = 8
+
+
+def decode_tile_blocks(num_seqs: int) -> int:
+    """Blocks of each sequence's past the decode loop reads per iteration (a power of two)."""
+    power_of_two = 1 << max(0, (DECODE_TILE_BUDGET // num_seqs).bit_length() - 1)  # divides the table
+    return min(KV_TILE_BLOCKS, max(2, power_of_two))
+
+
+Q_WINDOW = 128  # queries of a prefill chunk attended to its past together
+
+
+def token_sequences(cu_q_lens: jax.Array, num_tokens: int) -> tuple[jax.Array, jax.Array]:
+    """(sequence of each token, clamped to a valid index; whether the token is a real one) [T] each."""
+    num_seqs = cu_q_lens.shape[0] - 1
+    tokens = jnp.arange(num_tokens)
+    seq = jnp.searchsorted(cu_q_lens[1:], tokens, side="right")  # sequences ending at or before t
+    return jnp.minimum(seq, num_seqs - 1), tokens < cu_q_lens[-1]
+
+
+def _merge(a, b):
+    """Two partial softmax states (running max m, sum l, unnormalized output o) of the same queries."""
+    (m1, l1, o1), (m2, l2, o2) = a, b
+    m = jnp.maximum(m1, m2)
+    c1, c2 = jnp.exp(m1 - m), jnp.exp(m2 - m)
+    return m, l1 * c1 + l2 * c2, o1 * c1[..., None] + o2 * c2[..., None]
+
+
+def soft_cap(x: jax.Array, cap: float | None) -> jax.Array:
+    """x squashed into (-cap, cap) as cap * tanh(x / cap) (Gemma 2's scores and logits); None: x."""
+    return x if cap is None else cap * jnp.tanh(x / cap)
+
+
+def _attend(q, k, v, mask, cap=None):
+    """q [..., Q, d] over k, v [..., K, d] with mask [..., Q, K] broadcastable -> one partial state."""
+    s = jnp.where(mask, soft_cap(jnp.einsum("...qd,...kd->...qk", q, k), cap), _NEG_INF)
+    m = jnp.max(s, axis=-1)
+    p = jnp.exp(s - m[..., None])
+    return m, jnp.sum(p, axis=-1), jnp.einsum("...qk,...kd->...qd", p, v)
+
+
+def _empty(shape, d, dtype):
+    return jnp.full(shape, _NEG_INF, dtype), jnp.zeros(shape, dtype), jnp.zeros((*shape, d), dtype)
+
+
+def _past_tile(cache, layer, block_tables, j, tile_blocks, value_dim=None):
+    """Tile j of each listed sequence's past: K, V [..., kv_heads, tile tokens, head_dim] (a latent cache:
+    K is the one latent head, V its first value_dim dims)."""
+    blocks = jax.lax.dynamic_slice_in_dim(block_tables, j * tile_blocks, tile_blocks, axis=-1)
+    kv = cache[layer, blocks]  # [..., tile blocks, block_size, 2 * kv_heads (latent: 1), head_dim]
+    *lead, nb, bs, h2, d = kv.shape
+    if value_dim is not None:
+        k = jnp.moveaxis(kv.reshape(*lead, nb * bs, 1, d), -2, -3).astype(jnp.float32)
+        return k, k[..., :value_dim]
+    kv = kv.reshape(*lead, nb * bs, h2 // 2, 2, d)
+    kv = jnp.moveaxis(kv, -4, -2).astype(jnp.float32)  # [..., kv_heads, 2, tile tokens, head_dim]
+    return kv[..., 0, :, :], kv[..., 1, :, :]
+
+
+def ragged_paged_attention_reference(
+    q: jax.Array,  # [T, kv_heads, group, head_dim] new tokens' queries, sequences back to back
+    k_new: jax.Array,  # [T, kv_heads, head_dim]
+    v_new: jax.Array,  # [T, kv_heads, head_dim]
+    cache: jax.Array,  # [num_layers, num_blocks, block_size, 2 * kv_heads, head_dim]
+    layer: jax.Array,  # [] index of this layer in `cache`
+    kv_lens: jax.Array,  # [S] context of each sequence, new tokens included (0: padding sequence)
+    block_tables: jax.Array,  # [S, P] blocks of each sequence, P a multiple of KV_TILE_BLOCKS
+    cu_q_lens: jax.Array,  # [S + 1] where each sequence's new tokens start; the last: tokens in use
+    *,
+    sm_scale: float | None = None,  # scores are q.k times this (None: head_dim ** -0.5)
+    sliding_window: jax.Array | int | None = None,  # [] tokens a query sees, itself included (0/None: all)
+    soft_cap: float | None = None,  # scores -> soft_cap * tanh(scores / soft_cap) (None: as they are)
+    latent: bool = False,  # MLA: the cache holds one latent "head" a token, the key; the value is its
+    # first v_new.shape[-1] dims (k_new [T, 1, head_dim], v_new [T, 1, value dims], kv_heads 1)
+) -> jax.Array:  # [T, kv_heads, group, value dims]; rows of padding tokens are finite garbage
+    t, kvh, g, d = q.shape
+    dv = v_new.shape[-1]
+    past_tile_of = functools.partial(_past_tile, value_dim=dv if latent else None)
+    out_dtype = q.dtype  # scores, softmax and sums in float32 whatever the weights' and cache's dtype
+    q, k_new, v_new = (x.astype(jnp.float32) for x in (q, k_new, v_new))
+    num_seqs = kv_lens.shape[0]
+    decode_blocks = decode_tile_blocks(num_seqs)
+    decode_tile, chunk_tile = decode_blocks * cache.shape[2], CHUNK_TILE_BLOCKS * cache.shape[2]
+    q = (q * (d**-0.5 if sm_scale is None else sm_scale)).transpose(1, 2, 0, 3)  # [kv_heads, group, T, d]
+    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
+    past = kv_lens - q_lens
+    seq, valid = token_sequences(cu_q_lens, t)
+    dtype = jnp.float32
+    # a query at position p sees keys at positions > p - reach (reach: the window, or beyond any context)
+    reach = (
+        _NO_WINDOW if sliding_window is None else jnp.where(sliding_window > 0, sliding_window, _NO_WINDOW)
+    )
+    attend = functools.partial(_attend, cap=soft_cap)
+
+    # new over new: causal within each sequence; each KV head's query rows (group x tokens) form one matrix
+    tok = jnp.arange(t)
+    causal = (tok[None, :] <= tok[:, None]) & (tok[:, None] - tok[None, :] < reach)
+    mask = (seq[:, None] == seq[None, :]) & causal & valid[None, :]
+    mask = jnp.broadcast_to(mask, (g, t, t)).reshape(g * t, t)
+    m, s, o = attend(q.reshape(kvh, g * t, d), k_new.transpose(1, 0, 2), v_new.transpose(1, 0, 2), mask)
+    state = m.reshape(kvh, g, t), s.reshape(kvh, g, t), o.reshape(kvh, g, t, dv)
+
+    # single-token sequences (decodes) over their past, all sequences at once; the loop starts at the
+    # first tile any of their windows reaches
+    single = (q_lens == 1) & (past > 0)
+    single_past = jnp.where(single, past, 0)
+    single_from = jnp.where(single, jnp.maximum(past + 1 - reach, 0), _NO_WINDOW)  # first key position seen
+    first = jnp.where(single, cu_q_lens[:-1], t)  # out of range: dropped by the scatter below
+    q_single = jnp.take(q, jnp.minimum(first, t - 1), axis=2).transpose(2, 0, 1, 3)  # [S, kv_heads, group, d]
+
+    def single_tile(j, acc):
+        k, v = past_tile_of(cache, layer, block_tables, j, decode_blocks)  # [S, kv_heads, tile, d]
+        pos = j * decode_tile + jnp.arange(decode_tile)
+        seen = (pos < single_past[:, None, None, None]) & (pos >= single_from[:, None, None, None])
+        return _merge(acc, attend(q_single, k, v, seen))
+
+    num_tiles = -(-jnp.max(single_past) // decode_tile)
+    first_tile = jnp.minimum(jnp.min(single_from) // decode_tile, num_tiles)
+    m, s, o = jax.lax.fori_loop(first_tile, num_tiles, single_tile, _empty((num_seqs, kvh, g), dv, dtype))
+    at = (slice(None), slice(None), first)  # merged in place at the decode tokens
+    merged = _merge(
+        tuple(x[at] for x in state), (m.transpose(1, 2, 0), s.transpose(1, 2, 0), o.transpose(1, 2, 0, 3))
+    )
+    state = tuple(x.at[at].set(y, mode="drop") for x, y in zip(state, merged, strict=True))
+
+    # multi-token sequences (prefill chunks after a head in the cache) over their past, Q_WINDOW
+    # queries at a time: window i belongs to the sequence whose running count of windows passes i
+    windows = jnp.where((q_lens > 1) & (past > 0), -(-q_lens // Q_WINDOW), 0)
+    ends = jnp.cumsum(windows)
+    pad = ((0, 0), (0, 0), (0, Q_WINDOW))  # a window starting near the end stays in bounds
+    q_pad = jnp.pad(q, (*pad, (0, 0)))
+
+    def window(i, state):
+        s = jnp.searchsorted(ends, i, side="right")
+        start = cu_q_lens[s] + (i - (ends[s] - windows[s])) * Q_WINDOW
+        qw = jax.lax.dynamic_slice_in_dim(q_pad, start, Q_WINDOW, axis=2).reshape(kvh, g * Q_WINDOW, d)
+        q_pos = jnp.tile(past[s] + start - cu_q_lens[s] + jnp.arange(Q_WINDOW), g)  # of qw's rows
+
+        def past_tile(j, acc):
+            k, v = past_tile_of(cache, layer, block_tables[s], j, CHUNK_TILE_BLOCKS)  # [kv_heads, tile, d]
+            pos = j * chunk_tile + jnp.arange(chunk_tile)
+            seen = (pos[None, :] < past[s]) & (q_pos[:, None] - pos[None, :] < reach)
+            return _merge(acc, attend(qw, k, v, seen))
+
+        first_tile = jnp.maximum(q_pos[0] + 1 - reach, 0) // chunk_tile  # the window's first query reaches
+        w_state = jax.lax.fori_loop(
+            first_tile, -(-past[s] // chunk_tile), past_tile, _empty((kvh, g * Q_WINDOW), dv, dtype)
+        )
+        w_state = [x.reshape(kvh, g, Q_WINDOW, *x.shape[2:]) for x in w_state]
+        old = [jax.lax.dynamic_slice_in_dim(x, start, Q_WINDOW, axis=2) for x in state]
+        rows = start + jnp.arange(Q_WINDOW) < cu_q_lens[s + 1]  # the window's tokens of sequence s
+        new = _merge(old, w_state)
+        new = [
+            jnp.where(rows.reshape(-1, *([1] * (x.ndim - 3))), n, x) for n, x in zip(new, old, strict=True)
+        ]
+        return tuple(
+            jax.lax.dynamic_update_slice_in_dim(x, n, start, axis=2) for x, n in zip(state, new, strict=True)
+        )
+
+    def chunks(state):
+        state = tuple(jnp.pad(x, pad + ((0, 0),) * (x.ndim - 3)) for x in state)
+        return tuple(x[:, :, :t] for x in jax.lax.fori_loop(0, ends[-1], window, state))
+
+    if t > 1:  # a step of one token holds no chunk: not even the branch is compiled
+        state = jax.lax.cond(ends[-1] > 0, chunks, lambda state: state, state)
+    m, s, o = state
+    out = o / s[..., None]
+    return out.transpose(2, 0, 1, 3).astype(out_dtype)
+
+
+AttentionFn = Callable[..., jax.Array]
+_impl: AttentionFn = ragged_paged_attention_reference
+
+
+def set_attention_impl(fn: AttentionFn | None) -> None:
+    """Installs a kernel with `ragged_paged_attention_reference`'s signature (None restores the
+    reference). Must be called before the engine compiles its steps."""
+    global _impl
+    _impl = fn or ragged_paged_attention_reference
+
+
+def ragged_paged_attention(*args, **kwargs) -> jax.Array:
+    return _impl(*args, **kwargs)
+
+
+def kv_written_first() -> bool:
+    """Whether the installed kernel reads the step's new K/V from the cache (its `reads_new_kv_from_cache`
+    attribute; a Pallas kernel does): the model then writes each layer's into the cache before its
+    attention, inside the layer scan, instead of all layers' once after it."""
+    return bool(getattr(_impl, "reads_new_kv_from_cache", False))

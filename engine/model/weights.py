@@ -1,0 +1,218 @@
+"""The model's weights as a registered dataclass pytree: layers stacked on a leading axis for `lax.scan`.
+
+Head padding for tensor parallelism lives here: KV heads are padded up to a multiple of the TP size by
+appending zero heads, and query heads are padded group by group so every padded KV head keeps a full
+group. Padded query heads have zero output projections, so they add nothing to the result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from pdserve.engine.config import ModelConfig
+from pdserve.engine.model.sharding import named
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class LayerWeights:
+    """One decoder layer's weights, each stacked over layers (leading axis L)."""
+
+    attn_norm: jax.Array  # [L, hidden]
+    # Q, K and V fused per KV head: the last axis is (group * head_dim | head_dim | head_dim), so one
+    # matmul computes all three and a TP shard holds whole groups with their KV head.
+    wo: jax.Array  # [L, heads * head_dim, hidden]  (MLA: heads * v_head_dim)
+    mlp_norm: jax.Array  # [L, hidden]
+    w_qkv: jax.Array | None = None  # [L, hidden, kv_heads, (group + 2) * head_dim]; None with MLA
+    b_qkv: jax.Array | None = None  # [L, kv_heads, (group + 2) * head_dim]  (zeros without qkv bias)
+    w_gate_up: jax.Array | None = None  # [L, hidden, 2, intermediate]  (gate, up); None with experts
+    w_down: jax.Array | None = None  # [L, intermediate, hidden]
+    q_norm: jax.Array | None = None  # [L, head_dim] with ModelConfig.qk_norm (Qwen3), else None
+    k_norm: jax.Array | None = None  # [L, head_dim]
+    post_attn_norm: jax.Array | None = None  # [L, hidden] with ModelConfig.sandwich_norms (Gemma), else None
+    post_mlp_norm: jax.Array | None = None  # [L, hidden]
+    # A mixture of experts in place of the MLP (ModelConfig.num_experts), else None. Each expert's
+    # intermediate axis is split over the mesh like the dense MLP's (tensor-parallel experts).
+    w_router: jax.Array | None = None  # [L, hidden, experts]
+    experts_gate_up: jax.Array | None = None  # [L, experts, hidden, 2, intermediate]
+    experts_down: jax.Array | None = None  # [L, experts, intermediate, hidden]
+    shared_gate_up: jax.Array | None = None  # [L, hidden, 2, shared intermediate]: DeepSeek's shared experts
+    shared_down: jax.Array | None = None  # [L, shared intermediate, hidden]
+    # Multi-head latent attention (ModelConfig.is_mla; engine.mla), else None. The latent's projection is
+    # replicated, every per-head array split over the mesh by heads. r: kv_lora_rank, qr: q_lora_rank.
+    w_q: jax.Array | None = None  # [L, hidden (qr with q_lora_rank), heads, nope + rope dims]
+    w_q_a: jax.Array | None = None  # [L, hidden, qr] with q_lora_rank
+    q_a_norm: jax.Array | None = None  # [L, qr]
+    w_kv_a: jax.Array | None = None  # [L, hidden, r + rope dims]
+    kv_a_norm: jax.Array | None = None  # [L, r]
+    w_uk: jax.Array | None = None  # [L, heads, nope dims, r]: keys' up-projection, absorbed into queries
+    w_uv: jax.Array | None = None  # [L, heads, r, v_head_dim]: values' up-projection, after attention
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Weights:
+    embed: jax.Array  # [vocab, hidden]
+    # Runs of consecutive layers of one structure (ModelConfig.layer_segments: DeepSeek's dense layers,
+    # then its expert layers), each stacked for its own lax.scan; one run for every other model.
+    layers: tuple[LayerWeights, ...]
+    final_norm: jax.Array  # [hidden]
+    lm_head: jax.Array | None  # [hidden, vocab]; None when tied to `embed`
+
+
+_LAYER_AXES = {
+    "attn_norm": ("layers", "embed"),
+    "w_qkv": ("layers", "embed", "kv_heads", None),
+    "b_qkv": ("layers", "kv_heads", None),
+    "wo": ("layers", "heads", "embed"),
+    "mlp_norm": ("layers", "embed"),
+    "w_gate_up": ("layers", "embed", None, "mlp"),
+    "w_down": ("layers", "mlp", "embed"),
+    "q_norm": ("layers", None),
+    "k_norm": ("layers", None),
+    "post_attn_norm": ("layers", "embed"),
+    "post_mlp_norm": ("layers", "embed"),
+    "w_router": ("layers", "embed", None),
+    "experts_gate_up": ("layers", None, "embed", None, "mlp"),
+    "experts_down": ("layers", None, "mlp", "embed"),
+    "shared_gate_up": ("layers", "embed", None, "mlp"),
+    "shared_down": ("layers", "mlp", "embed"),
+    "w_q": ("layers", None, "heads", None),
+    "w_q_a": ("layers", "embed", None),
+    "q_a_norm": ("layers", None),
+    "w_kv_a": ("layers", "embed", None),
+    "kv_a_norm": ("layers", None),
+    "w_uk": ("layers", "heads", None, None),
+    "w_uv": ("layers", "heads", None, None),
+}
+
+
+def pad_heads(w: np.ndarray, axis: int, cfg: ModelConfig, tp: int, kv: bool) -> np.ndarray:
+    """Pads a fused (heads * head_dim) axis: KV heads appended, query heads appended per KV group."""
+    kv_pad = cfg.padded_num_kv_heads(tp) - cfg.num_kv_heads
+    if kv_pad == 0:
+        return w
+    axis = axis % w.ndim
+    shape = list(w.shape)
+    if kv:
+        grouped = w.reshape(*shape[:axis], cfg.num_kv_heads, cfg.head_dim, *shape[axis + 1 :])
+    else:
+        grouped = w.reshape(
+            *shape[:axis], cfg.num_kv_heads, cfg.group_size * cfg.head_dim, *shape[axis + 1 :]
+        )
+    widths = [(0, 0)] * grouped.ndim
+    widths[axis] = (0, kv_pad)
+    padded = np.pad(grouped, widths)
+    return padded.reshape(*shape[:axis], -1, *shape[axis + 1 :])
+
+
+def _fused_qkv(cfg: ModelConfig, host: dict[str, np.ndarray], tp: int) -> dict[str, np.ndarray]:
+    """Q, K, V (weights and biases) fused per padded KV head, and the output projection padded alike."""
+    kv_heads = cfg.padded_num_kv_heads(tp)
+
+    def per_kv_head(name: str, kv: bool) -> np.ndarray:  # [..., heads * head_dim] -> [..., kv_heads, -1]
+        w = pad_heads(host[name], -1, cfg, tp, kv=kv)
+        return w.reshape(*w.shape[:-1], kv_heads, -1)
+
+    return {
+        "w_qkv": np.concatenate([per_kv_head(n, kv=n != "wq") for n in ("wq", "wk", "wv")], axis=-1),
+        "b_qkv": np.concatenate([per_kv_head(n, kv=n != "bq") for n in ("bq", "bk", "bv")], axis=-1),
+        "wo": pad_heads(host["wo"], 1, cfg, tp, kv=False),
+    }
+
+
+def _mla(cfg: ModelConfig, host: dict[str, np.ndarray], tp: int) -> dict[str, np.ndarray]:
+    """MLA's arrays: queries per head, the latent's projection, kv_b split into the keys' and the values'
+    up-projections per head (absorbed around attention, engine.mla). Heads are split, never padded."""
+    if cfg.num_heads % tp:
+        raise ValueError(f"MLA: {cfg.num_heads} heads do not split over TP {tp}")
+    h, r, nope = cfg.num_heads, cfg.kv_lora_rank, cfg.head_dim - cfg.rope_dim
+    q = host["w_q_b" if cfg.q_lora_rank else "wq"]
+    kv_b = host["w_kv_b"].reshape(cfg.num_layers, r, h, nope + cfg.v_head_dim)  # [L, r, heads, nope + v]
+    return {
+        "w_q": q.reshape(*q.shape[:-1], h, cfg.head_dim),
+        "w_q_a": host.get("w_q_a"),
+        "q_a_norm": host.get("q_a_norm"),
+        "w_kv_a": host["w_kv_a"],
+        "kv_a_norm": host["kv_a_norm"],
+        "w_uk": kv_b[..., :nope].transpose(0, 2, 3, 1),
+        "w_uv": kv_b[..., nope:].transpose(0, 2, 1, 3),
+        "wo": host["wo"],
+    }
+
+
+_DENSE_MLP = ("w_gate_up", "w_down")
+_EXPERT_MLP = ("w_router", "experts_gate_up", "experts_down", "shared_gate_up", "shared_down")
+
+
+def _mlp(host: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The MLP's stacked arrays, gate and up fused: dense ones over the layers that have them, experts
+    (and shared experts) over theirs (engine.loader._layers_with)."""
+    out = {"w_router": host.get("w_router")}
+    for prefix in ("w", "experts", "shared"):
+        if f"{prefix}_gate" in host:
+            out[f"{prefix}_gate_up"] = np.stack([host[f"{prefix}_gate"], host[f"{prefix}_up"]], axis=-2)
+            out[f"{prefix}_down"] = host[f"{prefix}_down"]
+    return out
+
+
+def build_weights(
+    cfg: ModelConfig, host: dict[str, np.ndarray], mesh: Mesh, dtype: jnp.dtype = jnp.float32
+) -> Weights:
+    """Pads heads for the mesh's TP size and places every array with its sharding.
+
+    `host` holds numpy arrays in math layout (x @ W), layers stacked (engine.loader's names): `embed`
+    [V, D], `final_norm` [D], optional `lm_head` [D, V], `wq` `wk` `wv` [L, D, heads * head_dim], their
+    biases `bq` `bk` `bv`, `wo`, `w_gate` `w_up` [L, D, I], `w_down`, `attn_norm`, `mlp_norm`; with
+    experts `experts_gate` `experts_up` [L', E, D, I], `experts_down`, the router `w_router` [L', D, E] and
+    shared experts `shared_gate` `shared_up` `shared_down` over the L' expert layers (the dense MLP's over
+    the others); with MLA its own (engine.loader); and with
+    qk_norm `q_norm` `k_norm` [L, head_dim], with sandwich_norms `post_attn_norm` `post_mlp_norm` [L, D].
+    """
+    tp = mesh.shape["model"]
+    per_layer = {  # every layer's
+        "attn_norm": host["attn_norm"],
+        **(_mla(cfg, host, tp) if cfg.is_mla else _fused_qkv(cfg, host, tp)),
+        "mlp_norm": host["mlp_norm"],
+        "q_norm": host.get("q_norm"),
+        "k_norm": host.get("k_norm"),
+        "post_attn_norm": host.get("post_attn_norm"),
+        "post_mlp_norm": host.get("post_mlp_norm"),
+    }
+    mlp = _mlp(host)
+    dense_end = cfg.dense_layers
+
+    def segment(start: int, end: int) -> LayerWeights:
+        arrays = {name: None if w is None else w[start:end] for name, w in per_layer.items()}
+        dense = start < dense_end
+        first = start if dense else start - dense_end  # index into its MLP arrays
+        for name in _DENSE_MLP if dense else _EXPERT_MLP:
+            if mlp.get(name) is not None:
+                arrays[name] = mlp[name][first : first + end - start]
+        return LayerWeights(
+            **{
+                name: None
+                if arrays.get(name) is None
+                else jax.device_put(arrays[name].astype(dtype), named(mesh, *axes))
+                for name, axes in _LAYER_AXES.items()
+            }
+        )
+
+    lm_head = host.get("lm_head")
+    return Weights(
+        embed=jax.device_put(host["embed"].astype(dtype), named(mesh, "vocab", "embed")),
+        layers=tuple(segment(start, end) for start, end in cfg.layer_segments()),
+        final_norm=jax.device_put(host["final_norm"].astype(dtype), named(mesh, "embed")),
+        lm_head=None
+        if lm_head is None
+        else jax.device_put(lm_head.astype(dtype), named(mesh, "embed", "vocab")),
+    )
+
+
+def weight_bytes(weights: Weights) -> int:
+    return sum(x.nbytes for x in jax.tree.leaves(weights))

@@ -1,0 +1,287 @@
+"""The model runner: host batches -> padded, bucketed device arrays -> compiled steps -> sampled tokens.
+
+Every shape the runner feeds to the device comes from a fixed set of buckets (EngineConfig), all compiled
+by `warmup()`; steady-state serving compiles nothing new.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import logging
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from pdserve import kvtransfer
+from pdserve.engine import multihost
+from pdserve.engine.config import EngineConfig, ModelConfig, bucket_for
+from pdserve.engine.core.kv_groups import BlockTables, KVGroups
+from pdserve.engine.core.scheduler import Row
+from pdserve.engine.lora_slots import LoraSlots
+from pdserve.engine.model import kv_cache
+from pdserve.engine.model.attention import KV_TILE_BLOCKS
+from pdserve.engine.model.forward import forward_step
+from pdserve.engine.model.kv_cache import allocate_cache
+from pdserve.engine.model.lora import LoraWeights
+from pdserve.engine.model.sampler import SampleResult, SamplingBatch, sample
+from pdserve.engine.model.sharding import named
+from pdserve.engine.model.weights import Weights
+from pdserve.engine.multihost import DeviceOp, Publish
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kvtransfer import HeadMap, KVChunk, KVLayout
+from pdserve.kvtransfer.plan import FramePlan
+
+log = logging.getLogger(__name__)
+
+# One jitted step shared by every runner of the process: runners of the same model and shapes (tests,
+# the colocated `serve` shape) reuse each other's compilations. The cache keeps its input sharding.
+_jitted_step = jax.jit(forward_step, static_argnames=("cfg",), donate_argnames=("cache",))
+
+
+@dataclasses.dataclass
+class SampleRow:
+    params: SamplingParams
+    seed: int
+    position: int  # position of the token being sampled
+    prompt_ids: list[int]
+    output_ids: list[int]
+
+
+class ModelRunner:
+    """Owns the weights, the KV cache and the compiled steps of one engine on one mesh."""
+
+    def __init__(
+        self,
+        model: ModelConfig,
+        config: EngineConfig,
+        weights: Weights,
+        mesh: Mesh,
+        lora: LoraSlots | None = None,
+    ):
+        self.model = model
+        self.config = config
+        self.weights = weights
+        self.mesh = mesh
+        self.lora = lora  # resident adapters; None: LoRA off (max_loras == 0)
+        self.cache = allocate_cache(model, config, mesh)
+        self.groups = KVGroups.of(model)
+        self._step = functools.partial(_jitted_step, cfg=model)
+        self._replicated = jax.jit(lambda x: x, out_shardings=named(mesh))
+        # The leader of a multi-process engine hands each device operation here before running it
+        # (engine.multihost); None: single process, or a follower.
+        self.publish: Publish | None = None
+
+    # ---- shapes ----------------------------------------------------------------------------------------
+    def step_shapes(self) -> list[tuple[int, int]]:
+        """Every (tokens, sequence slots) a step can have: one per token bucket."""
+        c = self.config
+        return [(t, c.seq_bucket(t)) for t in c.token_buckets]
+
+    def sampler_shapes(self) -> list[tuple[int, bool]]:
+        """Every (rows, penalties) the sampler is compiled for (engine.sampler: one variant each)."""
+        rows = sorted({s for _, s in self.step_shapes()})
+        return list(itertools.product(rows, (False, True)))
+
+    @functools.cached_property
+    def block_table_width(self) -> int:
+        """Columns of a step's block tables: the longest sequence's blocks, in whole attention tiles."""
+        return -(-self.config.max_blocks_per_seq // KV_TILE_BLOCKS) * KV_TILE_BLOCKS
+
+    # ---- execution ------------------------------------------------------------------------------------
+    def forward(self, rows: list[Row]) -> jax.Array:
+        """Runs one ragged step over the rows' new tokens; returns the logits [sequence slots, vocab] at
+        each row's last token (on device), row i's in slot i."""
+        c = self.config
+        num_tokens = sum(len(r.tokens) for r in rows)
+        t = bucket_for(num_tokens, c.token_buckets)
+        s = c.seq_bucket(t)
+        tokens = np.zeros(t, np.int32)
+        cu_q_lens = np.full(s + 1, num_tokens, np.int32)
+        kv_lens = np.zeros(s, np.int32)
+        block_tables = np.zeros((self.groups.num_groups, s, self.block_table_width), np.int32)
+        lora_slots = np.full(s, -1, np.int32)
+        start = 0
+        for i, row in enumerate(rows):
+            n = len(row.tokens)
+            tokens[start : start + n] = row.tokens
+            cu_q_lens[i] = start
+            kv_lens[i] = row.num_past + n
+            num_blocks = -(-kv_lens[i] // c.block_size)
+            for g, table in enumerate(row.block_tables.groups):
+                block_tables[g, i, :num_blocks] = table[:num_blocks]
+            lora_slots[i] = row.lora_slot
+            start += n
+        return self.run_step(tokens, cu_q_lens, kv_lens, block_tables, lora_slots)
+
+    def run_step(self, tokens, cu_q_lens, kv_lens, block_tables, lora_slots) -> jax.Array:
+        """The compiled step on padded host arrays (see forward); published first (engine.multihost)."""
+        if self.publish is not None:
+            arrays = dict(
+                tokens=tokens,
+                cu_q_lens=cu_q_lens,
+                kv_lens=kv_lens,
+                block_tables=block_tables,
+                lora_slots=lora_slots,
+            )
+            self.publish(DeviceOp("step", arrays))
+        logits, self.cache = self._step(
+            self.weights, self.lora_weights, self.cache, tokens, cu_q_lens, kv_lens, block_tables, lora_slots
+        )
+        return logits
+
+    @property
+    def lora_weights(self) -> LoraWeights | None:
+        return None if self.lora is None else self.lora.weights
+
+    def sample(
+        self,
+        logits: jax.Array,
+        rows: list[SampleRow],
+        logits_rows: list[int] | None = None,
+        allowed: np.ndarray | None = None,
+    ) -> SampleResult:
+        """Samples `rows` from rows `logits_rows` (default 0..) of `logits`, each among the tokens its row of
+        `allowed` (engine.sampler's bitmasks; None: all) lets through; returns host numpy results."""
+        params = [r.params for r in rows]
+        penalties = any(p.needs_penalties for p in params)
+        history = [(r.prompt_ids, r.output_ids) for r in rows] if penalties else None
+        batch = SamplingBatch.build(
+            params,
+            logits_rows if logits_rows is not None else list(range(len(rows))),
+            [r.seed for r in rows],
+            [r.position for r in rows],
+            history,
+            logits.shape[0],
+            self.model.vocab_size,
+            allowed,
+        )
+        result = jax.device_get(self.run_sample(logits, batch))
+        n = len(rows)
+        return SampleResult(
+            result.tokens[:n], result.logprob[:n], result.top_ids[:n], result.top_logprobs[:n]
+        )
+
+    def run_sample(self, logits: jax.Array, batch: SamplingBatch) -> SampleResult:
+        """The compiled sampler (results on device, replicated); published first (engine.multihost)."""
+        if self.publish is not None:
+            self.publish(multihost.sample_op(batch))
+        return sample(logits, batch, num_logprobs=self.config.max_logprobs)
+
+    # ---- KV in and out (engine.kv_connector) ----------------------------------------------------------
+    def gather_kv(
+        self,
+        layout: KVLayout,
+        block_ids: BlockTables | Sequence[int],
+        num_tokens: int,
+        *,
+        max_frame_bytes: int,
+        head_map: HeadMap | None,
+        frames: Sequence[FramePlan],
+    ) -> list[KVChunk]:
+        """kvtransfer's chunks of these frames of a request's blocks (engine.kv_groups: each layer read from
+        its group's table and its row); in a multi-process job the chunks are replicated on every process
+        (an all-gather over the hosts), so the leader reads them locally."""
+        tables = BlockTables.of(block_ids)
+        if self.publish is not None:
+            self.publish(multihost.gather_op(tables, num_tokens, max_frame_bytes, head_map, frames))
+        if self.groups.is_identity:
+            chunks = kvtransfer.gather_request(
+                self.cache,
+                layout,
+                tables.groups[0],
+                num_tokens,
+                max_frame_bytes=max_frame_bytes,
+                head_map=head_map,
+                frames=frames,
+            )
+        else:
+            chunks = [self._gather_frame(tables, p, head_map) for p in frames]
+        if multihost.is_multi_process():
+            chunks = [dataclasses.replace(c, data=self._replicated(c.data)) for c in chunks]
+            jax.block_until_ready([c.data for c in chunks])  # no collective may overlap the next step's
+        return chunks
+
+    def _gather_frame(self, tables: BlockTables, p: FramePlan, head_map: HeadMap | None) -> KVChunk:
+        """One frame of a hybrid model's cache: its layers' runs of rows, each with its group's blocks."""
+        ids = tables[p.block_start : p.block_start + p.num_blocks]
+        parts = [
+            kvtransfer.gather(
+                self.cache,
+                ids.groups[group],
+                p.num_tokens,
+                layer_start=row,
+                num_layers=count,
+                token_start=p.token_start,
+                head_map=head_map,
+                bucket=p.bucket,
+            ).data
+            for group, row, count in self.groups.pieces(p.layer_start, p.num_layers)
+        ]
+        data = parts[0] if len(parts) == 1 else jax.numpy.concatenate(parts)
+        return KVChunk(p.layer_start, p.token_start, p.num_tokens, data)
+
+    def insert_kv(self, chunk: KVChunk, block_ids: BlockTables | Sequence[int]) -> None:
+        """Writes an arriving chunk (heads in this cache's layout; on the mesh already, or a host array put
+        on it here) into a request's blocks (each layer into its group's table and its row). A
+        multi-process engine takes host arrays only (every process puts its own shards)."""
+        tables = BlockTables.of(block_ids)
+        if isinstance(chunk.data, np.ndarray):
+            if self.publish is not None:
+                self.publish(multihost.insert_op(chunk, tables))
+            data = jax.device_put(chunk.data, kv_cache.chunk_sharding(self.mesh, self.model))
+            chunk = dataclasses.replace(chunk, data=data)
+        elif self.publish is not None:
+            raise ValueError("a multi-process engine inserts host chunks only")
+        if self.groups.is_identity:
+            self.cache = kvtransfer.insert(self.cache, chunk, tables.groups[0])
+            return
+        done = 0
+        for group, row, count in self.groups.pieces(chunk.layer_start, chunk.num_layers):
+            piece = dataclasses.replace(chunk, layer_start=row, data=chunk.data[done : done + count])
+            self.cache = kvtransfer.insert(self.cache, piece, tables.groups[group])
+            done += count
+
+    # ---- compilation ----------------------------------------------------------------------------------
+    def warmup(self, progress: bool = True) -> int:
+        """Compiles every step and sampler shape (and, with LoRA on, the adapter slot write); returns the
+        number of step and sampler variants."""
+        from tqdm import tqdm
+
+        shapes = self.step_shapes()
+        sampler_shapes = self.sampler_shapes()
+        bar = tqdm(
+            total=len(shapes) + len(sampler_shapes), desc="compiling", disable=not progress, unit="shape"
+        )
+        for shape in shapes:
+            self._compile_step(*shape)
+            bar.update()
+        vocab = self.model.vocab_size
+        for b, penalties in sampler_shapes:
+            params = SamplingParams(temperature=1.0, repetition_penalty=1.1 if penalties else 1.0)
+            logits = jax.device_put(np.zeros((b, vocab), np.float32), named(self.mesh))
+            self.sample(logits, [SampleRow(params, 0, 0, [1], [])])
+            bar.update()
+        if self.lora is not None:
+            self.lora.warmup()  # the adapter slot write (a run-time load must not compile)
+        bar.close()
+        return len(shapes) + len(sampler_shapes)
+
+    def _compile_step(self, num_tokens: int, num_seqs: int) -> None:
+        """Compiles (or loads from the persistent cache) the step of this shape ahead of time: nothing
+        runs, the cache is untouched, and a later step of that shape finds the executable."""
+        zeros = np.zeros
+        _jitted_step.lower(
+            self.weights,
+            self.lora_weights,
+            self.cache,
+            zeros(num_tokens, np.int32),
+            zeros(num_seqs + 1, np.int32),
+            zeros(num_seqs, np.int32),
+            zeros((self.groups.num_groups, num_seqs, self.block_table_width), np.int32),
+            np.full(num_seqs, -1, np.int32),
+            cfg=self.model,
+        ).compile()

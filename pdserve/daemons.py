@@ -1,0 +1,431 @@
+"""The roles composed: the command lines of `prefill-server`, `decode-server` and `pdserve serve` (both roles
+in one process). The only module that imports both services/prefill and services/decode."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import sys
+
+from pdserve.engine.args import add_engine_args, configure_jax, engine_config, load_adapters
+from pdserve.engine.distributed import ProcessGroup, add_distributed_args, join, process_group
+from pdserve.services.decode.tool_formats import PARSERS
+from pdserve.services.sampling import add_limit_flags, limits_from_flags
+
+EXIT_ENGINE_FAILED = 4  # the engine could not serve any more (services.engine_loop): restart the process
+
+
+@contextlib.contextmanager
+def refusing_unloadable_models():
+    """A model reference that cannot be served (engine.models.MODEL_ERRORS: not found, an architecture or
+    config feature pdserve lacks) ends the command with one line on stderr and exit status 1."""
+    from pdserve.engine.loading.sources import MODEL_ERRORS
+
+    try:
+        yield
+    except MODEL_ERRORS as e:
+        raise SystemExit(f"error: {e}") from None
+
+
+def use_cpu_devices(count: int) -> None:
+    """On a CPU-only host, expose `count` CPU devices (for TP or disjoint role device sets); call before
+    JAX is imported."""
+    if count > 1 and "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (
+            f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={count}"
+        )
+
+
+def keep_freed_memory() -> None:
+    """glibc: buffers up to 32 MiB (KV frames, gRPC messages, host copies) come from the heap, and up to
+    256 MiB of freed heap stays mapped, so each transfer's fresh buffers reuse pages instead of
+    page-faulting new ones (measured: a frame serialized 3.6x faster, KV over gRPC 10-25% faster; see
+    BENCHMARKS.md). No-op without glibc."""
+    import ctypes
+
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    mallopt(m_mmap_threshold, 32 << 20)
+    mallopt(m_trim_threshold, 256 << 20)
+
+
+def prepare_process(args: argparse.Namespace, num_cpu_devices: int) -> None:
+    """Before JAX is imported: CPU devices, the allocator, logging."""
+    use_cpu_devices(num_cpu_devices)
+    keep_freed_memory()
+    from pdserve.services.logs import configure_logging
+
+    configure_logging(args.log_level, args.log_format)
+
+
+def common_args(parser: argparse.ArgumentParser) -> None:
+    add_engine_args(parser)
+    add_distributed_args(parser)
+    parser.add_argument("--port", type=int, required=True, help="0: pick a free port (printed)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--cpu-devices", type=int, default=0, help="fake CPU devices (CPU-only hosts)")
+    parser.add_argument("--no-warmup", action="store_true", help="compile shapes lazily (tests, laptops)")
+    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument(
+        "--log-format", choices=["text", "json"], default="text", help="json: one object a line"
+    )
+    parser.add_argument(
+        "--metrics-port", type=int, default=None, help="Prometheus /metrics HTTP port (0: any)"
+    )
+    parser.add_argument(
+        "--lora-root",
+        metavar="DIR",
+        help="Admin.LoadLoraAdapter reads adapters inside DIR only (default: any)",
+    )
+    parser.add_argument(
+        "--engine-step-timeout",
+        type=float,
+        default=600.0,
+        metavar="S",
+        help="a step running longer means a hung engine: NOT_SERVING, then exit 4",
+    )
+    add_limit_flags(parser)
+    events = parser.add_argument_group("KV cache events (ZMQ, vLLM's format: llm-d's router reads them)")
+    events.add_argument(
+        "--kv-events-port",
+        type=int,
+        help="PUB port (default 5557, or a free one when another daemon of this host has it; 0: any)",
+    )
+    events.add_argument(
+        "--kv-events-replay-port", type=int, help="replay (ROUTER) port (default 5558, likewise; 0: any)"
+    )
+    events.add_argument("--kv-events-pod", help="pod name in the topic (default: $POD_IP or host, :port)")
+    events.add_argument("--no-kv-events", action="store_true", help="publish no KV cache events")
+    tls = parser.add_argument_group("TLS of the listening port (default: plaintext)")
+    tls.add_argument("--tls-cert", metavar="PEM", help="server certificate chain")
+    tls.add_argument("--tls-key", metavar="PEM", help="server private key")
+    tls.add_argument("--tls-client-ca", metavar="PEM", help="CA of client certificates (mutual TLS)")
+    tls.add_argument(
+        "--require-client-cert",
+        action="store_true",
+        help="refuse clients without one (needed with --tls-client-ca: gRPC Python has no optional ones)",
+    )
+
+
+def server_security(args: argparse.Namespace, allowed_peers=()):
+    """The listening port's ServerSecurity from the flags (exits naming what is inconsistent)."""
+    from pdserve.services.security import ServerSecurity, read_tokens
+
+    token_file = getattr(args, "auth_token_file", None)
+    try:
+        security = ServerSecurity(
+            cert=args.tls_cert,
+            key=args.tls_key,
+            client_ca=args.tls_client_ca,
+            require_client_cert=args.require_client_cert,
+            tokens=read_tokens(token_file) if token_file else (),
+            allowed_peers=tuple(allowed_peers) if args.tls_client_ca else (),
+        )
+        security.credentials()  # reads the PEM files now: a wrong path fails before the engine loads
+        return security
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"error: {e}") from e
+
+
+def kv_events_config(args: argparse.Namespace):
+    from pdserve.services.kv_events_zmq import KVEventsConfig
+
+    if args.no_kv_events:
+        return None
+    return KVEventsConfig(args.kv_events_port, args.kv_events_replay_port, args.kv_events_pod)
+
+
+def resolve_group(args: argparse.Namespace) -> ProcessGroup | None:
+    """The multi-process job of this daemon (flags, else LeaderWorkerSet's env), None: one process."""
+    try:
+        return process_group(args)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from e
+
+
+def devices_per_process(args: argparse.Namespace, group: ProcessGroup | None) -> int:
+    """Fake CPU devices this process exposes: --cpu-devices, else its share of --tp (--tp is global)."""
+    if group is None:
+        return max(args.cpu_devices, args.tp)
+    return args.cpu_devices or -(-args.tp // group.num_processes)
+
+
+def build_engine(args: argparse.Namespace, group: ProcessGroup | None = None, engine_class=None):
+    """-> (engine, services.group.Leader or None): the daemon's engine, compiled (unless --no-warmup),
+    with the --lora adapters loaded (`engine_class`: an LLMEngine subclass instead, e.g. the
+    fault-injecting one of the tests). In a multi-process group the processes join one JAX job first; a
+    worker then follows the leader's device operations here and exits when the leader stops; the leader
+    returns once every worker follows."""
+    from pdserve.engine.llm_engine import LLMEngine
+
+    join(group)
+    configure_jax()
+    config = engine_config(args)
+    if group is not None:
+        import jax
+
+        if config.tp != jax.device_count():
+            raise SystemExit(f"error: --tp {config.tp} must span the group's {jax.device_count()} devices")
+    with refusing_unloadable_models():
+        engine = (engine_class or LLMEngine).from_model(args.model, config, warmup=not args.no_warmup)
+    leader = None
+    if group is not None:
+        from pdserve.services.group import follow, lead
+        from pdserve.services.kv import engine_layout
+
+        if not group.is_leader:
+            raise SystemExit(follow(engine, engine_layout(engine), group))
+        leader = lead(engine, group, args.host)
+    load_adapters(engine, args.lora)
+    return engine, leader
+
+
+def prefill_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="prefill-server", description="pdserve prefill server")
+    common_args(parser)
+    parser.add_argument(
+        "--allowed-peer-names",
+        default="decode",
+        help="with --tls-client-ca: client certificate names (CN or SAN) allowed, comma-separated",
+    )
+    return parser
+
+
+def prefill_main(argv: list[str] | None = None, service_class=None) -> int:
+    """`prefill-server ARGS`. `service_class`: a PrefillService subclass to serve instead (e.g. the
+    fault-injecting one of the tests)."""
+    args = prefill_parser().parse_args(argv)
+    allowed = [n for n in args.allowed_peer_names.split(",") if n]
+    security = server_security(args, allowed)
+    group = resolve_group(args)
+    prepare_process(args, devices_per_process(args, group))
+    from pdserve.services.prefill.server import PrefillService, serve
+
+    engine, leader = build_engine(args, group)
+    service = (service_class or PrefillService).for_engine(engine, limits=limits_from_flags(args))
+    run_daemon(leader, lambda stop: serve(service, args.port, stop, **serve_options(args, security)))
+    return 0
+
+
+def serve_options(args: argparse.Namespace, security) -> dict:
+    """The keyword arguments both daemons' serve() take from the common flags."""
+    return dict(
+        host=args.host,
+        security=security,
+        metrics_port=args.metrics_port,
+        lora_root=args.lora_root,
+        kv_events=kv_events_config(args),
+        step_timeout_s=args.engine_step_timeout,
+    )
+
+
+def run_daemon(leader, serving) -> None:
+    """Runs `serving(stop)` (a daemon's serve coroutine) until SIGTERM drains it. `leader`: the
+    services.group.Leader of a multi-process daemon (None: one process), whose broken group ends the
+    process, and whose workers are stopped after the drain."""
+    from pdserve.services.engine_loop import EngineStopped
+    from pdserve.services.group import supervised
+    from pdserve.services.grpc_server import run_until_signal
+
+    try:
+        run_until_signal(lambda stop: supervised(leader, stop, serving(stop)))
+    except EngineStopped as e:  # health went NOT_SERVING and waiting calls were failed: exit for a restart
+        logging.getLogger(__name__).error("exiting %d: the engine failed: %s", EXIT_ENGINE_FAILED, e)
+        logging.shutdown()
+        sys.stdout.flush()
+        os._exit(EXIT_ENGINE_FAILED)  # the engine thread may be hung in a device call: do not join it
+    if leader is not None:
+        leader.stop()
+
+
+def decode_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--prefill",
+        default="local",
+        help="prefill servers: ADDR[,ADDR...] (host:port or dns:///name:port), or `local` (colocated)",
+    )
+    parser.add_argument(
+        "--local-prefill-below",
+        type=int,
+        default=0,
+        help="prefill here the prompts with fewer tokens than this beyond what this server has cached",
+    )
+    parser.add_argument(
+        "--prefill-routing",
+        choices=["prefix", "least-outstanding"],
+        default="prefix",
+        help="prefix: by the prompt blocks each replica holds (its KV events) against its queued work",
+    )
+    parser.add_argument(
+        "--prefill-routing-load-weight",
+        type=float,
+        default=1.0,
+        help="prefix routing: weight of a replica's queued prompt tokens against the tokens it lacks",
+    )
+    parser.add_argument(
+        "--accept-prefill-hint",
+        action="store_true",
+        help="prefill where a request's x-prefiller-host-port header says (llm-d's P/D), when that is one "
+        "of the --prefill replicas; without this flag the header is ignored",
+    )
+    parser.add_argument("--max-queue", type=int, default=256)
+    parser.add_argument("--no-fallback-local", action="store_true", help="UNAVAILABLE when prefill fails")
+    parser.add_argument(
+        "--http-port", type=int, default=None, help="OpenAI-compatible HTTP API port (0: any)"
+    )
+    parser.add_argument(
+        "--http-plaintext",
+        action="store_true",
+        help="serve the HTTP API without the port's TLS (behind an inference gateway; tokens still apply)",
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        choices=("auto", *PARSERS),
+        default="auto",
+        help="how the model writes tool calls, for tool_choice auto (auto: what its chat template asks for)",
+    )
+    parser.add_argument(
+        "--http-timeout",
+        type=float,
+        default=600.0,
+        metavar="S",
+        help="an HTTP request's deadline (a client's X-Request-Timeout header may ask for less)",
+    )
+    parser.add_argument(
+        "--auth-token-file",
+        metavar="FILE",
+        help="bearer tokens (one a line) that Generation and Admin calls must present",
+    )
+
+
+def decode_config(args: argparse.Namespace):
+    from pdserve.services.decode.core import DecodeConfig
+
+    return DecodeConfig(
+        local_prefill_below=args.local_prefill_below,
+        max_queue=args.max_queue,
+        fallback_local=not args.no_fallback_local,
+        accept_prefill_hint=args.accept_prefill_hint,
+        limits=limits_from_flags(args),
+    )
+
+
+def prefill_channel_security(args: argparse.Namespace):
+    """How decode-server reaches prefill servers: TLS when any --prefill-tls-* flag is given."""
+    from pdserve.services.security import PLAINTEXT, ChannelSecurity, channel_credentials
+
+    if not (args.prefill_tls_ca or args.prefill_tls_cert or args.prefill_tls_key):
+        return PLAINTEXT
+    try:
+        credentials = channel_credentials(args.prefill_tls_ca, args.prefill_tls_cert, args.prefill_tls_key)
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"error: {e}") from e
+    return ChannelSecurity(credentials, args.prefill_tls_server_name)
+
+
+def decode_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="decode-server", description="pdserve decode server")
+    common_args(parser)
+    decode_args(parser)
+    tls = parser.add_argument_group("TLS to the prefill servers (default: plaintext)")
+    tls.add_argument("--prefill-tls-ca", metavar="PEM", help="CA of the prefill servers' certificates")
+    tls.add_argument("--prefill-tls-cert", metavar="PEM", help="this server's client certificate (mTLS)")
+    tls.add_argument("--prefill-tls-key", metavar="PEM", help="its private key")
+    tls.add_argument("--prefill-tls-server-name", help="name to check their certificates against")
+    return parser
+
+
+def decode_main(argv: list[str] | None = None, engine_class=None) -> int:
+    """`decode-server ARGS`. `engine_class`: an LLMEngine subclass to serve with (tests)."""
+    args = decode_parser().parse_args(argv)
+    security = server_security(args)
+    prefill_security = prefill_channel_security(args)
+    group = resolve_group(args)
+    prepare_process(args, devices_per_process(args, group))
+    from pdserve.services.decode.core import GenerationCore
+    from pdserve.services.decode.prefill_pool import Routing
+
+    try:
+        routing = Routing(args.prefill_routing, args.prefill_routing_load_weight)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from e
+
+    engine, leader = build_engine(args, group, engine_class)
+    targets = None if args.prefill == "local" else [t for t in args.prefill.split(",") if t]
+    core = GenerationCore.for_engine(
+        engine,
+        prefill_targets=targets,
+        config=decode_config(args),
+        prefill_security=prefill_security,
+        routing=routing,
+    )
+    run_decode_server(core, args, security, leader)
+    return 0
+
+
+def run_decode_server(core, args: argparse.Namespace, security, leader=None) -> None:
+    """Serves a GenerationCore with the flags' ports, TLS and adapter root until SIGTERM (`leader`: see
+    run_daemon)."""
+    from pdserve.services.decode.server import serve
+
+    options = serve_options(args, security)
+    http = dict(
+        http_port=args.http_port,
+        http_plaintext=args.http_plaintext,
+        tool_call_parser=args.tool_call_parser,
+        http_timeout_s=args.http_timeout,
+    )
+    run_daemon(leader, lambda stop: serve(core, args.port, stop, **http, **options))
+
+
+def serve_main(args: argparse.Namespace) -> int:
+    """`pdserve serve`: both roles in one process on disjoint device sets, KV moved device to device."""
+    prefill_devices = [int(d) for d in args.prefill_devices.split(",")]
+    decode_devices = [int(d) for d in args.decode_devices.split(",")]
+    if set(prefill_devices) & set(decode_devices):
+        raise SystemExit("--prefill-devices and --decode-devices must be disjoint")
+    security = server_security(args)
+    if resolve_group(args) is not None:
+        raise SystemExit("error: pdserve serve runs in one process (no --num-processes, no LeaderWorkerSet)")
+    prepare_process(args, max(args.cpu_devices, max(prefill_devices + decode_devices) + 1))
+    import dataclasses
+
+    import jax
+
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.loading.sources import load_model
+    from pdserve.services.decode.core import GenerationCore
+    from pdserve.services.decode.prefill_pool import LocalPrefiller
+    from pdserve.services.engine_loop import EngineLoop
+    from pdserve.services.kv import engine_layout
+
+    configure_jax()
+    devices = jax.devices()
+    with refusing_unloadable_models():
+        model = load_model(args.model)
+    base = engine_config(args)
+    prefill_engine = LLMEngine(
+        model, dataclasses.replace(base, tp=len(prefill_devices)), [devices[i] for i in prefill_devices]
+    )
+    decode_engine = LLMEngine(
+        model, dataclasses.replace(base, tp=len(decode_devices)), [devices[i] for i in decode_devices]
+    )
+    if not args.no_warmup:
+        prefill_engine.runner.warmup()
+        decode_engine.runner.warmup()
+    for engine in (prefill_engine, decode_engine):
+        load_adapters(engine, args.lora)
+    prefill_loop = EngineLoop(prefill_engine, name="prefill-engine")
+    prefill_loop.start()
+    local = LocalPrefiller(prefill_loop, engine_layout(prefill_engine))
+    core = GenerationCore.for_engine(decode_engine, local_prefiller=local, config=decode_config(args))
+    try:
+        run_decode_server(core, args, security)
+    finally:
+        prefill_loop.stop()
+    return 0
