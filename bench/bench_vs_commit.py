@@ -3,13 +3,14 @@
     .venv/bin/python bench/bench_vs_commit.py --baseline REV [--batches 1,32] [--contexts 32,480]
         [--rounds 2] [--json OUT]
 
-Checks REV out into a git worktree, then runs, for each round, one worker process per tree (the order
-alternating from round to round, so that the machine's drift falls on both): the worker imports the
-`engine` package of its tree, builds the default model's engine (`max_model_len` 1024, `num_blocks` 1024,
-`max_num_seqs` the largest batch), times its warmup with an empty compilation cache (every shape compiled),
+Checks REV out into a git worktree, lays each tree's pdserve out as it installs (pdserve.testing.packaging:
+so REV must be 9e8f3d1 or later, when engine/ became pdserve.engine), then runs, for each round, one worker
+process per tree (the order alternating from round to round, so that the machine's drift falls on both):
+the worker imports the `pdserve.engine` of its tree (its layout first on PYTHONPATH), builds the default
+model's engine (`max_model_len` 1024, `num_blocks` 1024, `max_num_seqs` the largest batch), times its warmup with an empty compilation cache (every shape compiled),
 counts the compiled variants, times a 1000-token prompt's prefill (two chunks), then times decode steps
 (bench_engine.decode_step_times: greedy, sampling included) at each batch and prompt length. The
-measuring code is this tree's for both; only `engine` differs. Prints each tree's best figures and
+measuring code is this tree's bench/ for both; only `pdserve` differs. Prints each tree's best figures and
 the ratios this tree / baseline.
 """
 
@@ -37,8 +38,7 @@ def _timed(fn, *args) -> float:
     return time.perf_counter() - t0
 
 
-def worker(tree: Path, batches: list[int], contexts: list[int], steps: int) -> dict:
-    sys.path.insert(0, str(tree))  # `engine` from the tree measured (bench_engine imports it when called)
+def worker(batches: list[int], contexts: list[int], steps: int) -> dict:
     import time
 
     from pdserve.engine.config import EngineConfig
@@ -79,27 +79,32 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--json", default=None)
-    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # a tree to measure
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # PYTHONPATH: the tree
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     contexts = [int(c) for c in args.contexts.split(",")]
     if args.worker:
-        print(json.dumps(worker(Path(args.worker), batches, contexts, args.steps)))
+        print(json.dumps(worker(batches, contexts, args.steps)))
         return
     if not args.baseline:
         parser.error("--baseline is required")
+    from pdserve.testing.packaging import stage  # not in the worker: its pdserve is the measured tree's
+
     base = Path(tempfile.mkdtemp(prefix="bench-baseline-")) / "tree"
     subprocess.run(
         ["git", "-C", str(ROOT), "worktree", "add", "--detach", str(base), args.baseline], check=True
     )
     trees = {"baseline": base, "this tree": ROOT}
     runs: dict[str, list[dict]] = {name: [] for name in trees}
-    env = {**os.environ, "PYTHONPATH": ""}
     try:
+        layouts = {
+            name: stage(Path(tempfile.mkdtemp(prefix="bench-layout-")), tree) for name, tree in trees.items()
+        }
         for r in range(args.rounds):
             for name in list(trees)[:: 1 if r % 2 == 0 else -1]:
-                cmd = [sys.executable, __file__, "--worker", str(trees[name]), "--batches", args.batches]
+                cmd = [sys.executable, __file__, "--worker", "--batches", args.batches]
                 cmd += ["--contexts", args.contexts, "--steps", str(args.steps)]
+                env = {**os.environ, "PYTHONPATH": str(layouts[name])}
                 out = subprocess.run(
                     cmd, check=True, capture_output=True, text=True, env=env, cwd=trees[name]
                 )
