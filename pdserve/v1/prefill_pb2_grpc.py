@@ -57,8 +57,9 @@ class PrefillServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Prefill(self, request, context):
-        """Prefills one prompt and streams a header (first token), the KV as frames (layer groups in order),
-        and a trailer. Cancelling the stream frees the request's blocks on the prefill side.
+        """Prefills one prompt and streams a header (the frames to come), the KV as frames (layer groups in
+        order), then a trailer with the first token. Cancelling the stream frees the request's blocks on the
+        prefill side.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,22 +1,23 @@
-"""decode-server: the client-facing Generation service.
+"""decode-server: the client-facing Generation service (docs/architecture.md tells the whole lifecycle).
 
-Request lifecycle:
+Request lifecycle, as this server sees it:
  1. Generate arrives: text, token ids or a chat; validated and tokenized (INVALID_ARGUMENT names the
     field).
- 2. Prompts shorter than `local_prefill_below` tokens (or all, with `--prefill local`) are prefilled by
-    this server's own engine: the colocated path.
- 3. Otherwise admission: blocks for the prompt's KV are reserved on this engine (waiting in a bounded
-    queue while none are free; RESOURCE_EXHAUSTED when that queue is full).
- 4. The prefill replica with the least outstanding work prefills it and streams the first token, then the
-    KV frames; each frame is verified and put on this mesh as it arrives, and inserted into the reserved
-    blocks by the engine thread while the next frame is received.
- 5. When the trailer confirms that every frame arrived, the request is registered with its first token and
-    joins continuous batching; its tokens stream back as text deltas.
- 6. A failed prefill (unreachable, died mid-stream, bad frame) frees the reserved blocks; the request is
-    retried on another replica, then prefilled locally (`fallback_local`), else UNAVAILABLE. A request is
-    never decoded from a partial cache.
- 7. A client cancel or deadline aborts the request here (freeing its blocks) and cancels the prefill
-    stream, which frees them on the prefill side.
+ 2. Admission: the engine's scheduler queues the request (bounded; RESOURCE_EXHAUSTED when full) until
+    it can allocate blocks for the whole prompt; blocks its prefix cache holds are used as they are.
+ 3. Prompts with fewer uncached tokens than `local_prefill_below` (or all, with `--prefill local`) are
+    computed by this server's own engine: the colocated path.
+ 4. Otherwise the pool picks a prefill replica (cache-aware score, then least outstanding work) and opens
+    a Prefill stream: a header declaring the frames, the KV frames of the blocks this server lacks (each
+    verified and put on this mesh as it arrives, written into the allocated blocks by the engine thread
+    while the next frame is received), then a trailer with the first token.
+ 5. After the trailer and the last insert, the request starts with that first token and joins continuous
+    batching; its tokens stream back as text deltas.
+ 6. A failed prefill (unreachable, busy, died mid-stream, bad frame, no trailer) keeps the allocated
+    blocks: the request is retried on another replica into the same blocks, then computed here
+    (`fallback_local`), else UNAVAILABLE. A request is never started from a partial cache.
+ 7. Whatever ends the stream (finish, client cancel, deadline, failure) frees the request's blocks here;
+    cancelling the Prefill stream frees them on the prefill side.
 """
 
 from __future__ import annotations
