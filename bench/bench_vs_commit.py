@@ -7,11 +7,11 @@ Checks REV out into a git worktree, lays each tree's pdserve out as it installs 
 so REV must be 9e8f3d1 or later, when engine/ became pdserve.engine), then runs, for each round, one worker
 process per tree (the order alternating from round to round, so that the machine's drift falls on both):
 the worker imports the `pdserve.engine` of its tree (its layout first on PYTHONPATH), builds the default
-model's engine (`max_model_len` 1024, `num_blocks` 1024, `max_num_seqs` the largest batch), times its warmup with an empty compilation cache (every shape compiled),
-counts the compiled variants, times a 1000-token prompt's prefill (two chunks), then times decode steps
-(bench_engine.decode_step_times: greedy, sampling included) at each batch and prompt length. The
-measuring code is this tree's bench/ for both; only `pdserve` differs. Prints each tree's best figures and
-the ratios this tree / baseline.
+model's engine (`max_model_len` 1024, `num_blocks` 1024, `max_num_seqs` the largest batch), times its
+warmup with an empty compilation cache (every shape compiled), counts the compiled variants, times a
+1000-token prompt's prefill (two chunks), then times decode steps (bench_engine.decode_step_times:
+greedy, sampling included) at each batch and prompt length. The measuring code is this tree's bench/ for
+both; only `pdserve` differs. Prints each tree's best figures and the ratios this tree / baseline.
 """
 
 from __future__ import annotations

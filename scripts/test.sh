@@ -16,7 +16,17 @@ bash scripts/setup.sh dev,reference,plots
 .venv/bin/python scripts/lint_imports.py  # layers, the two roles apart, no import cycles
 bash scripts/gen_protos.sh --check
 .venv/bin/pdserve models fetch
+xla_cache="$(.venv/bin/python -c 'from pdserve.engine.loading.sources import cache_dir; print(cache_dir() / "xla")')"
+cache_state() { # the persistent XLA compilation cache that tests and daemons share
+  local n=0
+  [ -d "$xla_cache" ] && n=$(find "$xla_cache" -type f | wc -l)
+  echo "$n executables in $xla_cache"
+}
+summary=()
 for tier in "${tiers[@]}"; do
-  echo "=== tier: $tier" >&2
+  echo "=== tier: $tier (XLA cache: $(cache_state))" >&2
+  start=$SECONDS
   .venv/bin/python -m pytest -m "$tier" --no-unexpected-skips --durations=25 "$@"
+  summary+=("$tier $((SECONDS - start)) s")
 done
+echo "=== tier times: ${summary[*]} (XLA cache after: $(cache_state))" >&2

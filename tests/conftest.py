@@ -29,7 +29,16 @@ from pdserve.engine.args import configure_jax  # noqa: E402
 configure_jax()
 
 TIERS = ("fast", "model", "daemon")
-MODEL_FIXTURES = {"gguf_path", "loaded_model", "make_engine", "colocated"}  # a fast test uses none
+MODEL_FIXTURES = {
+    "gguf_path",
+    "loaded_model",
+    "make_engine",
+    "colocated",
+    "full_gguf_path",
+    "full_model",
+    "full_engine",
+    "full_colocated",
+}
 
 # Skips that may happen in a full run (`--no-unexpected-skips` fails the run on any other): a regex on
 # the skip's reason, and why it is expected. On a CPU box with the dev + reference extras, none is.
@@ -109,11 +118,22 @@ def pytest_sessionfinish(session, exitstatus):
 
 # ---- the model and engines ----------------------------------------------------------------------------
 @pytest.fixture(scope="session")
-def gguf_path():
-    """The default model's GGUF file, where `pdserve models fetch` puts it (fetched on first use)."""
+def full_gguf_path():
+    """The default model's GGUF file, where `pdserve models fetch` puts it (fetched on first use): the
+    parity tests against transformers' recorded outputs and the end-to-end answers use it whole."""
     from pdserve.engine.loading.sources import DEFAULT_MODEL, fetch
 
     return fetch(DEFAULT_MODEL, progress=False)
+
+
+@pytest.fixture(scope="session")
+def gguf_path(full_gguf_path):
+    """The test model: the default model's first layers (pdserve.testing.models), real weights and
+    tokenizer at a fraction of the compute. Tests that compare pdserve with itself (disaggregated with
+    colocated, batched with alone, TP 2 with TP 1, ...) and every shared daemon use it."""
+    from pdserve.testing.models import small_model
+
+    return small_model()
 
 
 @pytest.fixture(scope="session")
@@ -121,6 +141,21 @@ def loaded_model(gguf_path):
     from pdserve.engine.loading.sources import load_model
 
     return load_model(gguf_path)
+
+
+@pytest.fixture(scope="session")
+def full_model(full_gguf_path):
+    from pdserve.engine.loading.sources import load_model
+
+    return load_model(full_gguf_path)
+
+
+@pytest.fixture(scope="session")
+def full_engine(full_model, small_config):
+    """An engine over the whole default model, with the tests' sizes (the parity tests)."""
+    from pdserve.engine.llm_engine import LLMEngine
+
+    return LLMEngine(full_model, small_config)
 
 
 @pytest.fixture(scope="session")
@@ -181,6 +216,12 @@ def colocated(make_engine):
     return Reference(make_engine)
 
 
+@pytest.fixture(scope="session")
+def openai():
+    """The official OpenAI client (dev extra), for the HTTP API tests."""
+    return pytest.importorskip("openai")
+
+
 # ---- daemons ---------------------------------------------------------------------------------------------
 # One prefill-server and one decode-server for the whole session (tests only send them requests and leave
 # every block free), and `daemons`, which starts a test's own daemons and stops every one of them when the
@@ -210,6 +251,33 @@ def decode(gguf_path, prefill, log_dir):
     daemon = decode_server(gguf_path, prefill.address, log_dir, extra=extra)
     yield daemon
     assert daemon.terminate() == 0
+
+
+@pytest.fixture(scope="session")
+def full_daemons(full_gguf_path, log_dir):
+    """(prefill, decode): a prefill-server and a decode-server with the OpenAI HTTP API on the whole
+    default model, for the few daemon tests whose outputs must end as the real model ends them (its
+    answer's EOS, constrained JSON, tool calls)."""
+    from pdserve.testing.launch import decode_server, prefill_server
+
+    prefill = prefill_server(full_gguf_path, log_dir, name="full-prefill")
+    try:
+        decode = decode_server(
+            full_gguf_path, prefill.address, log_dir, name="full-decode", extra=["--http-port", "0"]
+        )
+    except BaseException:
+        prefill.terminate()
+        raise
+    yield prefill, decode
+    assert decode.terminate() == 0 and prefill.terminate() == 0
+
+
+@pytest.fixture(scope="session")
+def full_colocated(full_engine):
+    """`colocated` on the whole default model (full_daemons' reference)."""
+    from tests.helpers import Reference
+
+    return Reference(lambda: full_engine)
 
 
 @pytest.fixture

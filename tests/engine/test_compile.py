@@ -9,10 +9,10 @@ from pdserve.testing.compile_watch import count_compilations
 
 pytestmark = pytest.mark.model
 
-# Few buckets (the property does not depend on their number): prefill chunks of 32 and 64 tokens, 1-2 rows;
-# decode of 1, 2 or 4 rows; contexts of 4, 8 or 16 blocks.
+# Few buckets (the property does not depend on their number): steps of 1 to 16 tokens (a long prompt in
+# chunks of 16), 1 to 4 rows.
 WARMUP_CONFIG = dict(
-    max_model_len=256, max_num_seqs=4, num_blocks=64, max_prefill_seqs=2, max_num_batched_tokens=64
+    max_model_len=256, max_num_seqs=4, num_blocks=64, max_prefill_seqs=2, max_num_batched_tokens=16
 )
 
 

@@ -18,13 +18,13 @@ PROMPT = "Describe a person as JSON."
 LONG = "Here are the facts about the user you must describe. " * 40  # > 256 tokens: a chunked prompt
 
 
-def test_outputs_validate_against_their_schemas_in_a_mixed_batch(make_engine):
+def test_outputs_validate_against_their_schemas_in_a_mixed_batch(full_engine):
     """Every test schema once (greedy and seeded alternately, one chunked prompt), a free greedy row and a
     regex row in the same batch: each constrained output validates, and the free row equals its output
     alone."""
     import jsonschema
 
-    engine = make_engine()
+    engine = full_engine  # the whole model: its JSON ends (the test model's runs on)
     free = SamplingParams(temperature=0.0, max_tokens=24)
     alone = engine.generate([PROMPT], free)[0].token_ids
     params = [
@@ -48,10 +48,10 @@ def test_outputs_validate_against_their_schemas_in_a_mixed_batch(make_engine):
     assert re.fullmatch(r"[A-Z][a-z]{2,6}-\d{3}", out[-1].text)
 
 
-def test_a_choice_containing_the_free_answer_changes_nothing(make_engine):
+def test_a_choice_containing_the_free_answer_changes_nothing(full_engine):
     """A permissive constraint gives the tokens of no constraint: the free greedy answer (ended by EOS)
     among the choices."""
-    engine = make_engine()
+    engine = full_engine  # the whole model: its JSON ends (the test model's runs on)
     question = [{"role": "user", "content": "What is the capital of France? Answer with one word."}]
     prompt = engine.tokenizer.apply_chat_template(question, add_generation_prompt=True)
     free = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12))[0]

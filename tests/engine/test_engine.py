@@ -53,8 +53,9 @@ def test_tensor_parallel_gives_the_same_tokens(make_engine, tp):
     assert [r.token_ids for r in engine.generate(PROMPTS, GREEDY)] == reference
 
 
-def test_stops_and_finish_reasons(make_engine):
-    engine = make_engine()
+def test_stops_and_finish_reasons(full_engine):
+    """On the whole default model: its answer ends with EOS."""
+    engine = full_engine
     chat = engine.tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
     eos = engine.generate([chat], SamplingParams(temperature=0, max_tokens=64))[0]
     assert eos.finish_reason == "stop" and eos.text == "The capital of France is Paris."

@@ -1,12 +1,9 @@
 """The ragged engine generates the tokens of the grid engine it replaced, greedy and seeded.
 
 tests/data/grid_engine_tokens.json holds what the grid engine (rows x tokens x past-blocks steps,
-alternating prefill and decode steps; commit 5d62e15) generated for WORKLOAD, recorded by running this
-file as a script with that commit's `engine` package first on the path:
-
-    git worktree add /tmp/grid 5d62e15
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 PYTHONPATH=/tmp/grid \\
-        .venv/bin/python tests/engine/test_grid_tokens.py --record tests/data/grid_engine_tokens.json
+alternating prefill and decode steps; commit 5d62e15) generated for WORKLOAD on the test model (the default
+model's first 4 layers, pdserve.testing.models): that commit's `engine` package, first on sys.path, ran
+`workload` with its own SamplingParams and LLMEngine, the adapters written by pdserve.testing.lora.
 
 The workload runs at TP 2 with two LoRA adapters: short prompts decoded together (prefill-only, then
 decode-only steps), then long prompts (chunked) arriving while others decode (mixed steps), base and
@@ -17,7 +14,6 @@ tokens must not.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -74,32 +70,3 @@ def test_tokens_equal_the_grid_engines(make_engine, loaded_model, tmp_path):
     engine = make_engine(devices=jax.devices()[:2], **SIZES, max_num_batched_tokens=BUDGET)
     got = workload(engine, write_adapters(tmp_path, loaded_model.config))
     assert got == json.loads(RECORDED.read_text())
-
-
-def record(out: Path) -> None:
-    import dataclasses
-    import tempfile
-
-    import jax
-
-    from pdserve import engine
-    from pdserve.engine.config import EngineConfig
-    from pdserve.engine.llm_engine import LLMEngine
-    from pdserve.engine.loading.sources import load_model
-
-    print(f"recording with {engine.__file__}", file=sys.stderr)
-    budget = (
-        "max_num_batched_tokens" if "max_num_batched_tokens" in EngineConfig.__dataclass_fields__ else None
-    )
-    config = EngineConfig(**SIZES, **{budget or "max_prefill_tokens": BUDGET})
-    model = load_model(None)
-    engine = LLMEngine(model, dataclasses.replace(config), jax.devices()[:2])
-    with tempfile.TemporaryDirectory() as folder:
-        tokens = workload(engine, write_adapters(Path(folder), model.config))
-    out.write_text(json.dumps(tokens, indent=1) + "\n")
-
-
-if __name__ == "__main__":
-    if sys.argv[1:2] != ["--record"]:
-        raise SystemExit(__doc__)
-    record(Path(sys.argv[2]))

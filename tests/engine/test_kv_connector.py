@@ -20,6 +20,8 @@ def test_a_long_prompt_is_handed_over_per_chunk_from_the_first_block_asked(make_
     engine = make_engine()
     layout, bs = engine_layout(engine), small_config.block_size
     prompt = np.random.default_rng(7).integers(100, 30000, 600).tolist()  # 3 chunks of <= 256 tokens
+    # frames of a few blocks each (the test model's 4 layers would fit the prompt in one 4 MiB frame)
+    frame_bytes = 1 << 19
     first_block = 3  # the receiver holds the first 3 blocks
     calls = []
     connector, original = PrefillConnector(layout), engine.kv_connector
@@ -31,7 +33,7 @@ def test_a_long_prompt_is_handed_over_per_chunk_from_the_first_block_asked(make_
             held = engine.scheduler.requests["streamed"]
             calls.append((held.num_computed, held.status, chunks, last))
 
-        connector.expect("streamed", sink, first_block=first_block)
+        connector.expect("streamed", sink, max_frame_bytes=frame_bytes, first_block=first_block)
         engine.add_prepared_request(request)
         while engine.has_unfinished:
             engine.step()
@@ -42,7 +44,7 @@ def test_a_long_prompt_is_handed_over_per_chunk_from_the_first_block_asked(make_
     for computed, _, chunks, _ in calls:  # nothing handed over before its tokens were computed
         assert all(first_block * bs + c.token_start + c.num_tokens <= computed for c in chunks)
     chunks = [c for *_, cs, _ in calls for c in cs]
-    plan = kvtransfer.plan_frames(layout, 600 - first_block * bs)
+    plan = kvtransfer.plan_frames(layout, 600 - first_block * bs, frame_bytes)
     assert [(c.layer_start, c.token_start, c.num_tokens) for c in chunks] == [
         (p.layer_start, p.token_start, p.num_tokens) for p in plan
     ]

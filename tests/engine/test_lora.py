@@ -325,11 +325,12 @@ def test_constrained_requests_with_adapters_validate_and_match_alone(lora_engine
     from pdserve.engine.sampling_params import Constraint
 
     engine = lora_engine()
-    schema = {  # a finite language: random adapters cannot run it to max_tokens
+    schema = {  # a finite language (compact separators): random adapters cannot run it to max_tokens
         "type": "object",
         "properties": {"color": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"}},
         "required": ["color", "ok"],
         "additionalProperties": False,
+        "x-guidance": {"whitespace_flexible": False},
     }
     constrained = SamplingParams(
         temperature=0.0, max_tokens=64, constraint=Constraint("json_schema", json.dumps(schema))

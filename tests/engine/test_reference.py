@@ -35,17 +35,17 @@ def test_fixtures_cover_a_long_prompt():
 
 
 @pytest.mark.parametrize("index", range(5))
-def test_last_logits_match_transformers(make_engine, index):
+def test_last_logits_match_transformers(full_engine, index):
     prompt, expected, _ = load_fixtures()[index]
-    engine = make_engine()
+    engine = full_engine
     got = engine.prompt_logits(prompt)
     assert np.max(np.abs(got - expected)) <= MAX_LOGIT_DIFF
 
 
-def test_greedy_tokens_match_transformers_batched(make_engine):
+def test_greedy_tokens_match_transformers_batched(full_engine):
     """All fixture prompts decoded together (mixed lengths, the long one chunked) give HF's 32 tokens."""
     fixtures = load_fixtures()
-    engine = make_engine()
+    engine = full_engine
     results = engine.generate([p for p, _, _ in fixtures], GREEDY_IGNORE_EOS)
     for (_, _, expected), result in zip(fixtures, results, strict=True):
         assert result.token_ids == expected

@@ -1,4 +1,5 @@
-"""Structured output across the prefill -> decode handoff (the session's daemons): the prefill server samples
+"""Structured output across the prefill -> decode handoff (the session's daemons on the whole default model,
+whose JSON ends; the test model's runs on in whitespace): the prefill server samples
 the first token under the request's constraint, the decode server's matcher resumes after it, and the
 outputs equal the colocated engine's and validate; a bad constraint is INVALID_ARGUMENT and the daemon
 keeps serving."""
@@ -21,11 +22,12 @@ pytestmark = pytest.mark.daemon
 PROMPT = "Give me a JSON record about a city you like. "
 
 
-def test_constrained_requests_disaggregated_equal_colocated(decode, prefill, colocated):
+def test_constrained_requests_disaggregated_equal_colocated(full_daemons, full_colocated):
     """Four schemas (greedy and seeded), a chunked prompt under json_object, and a free request side by
     side: every prompt transferred, the tokens equal the colocated engine's, and each output validates."""
     import jsonschema
 
+    (prefill, decode), colocated = full_daemons, full_colocated
     jobs = [
         (
             f"{PROMPT}Record {i}:",
@@ -72,12 +74,13 @@ def test_a_bad_constraint_is_invalid_argument_and_the_daemon_keeps_serving(decod
     client.close()
 
 
-def test_openai_response_format_json_schema_and_json_object(decode):
+def test_openai_response_format_json_schema_and_json_object(full_daemons):
     """The official openai client: response_format json_schema (streamed and not) and json_object; the
     content validates, the stream carries the same text."""
     openai = pytest.importorskip("openai")
     import jsonschema
 
+    _, decode = full_daemons
     client = openai.OpenAI(base_url=f"http://{decode.addresses['http']}/v1", api_key="unused")
     model = client.models.list().data[0].id
     schema = SCHEMAS[1]  # an enum and a bounded number
@@ -106,7 +109,7 @@ def test_openai_response_format_json_schema_and_json_object(decode):
         client.chat.completions.create(model=model, messages=messages, response_format=broken)
 
 
-def test_openai_tools_required_named_and_auto(decode):
+def test_openai_tools_required_named_and_auto(full_daemons):
     """tools with tool_choice required and named (streamed and not): a tool call whose arguments validate
     against its parameters, finish_reason tool_calls; auto: text or valid calls."""
     openai = pytest.importorskip("openai")
@@ -114,6 +117,7 @@ def test_openai_tools_required_named_and_auto(decode):
 
     from tests.services.test_tools import TIME, WEATHER
 
+    _, decode = full_daemons
     client = openai.OpenAI(base_url=f"http://{decode.addresses['http']}/v1", api_key="unused")
     model = client.models.list().data[0].id
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]

@@ -52,12 +52,30 @@ def test_disaggregated_equals_colocated_greedy_and_seeded(decode, prefill, coloc
     assert_all_free(decode.address, prefill.address)
 
 
-def test_chat_and_text_deltas_stream(decode):
-    client = Client(decode.address)
-    result = client.generate(
-        chat=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=32
-    )
+def test_the_default_model_answers_through_both_roles(full_daemons, openai):
+    """The one end-to-end case on the whole default model (the other daemon tests use the test model's
+    first layers): a chat through a prefill-server and a decode-server, over gRPC and the OpenAI API,
+    gets the model's answer, ended by its EOS."""
+    prefill, decode = full_daemons
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    result = Client(decode.address).generate(chat=question, max_tokens=32)
     assert result.text == "The capital of France is Paris." and result.finish_reason == "stop"
+    http = openai.OpenAI(base_url=f"http://{decode.addresses['http']}/v1", api_key="unused")
+    (model,) = http.models.list().data
+    chat = http.chat.completions.create(model=model.id, messages=question, temperature=0, max_tokens=32)
+    assert chat.choices[0].message.content == "The capital of France is Paris."
+    assert chat.choices[0].finish_reason == "stop" and chat.usage.completion_tokens == 8
+    assert Client(prefill.address).stats().num_requests_total >= 1
+    assert_all_free(decode.address, prefill.address)
+
+
+def test_chat_and_text_deltas_stream(decode, colocated, loaded_model):
+    client = Client(decode.address)
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    result = client.generate(chat=chat, max_tokens=32)
+    ids = loaded_model.tokenizer.encode_chat(chat)
+    assert result.token_ids == colocated(ids, max_tokens=32)
+    assert result.text == colocated(ids, field="text", max_tokens=32)
     responses = list(client.stream(build_request("Once upon a time", max_tokens=8, ignore_eos=True)))
     assert len(responses) == 8 and all(len(r.token_ids) == 1 for r in responses)
     assert responses[-1].usage.completion_tokens == 8
@@ -163,13 +181,20 @@ def test_a_conversation_over_heterogeneous_tp_moves_only_its_new_blocks(
     import jax
 
     from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.kvtransfer import plan_frames
     from pdserve.services.decode.core import GenerationCore
     from pdserve.services.decode.server import serve
+    from pdserve.services.kv import model_layout
 
     core = GenerationCore.for_engine(
         LLMEngine(loaded_model, small_config, jax.devices()[2:4]), prefill_targets=[prefill.address]
     )
     tokenize = loaded_model.tokenizer.encode
+    sender_layout = model_layout(loaded_model.config, small_config)  # the prefill server's (TP 1)
+
+    def planned_layer_blocks(num_tokens: int) -> int:
+        return sum(p.num_layers * p.bucket for p in plan_frames(sender_layout, num_tokens))
+
     with in_process(lambda stop, ready: serve(core, 0, stop, on_ready=ready)) as address:
         client = Client(address)
         for i, kw in enumerate((GREEDY, SEEDED[0])):
@@ -182,9 +207,12 @@ def test_a_conversation_over_heterogeneous_tp_moves_only_its_new_blocks(
             assert len(turn2) > 256 > len(turn1)
             before = client.stats().kv_transfer_bytes_total
             assert client.generate(turn2, **kw).token_ids == colocated(turn2, **kw)
-            per_token = full / len(turn1)  # frames carry exactly their tokens' KV
+            # bytes received follow the frame plan: its chunks' blocks, the last of each padded to its
+            # bucket (as many blocks as a frame holds: 4 layers' frames hold turn 1 whole)
+            per_layer_block = full / planned_layer_blocks(len(turn1))
             held = len(turn1) // 16 * 16  # at least turn 1's full blocks
-            assert 0 < client.stats().kv_transfer_bytes_total - before <= per_token * (len(turn2) - held)
+            moved = client.stats().kv_transfer_bytes_total - before
+            assert 0 < moved <= per_layer_block * planned_layer_blocks(len(turn2) - held)
         assert client.stats().num_transfer_failures_total == 0
         assert_all_free(address, prefill.address)
 
