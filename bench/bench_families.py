@@ -14,7 +14,7 @@ figures measure each implementation's per-token overheads more than its arithmet
     same model with every layer full; MLA: the K and V that its heads would hold expanded).
 And, for Gemma 3 4B's layer pattern (34 layers, every sixth full, window 1024, block 16, the default
 512-token budget), the layer-blocks of cache a request of 1k..32k tokens holds through pdserve's KV cache
-manager: hybrid layer groups sharing rows (engine.kv_groups) against one table for every layer.
+manager: hybrid layer groups sharing rows (engine.core.kv_groups) against one table for every layer.
 """
 
 from __future__ import annotations

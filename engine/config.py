@@ -32,7 +32,7 @@ _HF_ARCHITECTURES = {
     "DeepseekV2ForCausalLM": "deepseek_v2",
 }
 _MODEL_TYPES = {"gemma3_text": "gemma3"}  # config.json model_type -> architecture, where they differ
-# config.json activation names -> the gated MLP's activation (engine.model)
+# config.json activation names -> the gated MLP's activation (engine.model.forward)
 _HF_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 ACTIVATIONS = tuple(sorted(set(_HF_ACTIVATIONS.values())))
 _QK_NORM = ("qwen3", "gemma3", "qwen3_moe")  # RMSNorm of each query and key head before rope

@@ -3,7 +3,7 @@ fills the request's allowed-token bitmask before each sample and advances with e
 
 llguidance was chosen by measurement (BENCHMARKS.md, bench/bench_grammar.py): no dependencies, JSON
 schemas, regexes and Lark grammars compiled in well under a millisecond, masks written straight into a
-numpy int32 bitmask (the layout engine.sampler applies on device), a batch's masks computed in parallel
+numpy int32 bitmask (the layout engine.model.sampler applies on device), a batch's masks computed in parallel
 off the GIL, and compile work bounded by fuel limits rather than wall-clock time.
 """
 

@@ -301,7 +301,7 @@ class LLMEngine:
         if self.lora_slots is not None:
             self.lora_slots.publish = publish
 
-    # ---- what the prefix cache gains and loses (engine.kv_events) --------------------------------------
+    # ---- what the prefix cache gains and loses (engine.core.kv_events) ---------------------------------
     def record_kv_events(self) -> None:
         """Starts keeping KV cache events (the first: AllBlocksCleared) for take_kv_events."""
         self.scheduler.kv.record_events()
@@ -310,7 +310,7 @@ class LLMEngine:
         """The KV cache events since the last call, oldest first."""
         return self.scheduler.kv.take_events()
 
-    # ---- KV from elsewhere (the decode role; see engine.kv_connector) ---------------------------------
+    # ---- KV from elsewhere (the decode role; see engine.core.kv_connector) ---------------------------------
     @property
     def kv_connector(self) -> KVConnector:
         return self.scheduler.connector

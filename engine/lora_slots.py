@@ -1,11 +1,11 @@
 """Device slots holding the adapters in use: a fixed number, least recently used evicted first.
 
 All slots live in one LoraWeights pytree, layers stacked on axis 0, laid out for the fused projections of
-engine.weights: Q/K/V per (padded) KV head, gate and up side by side, heads padded for tensor parallelism
-exactly like the base weights. The slot axis sits where the products need it: after the contracted input
-axis in A ([in, slots, ..., R]), first in B ([slots, R, out]) and after the part axis of the batched
-expansions (k/v, gate/up), so XLA contracts every array in place, with no per-step transpose. A slot of
-zeros adds nothing.
+engine.model.weights: Q/K/V per (padded) KV head, gate and up side by side, heads padded for tensor
+parallelism exactly like the base weights. The slot axis sits where the products need it: after the contracted
+input axis in A ([in, slots, ..., R]), first in B ([slots, R, out]) and after the part axis of the batched
+expansions (k/v, gate/up), so XLA contracts every array in place, with no per-step transpose. A slot of zeros
+adds nothing.
 
 A request pins its adapter's slot from admission to its end, so a slot is only rewritten once no
 running request reads it; when every slot is pinned by another adapter, the request waits.

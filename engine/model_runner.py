@@ -82,7 +82,7 @@ class ModelRunner:
         return [(t, c.seq_bucket(t)) for t in c.token_buckets]
 
     def sampler_shapes(self) -> list[tuple[int, bool]]:
-        """Every (rows, penalties) the sampler is compiled for (engine.sampler: one variant each)."""
+        """Every (rows, penalties) the sampler is compiled for (engine.model.sampler: one variant each)."""
         rows = sorted({s for _, s in self.step_shapes()})
         return list(itertools.product(rows, (False, True)))
 
@@ -145,7 +145,7 @@ class ModelRunner:
         allowed: np.ndarray | None = None,
     ) -> SampleResult:
         """Samples `rows` from rows `logits_rows` (default 0..) of `logits`, each among the tokens its row of
-        `allowed` (engine.sampler's bitmasks; None: all) lets through; returns host numpy results."""
+        `allowed` (engine.model.sampler's bitmasks; None: all) lets through; returns host numpy results."""
         params = [r.params for r in rows]
         penalties = any(p.needs_penalties for p in params)
         history = [(r.prompt_ids, r.output_ids) for r in rows] if penalties else None
@@ -171,7 +171,7 @@ class ModelRunner:
             self.publish(multihost.sample_op(batch))
         return sample(logits, batch, num_logprobs=self.config.max_logprobs)
 
-    # ---- KV in and out (engine.kv_connector) ----------------------------------------------------------
+    # ---- KV in and out (engine.core.kv_connector) ----------------------------------------------------------
     def gather_kv(
         self,
         layout: KVLayout,
@@ -182,8 +182,8 @@ class ModelRunner:
         head_map: HeadMap | None,
         frames: Sequence[FramePlan],
     ) -> list[KVChunk]:
-        """kvtransfer's chunks of these frames of a request's blocks (engine.kv_groups: each layer read from
-        its group's table and its row); in a multi-process job the chunks are replicated on every process
+        """kvtransfer's chunks of these frames of a request's blocks (engine.core.kv_groups: each layer read
+        from its group's table and its row); in a multi-process job the chunks are replicated on every process
         (an all-gather over the hosts), so the leader reads them locally."""
         tables = BlockTables.of(block_ids)
         if self.publish is not None:

@@ -59,7 +59,7 @@ def is_multi_process() -> bool:
 
 def engine_fingerprint(engine) -> str:
     """What must be equal for two processes to replay each other's operations: the model, the engine
-    configuration, the global device count and the JAX version (`engine`: an engine.engine.LLMEngine)."""
+    configuration, the global device count and the JAX version (`engine`: an engine.llm_engine.LLMEngine)."""
     facts = {
         "model": dataclasses.asdict(engine.model.config),
         "engine": dataclasses.asdict(engine.config),
@@ -71,8 +71,8 @@ def engine_fingerprint(engine) -> str:
 
 # ---- operations <-> arguments (one place for each kind's encoding) ---------------------------------------
 def sample_op(batch: SamplingBatch) -> DeviceOp:
-    """engine.sampler.SamplingBatch -> a `sample` operation. Of the allowed-token bitmasks only the rows of
-    constrained requests travel (the rest are all ones: about 6 KB a row saved with a 49k vocabulary)."""
+    """engine.model.sampler.SamplingBatch -> a `sample` operation. Of the allowed-token bitmasks only the rows
+    of constrained requests travel (the rest are all ones: about 6 KB a row saved with a 49k vocabulary)."""
     arrays = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
     constrained = np.flatnonzero((batch.allowed != -1).any(axis=1)).astype(np.int32)
     arrays.update(allowed=batch.allowed[constrained], allowed_rows=constrained)
@@ -140,7 +140,7 @@ def insert_args(op: DeviceOp) -> tuple[KVChunk, BlockTables]:
 
 class Follower:
     """Applies a leader's operations to this process's engine (a worker of a multi-process daemon):
-    `engine` an engine.engine.LLMEngine built and warmed up like the leader's; `layout` its KV layout."""
+    `engine` an engine.llm_engine.LLMEngine built and warmed up like the leader's; `layout` its KV layout."""
 
     def __init__(self, engine, layout):
         self.engine = engine

@@ -19,8 +19,8 @@ EXIT_ENGINE_FAILED = 4  # the engine could not serve any more (services.engine_l
 
 @contextlib.contextmanager
 def refusing_unloadable_models():
-    """A model reference that cannot be served (engine.models.MODEL_ERRORS: not found, an architecture or
-    config feature pdserve lacks) ends the command with one line on stderr and exit status 1."""
+    """A model reference that cannot be served (engine.loading.sources.MODEL_ERRORS: not found, an
+    architecture or config feature pdserve lacks) ends the command with one line on stderr, exit status 1."""
     from pdserve.engine.loading.sources import MODEL_ERRORS
 
     try:

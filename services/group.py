@@ -201,7 +201,7 @@ async def supervised(leader: Leader | None, stop: asyncio.Event, serving: Awaita
 
 def lead(engine, group: ProcessGroup, host: str, timeout_s: float = 600.0) -> Leader:
     """Process 0, its engine warmed up: opens the group port, waits for every worker, then publishes each
-    of the engine's device operations (`engine`: an engine.engine.LLMEngine)."""
+    of the engine's device operations (`engine`: an engine.llm_engine.LLMEngine)."""
     leader = Leader(group, engine_fingerprint(engine), host)
     leader.wait_for_workers(timeout_s)
     engine.publish_device_ops(leader.publish)
@@ -211,7 +211,7 @@ def lead(engine, group: ProcessGroup, host: str, timeout_s: float = 600.0) -> Le
 # ---- a worker --------------------------------------------------------------------------------------------
 def follow(engine, layout, group: ProcessGroup) -> int:
     """A worker process, its engine warmed up like the leader's: applies the leader's operations until
-    `stop`, then returns 0 (`engine`: an engine.engine.LLMEngine; `layout`: its KV layout)."""
+    `stop`, then returns 0 (`engine`: an engine.llm_engine.LLMEngine; `layout`: its KV layout)."""
     signal.signal(signal.SIGTERM, lambda *_: log.info("SIGTERM: the leader stops this worker"))
     follower = Follower(engine, layout)
     ops = operations(group, engine_fingerprint(engine))

@@ -8,7 +8,7 @@ Blocks are registered in the cache as they fill with computed tokens (`cache_blo
 generated tokens alike; a partial last block is never shared. A finished, aborted or preempted request
 gives its references back (`free`); its hashed blocks stay cached, in an LRU set, until allocation needs
 them. With `record_events()`, what the cache gains and loses is kept as KV events (engine/core/kv_events.py)
-until `take_events()`. A hybrid model's sliding groups (engine.kv_groups) hold a ring of blocks per
+until `take_events()`. A hybrid model's sliding groups (engine.core.kv_groups) hold a ring of blocks per
 request besides its table, never cached. No device code; the scheduler is the only caller.
 """
 

@@ -1,6 +1,6 @@
 """KV connectors: how a request's KV enters or leaves an engine other than by its own steps.
 
-In the spirit of vLLM's KV connector, a connector has a scheduler side (called by engine.scheduler while
+In the spirit of vLLM's KV connector, a connector has a scheduler side (called by engine.core.scheduler while
 it admits and finishes requests) and a worker side (called on the engine thread with the engine's
 engine.runner.ModelRunner, which owns the device cache and, in a multi-process engine, has every process
 replay its reads and writes):

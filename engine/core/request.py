@@ -12,7 +12,7 @@ from pdserve.engine.sampling_params import SamplingParams
 
 
 class Status(enum.Enum):
-    """Where a request is in the scheduler (engine.scheduler changes it; nothing else does)."""
+    """Where a request is in the scheduler (engine.core.scheduler changes it; nothing else does)."""
 
     WAITING = "waiting"  # queued: no blocks yet
     WAITING_FOR_REMOTE_KV = (

@@ -1,10 +1,10 @@
 """The scheduler: every request's state and blocks, which rows run in the next step, and what a step's
 results change. No device code.
 
-States (engine.request.Status): WAITING (queued, no blocks) -> RUNNING (blocks held: prompt computed in
+States (engine.core.request.Status): WAITING (queued, no blocks) -> RUNNING (blocks held: prompt computed in
 chunks, then decoding) -> FINISHED. Under block pressure the newest request holding blocks (decoding, or
 with its prompt partly computed) is PREEMPTED: it gives its blocks back and is queued first (its prefix
-is found in the cache again when it is readmitted). With a KV connector (engine.kv_connector), a request
+is found in the cache again when it is readmitted). With a KV connector (engine.core.kv_connector), a request
 whose prompt KV arrives from elsewhere is admitted into WAITING_FOR_REMOTE_KV instead of RUNNING, and a
 finished request whose KV a sender still wants is held in FINISHED_SENDING until the engine has handed
 it over.
@@ -48,7 +48,7 @@ class AdapterSlots(Protocol):
 
 
 # (request, sampled token, its logprobs) -> the client's view of it; sets request.finish_reason when the
-# token ends the request (engine.output.OutputStream).
+# token ends the request (engine.core.output.OutputStream).
 TokenSink = Callable[[Request, int, "TokenLogprobs | None"], "RequestOutput"]
 
 
@@ -83,7 +83,7 @@ class Scheduler:
         those layers' blocks only within the window (and those blocks never enter the prefix cache).
         `release_window`: every layer attends within this many tokens (0: some layer to all), so a request's
         blocks wholly before its last `release_window` tokens are given back as it advances.
-        `ring_blocks`: a hybrid model's rings (engine.kv_groups.KVGroups.ring_blocks)."""
+        `ring_blocks`: a hybrid model's rings (engine.core.kv_groups.KVGroups.ring_blocks)."""
         self.config = config
         self.windowed_transfers = windowed_transfers
         self.release_window = release_window

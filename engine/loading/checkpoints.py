@@ -1,7 +1,7 @@
 """Checkpoint loading: GGUF files (dequantized at load) and Hugging Face safetensors folders.
 
 Both produce a `ModelConfig` and host numpy arrays in math layout (`x @ W`), layers stacked on a leading
-axis, ready for `engine.weights.build_weights`.
+axis, ready for `engine.model.weights.build_weights`.
 """
 
 from __future__ import annotations

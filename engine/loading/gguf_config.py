@@ -14,7 +14,7 @@ src/llama-model.cpp and src/models/*.cpp):
   * DeepSeek-V2 (`deepseek2`): YaRN's mscale is `rope.scaling.yarn_log_multiplier` / 0.1 for both of
     DeepSeek's mscales, its betas are 32 and 1; its KV head count is stored as 1 (the latent's).
 llama.cpp's converter also stores Gemma's norm weights as 1 + w, and Llama's and Mixtral's q/k rows
-permuted for its rope: engine.loader reads them back.
+permuted for its rope: engine.loading.checkpoints reads them back.
 """
 
 from __future__ import annotations

@@ -114,7 +114,7 @@ def resolve(ref: str | os.PathLike | None) -> Path:
 @dataclasses.dataclass
 class LoadedModel:
     config: ModelConfig
-    host_weights: dict[str, np.ndarray]  # math layout, layers stacked; see engine.weights.build_weights
+    host_weights: dict[str, np.ndarray]  # math layout, layers stacked; see engine.model.weights.build_weights
     tokenizer: Tokenizer
     path: Path
 

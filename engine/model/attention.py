@@ -6,12 +6,12 @@ first kv_lens[s] - q_len(s) are already in the paged cache, in the blocks `block
 new ones are in registers (`k_new`, `v_new`). The arguments are those of JAX's and tpu-inference's
 `ragged_paged_attention` (queries, new keys and values, the paged cache with K/V interleaved on the
 heads axis, kv_lens, page indices, cu_q_lens), plus the layer index of pdserve's stacked cache. The
-model writes the new K/V into the cache once, after all layers (engine.model); a kernel that writes
+model writes the new K/V into the cache once, after all layers (engine.model.forward); a kernel that writes
 them itself is equally valid, the cache it is handed is not read back.
 
 Per model it also takes the softmax scale, a sliding window (a query sees the last `sliding_window`
 positions, itself included; the loops start at the first tile a window reaches) and a soft cap on the
-scores (Gemma 2), and with `latent` a multi-head-latent cache (MLA, engine.mla): one latent head a token
+scores (Gemma 2), and with `latent` a multi-head-latent cache (MLA, engine.model.mla): one latent head a token
 that is the key and, its first dims, the value.
 
 The reference runs everywhere and is what the tests pin down. Its cost follows the work, not the static

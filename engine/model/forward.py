@@ -2,7 +2,7 @@
 
 One function, `forward_step`, runs a ragged step: one flat axis of new tokens holding decode tokens and
 prefill chunks of any number of sequences, each attending to its own past through its block table
-(engine.attention). Every projection is one matmul over all the step's tokens. Layers run under
+(engine.model.attention). Every projection is one matmul over all the step's tokens. Layers run under
 `lax.scan` over the stacked weights (fast to compile, reads each weight once). The new tokens' K/V
 leave the scan as its per-layer output and are scattered into the cache once, after the last layer; the
 cache is donated, so the scatter updates it in place. With a kernel that reads them from the cache (the
@@ -41,7 +41,7 @@ def _pair(lo: LoraWeights | None, name: str) -> tuple:
 def forward_step(
     weights: Weights,
     lora: LoraWeights | None,  # resident adapters (None: LoRA off, nothing added)
-    cache: jax.Array,  # [rows, num_blocks, block_size, 2 * kv_heads, head_dim] (engine.kv_groups)
+    cache: jax.Array,  # [rows, num_blocks, block_size, 2 * kv_heads, head_dim] (engine.core.kv_groups)
     tokens: jax.Array,  # [T] int32: every sequence's new tokens back to back, then padding
     cu_q_lens: jax.Array,  # [S + 1] where each sequence's tokens start; the last: tokens in use
     kv_lens: jax.Array,  # [S] context of each sequence once its new tokens are in (0: padding)
@@ -89,7 +89,7 @@ def forward_step(
 
         h = rms_norm(x, w.attn_norm, cfg.rms_norm_eps)
         inv_freq = inv_freqs[rope_row]
-        if cfg.is_mla:  # LoRA is refused with MLA (engine.engine)
+        if cfg.is_mla:  # LoRA is refused with MLA (engine.llm_engine)
             q, k = mla.queries_and_latent(h, w, positions, inv_freq, cfg)
             v, new_kv = k[..., : cfg.kv_lora_rank], k
         else:
@@ -125,7 +125,7 @@ def forward_step(
         out = plus_lora(attn @ w.wo, lora_ops.linear_delta, attn, *_pair(lo, "o"))
         x = x + (out if w.post_attn_norm is None else rms_norm(out, w.post_attn_norm, cfg.rms_norm_eps))
         h = rms_norm(x, w.mlp_norm, cfg.rms_norm_eps)
-        if w.experts_gate_up is not None:  # LoRA is refused with experts (engine.engine)
+        if w.experts_gate_up is not None:  # LoRA is refused with experts (engine.llm_engine)
             route = moe.route(h, w.w_router, cfg)
             out = moe.experts_mlp(h, *route, valid, w.experts_gate_up, w.experts_down, act_fn)
             if w.shared_gate_up is not None:

@@ -2,7 +2,7 @@
 
 Layout: [rows, num_blocks, block_size, 2 * kv_heads, head_dim], K and V interleaved on the heads
 axis (2h is K of KV head h, 2h+1 its V), sharded on that axis over the mesh axis `model`. A row per
-layer, except in hybrid models, whose layer groups share rows (engine.kv_groups). Per layer this
+layer, except in hybrid models, whose layer groups share rows (engine.core.kv_groups). Per layer this
 is the `[num_blocks, block_size, 2 * kv_heads, head_dim]` layout kvtransfer moves. With multi-head latent
 attention the heads axis holds one latent [kv_lora_rank | rope dims] a token, replicated over the mesh.
 """

@@ -7,7 +7,7 @@ token and layer: one "head" of r + rope dims (kvtransfer's MLA spec), replicated
 query heads are split over it. Head h's key is [c @ W_uk[h] | k_pe] and its value c @ W_uv[h]; so
     q_h . k_h = (q_nope_h @ W_uk[h]^T) . c + q_pe_h . k_pe
 and the attention runs on the latent as multi-query attention of head_dim r + rope whose value is the
-latent's first r dims (engine.attention, `latent=True`); W_uv[h] maps each head's result afterwards. The
+latent's first r dims (engine.model.attention, `latent=True`); W_uv[h] maps each head's result afterwards. The
 up-projections are never applied to the cache: decode reads r + rope numbers per past token, not
 2 * heads * head_dim. Prefill uses the same absorbed form (the expanded form would compute fewer flops for
 long prompts at 128-dim heads; a kernel choice left to the TPU path).

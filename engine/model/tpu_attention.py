@@ -3,7 +3,7 @@
 `jax.experimental.pallas.ops.tpu.ragged_paged_attention` takes pdserve's cache layout as it is (pages
 [pages, page_size, 2 * kv_heads, head_dim], K of head h at 2h, V at 2h + 1), mixed decode and prefill
 rows, a sliding window and a soft cap. What this adapter maps:
-  * the stacked cache [rows, blocks, ...] (a row per layer, or per layer of a group: engine.kv_groups)
+  * the stacked cache [rows, blocks, ...] (a row per layer, or per layer of a group: engine.core.kv_groups)
     becomes one page array (a merge of the leading axes, no copy), and a layer's pages are its block ids
     plus its row * blocks;
   * queries [T, kv_heads, group, d] become [T, heads, d] (query head i reads KV head i // group, the
@@ -15,7 +15,7 @@ rows, a sliding window and a soft cap. What this adapter maps:
   * at TP > 1, a `shard_map` over the heads (a Pallas call has no partitioning rule): each chip attends
     with its own query and KV heads.
 The kernel reads the step's new K/V from the cache (`reads_new_kv_from_cache`): the model writes them
-layer by layer first (engine.model). MLA's latent cache is not the kernel's layout: those layers keep
+layer by layer first (engine.model.forward). MLA's latent cache is not the kernel's layout: those layers keep
 the reference.
 
 Checked without a TPU (tests/engine/test_tpu_attention.py): the mapping, against jax's reference of the

@@ -43,8 +43,8 @@ class LayerWeights:
     experts_down: jax.Array | None = None  # [L, experts, intermediate, hidden]
     shared_gate_up: jax.Array | None = None  # [L, hidden, 2, shared intermediate]: DeepSeek's shared experts
     shared_down: jax.Array | None = None  # [L, shared intermediate, hidden]
-    # Multi-head latent attention (ModelConfig.is_mla; engine.mla), else None. The latent's projection is
-    # replicated, every per-head array split over the mesh by heads. r: kv_lora_rank, qr: q_lora_rank.
+    # Multi-head latent attention (ModelConfig.is_mla; engine.model.mla), else None. The latent's projection
+    # is replicated, every per-head array split over the mesh by heads. r: kv_lora_rank, qr: q_lora_rank.
     w_q: jax.Array | None = None  # [L, hidden (qr with q_lora_rank), heads, nope + rope dims]
     w_q_a: jax.Array | None = None  # [L, hidden, qr] with q_lora_rank
     q_a_norm: jax.Array | None = None  # [L, qr]
@@ -128,7 +128,7 @@ def _fused_qkv(cfg: ModelConfig, host: dict[str, np.ndarray], tp: int) -> dict[s
 
 def _mla(cfg: ModelConfig, host: dict[str, np.ndarray], tp: int) -> dict[str, np.ndarray]:
     """MLA's arrays: queries per head, the latent's projection, kv_b split into the keys' and the values'
-    up-projections per head (absorbed around attention, engine.mla). Heads are split, never padded."""
+    up-projections per head (absorbed around attention, engine.model.mla). Heads are split, never padded."""
     if cfg.num_heads % tp:
         raise ValueError(f"MLA: {cfg.num_heads} heads do not split over TP {tp}")
     h, r, nope = cfg.num_heads, cfg.kv_lora_rank, cfg.head_dim - cfg.rope_dim
@@ -152,7 +152,7 @@ _EXPERT_MLP = ("w_router", "experts_gate_up", "experts_down", "shared_gate_up", 
 
 def _mlp(host: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The MLP's stacked arrays, gate and up fused: dense ones over the layers that have them, experts
-    (and shared experts) over theirs (engine.loader._layers_with)."""
+    (and shared experts) over theirs (engine.loading.checkpoints._layers_with)."""
     out = {"w_router": host.get("w_router")}
     for prefix in ("w", "experts", "shared"):
         if f"{prefix}_gate" in host:
@@ -166,13 +166,13 @@ def build_weights(
 ) -> Weights:
     """Pads heads for the mesh's TP size and places every array with its sharding.
 
-    `host` holds numpy arrays in math layout (x @ W), layers stacked (engine.loader's names): `embed`
-    [V, D], `final_norm` [D], optional `lm_head` [D, V], `wq` `wk` `wv` [L, D, heads * head_dim], their
-    biases `bq` `bk` `bv`, `wo`, `w_gate` `w_up` [L, D, I], `w_down`, `attn_norm`, `mlp_norm`; with
-    experts `experts_gate` `experts_up` [L', E, D, I], `experts_down`, the router `w_router` [L', D, E] and
-    shared experts `shared_gate` `shared_up` `shared_down` over the L' expert layers (the dense MLP's over
-    the others); with MLA its own (engine.loader); and with
-    qk_norm `q_norm` `k_norm` [L, head_dim], with sandwich_norms `post_attn_norm` `post_mlp_norm` [L, D].
+    `host` holds numpy arrays in math layout (x @ W), layers stacked (the names of
+    engine.loading.checkpoints): `embed` [V, D], `final_norm` [D], optional `lm_head` [D, V], `wq` `wk` `wv`
+    [L, D, heads * head_dim], their biases `bq` `bk` `bv`, `wo`, `w_gate` `w_up` [L, D, I], `w_down`,
+    `attn_norm`, `mlp_norm`; with experts `experts_gate` `experts_up` [L', E, D, I], `experts_down`, the
+    router `w_router` [L', D, E] and shared experts `shared_gate` `shared_up` `shared_down` over the L' expert
+    layers (the dense MLP's over the others); with MLA its own (engine.loading.checkpoints); and with qk_norm
+    `q_norm` `k_norm` [L, head_dim], with sandwich_norms `post_attn_norm` `post_mlp_norm` [L, D].
     """
     tp = mesh.shape["model"]
     per_layer = {  # every layer's

@@ -5,7 +5,8 @@ stream of a request's outputs. Neither front end imports the other; both call do
 A request's life here: make_request (validate, tokenize) -> stream: queued in the engine's scheduler
 (bounded) -> blocks allocated -> prefill on a replica (KV chunks written by the engine's DecodeConnector
 as they arrive; the first token starts it) or on this engine -> continuous batching -> outputs until
-finished; whatever ends the stream frees what the request holds (LLMEngine.abort, any state).
+finished; whatever ends the stream frees what the request holds (LLMEngine.abort, any state). The whole
+lifecycle, both roles: docs/architecture.md.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""prefill-server: the internal Prefill service.
+"""prefill-server: the internal Prefill service (docs/architecture.md tells the whole lifecycle).
 
-Request lifecycle:
+Request lifecycle, as this server sees it:
  1. Handshake: a decode server sends its KV layout; an incompatible one (other model, dtype, block size,
     ...) gets FAILED_PRECONDITION naming what differs. Each Prefill request repeats the fingerprint.
  2. Prefill: the prompt joins the engine's queue (bounded: RESOURCE_EXHAUSTED when full) as a request of
