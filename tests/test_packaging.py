@@ -13,12 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.testing.packaging import REPO, package_folders, stage
+from pdserve.testing.packaging import REPO, lint_imports, package_folders, stage
 
 pytestmark = pytest.mark.fast
-
-sys.path.insert(0, str(REPO / "scripts"))
-from lint_imports import lint  # noqa: E402  scripts/ is not a package
 
 
 def test_every_package_folder_is_installed():
@@ -73,7 +70,7 @@ def test_wheel_imports_from_outside_the_repository(wheel, tmp_path):
 
 
 def test_import_contracts_hold(tmp_path):
-    result = lint(stage(tmp_path))
+    result = lint_imports(stage(tmp_path))
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -90,7 +87,7 @@ def test_import_contracts_hold(tmp_path):
 def test_a_planted_violation_breaks_its_contract(tmp_path, importer, imported, contract):
     staged = stage(tmp_path)
     (staged / "pdserve" / importer).write_text(f"import {imported}\n")
-    result = lint(staged)
+    result = lint_imports(staged)
     assert result.returncode != 0
     broken = result.stdout.split("Broken contracts")[-1]
     assert contract in broken, result.stdout

@@ -2,13 +2,16 @@
 
 The folders of the design card (engine/, kvtransfer/, services/) install as sub-packages of `pdserve`
 through setuptools' package-dir (pyproject.toml). Tools that walk one folder per top-level package
-(grimp, so import-linter) or that must import another checkout (bench/bench_vs_commit.py) take a copy of
-the sources laid out as the wheel is.
+(grimp, so import-linter: scripts/lint_imports.py) or that must import another checkout
+(bench/bench_vs_commit.py) take a copy of the sources laid out as the wheel is.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -36,3 +39,11 @@ def stage(dest: Path, root: Path = REPO) -> Path:
         for source in folder.glob("*.py"):
             shutil.copy2(source, target / source.name)
     return dest
+
+
+def lint_imports(staged: Path, config: Path = REPO / "pyproject.toml") -> subprocess.CompletedProcess:
+    """import-linter's contracts (`config`) on a staged tree; import-linter puts its working directory,
+    the staged tree, first on sys.path."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    command = [str(Path(sys.executable).with_name("lint-imports")), "--no-cache", "--config", str(config)]
+    return subprocess.run(command, cwd=staged, env=env, text=True, capture_output=True)
