@@ -30,7 +30,7 @@ configure_jax()
 
 TIERS = ("fast", "model", "daemon")
 MODEL_FIXTURES = {
-    "gguf_path",
+    "model_path",
     "loaded_model",
     "make_engine",
     "colocated",
@@ -128,19 +128,28 @@ def full_gguf_path():
 
 @pytest.fixture(scope="session")
 def gguf_path(full_gguf_path):
-    """The test model: the default model's first layers (pdserve.testing.models), real weights and
-    tokenizer at a fraction of the compute. Tests that compare pdserve with itself (disaggregated with
-    colocated, batched with alone, TP 2 with TP 1, ...) and every shared daemon use it."""
+    """The test model as a GGUF file (pdserve.testing.models.small_gguf): the GGUF loading tests."""
+    from pdserve.testing.models import small_gguf
+
+    return small_gguf()
+
+
+@pytest.fixture(scope="session")
+def model_path(gguf_path):
+    """The test model: the default model's first layers as a Hugging Face folder (pdserve.testing.models),
+    real weights and tokenizer at a fraction of the compute. Tests that compare pdserve with itself
+    (disaggregated with colocated, batched with alone, TP 2 with TP 1, ...) and every daemon they start
+    use it."""
     from pdserve.testing.models import small_model
 
     return small_model()
 
 
 @pytest.fixture(scope="session")
-def loaded_model(gguf_path):
+def loaded_model(model_path):
     from pdserve.engine.loading.sources import load_model
 
-    return load_model(gguf_path)
+    return load_model(model_path)
 
 
 @pytest.fixture(scope="session")
@@ -232,23 +241,23 @@ def log_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def prefill(gguf_path, log_dir):
+def prefill(model_path, log_dir):
     """A prefill-server with /metrics, shared by every daemon test."""
     from pdserve.testing.launch import prefill_server
 
-    daemon = prefill_server(gguf_path, log_dir, extra=["--metrics-port", "0"])
+    daemon = prefill_server(model_path, log_dir, extra=["--metrics-port", "0"])
     yield daemon
     assert daemon.terminate() == 0
 
 
 @pytest.fixture(scope="session")
-def decode(gguf_path, prefill, log_dir):
+def decode(model_path, prefill, log_dir):
     """A decode-server on `prefill` with /metrics, the OpenAI HTTP API and JSON logs, shared by every
     daemon test that only sends it requests."""
     from pdserve.testing.launch import decode_server
 
     extra = ["--max-num-seqs", "32", "--metrics-port", "0", "--http-port", "0", "--log-format", "json"]
-    daemon = decode_server(gguf_path, prefill.address, log_dir, extra=extra)
+    daemon = decode_server(model_path, prefill.address, log_dir, extra=extra)
     yield daemon
     assert daemon.terminate() == 0
 
@@ -281,11 +290,11 @@ def full_colocated(full_engine):
 
 
 @pytest.fixture
-def daemons(gguf_path, log_dir):
+def daemons(model_path, log_dir):
     """Starts a test's own daemons (tests.helpers.Daemons); stops them all when the test ends."""
     from tests.helpers import Daemons
 
-    group = Daemons(gguf_path, log_dir)
+    group = Daemons(model_path, log_dir)
     yield group
     codes = group.stop_all()
     assert all(code == 0 for code in codes.values()), codes

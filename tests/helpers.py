@@ -56,21 +56,19 @@ class Reference:
 class Daemons:
     """The daemons one test starts; `stop_all` stops them (SIGTERM; SIGKILL past the drain)."""
 
-    def __init__(self, gguf_path, log_dir):
-        self.gguf_path, self.log_dir = gguf_path, log_dir
+    def __init__(self, model_path, log_dir):
+        self.model_path, self.log_dir = model_path, log_dir
         self.started: list[Daemon] = []
 
     def add(self, daemon: Daemon) -> Daemon:
         self.started.append(daemon)
         return daemon
 
-    def prefill(self, name: str, extra=(), model=None) -> Daemon:
-        """A prefill-server on `model` (default: the test model)."""
-        return self.add(prefill_server(model or self.gguf_path, self.log_dir, name=name, extra=extra))
+    def prefill(self, name: str, extra=()) -> Daemon:
+        return self.add(prefill_server(self.model_path, self.log_dir, name=name, extra=extra))
 
-    def decode(self, prefill: str, name: str, extra=(), model=None) -> Daemon:
-        """A decode-server on `model` (default: the test model) using the prefill servers `prefill`."""
-        return self.add(decode_server(model or self.gguf_path, prefill, self.log_dir, name=name, extra=extra))
+    def decode(self, prefill: str, name: str, extra=()) -> Daemon:
+        return self.add(decode_server(self.model_path, prefill, self.log_dir, name=name, extra=extra))
 
     def stop_all(self) -> dict[str, int]:
         """Exit codes of the daemons that were not killed on purpose (0 after a clean drain)."""

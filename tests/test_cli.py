@@ -14,12 +14,12 @@ from pdserve.testing.launch import ENGINE_ARGS
 pytestmark = pytest.mark.daemon
 
 
-def run_cli(*args: str, gguf_path) -> subprocess.CompletedProcess:
-    """`pdserve ARGS --model gguf_path`, with the tests' engine sizes (what they compile is shared)."""
+def run_cli(*args: str, model_path) -> subprocess.CompletedProcess:
+    """`pdserve ARGS --model model_path`, with the tests' engine sizes (what they compile is shared)."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     env.pop("XLA_FLAGS", None)
     return subprocess.run(
-        [sys.executable, "-m", "pdserve.cli", *args, "--model", str(gguf_path), *ENGINE_ARGS],
+        [sys.executable, "-m", "pdserve.cli", *args, "--model", str(model_path), *ENGINE_ARGS],
         capture_output=True,
         text=True,
         env=env,
@@ -27,12 +27,12 @@ def run_cli(*args: str, gguf_path) -> subprocess.CompletedProcess:
     )
 
 
-def test_generate_json_chat_locally_and_with_server(gguf_path, decode, capsys):
+def test_generate_json_chat_locally_and_with_server(model_path, decode, capsys):
     """`pdserve generate --json`: one record with the same fields and values, local or --server."""
     from pdserve.cli import main
 
     args = ["generate", "--json", "--chat", "--max-tokens", "32", "What is the capital of France?"]
-    proc = run_cli(*args, gguf_path=gguf_path)
+    proc = run_cli(*args, model_path=model_path)
     assert proc.returncode == 0, proc.stderr
     record = json.loads(proc.stdout.strip().splitlines()[-1])
     assert record["prompt_ids"][:2] == [1, 9690] and record["text"]
@@ -47,7 +47,7 @@ def test_generate_json_chat_locally_and_with_server(gguf_path, decode, capsys):
         assert remote[field] == record[field], field
 
 
-def test_generate_streams_text_and_rejects_bad_input(gguf_path, decode, capsys):
+def test_generate_streams_text_and_rejects_bad_input(model_path, decode, capsys):
     """Streaming (the same code for both modes; here through --server) and bad flags refused with the
     field named: locally before any model is loaded, remotely as the server's INVALID_ARGUMENT."""
     from pdserve.cli import main
@@ -57,7 +57,7 @@ def test_generate_streams_text_and_rejects_bad_input(gguf_path, decode, capsys):
     assert capsys.readouterr().out.strip()
     assert main(["generate", "--server", decode.address, "--top-p", "0", "hello"]) == 2
     assert "INVALID_ARGUMENT: top_p" in capsys.readouterr().err
-    bad = run_cli("generate", "--top-p", "0", "hello", gguf_path=gguf_path)
+    bad = run_cli("generate", "--top-p", "0", "hello", model_path=model_path)
     assert bad.returncode == 2 and "top_p" in bad.stderr
 
 
@@ -68,21 +68,21 @@ def test_models_list():
     assert proc.returncode == 0 and "smollm2-135m-instruct" in proc.stdout
 
 
-def test_generate_with_a_lora_adapter(gguf_path, loaded_model, make_engine, tmp_path):
+def test_generate_with_a_lora_adapter(model_path, loaded_model, make_engine, tmp_path):
     from pdserve.engine.sampling_params import SamplingParams
     from pdserve.testing.lora import write_random_adapter
 
     folder = write_random_adapter(tmp_path / "sql", loaded_model.config, rank=4, seed=5)
     lora = ("--lora", f"sql={folder}", "--max-loras", "2", "--adapter", "sql")
     args = ("generate", "--json", "--max-tokens", "8", *lora, "Hello")
-    proc = run_cli(*args, gguf_path=gguf_path)
+    proc = run_cli(*args, model_path=model_path)
     assert proc.returncode == 0, proc.stderr
     engine = make_engine(max_loras=2)
     engine.loras.load("sql", str(folder))
     expected = engine.generate(["Hello"], SamplingParams(temperature=0, max_tokens=8), lora="sql")[0]
     assert json.loads(proc.stdout.strip().splitlines()[-1])["token_ids"] == expected.token_ids
     engine.loras.remove("sql")
-    bad = run_cli("generate", "--lora", "no-equals-sign", "hi", gguf_path=gguf_path)
+    bad = run_cli("generate", "--lora", "no-equals-sign", "hi", model_path=model_path)
     assert bad.returncode == 2 and "expected NAME=PATH" in bad.stderr
-    missing = run_cli("generate", "--lora", f"x={tmp_path / 'none'}", "hi", gguf_path=gguf_path)
+    missing = run_cli("generate", "--lora", f"x={tmp_path / 'none'}", "hi", model_path=model_path)
     assert missing.returncode != 0 and "--lora x" in missing.stderr and "not a directory" in missing.stderr

@@ -54,8 +54,9 @@ def test_greedy_tokens_match_transformers_batched(full_engine):
 
 @pytest.mark.reference
 @requires_reference
-def test_live_cross_check_and_hf_folder_loading(gguf_path, loaded_model, small_config, tmp_path):
-    """transformers loads the GGUF, saves it as a safetensors folder; pdserve loads both and matches it."""
+def test_live_cross_check_and_hf_folder_loading(gguf_path, small_config, tmp_path):
+    """transformers loads the GGUF (the test model's), saves it as a safetensors folder; pdserve loads both
+    and matches it."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -83,9 +84,9 @@ def test_live_cross_check_and_hf_folder_loading(gguf_path, loaded_model, small_c
     ids = hf_tok.encode(prompt)
     with torch.no_grad():
         expected = hf(torch.tensor([ids])).logits[0, -1].numpy()
-    folder_model = load_model(tmp_path)
-    assert folder_model.config.num_layers == loaded_model.config.num_layers
-    assert folder_model.tokenizer.encode(prompt) == ids == loaded_model.tokenizer.encode(prompt)
-    for model in (loaded_model, folder_model):
+    gguf_model, folder_model = load_model(gguf_path), load_model(tmp_path)
+    assert folder_model.config.num_layers == gguf_model.config.num_layers
+    assert folder_model.tokenizer.encode(prompt) == ids == gguf_model.tokenizer.encode(prompt)
+    for model in (gguf_model, folder_model):
         engine = LLMEngine(model, small_config)
         assert np.max(np.abs(engine.prompt_logits(ids) - expected)) <= MAX_LOGIT_DIFF

@@ -53,9 +53,9 @@ CHATS = [
 
 
 @pytest.fixture(scope="module")
-def metadata(gguf_path):
+def metadata(full_gguf_path):
     """The default model's tokenizer metadata, from where `pdserve models fetch` puts the model."""
-    return read_gguf_metadata(gguf_path)
+    return read_gguf_metadata(full_gguf_path)
 
 
 @pytest.fixture(scope="module")
@@ -64,9 +64,9 @@ def tok(metadata):
 
 
 @pytest.fixture(scope="module")
-def hf(gguf_path):
+def hf(full_gguf_path):
     transformers = pytest.importorskip("transformers", reason="needs the reference extra (transformers)")
-    folder, name = os.path.split(gguf_path)
+    folder, name = os.path.split(full_gguf_path)
     return transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
 
 

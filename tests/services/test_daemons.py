@@ -17,9 +17,9 @@ from pdserve.v1 import prefill_pb2
 
 
 @pytest.fixture(scope="module")
-def conditional(gguf_path, prefill, log_dir):
+def conditional(model_path, prefill, log_dir):
     daemon = decode_server(
-        gguf_path, prefill.address, log_dir, name="conditional", extra=["--local-prefill-below", "16"]
+        model_path, prefill.address, log_dir, name="conditional", extra=["--local-prefill-below", "16"]
     )
     yield daemon
     assert daemon.terminate() == 0

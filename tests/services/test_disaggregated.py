@@ -172,7 +172,7 @@ def test_scattered_decode_blocks(prefill, loaded_model, small_config, colocated)
 
 
 def test_a_conversation_over_heterogeneous_tp_moves_only_its_new_blocks(
-    prefill, loaded_model, small_config, colocated
+    prefill, loaded_model, small_config, make_engine, colocated
 ):
     """Prefill TP 1 (the shared prefill-server) -> a decode engine of TP 2 over gRPC, heads converted:
     turn 2 of a conversation (two prefill chunks; the held head covers part of the first) moves only the
@@ -184,13 +184,13 @@ def test_a_conversation_over_heterogeneous_tp_moves_only_its_new_blocks(
     from pdserve.kvtransfer import plan_frames
     from pdserve.services.decode.core import GenerationCore
     from pdserve.services.decode.server import serve
-    from pdserve.services.kv import model_layout
+    from pdserve.services.kv import engine_layout
 
     core = GenerationCore.for_engine(
         LLMEngine(loaded_model, small_config, jax.devices()[2:4]), prefill_targets=[prefill.address]
     )
     tokenize = loaded_model.tokenizer.encode
-    sender_layout = model_layout(loaded_model.config, small_config)  # the prefill server's (TP 1)
+    sender_layout = engine_layout(make_engine())  # the prefill server's: TP 1, the same sizes
 
     def planned_layer_blocks(num_tokens: int) -> int:
         return sum(p.num_layers * p.bucket for p in plan_frames(sender_layout, num_tokens))
@@ -217,10 +217,10 @@ def test_a_conversation_over_heterogeneous_tp_moves_only_its_new_blocks(
         assert_all_free(address, prefill.address)
 
 
-def test_heterogeneous_tp_in_serve_shape(gguf_path, log_dir, daemons, colocated, loaded_model):
+def test_heterogeneous_tp_in_serve_shape(model_path, log_dir, daemons, colocated, loaded_model):
     """Prefill TP 1 on device 0 -> decode TP 4 on devices 4-7, one process, KV moved by device_put. (TP 1
     -> TP 2: tests/services/test_lora.py::test_serve_shape_with_adapters.)"""
-    daemon = daemons.add(serve_daemon(gguf_path, log_dir, "4,5,6,7", name="serve-tp4"))
+    daemon = daemons.add(serve_daemon(model_path, log_dir, "4,5,6,7", name="serve-tp4"))
     client = Client(daemon.address)
     info = client.model_info()
     assert info.tensor_parallel == 4 and info.prefill_mode == "local-engine"

@@ -47,8 +47,8 @@ def reference(colocated):
 
 
 @pytest.fixture(scope="module")
-def faulty(gguf_path, log_dir):
-    argv = ["--model", str(gguf_path), "--port", "0", "--no-warmup", *EPHEMERAL_KV_EVENTS, *ENGINE_ARGS]
+def faulty(model_path, log_dir):
+    argv = ["--model", str(model_path), "--port", "0", "--no-warmup", *EPHEMERAL_KV_EVENTS, *ENGINE_ARGS]
     daemon = Daemon(argv, "faulty-prefill", log_dir, entry="tests.services.faulty_prefill:main")
     yield daemon
     assert daemon.terminate() == 0

@@ -42,9 +42,9 @@ def adapter_dir(tmp_path_factory, loaded_model):
 
 
 @pytest.fixture(scope="module")
-def lora_prefill(gguf_path, log_dir, adapter_dir):
+def lora_prefill(model_path, log_dir, adapter_dir):
     daemon = prefill_server(
-        gguf_path,
+        model_path,
         log_dir,
         name="prefill-lora",
         extra=[*LORA_ARGS, "--lora", f"alpha={adapter_dir / 'alpha'}"],
@@ -54,10 +54,10 @@ def lora_prefill(gguf_path, log_dir, adapter_dir):
 
 
 @pytest.fixture(scope="module")
-def lora_decode(gguf_path, lora_prefill, log_dir, adapter_dir):
+def lora_decode(model_path, lora_prefill, log_dir, adapter_dir):
     extra = [*LORA_ARGS, "--lora", f"alpha={adapter_dir / 'alpha'}", "--lora-root", str(adapter_dir)]
     extra += ["--metrics-port", "0", "--http-port", "0"]
-    daemon = decode_server(gguf_path, lora_prefill.address, log_dir, name="decode-lora", extra=extra)
+    daemon = decode_server(model_path, lora_prefill.address, log_dir, name="decode-lora", extra=extra)
     yield daemon
     assert daemon.terminate() == 0
 
@@ -237,12 +237,12 @@ def test_prefill_ignoring_the_adapter_is_never_used(make_engine, colocated_lora)
             assert client.generate(TEXTS[3], **GREEDY).token_ids == expected[""]
 
 
-def test_serve_shape_with_adapters(gguf_path, log_dir, adapter_dir, colocated_lora, daemons):
+def test_serve_shape_with_adapters(model_path, log_dir, adapter_dir, colocated_lora, daemons):
     """`pdserve serve`, prefill TP 1 -> decode TP 2 (heterogeneous TP in one process, base model and
     adapters): the local prefill engine has the --lora adapters and those loaded through Admin; the
     adapters' heads are padded for each side's TP."""
     extra = [*LORA_ARGS, "--lora", f"alpha={adapter_dir / 'alpha'}"]
-    daemon = daemons.add(serve_daemon(gguf_path, log_dir, "1,2", name="serve-lora", extra=extra))
+    daemon = daemons.add(serve_daemon(model_path, log_dir, "1,2", name="serve-lora", extra=extra))
     client = Client(daemon.address)
     load(daemon.address, "beta", adapter_dir / "beta")
     info = client.model_info()

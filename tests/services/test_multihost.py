@@ -52,12 +52,12 @@ JOBS.append(
 
 
 @pytest.fixture(scope="module")
-def prefill_group(gguf_path, log_dir):
+def prefill_group(model_path, log_dir):
     """A prefill-server over 2 processes x 4 fake CPU devices: [leader, worker]."""
 
     def start(suffix, extra, ready, env):
         name = f"mp-prefill{suffix}"
-        return prefill_server(gguf_path, log_dir, name=name, extra=extra, wait_ready=ready, env=env)
+        return prefill_server(model_path, log_dir, name=name, extra=extra, wait_ready=ready, env=env)
 
     group = daemon_group(start, 2, ["--tp", "8", "--cpu-devices", "4"])
     yield group
@@ -66,10 +66,10 @@ def prefill_group(gguf_path, log_dir):
 
 
 @pytest.fixture(scope="module")
-def decode_tp2(prefill_group, gguf_path, log_dir):
+def decode_tp2(prefill_group, model_path, log_dir):
     """A one-process decode-server at TP 2 on the prefill group (local fallback on, as by default)."""
     daemon = decode_server(
-        gguf_path, prefill_group[0].address, log_dir, name="decode-tp2", extra=["--tp", "2"]
+        model_path, prefill_group[0].address, log_dir, name="decode-tp2", extra=["--tp", "2"]
     )
     yield daemon
     assert daemon.terminate() == 0
@@ -100,13 +100,13 @@ def test_prefill_group_to_decode_tp2(prefill_group, decode_tp2, colocated):
     assert_all_free(decode_tp2.address, prefill_group[0].address)
 
 
-def test_decode_over_two_processes(prefill_group, gguf_path, log_dir, colocated):
+def test_decode_over_two_processes(prefill_group, model_path, log_dir, colocated):
     """A decode-server over 2 processes (TP 2) on the prefill group; then SIGTERM on its leader drains it
     and stops its worker."""
 
     def start(suffix, extra, ready, env):
         prefill, name = prefill_group[0].address, f"mp-decode{suffix}"
-        return decode_server(gguf_path, prefill, log_dir, name=name, extra=extra, wait_ready=ready, env=env)
+        return decode_server(model_path, prefill, log_dir, name=name, extra=extra, wait_ready=ready, env=env)
 
     group = daemon_group(start, 2, ["--tp", "2", "--no-fallback-local"])
     try:

@@ -111,10 +111,10 @@ def creds(pki, root="ca", client=None) -> grpc.ChannelCredentials:
 
 
 @pytest.fixture(scope="module")
-def secure_prefill(gguf_path, log_dir, pki):
+def secure_prefill(model_path, log_dir, pki):
     cert, key = pki["server"]
     tls = ["--tls-cert", cert, "--tls-key", key, "--tls-client-ca", pki["ca"][0], "--require-client-cert"]
-    daemon = prefill_server(gguf_path, log_dir, name="prefill-mtls", extra=tls)
+    daemon = prefill_server(model_path, log_dir, name="prefill-mtls", extra=tls)
     yield daemon
     assert daemon.terminate() == 0
 
@@ -127,7 +127,7 @@ def tokens(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def secure_decode(gguf_path, log_dir, pki, secure_prefill, tokens):
+def secure_decode(model_path, log_dir, pki, secure_prefill, tokens):
     cert, key = pki["server"]
     decode_cert, decode_key = pki["decode"]
     extra = [
@@ -141,7 +141,7 @@ def secure_decode(gguf_path, log_dir, pki, secure_prefill, tokens):
             decode_key,
         ),
     ]
-    daemon = decode_server(gguf_path, secure_prefill.address, log_dir, name="decode-tls", extra=extra)
+    daemon = decode_server(model_path, secure_prefill.address, log_dir, name="decode-tls", extra=extra)
     yield daemon
     assert daemon.terminate() == 0
 

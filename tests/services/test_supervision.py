@@ -35,9 +35,9 @@ def _http_health(address: str) -> int:
 
 
 def test_a_pinned_failure_fails_one_request_and_a_broken_engine_ends_the_daemon(
-    gguf_path, log_dir, colocated
+    model_path, log_dir, colocated
 ):
-    argv = ["--model", str(gguf_path), "--port", "0", "--no-warmup", "--prefill", "local"]
+    argv = ["--model", str(model_path), "--port", "0", "--no-warmup", "--prefill", "local"]
     argv += ["--http-port", "0", *EPHEMERAL_KV_EVENTS, *ENGINE_ARGS]
     daemon = Daemon(argv, "faulty-decode", log_dir, entry="tests.faulty_engine:main")
     try:
