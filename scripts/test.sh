@@ -25,33 +25,42 @@ cache_state() { # the persistent XLA compilation cache that tests and daemons sh
 }
 times=$(mktemp -d)
 mkdir "$times/logs"
-run() { # TIER [ARGS...]: one tier in its own pytest process; its line of the summary goes to $times/TIER
-  local tier=$1 start=$SECONDS rc=0
-  shift
-  .venv/bin/python -m pytest -m "$tier" --no-unexpected-skips --durations=25 "$@" || rc=$?
-  echo "$tier $((SECONDS - start)) s$([ "$rc" -eq 0 ] || echo " (exit $rc)")" >"$times/$tier"
+run() { # NAME MARKERS [ARGS...]: one pytest process; its line of the summary goes to $times/NAME
+  local name=$1 markers=$2 start=$SECONDS rc=0
+  shift 2
+  .venv/bin/python -m pytest -m "$markers" --no-unexpected-skips --durations=25 "$@" || rc=$?
+  echo "$name $((SECONDS - start)) s$([ "$rc" -eq 0 ] || echo " (exit $rc)")" >"$times/$name"
   return "$rc"
 }
 summary() {
-  echo "=== tier times: $(cat "$times"/fast "$times"/model "$times"/daemon 2>/dev/null | paste -sd ';' -)" \
+  echo "=== tier times: $(cat "$times"/[a-z]* 2>/dev/null | paste -sd ';' -)" \
     "(XLA cache after: $(cache_state))" >&2
 }
 trap 'summary; rm -rf "$times"' EXIT
 if [ "${#tiers[@]}" -eq 1 ]; then
   echo "=== tier: ${tiers[0]} (XLA cache: $(cache_state))" >&2
-  run "${tiers[0]}" "$@"
+  run "${tiers[0]}" "${tiers[0]}" "$@"
 else
-  # The fast tier runs beside the model tier, whose compiling leaves part of the second core idle (its
-  # output follows the model tier's); the daemon tier runs alone afterwards, loading what both compiled.
-  echo "=== tier: model, with the fast tier beside it (XLA cache: $(cache_state))" >&2
-  run fast "$@" >"$times/logs/fast" 2>&1 &
-  fast=$!
+  # The model tier spends much of its time compiling, which leaves part of the second core idle: beside
+  # it run the fast tier, then the daemon tests marked standalone (they start every daemon they use, at
+  # engine sizes of their own); their output follows the model tier's. The rest of the daemon tier runs
+  # alone afterwards, on the session's shared daemons, loading what the others compiled.
+  echo "=== tier: model, with fast then daemon (standalone) beside it (XLA cache: $(cache_state))" >&2
+  (
+    run fast fast "$@" >"$times/logs/fast" 2>&1
+    run daemon-standalone "daemon and standalone" "$@" >"$times/logs/daemon-standalone" 2>&1
+  ) &
+  beside=$!
   rc=0
-  run model "$@" || rc=1
-  wait "$fast" || rc=1
-  echo "=== tier: fast (ran beside model)" >&2
-  cat "$times/logs/fast"
+  run model model "$@" || rc=1
+  wait "$beside" || rc=1
+  for name in fast daemon-standalone; do
+    if [ -f "$times/logs/$name" ]; then
+      echo "=== tier: $name (ran beside model)" >&2
+      cat "$times/logs/$name"
+    fi
+  done
   [ "$rc" -eq 0 ]
-  echo "=== tier: daemon (XLA cache: $(cache_state))" >&2
-  run daemon "$@"
+  echo "=== tier: daemon, the rest (XLA cache: $(cache_state))" >&2
+  run daemon "daemon and not standalone" "$@"
 fi

@@ -29,6 +29,7 @@ from pdserve.engine.args import configure_jax  # noqa: E402
 configure_jax()
 
 TIERS = ("fast", "model", "daemon")
+SHARED_DAEMONS = {"prefill", "decode", "conditional", "full_daemons"}  # a `standalone` test uses none
 MODEL_FIXTURES = {
     "model_path",
     "loaded_model",
@@ -77,6 +78,9 @@ def pytest_collection_modifyitems(config, items):
             problems.append(
                 f"{item.nodeid}: marked fast but uses {sorted(MODEL_FIXTURES & set(item.fixturenames))}"
             )
+        elif item.get_closest_marker("standalone") and SHARED_DAEMONS & set(item.fixturenames):
+            shared = sorted(SHARED_DAEMONS & set(item.fixturenames))
+            problems.append(f"{item.nodeid}: marked standalone but uses the session's daemons {shared}")
     if problems:
         raise pytest.UsageError("test tiers:\n" + "\n".join(problems))
     items.sort(key=lambda item: TIERS.index(tier_of(item)))  # stable: fast first, then model, then daemon

@@ -15,7 +15,7 @@ from pdserve.services.kv import engine_layout
 from pdserve.testing.families import engine_of, hf_greedy, write_family
 from tests.helpers import assert_all_free, in_process
 
-pytestmark = pytest.mark.daemon
+pytestmark = [pytest.mark.daemon, pytest.mark.standalone]  # starts every daemon it uses
 
 
 # Gemma 3: sliding and full layers, 1 KV head padded to 2; DeepSeek-V2: MLA heads split, its latent

@@ -21,7 +21,7 @@ from pdserve.testing.constraint_schemas import SCHEMAS
 from pdserve.testing.launch import daemon_group, decode_server, prefill_server
 from tests.helpers import assert_all_free
 
-pytestmark = pytest.mark.daemon
+pytestmark = [pytest.mark.daemon, pytest.mark.standalone]  # starts every daemon it uses
 
 WORDS = ["the", "quiet", "harbor", "lantern", "glows", "over", "copper", "waves", "while", "owls"]
 WORDS += ["drift", "past", "stone", "bridges", "under", "amber", "skies"]  # 17: a salt's sequence is its own

@@ -19,7 +19,7 @@ from pdserve.services.client import Client, build_request
 from pdserve.testing.launch import ENGINE_ARGS, EPHEMERAL_KV_EVENTS, Daemon
 from tests.faulty_engine import BROKEN, PINNED
 
-pytestmark = pytest.mark.daemon
+pytestmark = [pytest.mark.daemon, pytest.mark.standalone]  # starts every daemon it uses
 
 GREEDY = dict(max_tokens=8, temperature=0.0, ignore_eos=True)
 PROMPTS = ["The three primary colours are", "def quicksort(xs):"]
