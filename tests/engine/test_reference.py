@@ -54,19 +54,19 @@ def test_greedy_tokens_match_transformers_batched(full_engine):
 
 @pytest.mark.reference
 @requires_reference
-def test_live_cross_check_and_hf_folder_loading(gguf_path, small_config, tmp_path):
-    """transformers loads the GGUF (the test model's), saves it as a safetensors folder; pdserve loads both
-    and matches it."""
+def test_live_cross_check_and_hf_folder_loading(gguf_path, model_path, small_config, tmp_path):
+    """transformers' conversion of the test model's GGUF file (the folder pdserve.testing.models has it
+    write) is the reference: pdserve loads the GGUF file and a two-shard copy of the folder, and both match
+    its logits."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from pdserve.engine.llm_engine import LLMEngine
     from pdserve.engine.loading.sources import load_model
 
-    hf = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
-    hf_tok = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    # transformers refuses to save a model it loaded from GGUF: write the folder by hand, two shards
-    # and an index, as large checkpoints come.
+    hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    hf_tok = AutoTokenizer.from_pretrained(model_path)
+    # the folder again in two shards and an index, as large checkpoints come
     from safetensors.torch import save_file
 
     state = {k: v.contiguous() for k, v in hf.state_dict().items() if k != "lm_head.weight"}
