@@ -23,8 +23,8 @@ cache_state() { # the persistent XLA compilation cache that tests and daemons sh
   [ -d "$xla_cache" ] && n=$(find "$xla_cache" -type f | wc -l)
   echo "$n executables in $xla_cache"
 }
-times=$(mktemp -d)
-mkdir "$times/logs"
+times=$(mktemp -d) # a file a run: its line of the summary
+logs=$(mktemp -d)  # the output of what runs beside the model tier
 run() { # NAME MARKERS [ARGS...]: one pytest process; its line of the summary goes to $times/NAME
   local name=$1 markers=$2 start=$SECONDS rc=0
   shift 2
@@ -33,10 +33,10 @@ run() { # NAME MARKERS [ARGS...]: one pytest process; its line of the summary go
   return "$rc"
 }
 summary() {
-  echo "=== tier times: $(cat "$times"/[a-z]* 2>/dev/null | paste -sd ';' -)" \
+  echo "=== tier times: $(cat "$times"/* 2>/dev/null | paste -sd ';' -)" \
     "(XLA cache after: $(cache_state))" >&2
 }
-trap 'summary; rm -rf "$times"' EXIT
+trap 'summary; rm -rf "$times" "$logs"' EXIT
 if [ "${#tiers[@]}" -eq 1 ]; then
   echo "=== tier: ${tiers[0]} (XLA cache: $(cache_state))" >&2
   run "${tiers[0]}" "${tiers[0]}" "$@"
@@ -47,17 +47,17 @@ else
   # alone afterwards, on the session's shared daemons, loading what the others compiled.
   echo "=== tier: model, with fast then daemon (standalone) beside it (XLA cache: $(cache_state))" >&2
   (
-    run fast fast "$@" >"$times/logs/fast" 2>&1
-    run daemon-standalone "daemon and standalone" "$@" >"$times/logs/daemon-standalone" 2>&1
+    run fast fast "$@" >"$logs/fast" 2>&1
+    run daemon-standalone "daemon and standalone" "$@" >"$logs/daemon-standalone" 2>&1
   ) &
   beside=$!
   rc=0
   run model model "$@" || rc=1
   wait "$beside" || rc=1
   for name in fast daemon-standalone; do
-    if [ -f "$times/logs/$name" ]; then
+    if [ -f "$logs/$name" ]; then
       echo "=== tier: $name (ran beside model)" >&2
-      cat "$times/logs/$name"
+      cat "$logs/$name"
     fi
   done
   [ "$rc" -eq 0 ]

@@ -131,7 +131,7 @@ def full_gguf_path():
 
 
 @pytest.fixture(scope="session")
-def gguf_path(full_gguf_path):
+def gguf_path():
     """The test model as a GGUF file (pdserve.testing.models.small_gguf): the GGUF loading tests."""
     from pdserve.testing.models import small_gguf
 
@@ -139,7 +139,7 @@ def gguf_path(full_gguf_path):
 
 
 @pytest.fixture(scope="session")
-def model_path(gguf_path):
+def model_path():
     """The test model: the default model's first layers as a Hugging Face folder (pdserve.testing.models),
     real weights and tokenizer at a fraction of the compute. Tests that compare pdserve with itself
     (disaggregated with colocated, batched with alone, TP 2 with TP 1, ...) and every daemon they start
