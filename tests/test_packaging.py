@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.testing.packaging import REPO, lint_imports, package_folders, stage
+from pdserve.testing.packaging import REPO, lint_imports, package_folders, source_folders, stage
 
 pytestmark = pytest.mark.fast
 
@@ -22,8 +22,8 @@ pytestmark = pytest.mark.fast
 def test_every_package_folder_is_installed():
     """Each folder with an __init__.py under the mapped folders is a package pyproject.toml lists."""
     listed = {folder.resolve() for folder in package_folders().values()}
-    for top in ("pdserve", "engine", "kvtransfer", "services"):
-        for init in (REPO / top).rglob("__init__.py"):
+    for top in source_folders():
+        for init in top.rglob("__init__.py"):
             assert init.parent.resolve() in listed, f"{init.parent} is not in pyproject.toml's packages"
 
 
@@ -33,8 +33,8 @@ def wheel(tmp_path_factory) -> Path:
     source = tmp_path_factory.mktemp("source")
     for name in ("pyproject.toml", "README.md"):
         shutil.copy2(REPO / name, source / name)
-    for top in ("pdserve", "engine", "kvtransfer", "services"):
-        shutil.copytree(REPO / top, source / top, ignore=shutil.ignore_patterns("__pycache__"))
+    for top in source_folders():
+        shutil.copytree(top, source / top.name, ignore=shutil.ignore_patterns("__pycache__"))
     out = tmp_path_factory.mktemp("wheel")
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out),

@@ -18,9 +18,18 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]  # this checkout, in an editable install
 
 
+def _setuptools(root: Path) -> dict:
+    return tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+
+
+def source_folders(root: Path = REPO) -> list[Path]:
+    """The top-level folders of the tree at `root` that install as pdserve (package-dir's targets)."""
+    return [root / folder for folder in _setuptools(root)["package-dir"].values()]
+
+
 def package_folders(root: Path = REPO) -> dict[str, Path]:
     """Each package the tree at `root` installs -> its folder there."""
-    setuptools = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    setuptools = _setuptools(root)
     package_dir = setuptools["package-dir"]
     folders = {}
     for package in setuptools["packages"]:

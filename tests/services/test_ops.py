@@ -79,8 +79,9 @@ def test_openai_client_completions_and_chat(decode, make_engine, loaded_model, c
     model = models.data[0].id
 
     question = [{"role": "user", "content": "What is the capital of France?"}]
-    answer = colocated(loaded_model.tokenizer.encode_chat(question), field="text", max_tokens=32)
-    answer_ids = colocated(loaded_model.tokenizer.encode_chat(question), max_tokens=32)
+    prompt_ids = loaded_model.tokenizer.encode_chat(question)
+    answer = colocated(prompt_ids, field="text", max_tokens=32)
+    answer_ids = colocated(prompt_ids, max_tokens=32)
     chat = client.chat.completions.create(model=model, messages=question, temperature=0, max_tokens=32)
     assert chat.choices[0].message.content == answer
     assert chat.usage.completion_tokens == len(answer_ids)
