@@ -222,8 +222,8 @@ def test_overload_is_resource_exhausted_then_sigterm_drains(prefill, daemons):
 
 
 def test_damaged_kv_frames_are_never_decoded(faulty, daemons, reference, loaded_model):
-    """A damaged first frame (a header byte; a payload byte and a cut), a replica that dies between two
-    chunks of a long prompt (the first chunk's frames already inserted), and a damaged frame of a delta
+    """A damaged first frame (a header byte; a payload byte and a cut), a replica that dies after a frame of
+    a long prompt (the frame already inserted, the trailer never sent), and a damaged frame of a delta
     transfer (the decode server holds the conversation's head), and a trailer whose first token is outside
     the vocabulary are detected end to end: the request is
     prefilled again elsewhere (here: locally, in the same blocks) and its tokens equal the colocated
@@ -239,8 +239,10 @@ def test_damaged_kv_frames_are_never_decoded(faulty, daemons, reference, loaded_
         )
     long_prompt = " ".join(make_prompts(6, seed=21))
     assert len(loaded_model.tokenizer.encode(long_prompt)) > 2 * 256  # three prefill chunks
-    # the first chunk's 3 frames (5 blocks each) are streamed before the replica dies
-    died = client.generate(long_prompt, max_tokens=4, ignore_eos=True, request_id="die:3:long")
+    # the replica dies after its first frame is streamed (and inserted). The test model's 4 layers put
+    # about 40 blocks in a 4 MiB frame, so that frame is the whole prompt's: the stream dies before its
+    # trailer, not between two prompt chunks as with the whole model's 5-block frames
+    died = client.generate(long_prompt, max_tokens=4, ignore_eos=True, request_id="die:1:long")
     assert died.token_ids == reference(long_prompt, 4)
     head = make_prompts(1, seed=22)[0]
     client.generate(head, max_tokens=4, ignore_eos=True)  # whatever the replica does, decode caches it
