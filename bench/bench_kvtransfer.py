@@ -327,13 +327,13 @@ class DaemonPaths:
 def _sync_before_start(engine) -> None:
     """The engine's cache is ready (every insert done) before a transferred request starts: the bench's
     one addition to the daemon path, so that kv_transfer_seconds covers the inserts."""
-    start = engine.remote_kv_arrived
+    start = engine._remote_kv_done
 
-    def remote_kv_arrived(*args):
+    def remote_kv_done(*args):
         jax.block_until_ready(engine.runner.cache)
         return start(*args)
 
-    engine.remote_kv_arrived = remote_kv_arrived
+    engine._remote_kv_done = remote_kv_done
 
 
 STAGE_COLUMNS = [

@@ -1,6 +1,8 @@
-"""The colocated engine: add requests, step, stream outputs. Also the Python API (`LLM.generate`).
+"""The engine: one model on one mesh, continuous batching. Also the Python API (`generate`).
 
-One step reads in three calls: schedule -> run -> postprocess.
+The daemons drive it through typed commands (`apply`, engine.boundary) and read what each `step()`
+returns (EngineOutputs): nothing else crosses. One step reads in three calls: schedule -> run ->
+postprocess.
 """
 
 from __future__ import annotations
@@ -16,17 +18,31 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
+from pdserve.engine.boundary import (
+    Abort,
+    AdapterState,
+    AddRequest,
+    Command,
+    EngineOutputs,
+    EngineStats,
+    InsertKV,
+    KVInsertError,
+    QueueFull,
+    RemoteKVDone,
+    RemoteKVFailed,
+    Utility,
+)
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.constraints import ConstraintCompiler
-from pdserve.engine.core.kv_connector import KVConnector
-from pdserve.engine.core.kv_events import KVEvent
+from pdserve.engine.core.kv_connector import KVConnector, TransferReady
+from pdserve.engine.core.kv_groups import KVGroups
 from pdserve.engine.core.output import OutputStream, RequestOutput
 from pdserve.engine.core.request import FinishReason, Request, Status, TokenLogprobs
-from pdserve.engine.core.scheduler import Row, Scheduler, SchedulerOutput
+from pdserve.engine.core.scheduler import Row, SampledToken, Scheduler, SchedulerOutput
 from pdserve.engine.loading.sources import LoadedModel, load_model
 from pdserve.engine.lora import AdapterRegistry
 from pdserve.engine.lora_slots import LoraSlots
-from pdserve.engine.model.attention import set_attention_impl
+from pdserve.engine.model.attention import AttentionFn, ragged_paged_attention_reference
 from pdserve.engine.model.sampler import mask_words
 from pdserve.engine.model.sharding import make_mesh
 from pdserve.engine.model.tpu_attention import kernel_attention, kernel_unsupported
@@ -39,39 +55,35 @@ log = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    """Continuous batching over one model on one mesh. Not thread-safe: drive it from one thread."""
+    """Continuous batching over one model on one mesh. Not thread-safe: drive it from one thread.
 
-    def __init__(self, model: LoadedModel, config: EngineConfig, devices: Sequence[jax.Device] | None = None):
+    `attention`: the attention implementation (default: jax's Pallas kernel over this engine's mesh on a
+    TPU where it applies, else the reference; engine.model.attention)."""
+
+    def __init__(
+        self,
+        model: LoadedModel,
+        config: EngineConfig,
+        devices: Sequence[jax.Device] | None = None,
+        attention: AttentionFn | None = None,
+        runner: ModelRunner | None = None,
+    ):
+        """`runner`: the device side, built here by default (on `devices`, attending with `attention`);
+        a given one brings its own mesh and adapter slots (tests drive the host side with a scripted one)."""
         self.model = model
-        self.mesh = make_mesh(config.tp, devices)
-        platform = self.mesh.devices.flat[0].platform
-        self.config = config = config.on_platform(platform)  # "auto" dtype resolved
-        if platform == "tpu":  # jax's Pallas kernel behind the attention seam (the reference elsewhere)
-            unsupported = kernel_unsupported(model.config, config.tp, config.dtype)
-            if unsupported:
-                log.warning("TPU attention kernel not used (%s): the reference attends", unsupported)
-            else:
-                set_attention_impl(kernel_attention(model.config, self.mesh))
         self.tokenizer = model.tokenizer
-        dtype = jax.numpy.dtype(config.dtype)
-        weights = build_weights(model.config, model.host_weights, self.mesh, dtype)
-        self.lora_slots = None
-        if config.max_loras and (model.config.num_experts or model.config.is_mla):
-            raise ValueError(
-                "LoRA adapters on mixture-of-experts or MLA models are not supported (max_loras > 0)"
-            )
-        if config.max_loras:
-            self.lora_slots = LoraSlots(
-                model.config, config.max_loras, config.max_lora_rank, self.mesh, dtype
-            )
+        if runner is None:
+            runner = self._build_runner(model, config, devices, attention)
+        self.runner, self.mesh, self.lora_slots = runner, runner.mesh, runner.lora
+        self.config = config = runner.config
         self.loras = AdapterRegistry(model.config, config.max_lora_rank, enabled=self.lora_slots is not None)
-        self.runner = ModelRunner(model.config, config, weights, self.mesh, self.lora_slots)
+        ring_blocks = KVGroups.of(model.config).ring_blocks(config.block_size, config.max_num_batched_tokens)
         self.scheduler = Scheduler(
             config,
             self.lora_slots,
             windowed_transfers=bool(model.config.layer_windows),
             release_window=model.config.widest_window,
-            ring_blocks=self.runner.groups.ring_blocks(config.block_size, config.max_num_batched_tokens),
+            ring_blocks=ring_blocks,
         )
         self._streams: dict[str, OutputStream] = {}
         self._ids = itertools.count()
@@ -79,6 +91,44 @@ class LLMEngine:
         # (an abort, arriving KV, a new request) can change that. The engine thread may sleep until one.
         self.stalled = False
         self._stepping: dict[str, Request] = {}  # the requests of the step under way (fail_step ends them)
+        self._outputs = EngineOutputs()  # what commands and the step under way produced, for step()
+        self._utilities = {
+            "add_adapter": self.loras.add,
+            "remove_adapter": self.loras.remove,
+            "list_adapters": self.adapter_states,
+            "stats": self.stats,
+            "record_kv_events": self.record_kv_events,
+        }
+
+    @staticmethod
+    def _build_runner(
+        model: LoadedModel,
+        config: EngineConfig,
+        devices: Sequence[jax.Device] | None,
+        attention: AttentionFn | None,
+    ) -> ModelRunner:
+        """The device side: the mesh, the weights on it, the adapter slots, the cache and the attention (on
+        a TPU jax's Pallas kernel over this mesh where it applies, else the reference)."""
+        mesh = make_mesh(config.tp, devices)
+        platform = mesh.devices.flat[0].platform
+        config = config.on_platform(platform)  # "auto" dtype resolved
+        if attention is None:
+            attention = ragged_paged_attention_reference
+            unsupported = platform == "tpu" and kernel_unsupported(model.config, config.tp, config.dtype)
+            if unsupported:
+                log.warning("TPU attention kernel not used (%s): the reference attends", unsupported)
+            elif platform == "tpu":
+                attention = kernel_attention(model.config, mesh)
+        dtype = jax.numpy.dtype(config.dtype)
+        weights = build_weights(model.config, model.host_weights, mesh, dtype)
+        lora_slots = None
+        if config.max_loras and (model.config.num_experts or model.config.is_mla):
+            raise ValueError(
+                "LoRA adapters on mixture-of-experts or MLA models are not supported (max_loras > 0)"
+            )
+        if config.max_loras:
+            lora_slots = LoraSlots(model.config, config.max_loras, config.max_lora_rank, mesh, dtype)
+        return ModelRunner(model.config, config, weights, mesh, lora_slots, attention)
 
     @classmethod
     def from_model(
@@ -106,11 +156,13 @@ class LLMEngine:
         request_id: str | None = None,
         lora: str | None = None,
         lora_fingerprint: str | None = None,
+        seed: int | None = None,
     ) -> Request:
         """Validates and tokenizes; raises InvalidRequestError naming the bad field.
 
         `lora`: the adapter's name (None: the base model); with `lora_fingerprint` (a peer's copy of the
         adapter) the adapter loaded here must have the same weights (AdapterMismatchError otherwise).
+        `seed`: the resolved seed a peer drew (default: params.seed, else a random one).
         """
         vocab = self.model.config.vocab_size
         params.validate(vocab, self.config.max_logprobs)
@@ -130,14 +182,23 @@ class LLMEngine:
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                 f"model length {self.config.max_model_len}",
             )
-        return Request(
+        if seed is None:
+            seed = params.seed if params.seed is not None else secrets.randbits(63)
+        stop_ids = frozenset(params.stop_token_ids)
+        if not params.ignore_eos and self.tokenizer is not None:  # (a bare model in tests has none)
+            stop_ids |= self.tokenizer.eos_token_ids
+        request = Request(
             request_id=request_id or f"req-{next(self._ids)}",
             prompt_ids=prompt_ids,
             params=params,
-            seed=params.seed if params.seed is not None else secrets.randbits(63),
+            seed=seed,
             lora=None if lora is None else self.loras.resolve(lora, lora_fingerprint),
             matcher=None if params.constraint is None else self.constraints.matcher(params.constraint),
+            stop_token_ids=stop_ids,
         )
+        if self.config.enable_prefix_caching:  # off the engine thread: a Preparer's (services.prepare)
+            request.extend_block_hashes(self.config.block_size)
+        return request
 
     @functools.cached_property
     def constraints(self) -> ConstraintCompiler:
@@ -148,73 +209,136 @@ class LLMEngine:
         return self.add_prepared_request(self.make_request(prompt, params or SamplingParams(), **kwargs))
 
     def add_prepared_request(self, request: Request) -> str:
-        """Queues a request built by make_request (callers may set its seed first)."""
+        """Queues a request built by make_request."""
         if request.request_id in self.scheduler.requests:
             raise InvalidRequestError("request_id", f"{request.request_id!r} is already running")
-        self._streams[request.request_id] = OutputStream(request, self.tokenizer, self.config.max_model_len)
+        self._streams[request.request_id] = OutputStream(request, self.tokenizer)
         self.scheduler.add(request)
         return request.request_id
 
     def abort(self, request_id: str) -> bool:
-        """Cancels a request in any state and frees its blocks; False when it is not (or no longer) here.
+        """Cancels a request in any state, frees its blocks and forgets its transfer state; False when it
+        is not (or no longer) here.
 
         Idempotent; on the engine thread it runs after every command submitted before it, so a request
         added by a command still in flight when its caller was cancelled is removed too."""
         self._streams.pop(request_id, None)
+        self.kv_connector.forget(request_id)
         return self.scheduler.abort(request_id) is not None
+
+    # ---- the daemons' boundary (engine.boundary) ------------------------------------------------------
+    def apply(self, command: Command):
+        """Runs one command (engine thread); returns its result (see each command)."""
+        match command:
+            case AddRequest(request=request, kv=kv, max_waiting=max_waiting):
+                if max_waiting is not None and len(self.scheduler.waiting) >= max_waiting:
+                    raise QueueFull(f"admission queue full ({max_waiting})")
+                self.add_prepared_request(request)
+                if kv is not None:
+                    self.kv_connector.expect(request.request_id, kv)
+                return request.request_id
+            case Abort(request_id=request_id):
+                return self.abort(request_id)
+            case InsertKV():
+                return self._insert_kv(command)
+            case RemoteKVDone():
+                return self._remote_kv_done(command)
+            case RemoteKVFailed(request_id=request_id):
+                return self.scheduler.remote_kv_failed(request_id)
+            case Utility(method=method, args=args):
+                return self._utilities[method](*args)
+        raise TypeError(f"not an engine command: {command!r}")
+
+    def stats(self) -> EngineStats:
+        """A snapshot of the blocks, queues and adapters (engine thread)."""
+        s, kv = self.scheduler, self.scheduler.kv
+        running = [*s.running, *s.prefilling, *s.remote]
+        slots = self.lora_slots
+
+        def adapters(requests) -> tuple[str, ...]:
+            return tuple(sorted({r.lora.name for r in requests if r.lora is not None}))
+
+        return EngineStats(
+            num_running=len(running),
+            num_waiting=len(s.waiting),
+            num_incoming=len(s.remote),
+            num_blocks=kv.pool.num_blocks,
+            num_used_blocks=kv.pool.num_used,
+            num_free_blocks=kv.pool.num_free,
+            num_cached_blocks=kv.pool.num_cached,
+            block_size=self.config.block_size,
+            prefix_cache_queries=kv.stats.queries,
+            prefix_cache_hits=kv.stats.hits,
+            prefix_cache_evictions=kv.pool.num_evictions,
+            num_preemptions=s.num_preemptions,
+            running_adapters=adapters(running),
+            waiting_adapters=adapters(s.waiting),
+            max_loras=self.config.max_loras,
+            num_adapters_loaded=len(self.loras.adapters),
+            num_lora_slots_used=len(slots.resident) if slots else 0,
+            num_lora_slot_loads=slots.num_loads if slots else 0,
+        )
+
+    def adapter_states(self) -> list[AdapterState]:
+        """The loaded adapters by name, and whether each sits in a device slot."""
+        resident = set(self.lora_slots.resident) if self.lora_slots is not None else set()
+        return [AdapterState(a, a.key in resident) for _, a in sorted(self.loras.adapters.items())]
 
     @property
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
     # ---- the loop -------------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """One model step for the scheduled requests; returns what each produced."""
+    def step(self) -> EngineOutputs:
+        """One model step for the scheduled requests (none when nothing can run); returns what it and the
+        commands since the last step produced, and a stats snapshot."""
         self._stepping = {}
         scheduled = self.scheduler.schedule()
         self.stalled = scheduled is None
-        if scheduled is None:
-            return []
-        requests = self.scheduler.requests
-        self._stepping = {row.request_id: requests[row.request_id] for row in scheduled.rows}
-        self._stepping.update((r.request_id, r) for r in self.scheduler.sending)
-        sampled = self._execute(scheduled)
-        outputs = self.scheduler.update_from_output(scheduled, sampled, self._on_token)
-        # the connector's worker side: hand over the KV of prompts computed in part, then of finished ones
-        for row in scheduled.rows:
-            request = self.scheduler.requests.get(row.request_id)
-            if not row.samples and request is not None and request.status is Status.RUNNING:
-                self.kv_connector.save_kv(
+        if scheduled is not None:
+            requests = self.scheduler.requests
+            self._stepping = {row.request_id: requests[row.request_id] for row in scheduled.rows}
+            self._stepping.update((r.request_id, r) for r in self.scheduler.sending)
+            sampled = self._execute(scheduled)
+            for request, token in self.scheduler.update_from_output(scheduled, sampled):
+                self._outputs.tokens.append(self._emit(request, token))
+            # the connector's worker side: the KV of prompts computed in part, then of finished ones
+            for row in scheduled.rows:
+                request = self.scheduler.requests.get(row.request_id)
+                if not row.samples and request is not None and request.status is Status.RUNNING:
+                    self.kv_connector.save_kv(
+                        self.runner, request, self.scheduler.block_tables(request.request_id)
+                    )
+            for request in list(self.scheduler.sending):
+                self.kv_connector.send_kv(
                     self.runner, request, self.scheduler.block_tables(request.request_id)
                 )
-        for request in list(self.scheduler.sending):
-            self.kv_connector.send_kv(self.runner, request, self.scheduler.block_tables(request.request_id))
-            self.scheduler.finish_sending(request.request_id)
+                self.scheduler.finish_sending(request.request_id)
         self._stepping = {}
-        return outputs
+        return self._take_outputs()
 
-    def fail_step(self, reason: str) -> list[RequestOutput]:
+    def fail_step(self, reason: str) -> EngineOutputs:
         """After step() raised: ends the requests of that step (their state may be half updated; those it
         finished already never had their outputs returned) with FinishReason.ERROR, freeing what they
-        still hold; returns their last outputs. The other requests are untouched."""
-        outputs = []
+        still hold; returns their last outputs (with whatever else was produced before). The other
+        requests are untouched."""
         for request_id, request in self._stepping.items():
-            request.error = request.error or f"the step failed: {reason}"
-            request.finish_reason = FinishReason.ERROR
-            self.kv_connector.forget(request_id)
             self.abort(request_id)
-            outputs.append(RequestOutput.failed(request))
+            request.finish_reason = FinishReason.ERROR
+            request.error = request.error or f"the step failed: {reason}"
+            self._outputs.tokens.append(RequestOutput.failed(request))
         self._stepping = {}
+        return self._take_outputs()
+
+    def _take_outputs(self) -> EngineOutputs:
+        outputs, self._outputs = self._outputs, EngineOutputs()
+        for item in self.kv_connector.take_outputs():
+            (outputs.transfers if isinstance(item, TransferReady) else outputs.kv).append(item)
+        outputs.stats = self.stats()
+        outputs.kv_events = self.scheduler.kv.take_events()
         return outputs
 
-    def _fail_request(self, request: Request, what: str, error: Exception) -> None:
-        """A failure pinned to one request (its matcher, its detokenizer, its stop strings): it ends with
-        FinishReason.ERROR at this step, the batch goes on."""
-        log.exception("%s failed", what, extra={"request_id": request.request_id})
-        request.error = f"{what}: {type(error).__name__}: {error}"
-        request.finish_reason = FinishReason.ERROR
-
-    def _execute(self, scheduled: SchedulerOutput) -> dict[str, tuple[int, TokenLogprobs | None]]:
+    def _execute(self, scheduled: SchedulerOutput) -> dict[str, SampledToken]:
         """Runs the step's rows; samples the rows that end their request's uncomputed tokens."""
         logits = self.runner.forward(scheduled.rows)
         indices = [i for i, row in enumerate(scheduled.rows) if row.samples]
@@ -228,10 +352,10 @@ class LLMEngine:
         result = self.runner.sample(logits, sample_rows, indices, allowed)
         out = {}
         for i, request in enumerate(samplers):
-            token, logprobs = int(result.tokens[i]), None
+            token, logprobs, finish = int(result.tokens[i]), None, None
             try:
                 if request.matcher is not None:
-                    token = self._advance_constraint(request, token, allowed[i])
+                    token, finish = self._advance_constraint(request, token, allowed[i])
                 if request.params.logprobs is not None:
                     n = request.params.logprobs
                     top = list(
@@ -239,8 +363,10 @@ class LLMEngine:
                     )
                     logprobs = TokenLogprobs(token, float(result.logprob[i]), top)
             except Exception as e:  # noqa: BLE001 - pinned to this request
-                self._fail_request(request, "sampling", e)
-            out[request.request_id] = (token, logprobs)
+                error = _failure(request, "sampling", e)
+                out[request.request_id] = SampledToken(token, None, FinishReason.ERROR, error)
+                continue
+            out[request.request_id] = SampledToken(token, logprobs, finish)
         return out
 
     def _allowed_tokens(self, samplers: list[Request]) -> np.ndarray | None:
@@ -252,20 +378,20 @@ class LLMEngine:
         allowed[rows] = self.constraints.fill([samplers[i].matcher for i in rows])
         return allowed
 
-    def _advance_constraint(self, request: Request, token: int, allowed: np.ndarray) -> int:
+    def _advance_constraint(
+        self, request: Request, token: int, allowed: np.ndarray
+    ) -> tuple[int, FinishReason | None]:
         """Advances the request's matcher with its sampled token (which `allowed`, its mask, let through);
-        returns the token. An empty mask (the constraint allows nothing more) ends the request instead:
-        its token becomes EOS, never shown."""
+        returns the token and how it ends the request, if it does. An empty mask (the constraint allows
+        nothing more) ends the request instead: its token becomes EOS, never shown."""
         if not allowed.any():
-            request.finish_reason = FinishReason.DEAD_END
-            return min(self.tokenizer.eos_token_ids, default=0)
-        self._consume(request, token)
-        return token
+            return min(self.tokenizer.eos_token_ids, default=0), FinishReason.DEAD_END
+        return token, self._consume(request, token)
 
-    def _consume(self, request: Request, token: int) -> None:
-        """The request's matcher takes `token`. One it refuses (a work limit reached inside the matcher,
-        or the EOS a prefill server sends for a dead end at the first token) ends the request as a dead
-        end: nothing after the last token the constraint took is shown."""
+    def _consume(self, request: Request, token: int) -> FinishReason | None:
+        """The request's matcher takes `token`; returns how that ends the request, if it does. One it
+        refuses (a work limit reached inside the matcher, or the EOS a prefill server sends for a dead end
+        at the first token) is a dead end: nothing after the last token the constraint took is shown."""
         if not request.matcher.consume_token(token):
             log.warning(
                 "constraint failed at token %d: %s",
@@ -273,20 +399,25 @@ class LLMEngine:
                 request.matcher.get_error(),
                 extra={"request_id": request.request_id},
             )
-            request.finish_reason = FinishReason.DEAD_END
-            return
+            return FinishReason.DEAD_END
         if request.matcher.is_stopped() and token in self.tokenizer.eos_token_ids:  # ignore_eos or not
-            request.finish_reason = FinishReason.STOP  # complete (a complete output allows only EOS next)
+            return FinishReason.STOP  # complete (a complete output allows only EOS next)
+        return None
 
-    def _on_token(self, request: Request, token: int, logprobs: TokenLogprobs | None) -> RequestOutput:
-        """The scheduler's sink: detokenize, check stops; a finished request's stream ends."""
+    def _emit(self, request: Request, token: SampledToken) -> RequestOutput:
+        """The client's view of a token the scheduler appended: detokenized, stop strings checked (a match
+        is reported to the scheduler, which finishes the request); a finished request's stream ends."""
         if request.first_token_time is None:
             request.first_token_time = time.monotonic()
+        output = None
         if request.finish_reason is not FinishReason.ERROR:
             try:
-                output = self._streams[request.request_id].on_token(token, logprobs)
+                output = self._streams[request.request_id].on_token(token.token, token.logprobs)
             except Exception as e:  # noqa: BLE001 - pinned to this request
-                self._fail_request(request, "detokenizing", e)
+                self.scheduler.finish(request, FinishReason.ERROR, _failure(request, "detokenizing", e))
+            else:
+                if output.finish_reason is not request.finish_reason:  # a stop string matched
+                    self.scheduler.finish(request, output.finish_reason)
         if request.finish_reason is FinishReason.ERROR:
             output = RequestOutput.failed(request)
         if output.finished:
@@ -303,14 +434,11 @@ class LLMEngine:
 
     # ---- what the prefix cache gains and loses (engine.core.kv_events) ---------------------------------
     def record_kv_events(self) -> None:
-        """Starts keeping KV cache events (the first: AllBlocksCleared) for take_kv_events."""
+        """Starts keeping KV cache events (the first: AllBlocksCleared): each step's outputs carry those
+        since the step before."""
         self.scheduler.kv.record_events()
 
-    def take_kv_events(self) -> list[KVEvent]:
-        """The KV cache events since the last call, oldest first."""
-        return self.scheduler.kv.take_events()
-
-    # ---- KV from elsewhere (the decode role; see engine.core.kv_connector) ---------------------------------
+    # ---- KV from elsewhere (see engine.core.kv_connector) ----------------------------------------------
     @property
     def kv_connector(self) -> KVConnector:
         return self.scheduler.connector
@@ -321,33 +449,34 @@ class LLMEngine:
             raise RuntimeError("a KV connector is installed before requests are added")
         self.scheduler.connector = connector
 
-    def remote_kv_arrived(
-        self, request_id: str, token: int, logprobs: TokenLogprobs | None, num_cached_tokens: int = 0
-    ) -> RequestOutput:
-        """The request's prompt KV is in its blocks (DecodeConnector.load_kv) and `token` is its first
-        token, sampled where the prompt was computed (`num_cached_tokens` of it found in a prefix cache
-        there, under the request's constraint if it has one): it starts decoding, its constraint's matcher
-        advanced by the token. Returns the token's output."""
-        request = self.scheduler.requests[request_id]
-        request.num_cached_tokens = num_cached_tokens
-        if request.matcher is not None:
-            self._consume(request, token)
-        return self.scheduler.remote_kv_arrived(request_id, token, logprobs, self._on_token)
+    def _remote_kv_done(self, done: RemoteKVDone) -> None:
+        """The request starts decoding on its first token (its constraint's matcher advanced by it); the
+        token's output goes out with the next step's. KVInsertError when an insert of that transfer
+        failed here."""
+        error = self.kv_connector.take_insert_failure(done.request_id, done.transfer)
+        if error is not None:
+            raise KVInsertError(f"inserting the KV failed here: {error}")
+        request = self.scheduler.requests[done.request_id]
+        request.num_cached_tokens = done.num_cached_tokens
+        finish = self._consume(request, done.token) if request.matcher is not None else None
+        token = SampledToken(done.token, done.logprobs, finish)
+        self.scheduler.remote_kv_arrived(done.request_id, token)
+        self._outputs.tokens.append(self._emit(request, token))
 
-    def load_kv(self, request_id: str, chunk, first_block: int = 0) -> bool:
-        """Writes one arriving KV chunk (verified, on this engine's mesh and layout; its tokens counted
-        from block `first_block` of the prompt) into the request's blocks; False (nothing written) when
-        the request no longer waits for KV (aborted meanwhile)."""
-        request = self.scheduler.requests.get(request_id)
+    def _insert_kv(self, insert: InsertKV) -> bool:
+        """Writes one arriving KV chunk into the request's blocks; False (nothing written) when the request
+        no longer waits for KV (aborted meanwhile) or the write failed (kept for its RemoteKVDone)."""
+        request = self.scheduler.requests.get(insert.request_id)
         if request is None or request.status is not Status.WAITING_FOR_REMOTE_KV:
             return False
-        blocks = self.scheduler.block_tables(request_id)[first_block:]
-        self.kv_connector.load_kv(self.runner, blocks, chunk)
+        blocks = self.scheduler.block_tables(insert.request_id)[insert.first_block :]
+        try:
+            self.kv_connector.load_kv(self.runner, blocks, insert.chunk)
+        except Exception as e:  # noqa: BLE001 - pinned to this transfer
+            log.exception("KV insert failed", extra={"request_id": insert.request_id})
+            self.kv_connector.insert_failed(insert.request_id, insert.transfer, f"{type(e).__name__}: {e}")
+            return False
         return True
-
-    def remote_kv_failed(self, request_id: str) -> None:
-        """No KV will arrive for the request: it is prefilled here, in the blocks it already holds."""
-        self.scheduler.remote_kv_failed(request_id)
 
     # ---- the Python API -------------------------------------------------------------------------------
     def prompt_logits(self, prompt_ids: Sequence[int], lora: str | None = None) -> np.ndarray:
@@ -389,7 +518,7 @@ class LLMEngine:
             rid: FinishedSequence(rid, self.scheduler.requests[rid].prompt_ids, [], "", None) for rid in ids
         }
         while any(c.finish_reason is None for c in done.values()):
-            for output in self.step():
+            for output in self.step().tokens:
                 completion = done.get(output.request_id)
                 if completion is None:
                     continue
@@ -413,3 +542,10 @@ class FinishedSequence:
     finish_reason: str | None
     logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
+
+
+def _failure(request: Request, what: str, error: Exception) -> str:
+    """A failure pinned to one request (its matcher, its detokenizer, its stop strings): logged; the text
+    its FinishReason.ERROR carries. The batch goes on."""
+    log.exception("%s failed", what, extra={"request_id": request.request_id})
+    return f"{what}: {type(error).__name__}: {error}"

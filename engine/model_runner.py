@@ -23,7 +23,7 @@ from pdserve.engine.core.kv_groups import BlockTables, KVGroups
 from pdserve.engine.core.scheduler import Row
 from pdserve.engine.lora_slots import LoraSlots
 from pdserve.engine.model import kv_cache
-from pdserve.engine.model.attention import KV_TILE_BLOCKS
+from pdserve.engine.model.attention import KV_TILE_BLOCKS, AttentionFn, ragged_paged_attention_reference
 from pdserve.engine.model.forward import forward_step
 from pdserve.engine.model.kv_cache import allocate_cache
 from pdserve.engine.model.lora import LoraWeights
@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 
 # One jitted step shared by every runner of the process: runners of the same model and shapes (tests,
 # the colocated `serve` shape) reuse each other's compilations. The cache keeps its input sharding.
-_jitted_step = jax.jit(forward_step, static_argnames=("cfg",), donate_argnames=("cache",))
+_jitted_step = jax.jit(forward_step, static_argnames=("cfg", "attention"), donate_argnames=("cache",))
 
 
 @dataclasses.dataclass
@@ -61,7 +61,9 @@ class ModelRunner:
         weights: Weights,
         mesh: Mesh,
         lora: LoraSlots | None = None,
+        attention: AttentionFn = ragged_paged_attention_reference,
     ):
+        """`attention`: this runner's implementation (engine.model.attention's seam)."""
         self.model = model
         self.config = config
         self.weights = weights
@@ -69,7 +71,8 @@ class ModelRunner:
         self.lora = lora  # resident adapters; None: LoRA off (max_loras == 0)
         self.cache = allocate_cache(model, config, mesh)
         self.groups = KVGroups.of(model)
-        self._step = functools.partial(_jitted_step, cfg=model)
+        self.attention = attention
+        self._step = functools.partial(_jitted_step, cfg=model, attention=attention)
         self._replicated = jax.jit(lambda x: x, out_shardings=named(mesh))
         # The leader of a multi-process engine hands each device operation here before running it
         # (engine.multihost); None: single process, or a follower.
@@ -284,4 +287,5 @@ class ModelRunner:
             zeros((self.groups.num_groups, num_seqs, self.block_table_width), np.int32),
             np.full(num_seqs, -1, np.int32),
             cfg=self.model,
+            attention=self.attention,
         ).compile()

@@ -141,7 +141,7 @@ def generate_locally(engine, request, on_response=None):
     prompt_ids = engine_request.prompt_ids if request.return_prompt_ids else ()
     start, completion = time.perf_counter(), Completion()
     while completion.finish_reason is None:
-        for output in engine.step():
+        for output in engine.step().tokens:
             response = wire.output_to_response(output, rid, prompt_ids)
             prompt_ids = ()  # on the first response only
             completion.add(response, time.perf_counter() - start)

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import grpc
 
-from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.lora import LoraAdapter, LoraLoadError
+from pdserve.engine.boundary import AdapterState, EngineStats, Utility
+from pdserve.engine.lora import LoraLoadError
 from pdserve.services.engine_loop import EngineLoop
 from pdserve.v1 import admin_pb2 as pb
 from pdserve.v1 import admin_pb2_grpc as pb_grpc
@@ -66,26 +66,19 @@ class Load:
     max_loras: int
 
 
-def read_load(engine: LLMEngine, counters: Counters) -> Load:
-    """Reads without locks: on the engine thread (Admin) or a scrape thread (/metrics), which sees a state
-    at most one step old. The scheduler's lists are copied first (one C-level call each, under the GIL)."""
-    s, pool = engine.scheduler, engine.scheduler.kv.pool
-    running = [*list(s.running), *list(s.prefilling), *list(s.remote)]
-    waiting = list(s.waiting)
-
-    def adapters(requests) -> tuple[str, ...]:
-        return tuple(sorted({r.lora.name for r in requests if r.lora is not None}))
-
+def read_load(stats: EngineStats, counters: Counters) -> Load:
+    """The load of an engine stats snapshot (engine.boundary.EngineStats: EngineLoop.stats, at most one
+    step old, or a fresh one) and the daemon's counters."""
     return Load(
-        num_running=len(running),
-        num_waiting=len(waiting) + counters.num_waiting,
-        num_incoming=len(s.remote),
-        num_blocks=pool.num_blocks,
-        block_size=engine.config.block_size,
-        kv_usage=pool.num_used / pool.num_blocks,
-        running_adapters=adapters(running),
-        waiting_adapters=adapters(waiting),
-        max_loras=engine.config.max_loras,
+        num_running=stats.num_running,
+        num_waiting=stats.num_waiting + counters.num_waiting,
+        num_incoming=stats.num_incoming,
+        num_blocks=stats.num_blocks,
+        block_size=stats.block_size,
+        kv_usage=stats.kv_usage,
+        running_adapters=stats.running_adapters,
+        waiting_adapters=stats.waiting_adapters,
+        max_loras=stats.max_loras,
     )
 
 
@@ -113,67 +106,65 @@ class AdminService(pb_grpc.AdminServicer):
             await context.abort(
                 grpc.StatusCode.PERMISSION_DENIED, f"path: adapters load from {self.lora_root} only"
             )
-        engine: LLMEngine = self.loop.engine
-        try:
-            adapter = await asyncio.to_thread(engine.loras.read, request.name, str(path))
+        try:  # read off the engine thread (a file), then added on every engine of the process
+            adapter = await asyncio.to_thread(self.loop.engine.loras.read, request.name, str(path))
             for mirror in self.mirrors:
-                await mirror.call(lambda e: e.loras.add(adapter))
-            adapter = await self.loop.call(lambda e: e.loras.add(adapter))
+                await mirror.call(Utility("add_adapter", (adapter,)))
+            adapter = await self.loop.call(Utility("add_adapter", (adapter,)))
         except LoraLoadError as e:  # INVALID_ARGUMENT, ALREADY_EXISTS, FAILED_PRECONDITION (LoRA off)
             await context.abort(grpc.StatusCode[e.status], str(e))
-        return await self.loop.call(lambda e: adapter_info(e, adapter))
+        states = await self.loop.call(Utility("list_adapters"))
+        return next(adapter_info(a) for a in states if a.adapter.name == adapter.name)
 
     async def UnloadLoraAdapter(self, request: pb.UnloadLoraAdapterRequest, context):
         for mirror in self.mirrors:
-            await mirror.call(lambda e: e.loras.remove(request.name))
-        if not await self.loop.call(lambda e: e.loras.remove(request.name)):
+            await mirror.call(Utility("remove_adapter", (request.name,)))
+        if not await self.loop.call(Utility("remove_adapter", (request.name,))):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"adapter {request.name!r} is not loaded")
         return pb.UnloadLoraAdapterResponse()
 
     async def ListLoraAdapters(self, request, context) -> pb.LoraAdapterList:
-        def snapshot(engine: LLMEngine) -> pb.LoraAdapterList:
-            return pb.LoraAdapterList(
-                adapters=[adapter_info(engine, a) for _, a in sorted(engine.loras.adapters.items())],
-                num_slots=engine.config.max_loras,
-                max_rank=engine.config.max_lora_rank,
-            )
-
-        return await self.loop.call(snapshot)
+        states = await self.loop.call(Utility("list_adapters"))
+        config = self.loop.engine.config
+        return pb.LoraAdapterList(
+            adapters=[adapter_info(a) for a in states],
+            num_slots=config.max_loras,
+            max_rank=config.max_lora_rank,
+        )
 
     async def GetStats(self, request, context) -> pb.ServerStats:
-        def snapshot(engine):
-            kv, load = engine.scheduler.kv, read_load(engine, self.counters)
-            return pb.ServerStats(
-                role=self.role,
-                num_blocks=kv.pool.num_blocks,
-                num_free_blocks=kv.pool.num_free,
-                num_cached_blocks=kv.pool.num_cached,
-                prefix_cache_queries_total=kv.stats.queries,
-                prefix_cache_hits_total=kv.stats.hits,
-                prefix_cache_evictions_total=kv.pool.num_evictions,
-                num_running=load.num_running,
-                num_waiting=load.num_waiting,
-                num_requests_total=self.counters.num_requests_total,
-                num_incoming=load.num_incoming,
-                num_transfers_total=self.counters.num_transfers_total,
-                kv_transfer_seconds_total=self.counters.kv_transfer_seconds_total,
-                kv_transfer_bytes_total=self.counters.kv_transfer_bytes_total,
-                num_transfer_failures_total=self.counters.num_transfer_failures_total,
-                kv_frames_sent_total=self.counters.kv_frames_sent_total,
-                kv_frames_after_compute_total=self.counters.kv_frames_after_compute_total,
-                route_expected_hit_tokens_total=self.counters.route_expected_hit_tokens_total,
-                route_actual_hit_tokens_total=self.counters.route_actual_hit_tokens_total,
-            )
-
-        return await self.loop.call(snapshot)
+        stats: EngineStats = await self.loop.call(Utility("stats"))
+        load, c = read_load(stats, self.counters), self.counters
+        return pb.ServerStats(
+            role=self.role,
+            num_blocks=stats.num_blocks,
+            num_free_blocks=stats.num_free_blocks,
+            num_cached_blocks=stats.num_cached_blocks,
+            prefix_cache_queries_total=stats.prefix_cache_queries,
+            prefix_cache_hits_total=stats.prefix_cache_hits,
+            prefix_cache_evictions_total=stats.prefix_cache_evictions,
+            num_running=load.num_running,
+            num_waiting=load.num_waiting,
+            num_requests_total=c.num_requests_total,
+            num_incoming=load.num_incoming,
+            num_transfers_total=c.num_transfers_total,
+            kv_transfer_seconds_total=c.kv_transfer_seconds_total,
+            kv_transfer_bytes_total=c.kv_transfer_bytes_total,
+            num_transfer_failures_total=c.num_transfer_failures_total,
+            kv_frames_sent_total=c.kv_frames_sent_total,
+            kv_frames_after_compute_total=c.kv_frames_after_compute_total,
+            route_expected_hit_tokens_total=c.route_expected_hit_tokens_total,
+            route_actual_hit_tokens_total=c.route_actual_hit_tokens_total,
+        )
 
 
-def adapter_info(engine: LLMEngine, adapter: LoraAdapter) -> pb.LoraAdapterInfo:
+def adapter_info(state: AdapterState) -> pb.LoraAdapterInfo:
+    adapter = state.adapter
     return pb.LoraAdapterInfo(
         name=adapter.name,
         path=adapter.path,
         rank=adapter.rank,
         target_modules=adapter.targets,
         fingerprint=adapter.fingerprint,
-        resident=engine.lora_slots is not None and adapter.key in engine.lora_slots.resident,
+        resident=state.resident,
     )

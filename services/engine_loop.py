@@ -1,9 +1,11 @@
 """Runs an LLMEngine on its own thread so device work never blocks the asyncio event loop, and
 supervises it.
 
-Everything that touches the engine (adding, aborting, inserting KV, stepping) runs on the engine thread,
-between steps, in submission order. Async callers `await loop.call(fn)` to run `fn(engine)` there, and
-receive each request's outputs on an asyncio queue.
+The engine is reached only through its boundary (engine.boundary): typed commands in, run on the engine
+thread between steps in submission order (`await loop.call(command)` for a result, `loop.submit(command)`
+fire and forget), and each step's EngineOutputs out: every per-request output (a transfer's blocks ready,
+KV ready to send, tokens) goes to that request's asyncio queue (`open_stream`), in order, and the stats
+snapshot to `loop.stats`, which Admin and /metrics read.
 
 Supervision: a step that raises fails the requests it scheduled (each gets an output with
 FinishReason.ERROR; the engine pins what it can to one request itself, see LLMEngine.step) and serving
@@ -25,6 +27,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from pdserve.engine.boundary import Command, EngineOutputs, EngineStats, KVReady, TransferReady, Utility
 from pdserve.engine.core.output import RequestOutput
 from pdserve.engine.llm_engine import LLMEngine
 
@@ -41,36 +44,36 @@ class EngineStopped(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class EngineFailure:
-    """What an open stream receives instead of further RequestOutputs when the engine stopped."""
+    """What an open stream receives instead of further outputs when the engine stopped."""
 
     message: str
+
+
+StreamItem = RequestOutput | TransferReady | KVReady | EngineFailure  # what a request's queue receives
 
 
 class EngineLoop:
     def __init__(self, engine: LLMEngine, name: str = "engine"):
         self.engine = engine
         self.name = name
-        self._commands: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        self._commands: queue.Queue[Callable[[], None] | None] = queue.Queue()  # commands, wrapped
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._stopped = threading.Event()
-        self._kv_events: Callable[[list], None] | None = None
+        self._kv_events: Callable[[list], None] | None = None  # publish_kv_events' sink
         self.failure: str | None = None  # why the engine cannot serve (None: it can)
         self._lock = threading.Lock()  # failure, _pending
         self._pending: set[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = set()
         self._failed_steps = 0  # in a row
         self._on_failure: list[Callable[[], None]] = []  # supervise()'s wake-ups (any thread)
         self.step_started: float | None = None  # monotonic time the running step began (None: none runs)
+        self.stats: EngineStats = engine.stats()  # after the last step (replaced whole, read by any thread)
 
     def publish_kv_events(self, sink: Callable[[list], None]) -> None:
-        """The engine's KV cache events go to `sink` from the next command on (called on the engine
-        thread after the commands and steps that made them; it must not block)."""
-
-        def install() -> None:
-            self.engine.record_kv_events()
-            self._kv_events = sink
-
-        self._commands.put(install)
+        """The engine's KV cache events go to `sink` from the next step on (called on the engine thread
+        with each step's; it must not block)."""
+        self._kv_events = sink
+        self.submit(Utility("record_kv_events"))
 
     def start(self) -> None:
         self._thread.start()
@@ -81,8 +84,8 @@ class EngineLoop:
         self._thread.join(timeout)
 
     # ---- called from asyncio -----------------------------------------------------------------------
-    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
-        """Runs fn(engine) on the engine thread; returns its result or raises its exception (EngineStopped
+    async def call(self, command: Command) -> Any:
+        """Runs the command on the engine thread; returns its result or raises its exception (EngineStopped
         when the engine cannot serve, at once)."""
         if self.failure is not None:
             raise EngineStopped(self.failure)
@@ -91,18 +94,17 @@ class EngineLoop:
 
         def run():
             try:
-                result = fn(self.engine)
+                result = self.engine.apply(command)
             except BaseException as e:  # noqa: BLE001 - handed to the caller
                 loop.call_soon_threadsafe(_set_exception, future, e)
             else:
-                loop.call_soon_threadsafe(set_result, future, result)
+                loop.call_soon_threadsafe(_set_result, future, result)
 
         self._commands.put(run)
-        return await self.wait(future)
+        return await self._wait(future)
 
-    async def wait(self, future: asyncio.Future) -> Any:
-        """Awaits a future the engine thread resolves (e.g. through a connector's callback); raises
-        EngineStopped when the engine stops first."""
+    async def _wait(self, future: asyncio.Future) -> Any:
+        """Awaits a future the engine thread resolves; raises EngineStopped when the engine stops first."""
         entry = (asyncio.get_running_loop(), future)
         with self._lock:
             if self.failure is not None:
@@ -114,21 +116,22 @@ class EngineLoop:
             with self._lock:
                 self._pending.discard(entry)
 
-    def submit(self, fn: Callable[[LLMEngine], Any]) -> None:
-        """Runs fn(engine) on the engine thread, fire and forget (errors are logged)."""
+    def submit(self, command: Command) -> None:
+        """Runs the command on the engine thread, fire and forget (errors are logged)."""
 
         def run():
             try:
-                fn(self.engine)
+                self.engine.apply(command)
             except Exception:
-                log.exception("%s: command failed", self.name)
+                log.exception("%s: command %s failed", self.name, type(command).__name__)
 
         self._commands.put(run)
 
     def open_stream(self, request_id: str) -> asyncio.Queue:
-        """A queue that receives the request's RequestOutputs (or an EngineFailure, last); open it before
-        the request is added."""
-        outputs: asyncio.Queue[RequestOutput | EngineFailure] = asyncio.Queue()
+        """A queue that receives the request's outputs in order (StreamItem: TransferReady, KVReady,
+        RequestOutput; an EngineFailure last when the engine stopped); open it before the request is
+        added."""
+        outputs: asyncio.Queue[StreamItem] = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), outputs)
         if self.failure is not None:
             outputs.put_nowait(EngineFailure(self.failure))
@@ -200,6 +203,7 @@ class EngineLoop:
                 command = self._commands.get(block=block, timeout=None)
             except queue.Empty:
                 command = False
+            ran = command is not False
             while command is not False:
                 if command is None:
                     self._stopped.set()
@@ -209,14 +213,10 @@ class EngineLoop:
                     command = self._commands.get_nowait()
                 except queue.Empty:
                     command = False
-            if engine.has_unfinished:
+            if ran or engine.has_unfinished:  # a step takes what the commands produced, too
                 self.publish(self._step())
-            if self._kv_events is not None:
-                events = engine.take_kv_events()
-                if events:
-                    self._kv_events(events)
 
-    def _step(self) -> list[RequestOutput]:
+    def _step(self) -> EngineOutputs:
         """One engine step; a failed one fails the requests it scheduled (its outputs say so), and a
         second failure in a row is raised (the thread ends, the loop fails)."""
         self.step_started = time.monotonic()
@@ -233,18 +233,20 @@ class EngineLoop:
         self._failed_steps = 0
         return outputs
 
-    def publish(self, outputs: list[RequestOutput]) -> None:
-        """Hands outputs to their streams (engine thread)."""
-        for output in outputs:
-            target = self._streams.get(output.request_id)
+    def publish(self, outputs: EngineOutputs) -> None:
+        """Hands a step's outputs to their streams, its stats to `stats`, its KV events to their sink
+        (engine thread)."""
+        self.stats = outputs.stats
+        for item in outputs.for_requests():
+            target = self._streams.get(item.request_id)
             if target is not None:
                 loop, outputs_queue = target
-                loop.call_soon_threadsafe(outputs_queue.put_nowait, output)
+                loop.call_soon_threadsafe(outputs_queue.put_nowait, item)
+        if outputs.kv_events and self._kv_events is not None:
+            self._kv_events(outputs.kv_events)
 
 
-def set_result(future: asyncio.Future, result: Any) -> None:
-    """Resolves `future` unless it is already done (cancelled by its waiter): call it with the event loop's
-    call_soon_threadsafe from another thread."""
+def _set_result(future: asyncio.Future, result: Any) -> None:
     if not future.done():
         future.set_result(result)
 

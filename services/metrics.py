@@ -1,8 +1,9 @@
 """Prometheus metrics of a daemon, served on their own HTTP port (`--metrics-port`).
 
 Latency histograms are observed by the request handlers; everything else (blocks, queues, counters that
-the Admin service also reports) is read from the engine and the daemon's Counters when scraped, so there
-is one source for each number (services.admin.read_load for the load).
+the Admin service also reports) is read when scraped from the engine's last stats snapshot
+(EngineLoop.stats, engine.boundary.EngineStats) and the daemon's Counters, so there is one source for each
+number (services.admin.read_load for the load) and no scrape thread walks the engine.
 
 The series an endpoint picker scores pods by (the Gateway API Inference Extension's, llm-d's router, which
 scrapes every 50 ms) are PICKER_SERIES, also served alone on PICKER_PATH: waiting and running requests, KV
@@ -48,7 +49,7 @@ def _gauge(name: str, doc: str, role: str, value: float) -> GaugeMetricFamily:
 
 
 class _PickerCollector:
-    """PICKER_SERIES, read at scrape time without locks (services.admin.read_load)."""
+    """PICKER_SERIES, read at scrape time from the stats snapshot (services.admin.read_load)."""
 
     def __init__(self, role: str, loop: EngineLoop, counters: Counters):
         self.role, self.loop, self.counters = role, loop, counters
@@ -56,7 +57,7 @@ class _PickerCollector:
         self._adapters_since = 0.0
 
     def collect(self):
-        load, role = read_load(self.loop.engine, self.counters), self.role
+        load, role = read_load(self.loop.stats, self.counters), self.role
         yield _gauge(
             PICKER_SERIES["runningRequestsSpec"],
             "requests holding blocks: decoding, being prefilled or receiving KV",
@@ -102,14 +103,13 @@ class _PickerCollector:
 
 
 class _StateCollector:
-    """The other gauges and counters, read at scrape time (plain int reads, no locks)."""
+    """The other gauges and counters, read at scrape time from the stats snapshot and the Counters."""
 
     def __init__(self, role: str, loop: EngineLoop, counters: Counters):
         self.role, self.loop, self.counters = role, loop, counters
 
     def collect(self):
-        engine, c, role = self.loop.engine, self.counters, self.role
-        kv = engine.scheduler.kv
+        stats, c, role = self.loop.stats, self.counters, self.role
 
         def gauge(name, doc, value):
             return _gauge(name, doc, role, value)
@@ -119,29 +119,34 @@ class _StateCollector:
             family.add_metric([role], value)
             return family
 
-        yield gauge("pdserve_kv_blocks_used", "KV cache blocks held by requests", kv.pool.num_used)
+        yield gauge("pdserve_kv_blocks_used", "KV cache blocks held by requests", stats.num_used_blocks)
         yield gauge(
-            "pdserve_kv_blocks_free", "KV cache blocks free (holding nothing cached)", kv.pool.num_free
+            "pdserve_kv_blocks_free", "KV cache blocks free (holding nothing cached)", stats.num_free_blocks
         )
         yield gauge(
-            "pdserve_kv_blocks_cached", "unreferenced KV blocks kept by the prefix cache", kv.pool.num_cached
+            "pdserve_kv_blocks_cached",
+            "unreferenced KV blocks kept by the prefix cache",
+            stats.num_cached_blocks,
         )
         yield counter(
-            "pdserve_prefix_cache_queries", "prompt tokens looked up in the prefix cache", kv.stats.queries
-        )
-        yield counter("pdserve_prefix_cache_hits", "prompt tokens found in the prefix cache", kv.stats.hits)
-        yield counter(
-            "pdserve_prefix_cache_evictions", "cached KV blocks evicted for new ones", kv.pool.num_evictions
-        )
-        yield gauge(
-            "pdserve_lora_adapters_loaded", "LoRA adapters requests may name", len(engine.loras.adapters)
-        )
-        slots = engine.lora_slots
-        yield gauge(
-            "pdserve_lora_slots_used", "adapter slots holding an adapter", len(slots.resident) if slots else 0
+            "pdserve_prefix_cache_queries",
+            "prompt tokens looked up in the prefix cache",
+            stats.prefix_cache_queries,
         )
         yield counter(
-            "pdserve_lora_slot_loads", "adapters written into a device slot", slots.num_loads if slots else 0
+            "pdserve_prefix_cache_hits", "prompt tokens found in the prefix cache", stats.prefix_cache_hits
+        )
+        yield counter(
+            "pdserve_prefix_cache_evictions",
+            "cached KV blocks evicted for new ones",
+            stats.prefix_cache_evictions,
+        )
+        yield gauge(
+            "pdserve_lora_adapters_loaded", "LoRA adapters requests may name", stats.num_adapters_loaded
+        )
+        yield gauge("pdserve_lora_slots_used", "adapter slots holding an adapter", stats.num_lora_slots_used)
+        yield counter(
+            "pdserve_lora_slot_loads", "adapters written into a device slot", stats.num_lora_slot_loads
         )
         for name, doc, field in _COUNTERS:
             yield counter(name, doc, getattr(c, field))

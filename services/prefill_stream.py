@@ -3,17 +3,19 @@ compute it, then its first token.
 
 Shared by the prefill-server (which frames the KV for gRPC on a producer thread while the next chunk
 computes) and the in-process prefill of `pdserve serve` (which moves the gathered device arrays to the
-decode mesh). The engine's PrefillConnector (installed with `install_connector`) hands the chunks over.
+decode mesh). The request is added with SendKV; the engine's PrefillConnector (installed with
+`install_connector`) gathers the chunks, which come out of the engine's steps as KVReady on the request's
+stream, with its first token.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import queue
 import time
 from collections.abc import Iterator
 
+from pdserve.engine.boundary import Abort, AddRequest, KVReady, SendKV
 from pdserve.engine.core.kv_connector import PrefillConnector
 from pdserve.engine.core.output import RequestOutput
 from pdserve.engine.core.request import FinishReason, Request
@@ -38,8 +40,8 @@ class PrefillStream:
     """One request prefilled on `loop`'s engine, its prompt's KV from `first_block` on (the receiver holds
     the blocks before; heads converted by `head_map`, in the frame plan of `max_frame_bytes`).
 
-    `request` comes from engine.make_request with the caller's seed; it is cut to one token (its stop
-    conditions are the decode side's business).
+    `request` comes from engine.make_request with the caller's seed and max_tokens=1 (the rest of its
+    stop conditions are the decode side's business).
     Use: `await start()`; take the chunks (`chunks()` on a
     thread, or `achunks()`), which arrive while later prompt chunks compute; `await first_token()`;
     `close()` always (it aborts the request and frees its blocks when it has not finished). When the engine
@@ -54,9 +56,10 @@ class PrefillStream:
         max_frame_bytes: int = MAX_FRAME_BYTES,
         first_block: int = 0,
     ):
-        request.params = dataclasses.replace(request.params, max_tokens=1)
+        if request.params.max_tokens != 1:
+            raise ValueError(f"a prefill samples one token, not {request.params.max_tokens}")
         self.loop, self.request = loop, request
-        self.head_map, self.max_frame_bytes, self.first_block = head_map, max_frame_bytes, first_block
+        self.send = SendKV(head_map, max_frame_bytes, first_block)
         self.num_tokens = len(request.prompt_ids) - first_block * loop.engine.config.block_size
         self._chunks: queue.Queue = queue.Queue()  # KVChunk ..., then None (all sent), _CLOSED or an error
         self._first: asyncio.Future | None = None  # the first token's output (or the failure)
@@ -69,26 +72,22 @@ class PrefillStream:
         rid = self.request.request_id
         self._first = asyncio.get_running_loop().create_future()
         self._watcher = asyncio.create_task(self._watch(self.loop.open_stream(rid)))
-
-        def sink(chunks: list[KVChunk], last: bool) -> None:  # engine thread
-            for chunk in chunks:
-                self._chunks.put(chunk)
-            if last:
-                self.num_chunks_after_compute = len(chunks)
-                self.computed_at = time.monotonic()
-                self._chunks.put(None)
-
-        def add(engine: LLMEngine) -> None:
-            engine.kv_connector.expect(rid, sink, self.head_map, self.max_frame_bytes, self.first_block)
-            engine.add_prepared_request(self.request)
-
-        await self.loop.call(add)
+        await self.loop.call(AddRequest(self.request, self.send))
 
     async def _watch(self, outputs: asyncio.Queue) -> None:
-        """Reads the request's outputs: the first token's resolves first_token(); a failure (the request's
-        or the engine's) also wakes the chunks' consumer with it."""
+        """Reads the request's stream: KV chunks go to the chunks' consumer as they come; the first
+        token's output resolves first_token(); a failure (the request's or the engine's) also wakes the
+        chunks' consumer with it."""
         while True:
             output = await outputs.get()
+            if isinstance(output, KVReady):
+                for chunk in output.chunks:
+                    self._chunks.put(chunk)
+                if output.last:
+                    self.num_chunks_after_compute = len(output.chunks)
+                    self.computed_at = time.monotonic()
+                    self._chunks.put(None)
+                continue
             error = None
             if isinstance(output, EngineFailure):
                 error = EngineStopped(output.message)
@@ -125,7 +124,7 @@ class PrefillStream:
 
     async def first_token(self) -> RequestOutput:
         """The first token's output (after the last chunk: the request finished with it)."""
-        output = await self.loop.wait(self._first)
+        output = await self._first
         self._finished = True
         return output
 
@@ -136,4 +135,4 @@ class PrefillStream:
             self._watcher.cancel()
         self._chunks.put(_CLOSED)  # wakes a consumer still waiting for chunks
         if not self._finished:
-            self.loop.submit(lambda e: (e.kv_connector.forget(rid), e.abort(rid)))
+            self.loop.submit(Abort(rid))

@@ -37,7 +37,7 @@ class FaultyEngine(LLMEngine):
     def add_prepared_request(self, request):
         request_id = super().add_prepared_request(request)
         if PINNED in request.params.stop:
-            self._streams[request_id] = FailingStream(request, self.tokenizer, self.config.max_model_len)
+            self._streams[request_id] = FailingStream(request, self.tokenizer)
         return request_id
 
     def step(self):

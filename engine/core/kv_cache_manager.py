@@ -128,8 +128,14 @@ class KVCacheManager:
         token (its logits must be computed to sample the next one). Changes nothing."""
         if not self.enable_caching:
             return []
+        return self.lookup_hashes(hash_blocks(token_ids[: len(token_ids) - 1], self.block_size, extra_key))
+
+    def lookup_hashes(self, block_hashes: Sequence[int]) -> list[int]:
+        """lookup() of a prompt whose blocks' hashes are known (Request.prefix_hashes)."""
+        if not self.enable_caching:
+            return []
         hits = []
-        for h in hash_blocks(token_ids[: len(token_ids) - 1], self.block_size, extra_key):
+        for h in block_hashes:
             block = self.pool.lookup(h)
             if block is None:
                 break
@@ -183,17 +189,20 @@ class KVCacheManager:
         num_computed: int,
         extra_key: str | None = None,
         lora_name: str | None = None,
+        block_hashes: Sequence[int] = (),
     ) -> None:
         """Registers the request's blocks that are now full of computed tokens (token_ids: all of them).
-        `lora_name`: the adapter `extra_key` fingerprints, named in the events."""
+        `lora_name`: the adapter `extra_key` fingerprints, named in the events; `block_hashes`: those of
+        the full blocks as far as known (Request.block_hashes), not hashed again."""
         table = self._tables.get(request_id)
         if not self.enable_caching or table is None:
             return
         num_full = min(num_computed // self.block_size, len(table.block_ids))
         if num_full <= table.num_registered:
             return
+        known = block_hashes if len(block_hashes) > len(table.hashes) else table.hashes
         table.hashes = hash_blocks(
-            token_ids[: num_full * self.block_size], self.block_size, extra_key, table.hashes
+            token_ids[: num_full * self.block_size], self.block_size, extra_key, known[:num_full]
         )
         stored = [
             i

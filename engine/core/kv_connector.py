@@ -2,8 +2,9 @@
 
 In the spirit of vLLM's KV connector, a connector has a scheduler side (called by engine.core.scheduler while
 it admits and finishes requests) and a worker side (called on the engine thread with the engine's
-engine.runner.ModelRunner, which owns the device cache and, in a multi-process engine, has every process
-replay its reads and writes):
+engine.model_runner.ModelRunner, which owns the device cache and, in a multi-process engine, has every
+process replay its reads and writes). Nothing here calls out: what a connector has for the daemons
+(TransferReady, KVReady) waits in it until the engine takes it into the step's outputs (`take_outputs`).
 
   scheduler side
     num_external_tokens(request, num_cached_tokens)   prompt tokens whose KV arrives from elsewhere, after
@@ -13,33 +14,70 @@ replay its reads and writes):
     request_finished(request)      True: keep the finished request's blocks until its KV is sent
   worker side
     save_kv(runner, request, block_ids)  prefill role: a step computed part of a request's prompt (more
-                                   to come): hand the KV now complete to a sender
-    send_kv(runner, request, block_ids)  prefill role: the request finished: hand over the rest
+                                   to come): gather the KV now complete for the sender
+    send_kv(runner, request, block_ids)  prefill role: the request finished: gather the rest
     load_kv(runner, block_ids, chunk)    decode role: write an arriving chunk into a request's blocks
 
-Implementations: `KVConnector` (none: colocated), `PrefillConnector` (prompts' KV is gathered for the
-sender as the prefill chunks compute it: the prefill-server's gRPC stream, or `pdserve serve`'s
-device-to-device path) and
-`DecodeConnector` (requests expected from a prefill replica wait in WAITING_FOR_REMOTE_KV; arriving
-chunks are inserted (LLMEngine.load_kv); the first token starts them: LLMEngine.remote_kv_arrived).
-The daemons own the wire (services/); connectors own what the engine does with the KV.
+Implementations: `KVConnector` (none: colocated), `PrefillConnector` (the prompts' KV of requests added
+with SendKV is gathered as the prefill chunks compute it: the prefill-server's gRPC stream, or `pdserve
+serve`'s device-to-device path) and `DecodeConnector` (requests added with ReceiveKV wait in
+WAITING_FOR_REMOTE_KV; arriving chunks are inserted; the first token starts them). The daemons own the
+wire (services/); connectors own what the engine does with the KV.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from pdserve import kvtransfer
 from pdserve.engine.core.kv_groups import BlockTables
 from pdserve.engine.core.request import Request
 from pdserve.kvtransfer import HeadMap, KVChunk, KVLayout
 
-ChunkSink = Callable[[list[KVChunk], bool], None]  # (chunks in plan order, whether they are the last)
+
+@dataclasses.dataclass(frozen=True)
+class ReceiveKV:
+    """Decode role: the prompt's KV (after this engine's cached prefix) may arrive from a prefill server;
+    the DecodeConnector decides at admission (TransferReady says)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SendKV:
+    """Prefill role: the prompt's KV from block `first_block` on (the receiver holds the blocks before) goes
+    out as KVReady outputs, heads converted by `head_map`, in the frame plan of `max_frame_bytes` (the
+    wire's frames, or kvtransfer.LOCAL_CHUNK_BYTES device to device)."""
+
+    head_map: HeadMap | None = None
+    max_frame_bytes: int = kvtransfer.MAX_FRAME_BYTES
+    first_block: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class TransferReady:
+    """A request expected to receive KV holds its blocks: `num_external_tokens` prompt tokens, from block
+    `first_block` on, are to arrive (0: it is computed here: short, or nearly all cached)."""
+
+    request_id: str
+    num_external_tokens: int
+    first_block: int
+
+
+@dataclasses.dataclass(frozen=True)
+class KVReady:
+    """Chunks of a SendKV request's prompt KV (in plan order), ready to send; `last`: no more follow."""
+
+    request_id: str
+    chunks: tuple[KVChunk, ...]
+    last: bool
 
 
 class KVConnector:
     """No connector: every prompt is computed here and finished requests' KV stays here (colocated)."""
+
+    def expect(self, request_id: str, kv) -> None:
+        """The request (added next) moves KV as `kv` says (ReceiveKV, SendKV)."""
+        raise TypeError(f"{type(self).__name__} moves no KV ({type(kv).__name__})")
 
     def num_external_tokens(self, request: Request, num_cached_tokens: int) -> int:
         return 0
@@ -56,6 +94,10 @@ class KVConnector:
         """Whatever the connector keeps for the request is dropped (it ended, or its caller gave up)."""
         return None
 
+    def take_outputs(self) -> list[TransferReady | KVReady]:
+        """What the connector has for the daemons since the last call (engine thread)."""
+        return []
+
     def save_kv(self, runner, request: Request, block_ids: BlockTables) -> None:
         return None
 
@@ -68,41 +110,34 @@ class KVConnector:
 
 @dataclasses.dataclass
 class _Outgoing:
-    sink: ChunkSink
-    head_map: HeadMap | None
-    max_frame_bytes: int
-    first_block: int
+    send: SendKV
     plan: tuple = ()  # the frame plan of the prompt's tokens from first_block on (made at the first send)
-    sent: int = 0  # frames of the plan handed to the sink so far
+    sent: int = 0  # frames of the plan gathered so far
 
 
 class PrefillConnector(KVConnector):
-    """Prefill role: for each request a sender expects, its prompt's KV goes to the sender's sink as it is
-    computed: after every step that computed part of the prompt, the frames of the plan whose tokens are
-    all computed (kvtransfer.gather_request: copies, dispatched at once, heads converted by `head_map`
-    when given); when the request finishes, the rest, marked last, and the request's blocks go back to the
-    cache. A prompt found cached here is sent from the first step. Engine thread only."""
+    """Prefill role: for each request added with SendKV, its prompt's KV goes out as it is computed: after
+    every step that computed part of the prompt, the frames of the plan whose tokens are all computed
+    (kvtransfer.gather_request: copies, dispatched at once, heads converted); when the request finishes,
+    the rest, marked last, and the request's blocks go back to the cache. A prompt found cached here is
+    sent from the first step. Engine thread only."""
 
     def __init__(self, layout: KVLayout):
         self.layout = layout
         self._outgoing: dict[str, _Outgoing] = {}
+        self._ready: list[KVReady] = []
 
-    def expect(
-        self,
-        request_id: str,
-        sink: ChunkSink,
-        head_map: HeadMap | None = None,
-        max_frame_bytes: int = kvtransfer.MAX_FRAME_BYTES,
-        first_block: int = 0,
-    ) -> None:
-        """The sender wants the request's KV: the prompt's blocks from `first_block` on (the receiver
-        holds those before), heads converted by `head_map`, in the frame plan of `max_frame_bytes` (the
-        wire's frames, or kvtransfer.LOCAL_CHUNK_BYTES device to device). `sink(chunks, last)` is called
-        on the engine thread and must not block."""
-        self._outgoing[request_id] = _Outgoing(sink, head_map, max_frame_bytes, first_block)
+    def expect(self, request_id: str, kv) -> None:
+        if not isinstance(kv, SendKV):
+            super().expect(request_id, kv)
+        self._outgoing[request_id] = _Outgoing(kv)
 
     def forget(self, request_id: str) -> None:
         self._outgoing.pop(request_id, None)
+
+    def take_outputs(self) -> list[KVReady]:
+        ready, self._ready = self._ready, []
+        return ready
 
     def request_finished(self, request: Request) -> bool:
         return request.request_id in self._outgoing
@@ -119,48 +154,57 @@ class PrefillConnector(KVConnector):
     def _send(
         self, runner, request: Request, block_ids: BlockTables, out: _Outgoing, computed: int, last: bool
     ) -> None:
-        bs = self.layout.block_size
-        num_tokens = len(request.prompt_ids) - out.first_block * bs
+        bs, send = self.layout.block_size, out.send
+        num_tokens = len(request.prompt_ids) - send.first_block * bs
         if not out.plan:
-            out.plan = kvtransfer.plan_frames(self.layout, num_tokens, out.max_frame_bytes)
+            out.plan = kvtransfer.plan_frames(self.layout, num_tokens, send.max_frame_bytes)
         done = out.sent
-        while done < len(out.plan) and out.plan[done].token_end <= computed - out.first_block * bs:
+        while done < len(out.plan) and out.plan[done].token_end <= computed - send.first_block * bs:
             done += 1
         ready, out.sent = out.plan[out.sent : done], done
         chunks = []
         if ready:
             chunks = runner.gather_kv(
                 self.layout,
-                block_ids[out.first_block :],
+                block_ids[send.first_block :],
                 num_tokens,
-                max_frame_bytes=out.max_frame_bytes,
-                head_map=out.head_map,
+                max_frame_bytes=send.max_frame_bytes,
+                head_map=send.head_map,
                 frames=ready,
             )
         if chunks or last:
-            out.sink(chunks, last)
+            self._ready.append(KVReady(request.request_id, tuple(chunks), last))
 
 
 class DecodeConnector(KVConnector):
-    """Decode role: a request `expect`ed before it is added waits for blocks like any other. At admission
-    its prompt's cached prefix is taken from this engine's cache; the rest arrives from a prefill server
+    """Decode role: a request added with ReceiveKV waits for blocks like any other. At admission its
+    prompt's cached prefix is taken from this engine's cache; the rest arrives from a prefill server
     (WAITING_FOR_REMOTE_KV, blocks for the prompt and the first token), unless it is short: fewer than
     `local_below` tokens, or at most one block after a cache hit (nothing worth a transfer); those are
-    computed here. `on_ready(num_external_tokens)` is called either way (engine thread; 0: computed here)
-    so the receiver starts the transfer of the prompt's blocks after the cached ones. Chunks are written
-    (LLMEngine.load_kv) as they arrive; the receiver then calls LLMEngine.remote_kv_arrived (or
-    remote_kv_failed). Engine thread only."""
+    computed here. Either way a TransferReady says so at admission (0 tokens: computed here), so the
+    receiver starts the transfer of the prompt's blocks after the cached ones. Chunks are written as
+    they arrive (boundary.InsertKV); a failed one is kept for its attempt (`insert_failed`,
+    `take_insert_failure`). Engine thread only."""
 
     def __init__(self, block_size: int, local_below: int = 0):
         self.block_size = block_size
         self.local_below = local_below
-        self._expected: dict[str, Callable[[int], None]] = {}
+        self._expected: set[str] = set()
+        self._ready: list[TransferReady] = []
+        self._insert_failures: dict[str, tuple[int, str]] = {}  # request id -> (attempt, first error)
 
-    def expect(self, request_id: str, on_ready: Callable[[int], None]) -> None:
-        self._expected[request_id] = on_ready
+    def expect(self, request_id: str, kv) -> None:
+        if not isinstance(kv, ReceiveKV):
+            super().expect(request_id, kv)
+        self._expected.add(request_id)
 
     def forget(self, request_id: str) -> None:
-        self._expected.pop(request_id, None)
+        self._expected.discard(request_id)
+        self._insert_failures.pop(request_id, None)
+
+    def take_outputs(self) -> list[TransferReady]:
+        ready, self._ready = self._ready, []
+        return ready
 
     def num_external_tokens(self, request: Request, num_cached_tokens: int) -> int:
         if request.request_id not in self._expected:
@@ -173,11 +217,24 @@ class DecodeConnector(KVConnector):
     def on_blocks_allocated(
         self, request: Request, block_ids: Sequence[int], num_external_tokens: int
     ) -> None:
-        on_ready = self._expected.pop(request.request_id, None)
-        if on_ready is not None:
-            on_ready(num_external_tokens)
+        rid = request.request_id
+        if rid in self._expected:
+            self._expected.discard(rid)
+            first_block = (len(request.prompt_ids) - num_external_tokens) // self.block_size
+            first_block = first_block if num_external_tokens else 0
+            self._ready.append(TransferReady(rid, num_external_tokens, first_block))
 
     def load_kv(self, runner, block_ids: BlockTables, chunk: KVChunk) -> None:
         """Writes one verified chunk (in this engine's layout: on its mesh, or a host array) into a
         request's blocks."""
         runner.insert_kv(chunk, block_ids)
+
+    def insert_failed(self, request_id: str, attempt: int, error: str) -> None:
+        """An insert of transfer `attempt` failed: that attempt cannot start the request."""
+        if self._insert_failures.get(request_id, (None,))[0] != attempt:
+            self._insert_failures[request_id] = (attempt, error)
+
+    def take_insert_failure(self, request_id: str, attempt: int) -> str | None:
+        """The first error of an insert of transfer `attempt` (None: they all succeeded); forgets it."""
+        failure = self._insert_failures.pop(request_id, None)
+        return failure[1] if failure is not None and failure[0] == attempt else None

@@ -39,38 +39,33 @@ class RequestOutput:
 
 
 class OutputStream:
-    """Per-request detokenizer and stop-string matcher; decides when the request is done."""
+    """Per-request detokenizer and stop-string matcher: the client's view of each token. The scheduler
+    decides every finish; a stop string found here is reported to it (the output says STOP first)."""
 
-    def __init__(self, request: Request, tokenizer: Tokenizer, max_model_len: int):
+    def __init__(self, request: Request, tokenizer: Tokenizer):
         self.request = request
         self.detokenizer = IncrementalDetokenizer(tokenizer, request.params.skip_special_tokens)
         self.matcher = StopStringMatcher(request.params.stop)
-        self.stop_ids = set(request.params.stop_token_ids)
-        if not request.params.ignore_eos:
-            self.stop_ids |= tokenizer.eos_token_ids
-        self.max_model_len = max_model_len
 
     def on_token(self, token: int, logprobs: TokenLogprobs | None) -> RequestOutput:
-        """The client's view of a sampled token (already appended to the request by the scheduler); sets
-        the request's finish reason when it ends the request."""
+        """The client's view of a sampled token (already appended to the request, which may have finished
+        with it). A stop token or a constraint's dead end shows nothing; a stop string cuts the text and
+        finishes the output with STOP (the caller tells the scheduler)."""
         r = self.request
         text = ""
-        if token in self.stop_ids or r.finish_reason is FinishReason.DEAD_END:  # shows nothing
-            r.finish_reason = r.finish_reason or FinishReason.STOP
-        else:
+        if token not in r.stop_token_ids and r.finish_reason is not FinishReason.DEAD_END:
             text = self.matcher.feed(self.detokenizer.add(token))
-            if self.matcher.stopped:
-                r.finish_reason = FinishReason.STOP
-            elif len(r.output_ids) >= r.params.max_tokens or r.num_tokens >= self.max_model_len:
-                r.finish_reason = FinishReason.LENGTH
-        if r.finish_reason is not None and not self.matcher.stopped:
+        finish_reason = r.finish_reason
+        if self.matcher.stopped and finish_reason in (None, FinishReason.LENGTH):  # the text ends here
+            finish_reason = FinishReason.STOP
+        if finish_reason is not None and not self.matcher.stopped:
             text += self.matcher.feed(self.detokenizer.finish()) + self.matcher.flush()
         return RequestOutput(
             request_id=r.request_id,
             new_token_ids=[token],
             text=text,
-            finished=r.finish_reason is not None,
-            finish_reason=r.finish_reason,
+            finished=finish_reason is not None,
+            finish_reason=finish_reason,
             logprobs=[logprobs] if logprobs is not None else [],
             num_prompt_tokens=len(r.prompt_ids),
             num_output_tokens=len(r.output_ids),

@@ -7,6 +7,7 @@ import enum
 import time
 from typing import Any
 
+from pdserve.engine.core.kv_cache_manager import hash_blocks
 from pdserve.engine.lora.adapter import LoraAdapter
 from pdserve.engine.sampling_params import SamplingParams
 
@@ -66,6 +67,11 @@ class Request:
     arrival_time: float = dataclasses.field(default_factory=time.monotonic)
     first_token_time: float | None = None
     error: str = ""  # with FinishReason.ERROR: what failed
+    # The tokens that end it: its params' stop_token_ids and, unless ignore_eos, the model's EOS tokens
+    stop_token_ids: frozenset[int] = frozenset()
+    # Hashes of its full blocks so far, chained, with its adapter's key (extend_block_hashes): computed
+    # once each, for the prefix cache's lookups and registrations, routing and a peer's held blocks
+    block_hashes: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def all_ids(self) -> list[int]:
@@ -78,6 +84,17 @@ class Request:
     @property
     def num_uncomputed(self) -> int:
         return self.num_tokens - self.num_computed
+
+    def extend_block_hashes(self, block_size: int) -> list[int]:
+        """`block_hashes`, extended over the blocks filled since (prompt, then output tokens)."""
+        if len(self.block_hashes) < self.num_tokens // block_size:
+            self.block_hashes = hash_blocks(self.all_ids, block_size, self.cache_key, self.block_hashes)
+        return self.block_hashes
+
+    def prefix_hashes(self, block_size: int) -> list[int]:
+        """The hashes of the blocks a prefix cache may serve it: every full block before its last token
+        (whose logits must be computed to sample the next one)."""
+        return self.extend_block_hashes(block_size)[: (self.num_tokens - 1) // block_size]
 
     @property
     def cache_key(self) -> str | None:

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Sequence
+from typing import Protocol
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.core.kv_cache_manager import KVCacheManager
@@ -32,9 +32,6 @@ from pdserve.engine.core.kv_connector import KVConnector
 from pdserve.engine.core.kv_groups import BlockTables
 from pdserve.engine.core.request import FinishReason, Request, Status, TokenLogprobs
 from pdserve.engine.lora import LoraAdapter
-
-if TYPE_CHECKING:
-    from pdserve.engine.core.output import RequestOutput
 
 
 class AdapterSlots(Protocol):
@@ -47,9 +44,16 @@ class AdapterSlots(Protocol):
         """Unpins what acquire pinned."""
 
 
-# (request, sampled token, its logprobs) -> the client's view of it; sets request.finish_reason when the
-# token ends the request (engine.core.output.OutputStream).
-TokenSink = Callable[[Request, int, "TokenLogprobs | None"], "RequestOutput"]
+@dataclasses.dataclass(frozen=True)
+class SampledToken:
+    """A token for a request, sampled here (a step) or elsewhere (a prefill server's first token).
+    `finish`: sampling itself ended the request (DEAD_END: its constraint allowed nothing more or refused
+    the token; STOP: its constraint is complete; ERROR: sampling failed on it, `error` says how)."""
+
+    token: int
+    logprobs: TokenLogprobs | None = None
+    finish: FinishReason | None = None
+    error: str = ""
 
 
 @dataclasses.dataclass
@@ -124,27 +128,37 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
-    def abort(self, request_id: str) -> Request | None:
-        """Takes the request out of whatever state it is in and frees what it holds; None if unknown."""
+    def abort(
+        self, request_id: str, reason: FinishReason = FinishReason.ABORT, error: str = ""
+    ) -> Request | None:
+        """Takes the request out of whatever state it is in and frees what it holds (its KV is sent
+        nowhere); None if unknown. `reason`: ABORT, or ERROR (`error` says what failed)."""
         request = self.requests.get(request_id)
         if request is None:
             return None
-        if request.finish_reason is None:
-            request.finish_reason = FinishReason.ABORT
+        if request.finish_reason is None or reason is FinishReason.ERROR:
+            request.finish_reason, request.error = reason, error or request.error
         self._finish(request, send=False)
         return request
 
+    def finish(self, request: Request, reason: FinishReason, error: str = "") -> None:
+        """Ends a request after its last token was handed out: a stop string matched in its text (STOP) or
+        turning it into text failed (ERROR). A request already finished keeps its state and takes the
+        reason (its output says ERROR); otherwise it finishes as by a stop token."""
+        request.finish_reason, request.error = reason, error or request.error
+        if request.status not in (Status.FINISHED, Status.FINISHED_SENDING):
+            self._finish(request, send=True)
+
     def _cache_blocks(self, request: Request) -> None:
-        if not request.cacheable:
+        if not request.cacheable or not self.kv.enable_caching:
             return
         lora_name = request.lora.name if request.lora else None
+        hashes = request.extend_block_hashes(self.config.block_size)
         self.kv.cache_blocks(
-            request.request_id, request.all_ids, request.num_computed, request.cache_key, lora_name
+            request.request_id, request.all_ids, request.num_computed, request.cache_key, lora_name, hashes
         )
 
-    def remote_kv_arrived(
-        self, request_id: str, token: int, logprobs: TokenLogprobs | None, sink: TokenSink
-    ) -> RequestOutput:
+    def remote_kv_arrived(self, request_id: str, sampled: SampledToken) -> Request:
         """Decode role: the prompt's KV is in the request's blocks and its first token was sampled
         elsewhere: record the token and start decoding (the request may already be finished by it)."""
         request = self.requests[request_id]
@@ -156,7 +170,8 @@ class Scheduler:
         self._cache_blocks(request)
         request.status = Status.RUNNING
         self.running.append(request)
-        return self._append_token(request, token, logprobs, sink)
+        self._append_token(request, sampled)
+        return request
 
     def remote_kv_failed(self, request_id: str) -> None:
         """Decode role: no KV will arrive; the request is prefilled here, in the blocks it holds, after
@@ -209,10 +224,11 @@ class Scheduler:
         return SchedulerOutput(rows) if rows else None
 
     def update_from_output(
-        self, output: SchedulerOutput, sampled: dict[str, tuple[int, TokenLogprobs | None]], sink: TokenSink
-    ) -> list[RequestOutput]:
+        self, output: SchedulerOutput, sampled: dict[str, SampledToken]
+    ) -> list[tuple[Request, SampledToken]]:
         """Applies a step: every row's tokens are now computed (full blocks enter the prefix cache); each
-        sampling row's token is appended and handed to `sink`; finished requests leave."""
+        sampling row's token is appended, and ends its request when it is a stop token or reaches a
+        length (finished requests leave). Returns the requests that got a token, with it."""
         outputs = []
         bs = self.config.block_size
         for row in output.rows:
@@ -225,23 +241,32 @@ class Scheduler:
                 first_read = max(0, request.num_computed - self.release_window) // bs
                 self.kv.release_before(request.request_id, first_read)
             if row.samples:
-                token, logprobs = sampled[row.request_id]
-                outputs.append(self._append_token(request, token, logprobs, sink))
+                token = sampled[row.request_id]
+                self._append_token(request, token)
+                outputs.append((request, token))
         return outputs
 
-    def _append_token(
-        self, request: Request, token: int, logprobs: TokenLogprobs | None, sink: TokenSink
-    ) -> RequestOutput:
-        request.output_ids.append(token)
-        if logprobs is not None:
-            request.logprobs.append(logprobs)
-        output = sink(request, token, logprobs)
-        if request.finish_reason is not None:
+    def _append_token(self, request: Request, sampled: SampledToken) -> None:
+        request.output_ids.append(sampled.token)
+        if sampled.logprobs is not None:
+            request.logprobs.append(sampled.logprobs)
+        reason = sampled.finish or self._stop_reason(request, sampled.token)
+        if reason is not None:
+            request.finish_reason, request.error = reason, sampled.error
             self._finish(request, send=True)
         elif request in self.prefilling:
             self.prefilling.remove(request)
             self.running.append(request)
-        return output
+
+    def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
+        """STOP for one of its stop tokens; LENGTH at max_tokens or the model's length."""
+        if token in request.stop_token_ids:
+            return FinishReason.STOP
+        if len(request.output_ids) >= request.params.max_tokens:
+            return FinishReason.LENGTH
+        if request.num_tokens >= self.config.max_model_len:
+            return FinishReason.LENGTH
+        return None
 
     def _finish(self, request: Request, send: bool) -> None:
         for queue in (self.prefilling, self.running, self.remote, self.sending):
@@ -291,8 +316,10 @@ class Scheduler:
         passed = []
         while self.waiting and self.num_active < self.config.max_num_seqs:
             request = self.waiting[0]
-            rid, key = request.request_id, request.cache_key
-            cached = self.kv.lookup(request.all_ids, key)
+            rid = request.request_id
+            cached = []
+            if self.kv.enable_caching:
+                cached = self.kv.lookup_hashes(request.prefix_hashes(self.config.block_size))
             num_cached = len(cached) * self.config.block_size
             external = 0  # prompt tokens whose KV arrives from elsewhere (a preempted request recomputes)
             if request.status is Status.WAITING:

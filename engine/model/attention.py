@@ -26,9 +26,10 @@ The prefill-window part is skipped at run time when the step has no such sequenc
 The static shape is (tokens, sequences, block-table width); the number of past blocks read is not part
 of it, so one compiled step serves every context length.
 
-The seam: `set_attention_impl(fn)` swaps the implementation for another function with the same
-signature: engine/model/tpu_attention.py wraps jax's Pallas kernel (jax.experimental.pallas.ops.tpu), which
-reads the new K/V from the cache (`kv_written_first`).
+The seam: each engine's runner attends with an `AttentionFn` of its own (LLMEngine picks it: this
+reference, or on a TPU engine/model/tpu_attention.py's wrapper of jax's Pallas kernel over that engine's
+mesh, which reads the new K/V from the cache: `kv_written_first`). It is a static argument of the jitted
+step, so two engines of one process (`pdserve serve`) each compile with their own.
 """
 
 from __future__ import annotations
@@ -218,23 +219,11 @@ def ragged_paged_attention_reference(
     return out.transpose(2, 0, 1, 3).astype(out_dtype)
 
 
-AttentionFn = Callable[..., jax.Array]
-_impl: AttentionFn = ragged_paged_attention_reference
+AttentionFn = Callable[..., jax.Array]  # ragged_paged_attention_reference's signature
 
 
-def set_attention_impl(fn: AttentionFn | None) -> None:
-    """Installs a kernel with `ragged_paged_attention_reference`'s signature (None restores the
-    reference). Must be called before the engine compiles its steps."""
-    global _impl
-    _impl = fn or ragged_paged_attention_reference
-
-
-def ragged_paged_attention(*args, **kwargs) -> jax.Array:
-    return _impl(*args, **kwargs)
-
-
-def kv_written_first() -> bool:
-    """Whether the installed kernel reads the step's new K/V from the cache (its `reads_new_kv_from_cache`
+def kv_written_first(attention: AttentionFn) -> bool:
+    """Whether `attention` reads the step's new K/V from the cache (its `reads_new_kv_from_cache`
     attribute; a Pallas kernel does): the model then writes each layer's into the cache before its
     attention, inside the layer scan, instead of all layers' once after it."""
-    return bool(getattr(_impl, "reads_new_kv_from_cache", False))
+    return bool(getattr(attention, "reads_new_kv_from_cache", False))

@@ -19,7 +19,13 @@ from pdserve.engine.config import ModelConfig
 from pdserve.engine.core.kv_groups import KVGroups
 from pdserve.engine.model import lora as lora_ops
 from pdserve.engine.model import mla, moe
-from pdserve.engine.model.attention import kv_written_first, ragged_paged_attention, soft_cap, token_sequences
+from pdserve.engine.model.attention import (
+    AttentionFn,
+    kv_written_first,
+    ragged_paged_attention_reference,
+    soft_cap,
+    token_sequences,
+)
 from pdserve.engine.model.layers import ACTIVATION_FNS, apply_rope, rms_norm, rope_inverse_frequencies
 from pdserve.engine.model.lora import LoraWeights
 from pdserve.engine.model.weights import Weights
@@ -49,6 +55,7 @@ def forward_step(
     lora_slots: jax.Array,  # [S] adapter slot of each sequence, -1: the base model
     *,
     cfg: ModelConfig,
+    attention: AttentionFn = ragged_paged_attention_reference,  # the engine's (engine.model.attention)
 ) -> tuple[jax.Array, jax.Array]:  # logits [S, vocab] at each sequence's last new token, updated cache
     t = tokens.shape[0]
     num_blocks, block_size = cache.shape[1], cache.shape[2]
@@ -71,7 +78,8 @@ def forward_step(
     column = jnp.minimum(positions // block_size, block_tables.shape[2] - 1)
     # [groups, T] each token's block in each group's table; padding: out of range, dropped
     write_blocks = jnp.where(valid, block_tables[:, seq, column], num_blocks)
-    first = kv_written_first()  # the kernel reads the new K/V from the cache: write them layer by layer
+    # the kernel reads the new K/V from the cache: write them layer by layer
+    first = kv_written_first(attention)
 
     def write(cache, rows, tables, new_kv):  # new_kv [(layers,) T, slots, dims] at the tokens' positions
         return cache.at[rows, write_blocks[tables], positions % block_size].set(
@@ -107,7 +115,7 @@ def forward_step(
             new_kv = jnp.stack([k, v], axis=2).reshape(t, 2 * kv_heads, head_dim)  # K, V interleaved
         if first:
             cache_now = write(cache_now, row, table, new_kv)
-        attn = ragged_paged_attention(
+        attn = attention(
             q,
             k,
             v,

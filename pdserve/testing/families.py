@@ -157,14 +157,15 @@ def hf_greedy(model, prompt: list[int], steps: int) -> tuple[np.ndarray, list[in
     return first, tokens
 
 
-def engine_of(path: Path, tokenizer, config, devices=None):
-    """An LLMEngine over the folder's weights with `tokenizer` (the SmolLM2 one: the folder has none)."""
+def engine_of(path: Path, tokenizer, config, devices=None, attention=None):
+    """An LLMEngine over the folder's weights with `tokenizer` (the SmolLM2 one: the folder has none);
+    `attention`: its attention implementation (default: the platform's)."""
     from pdserve.engine.llm_engine import LLMEngine
     from pdserve.engine.loading.checkpoints import load_hf_folder
     from pdserve.engine.loading.sources import LoadedModel
 
     cfg, host = load_hf_folder(path)
-    return LLMEngine(LoadedModel(cfg, host, tokenizer, path), config, devices)
+    return LLMEngine(LoadedModel(cfg, host, tokenizer, path), config, devices, attention)
 
 
 GGUF_ARCHITECTURES = {

@@ -2,11 +2,12 @@
 (openai_api.py): admission, remote or local prefill with retries and fallback, registration, and the
 stream of a request's outputs. Neither front end imports the other; both call down into this module.
 
-A request's life here: make_request (validate, tokenize) -> stream: queued in the engine's scheduler
-(bounded) -> blocks allocated -> prefill on a replica (KV chunks written by the engine's DecodeConnector
-as they arrive; the first token starts it) or on this engine -> continuous batching -> outputs until
-finished; whatever ends the stream frees what the request holds (LLMEngine.abort, any state). The whole
-lifecycle, both roles: docs/architecture.md.
+A request's life here: make_request (validate, tokenize) -> stream: AddRequest (queued in the engine's
+scheduler, bounded) -> TransferReady (blocks allocated) -> prefill on a replica (InsertKV for each KV
+chunk as it arrives; RemoteKVDone with the first token starts it) or on this engine -> continuous
+batching -> outputs until finished; whatever ends the stream frees what the request holds (Abort, any
+state). Only engine.boundary's commands go down and only its outputs come up (services.engine_loop).
+The whole lifecycle, both roles: docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -20,14 +21,23 @@ import uuid
 
 import grpc
 
-from pdserve.engine.core.kv_cache_manager import hash_blocks
+from pdserve.engine.boundary import (
+    Abort,
+    AddRequest,
+    InsertKV,
+    KVInsertError,
+    QueueFull,
+    ReceiveKV,
+    RemoteKVDone,
+    RemoteKVFailed,
+    TransferReady,
+)
 from pdserve.engine.core.kv_connector import DecodeConnector
-from pdserve.engine.core.output import RequestOutput
 from pdserve.engine.core.request import FinishReason, Request
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.multihost import is_multi_process
 from pdserve.engine.sampling_params import InvalidRequestError
-from pdserve.kvtransfer import KVChunk, chunk_sharding
+from pdserve.kvtransfer import chunk_sharding
 from pdserve.services.admin import Counters
 from pdserve.services.decode.prefill_pool import (
     FirstToken,
@@ -39,7 +49,7 @@ from pdserve.services.decode.prefill_pool import (
     Routing,
     check_first_token,
 )
-from pdserve.services.engine_loop import EngineFailure, EngineLoop, EngineStopped, set_result
+from pdserve.services.engine_loop import EngineFailure, EngineLoop, EngineStopped
 from pdserve.services.kv import engine_layout
 from pdserve.services.metrics import Metrics
 from pdserve.services.prepare import Overloaded, Preparer
@@ -233,19 +243,14 @@ class GenerationCore:
         self.counters.num_requests_total += 1
         start, token_times, outcome = time.monotonic(), [], "abort"
         outputs = self.loop.open_stream(rid)
-        pending = []  # the first token of a remote prefill: ahead of anything the engine queued since
         routed: dict = {}  # where it was prefilled, for the log line
         try:
             if self.pool is None:  # colocated
                 await self._enqueue(engine_request)
             else:
-                first = await self._remote_prefill(engine_request, time_remaining, routed, prefill_hint)
-                if first is not None:
-                    pending.append(first)
+                await self._remote_prefill(engine_request, outputs, time_remaining, routed, prefill_hint)
             while True:
-                output = pending.pop() if pending else await outputs.get()
-                if isinstance(output, EngineFailure):
-                    raise EngineStopped(output.message)
+                output = _check(await outputs.get())
                 if output.finish_reason is FinishReason.ERROR:
                     raise ServiceError(
                         grpc.StatusCode.INTERNAL, f"the engine failed on this request: {output.error}"
@@ -263,7 +268,7 @@ class GenerationCore:
             raise
         finally:  # finished, cancelled, deadline, failed: free whatever the request still holds
             self.loop.close_stream(rid)
-            self.loop.submit(lambda e: (e.kv_connector.forget(rid), e.abort(rid)))
+            self.loop.submit(Abort(rid))
             self.counters.count_outcome(outcome)
             log.info(
                 "request ended",
@@ -279,52 +284,47 @@ class GenerationCore:
             if self.metrics is not None and outcome in ("stop", "length"):
                 self.metrics.observe_request(token_times, start)
 
-    async def _enqueue(self, request: Request, on_blocks: asyncio.Future | None = None) -> None:
+    async def _enqueue(self, request: Request, receive_kv: bool = False) -> None:
         """Queues the request in the engine's scheduler (RESOURCE_EXHAUSTED past the queue bound). With
-        `on_blocks`, its prompt KV may come from a replica: once its blocks are allocated the future is set
-        to the number of prompt tokens to transfer (0: it is computed here, see DecodeConnector)."""
-        aloop, max_queue = asyncio.get_running_loop(), self.config.max_queue
-
-        def add(engine: LLMEngine) -> bool:
-            if len(engine.scheduler.waiting) >= max_queue:
-                return False
-            if on_blocks is not None:
-                engine.kv_connector.expect(
-                    request.request_id, lambda n: aloop.call_soon_threadsafe(set_result, on_blocks, n)
-                )
-            engine.add_prepared_request(request)
-            return True
-
-        if not await self.loop.call(add):
-            raise ServiceError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED, f"admission queue full ({max_queue})", retry_after_ms=500
-            )
+        `receive_kv`, its prompt KV may come from a replica: a TransferReady on its stream says how much
+        once its blocks are allocated (see DecodeConnector)."""
+        max_queue = self.config.max_queue
+        try:
+            await self.loop.call(AddRequest(request, ReceiveKV() if receive_kv else None, max_queue))
+        except QueueFull as e:
+            raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e), retry_after_ms=500) from None
 
     async def _remote_prefill(
-        self, request: Request, time_remaining: float | None, routed: dict, hint: str | None = None
-    ) -> RequestOutput | None:
+        self,
+        request: Request,
+        outputs: asyncio.Queue,
+        time_remaining: float | None,
+        routed: dict,
+        hint: str | None = None,
+    ) -> None:
         """Queues the request for blocks, streams the KV of the prompt blocks it lacks in from a replica
-        (after those found in this engine's prefix cache) and starts its decoding. `routed` receives the
-        replica chosen, the prompt tokens it was expected to hold and those it did. `hint`: a replica to
-        use first when it is one of the pool's (else ignored, and said so in `routed`).
+        (after those found in this engine's prefix cache) and starts its decoding: its first token then
+        comes on its stream (`outputs`) like the rest. `routed` receives the replica chosen, the prompt
+        tokens it was expected to hold and those it did. `hint`: a replica to use first when it is one of
+        the pool's (else ignored, and said so in `routed`).
 
-        Returns the first token's output, or None when the request is computed here: short or nearly all
-        cached (DecodeConnector), or no replica could prefill it (fallback).
+        Returns without a transfer when the request is computed here: short or nearly all cached
+        (DecodeConnector), or no replica could prefill it (fallback).
         """
         rid = request.request_id
-        allocated = asyncio.get_running_loop().create_future()
-        await self._enqueue(request, on_blocks=allocated)
-        num_external = await self.loop.wait(allocated)
-        if not num_external:
-            return None
-        bs, num_tokens = self.engine.config.block_size, len(request.prompt_ids)
-        first_block = (num_tokens - num_external) // bs
+        await self._enqueue(request, receive_kv=True)
+        ready = _check(await outputs.get())
+        if not isinstance(ready, TransferReady):
+            raise RuntimeError(f"{type(ready).__name__} before the request's blocks were allocated")
+        if not ready.num_external_tokens:
+            return
+        num_tokens = len(request.prompt_ids)
         # the prompt's blocks a prefix cache can serve (never the last token): routing and the held head
-        hashes = hash_blocks(request.prompt_ids[:-1], bs, request.cache_key)
-        held = hashes[:first_block]
+        hashes = request.prefix_hashes(self.engine.config.block_size)
+        held = hashes[: ready.first_block]
         tried: set[str] = set()
         busy: dict[str, int] = {}  # replicas that answered busy, and their retry hints (ms)
-        for _ in range(self.config.max_attempts):
+        for attempt in range(self.config.max_attempts):
             route = self.pool.pick(exclude=tried, block_hashes=hashes, num_tokens=num_tokens, prefer=hint)
             if route is None and busy:  # every replica left is busy: wait for the soonest, then again
                 await asyncio.sleep(min(busy.values()) / 1000)
@@ -338,10 +338,12 @@ class GenerationCore:
             replica = route.replica
             tried.add(replica.name)
             try:
-                first, started, nbytes, insert_errors = await self._transfer(
-                    route, request, time_remaining, hashes, held
-                )
-                output = await self.loop.call(_starter(rid, first, insert_errors))  # after every insert
+                first, started, nbytes = await self._transfer(route, request, time_remaining, held, attempt)
+                done = RemoteKVDone(rid, first.token, first.logprobs, first.num_cached_tokens, attempt)
+                try:
+                    await self.loop.call(done)  # after every InsertKV of the attempt
+                except KVInsertError as e:  # the attempt is discarded, the blocks are written again
+                    raise PrefillError(str(e), replica_down=False) from None
             except PrefillError as e:
                 where = {"request_id": request.request_id, "replica": replica.name}
                 if e.retry_after_ms is not None:  # up, its cache still known: another one, or later
@@ -357,11 +359,11 @@ class GenerationCore:
             self.counters.num_transfers_total += 1
             self.counters.kv_transfer_seconds_total += time.perf_counter() - started
             self.counters.kv_transfer_bytes_total += nbytes
-            return output
+            return
         if self.config.fallback_local:
-            await self.loop.call(lambda e: e.remote_kv_failed(rid))
+            await self.loop.call(RemoteKVFailed(rid))
             self.counters.num_local_fallbacks_total += 1
-            return None
+            return
         raise ServiceError(
             grpc.StatusCode.UNAVAILABLE, f"no prefill replica could serve the request (tried {sorted(tried)})"
         )
@@ -377,62 +379,44 @@ class GenerationCore:
             route.replica.held_less(hashes[actual // bs : expected // bs])
 
     async def _transfer(
-        self, route: Route, request: Request, timeout: float | None, hashes: list[int], held: list[int]
-    ) -> tuple[FirstToken, float, int, list[str]]:
-        """One attempt: (first token, perf_counter when the first KV arrived, KV bytes received, the
-        errors of inserts that failed here, filled on the engine thread: see _starter).
-        `hashes`: the prompt's block hashes; `held`: the leading ones this engine holds. On failure the
-        request's blocks stay allocated (to be refilled by the next try).
+        self, route: Route, request: Request, timeout: float | None, held: list[int], attempt: int
+    ) -> tuple[FirstToken, float, int]:
+        """One attempt: (first token, perf_counter when the first KV arrived, KV bytes received). Each chunk
+        is inserted as it arrives (InsertKV of transfer `attempt`, on the engine thread, in order).
+        `held`: the hashes of the leading prompt blocks this engine holds. On failure the request's blocks
+        stay allocated (to be refilled by the next try).
 
         Closing the prefill stream (aclosing) cancels it at once when this request is cancelled.
         """
-        replica = route.replica
+        replica, rid = route.replica, request.request_id
         work = len(request.prompt_ids) - route.expected_hit_tokens
         if replica.cache is not None:  # the blocks it is about to hold: the next such prompt goes there
-            replica.cache.expect(hashes)
+            replica.cache.expect(request.prefix_hashes(self.engine.config.block_size))
         replica.outstanding += 1
         replica.pending_tokens += work
         try:
-            first, started, nbytes, insert_errors = None, None, 0, []
+            first, started, nbytes = None, None, 0
             async with contextlib.aclosing(
                 replica.prefill(request, self.layout, self.sharding, timeout, held)
             ) as items:
                 async for item in items:
                     if isinstance(item, FirstToken):
                         first = item
-                    else:  # inserted as it arrives (on the engine thread, in order)
+                    else:
                         started = started or time.perf_counter()
                         nbytes += item.data.nbytes
-                        self.loop.submit(_loader(request.request_id, item, len(held), insert_errors))
+                        self.loop.submit(InsertKV(rid, item, len(held), attempt))
             if first is None:
                 raise PrefillError(f"{replica.name}: no first token")
             check_first_token(first, request, self.engine.model.config.vocab_size, replica.name)
-            return first, started or time.perf_counter(), nbytes, insert_errors
+            return first, started or time.perf_counter(), nbytes
         finally:
             replica.outstanding -= 1
             replica.pending_tokens -= work
 
 
-def _starter(request_id: str, first: FirstToken, insert_errors: list[str]):
-    """Starts the request on its first token, after its chunks' inserts (the commands before it): unless
-    one of them failed (PrefillError: the attempt is discarded, the blocks are written again)."""
-
-    def start(engine: LLMEngine) -> RequestOutput:
-        if insert_errors:
-            raise PrefillError(f"inserting the KV failed here: {insert_errors[0]}", replica_down=False)
-        return engine.remote_kv_arrived(request_id, first.token, first.logprobs, first.num_cached_tokens)
-
-    return start
-
-
-def _loader(request_id: str, chunk: KVChunk, first_block: int, errors: list[str]):
-    """Writes one chunk on the engine thread; a failure is kept in `errors` (for _starter), never fatal."""
-
-    def load(engine: LLMEngine) -> None:
-        try:
-            engine.load_kv(request_id, chunk, first_block)
-        except Exception as e:  # noqa: BLE001 - pinned to this transfer
-            log.exception("KV insert failed", extra={"request_id": request_id})
-            errors.append(f"{type(e).__name__}: {e}")
-
-    return load
+def _check(item):
+    """A stream's item, unless it says the engine stopped (EngineStopped)."""
+    if isinstance(item, EngineFailure):
+        raise EngineStopped(item.message)
+    return item

@@ -292,14 +292,14 @@ class LocalPrefiller(Prefiller):
         try:
             mine = self.loop.engine.make_request(
                 list(request.prompt_ids),
-                request.params,
+                dataclasses.replace(request.params, max_tokens=1),  # the first token
                 request.request_id,
                 lora=lora.name if lora else None,
                 lora_fingerprint=lora.fingerprint if lora else None,
+                seed=request.seed,
             )
         except InvalidRequestError as e:
             raise PrefillError(f"{self.name}: {e}", replica_down=False) from e
-        mine.seed = request.seed
         stream = PrefillStream(
             self.loop, mine, kvtransfer.head_map(self.src, dst), kvtransfer.LOCAL_CHUNK_BYTES, len(held)
         )

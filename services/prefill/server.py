@@ -37,7 +37,6 @@ from collections.abc import Callable
 import grpc
 
 from pdserve import kvtransfer
-from pdserve.engine.core.kv_cache_manager import hash_blocks
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import InvalidRequestError
 from pdserve.services import sampling, wire
@@ -163,6 +162,7 @@ class PrefillService(pb_grpc.PrefillServicer):
             request_id=f"prefill-{next(self._keys)}",
             lora=request.lora_adapter or None,
             lora_fingerprint=request.lora_fingerprint or None,
+            seed=request.seed,
         )
 
     async def _prefill(self, request: pb.PrefillRequest, context):
@@ -186,7 +186,6 @@ class PrefillService(pb_grpc.PrefillServicer):
         except Overloaded as e:
             context.set_trailing_metadata((("retry-after-ms", str(e.retry_after_ms)),))
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-        engine_request.seed = request.seed
         first_block = len(request.held_block_hashes)
         if first_block:
             problem = held_blocks_problem(
@@ -254,7 +253,7 @@ def held_blocks_problem(request, held: list[int], block_size: int) -> str | None
     the prompt's own leading block hashes (same tokens, same adapter) and leave a token to compute."""
     if len(held) * block_size >= len(request.prompt_ids):
         return f"{len(held)} blocks of {block_size} tokens cover all {len(request.prompt_ids)} prompt tokens"
-    if hash_blocks(request.prompt_ids[: len(held) * block_size], block_size, request.cache_key) != held:
+    if request.prefix_hashes(block_size)[: len(held)] != held:
         return "not the hashes of the prompt's leading blocks (with its adapter)"
     return None
 

@@ -88,10 +88,10 @@ def test_abort_frees_blocks_and_leaves_others_untouched(make_engine):
     drop = engine.add_request(PROMPTS[1] * 20, GREEDY)
     tokens = []
     for _ in range(3):
-        tokens += [t for o in engine.step() if o.request_id == keep for t in o.new_token_ids]
+        tokens += [t for o in engine.step().tokens if o.request_id == keep for t in o.new_token_ids]
     assert engine.abort(drop) and not engine.abort(drop)
     while engine.has_unfinished:
-        tokens += [t for o in engine.step() if o.request_id == keep for t in o.new_token_ids]
+        tokens += [t for o in engine.step().tokens if o.request_id == keep for t in o.new_token_ids]
     assert tokens == expected and engine.scheduler.kv.pool.num_used == 0
 
 
@@ -155,9 +155,9 @@ def test_a_request_that_cannot_be_admitted_stalls_the_engine_until_blocks_return
     pool = engine.scheduler.kv.pool
     held = pool.allocate(pool.num_available)  # another holder has every block
     rid = engine.add_request("Hello there", SamplingParams(temperature=0, max_tokens=2))
-    assert engine.step() == [] and engine.stalled and engine.has_unfinished
+    assert engine.step().tokens == [] and engine.stalled and engine.has_unfinished
     pool.release(held)
     outputs = []
     while engine.has_unfinished:
-        outputs += engine.step()
+        outputs += engine.step().tokens
     assert not engine.stalled and [o.request_id for o in outputs] == [rid, rid]

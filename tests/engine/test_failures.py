@@ -41,9 +41,9 @@ def test_a_failed_step_ends_its_requests_and_the_engine_serves_on(loaded_model, 
     finished = {}
     while engine.has_unfinished:
         try:
-            outputs = engine.step()
+            outputs = engine.step().tokens
         except RuntimeError as e:
-            outputs = engine.fail_step(str(e))
+            outputs = engine.fail_step(str(e)).tokens
         finished.update((o.request_id, o) for o in outputs if o.finished)
     assert [finished[i].finish_reason for i in ids] == [FinishReason.ERROR] * 2  # one step ran both
     assert "injected: one step failed" in finished[ids[1]].error

@@ -49,7 +49,7 @@ def workload(engine, adapter_paths: dict[str, str]) -> dict[str, list[int]]:
         for name, prompt, params, adapter in arrivals.get(step, ()):
             ids[engine.add_request(prompt, params, lora=adapter)] = name
             tokens[name] = []
-        for output in engine.step():
+        for output in engine.step().tokens:
             tokens[ids[output.request_id]] += output.new_token_ids
         step += 1
     return tokens

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from pdserve import kvtransfer
+from pdserve.engine.boundary import AddRequest, SendKV
 from pdserve.engine.core.kv_connector import PrefillConnector
 from pdserve.engine.core.request import Status
 from pdserve.engine.sampling_params import SamplingParams
@@ -28,19 +29,15 @@ def test_a_long_prompt_is_handed_over_per_chunk_from_the_first_block_asked(make_
     engine.set_kv_connector(connector)
     try:
         request = engine.make_request(prompt, SamplingParams(temperature=0, max_tokens=1), "streamed")
-
-        def sink(chunks, last):
-            held = engine.scheduler.requests["streamed"]
-            calls.append((held.num_computed, held.status, chunks, last))
-
-        connector.expect("streamed", sink, max_frame_bytes=frame_bytes, first_block=first_block)
-        engine.add_prepared_request(request)
+        engine.apply(AddRequest(request, SendKV(max_frame_bytes=frame_bytes, first_block=first_block)))
         while engine.has_unfinished:
-            engine.step()
+            for ready in engine.step().kv:  # each step's: the KV its chunk completed
+                calls.append((request.num_computed, request.status, ready.chunks, ready.last))
     finally:
         engine.set_kv_connector(original)
     assert [(computed, last) for computed, _, _, last in calls] == [(256, False), (512, False), (600, True)]
-    assert calls[0][1] is Status.RUNNING and calls[-1][1] is Status.FINISHED_SENDING
+    # the last pieces went out as the request finished, and its blocks went back at once
+    assert calls[0][1] is Status.RUNNING and calls[-1][1] is Status.FINISHED
     for computed, _, chunks, _ in calls:  # nothing handed over before its tokens were computed
         assert all(first_block * bs + c.token_start + c.num_tokens <= computed for c in chunks)
     chunks = [c for *_, cs, _ in calls for c in cs]

@@ -208,7 +208,7 @@ def test_removed_adapter_finishes_running_requests(lora_engine):
         engine.make_request("hi", GREEDY, lora="attn4")
     tokens = []
     while engine.has_unfinished:
-        tokens += [t for o in engine.step() if o.request_id == rid for t in o.new_token_ids]
+        tokens += [t for o in engine.step().tokens if o.request_id == rid for t in o.new_token_ids]
     assert tokens == expected
 
 

@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.core.kv_connector import KVConnector
-from pdserve.engine.core.request import FinishReason, Request, Status
-from pdserve.engine.core.scheduler import Scheduler
+from pdserve.engine.core.request import Request, Status
+from pdserve.engine.core.scheduler import SampledToken, Scheduler
 from pdserve.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.fast
@@ -30,16 +30,10 @@ def make(rid, prompt, t=0.0, max_tokens=16):
     return Request(rid, prompt, SamplingParams(max_tokens=max_tokens), 0, arrival_time=t)
 
 
-def sink(request, token, logprobs):
-    if len(request.output_ids) >= request.params.max_tokens:
-        request.finish_reason = FinishReason.LENGTH
-    return (request.request_id, token)
-
-
 def run(sched, out):
     """The fake runner: every row computed, sampling rows get token 1."""
-    sampled = {row.request_id: (1, None) for row in out.rows if row.samples}
-    return sched.update_from_output(out, sampled, sink)
+    sampled = {row.request_id: SampledToken(1) for row in out.rows if row.samples}
+    return [(request.request_id, token.token) for request, token in sched.update_from_output(out, sampled)]
 
 
 def rows(step):
@@ -208,8 +202,8 @@ def test_remote_kv_states_arrival_and_fallback():
     assert all(len(blocks) == 2 for _, blocks in connector.allocated)  # 6 prompt tokens + the first token
     r1, r2 = sched.requests["remote-1"], sched.requests["remote-2"]
     assert r1.status is Status.WAITING_FOR_REMOTE_KV and sched.num_active == 2 and sched.num_unfinished == 0
-    out = sched.remote_kv_arrived("remote-1", 7, None, sink)
-    assert out == ("remote-1", 7) and r1.status is Status.RUNNING and r1.num_computed == 6
+    out = sched.remote_kv_arrived("remote-1", SampledToken(7))
+    assert out is r1 and r1.output_ids == [7] and r1.status is Status.RUNNING and r1.num_computed == 6
     sched.remote_kv_failed("remote-2")  # no replica could send it: computed here, in its blocks
     assert r2.status is Status.RUNNING and r2.num_computed == 0
     step = sched.schedule()
@@ -218,7 +212,7 @@ def test_remote_kv_states_arrival_and_fallback():
         ("remote-2", 0, 6),
     ]
     with pytest.raises(ValueError, match="not waiting for KV"):
-        sched.remote_kv_arrived("remote-2", 1, None, sink)
+        sched.remote_kv_arrived("remote-2", SampledToken(1))
     sched.abort("remote-1")
     sched.abort("remote-2")
     assert sched.kv.pool.num_used == 0 and connector.finished == []  # aborts send nothing
@@ -248,19 +242,19 @@ def test_a_remote_request_is_admitted_while_a_long_prompt_is_chunked():
 
 
 def test_remote_kv_fills_only_the_blocks_after_the_decode_sides_cached_prefix():
-    from pdserve.engine.core.kv_connector import DecodeConnector
+    from pdserve.engine.core.kv_connector import DecodeConnector, ReceiveKV
 
     connector = DecodeConnector(block_size=4, local_below=3)
-    ready = {}
     sched = Scheduler(EngineConfig(**{**CONFIG.__dict__, "max_num_batched_tokens": 16}), connector=connector)
     sched.add(make("turn1", 10, max_tokens=1))  # computed here (no connector expectation): cached
     run(sched, sched.schedule())
     for rid, prompt in [("turn2", [*range(10), 50, 51, 52, 53, 54, 55]), ("hit", [*range(8), 60, 61])]:
-        connector.expect(rid, lambda n, rid=rid: ready.__setitem__(rid, n))
+        connector.expect(rid, ReceiveKV())
         sched.add(make(rid, prompt))
-    connector.expect("short", lambda n: ready.__setitem__("short", n))
+    connector.expect("short", ReceiveKV())
     sched.add(make("short", [70, 71]))
     step = sched.schedule()
+    ready = {t.request_id: t.num_external_tokens for t in connector.take_outputs()}
     # turn2: blocks 0-1 cached here, 8 tokens arrive; hit: 2 tokens left (<= a block): computed here,
     # after its cached head; short: below local_below
     assert ready == {"turn2": 8, "hit": 0, "short": 0}
@@ -278,7 +272,7 @@ def test_kv_received_for_sliding_window_layers_never_enters_the_prefix_cache(win
     sched = Scheduler(CONFIG, connector=Recorder(), windowed_transfers=windowed)
     sched.add(make("remote", 12, max_tokens=2))
     assert sched.schedule() is None
-    sched.remote_kv_arrived("remote", 7, None, sink)
+    sched.remote_kv_arrived("remote", SampledToken(7))
     run(sched, sched.schedule())  # its second token: finished
     hits = sched.kv.lookup([*range(12), 99])
     assert len(hits) == (0 if windowed else 3)

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from pdserve.engine.model.attention import ragged_paged_attention_reference, set_attention_impl
+from pdserve.engine.model.attention import ragged_paged_attention_reference
 from pdserve.engine.model.tpu_attention import kernel_attention
 
 LAYERS, BLOCKS, BS, KVH, G, D, WIDTH = 2, 64, 16, 2, 3, 32, 8
@@ -126,14 +126,10 @@ def test_a_kernel_reading_the_new_kv_from_the_cache_gets_them_written_layer_by_l
         lambda *args, **kwargs: ragged_paged_attention_reference(*args, **kwargs)
     )
     flagged.reads_new_kv_from_cache = True
-    set_attention_impl(flagged)
-    try:
-        config = EngineConfig(num_blocks=64, max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64)
-        engine = engine_of(tmp_path, loaded_model.tokenizer, config)
-        greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-        assert [c.token_ids for c in engine.generate(prompts, greedy)] == expected
-    finally:
-        set_attention_impl(None)
+    config = EngineConfig(num_blocks=64, max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64)
+    engine = engine_of(tmp_path, loaded_model.tokenizer, config, attention=flagged)
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    assert [c.token_ids for c in engine.generate(prompts, greedy)] == expected
 
 
 @pytest.mark.fast
@@ -160,3 +156,35 @@ def test_models_the_kernel_cannot_tile_keep_the_reference():
     assert kernel_unsupported(model(128, 3), 2, "bfloat16") is None  # padded to 4: 2 a chip
     assert "multiple of 128" in kernel_unsupported(model(64, 3), 1, "bfloat16")  # SmolLM2
     assert "tiled" in kernel_unsupported(model(128, 3), 1, "bfloat16")  # 6 K and V heads in 3 words
+
+
+@pytest.mark.model
+def test_two_engines_of_one_process_each_compile_with_their_own_attention(loaded_model):
+    """The attention is a property of each engine's runner, not of the process: two engines built on
+    different meshes before either runs (as `pdserve serve` builds its prefill and decode engines) each
+    trace their own implementation, and give the reference's tokens."""
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.sampling_params import SamplingParams
+
+    traced = []
+
+    def tagged(tag):
+        def attend(*args, **kwargs):
+            traced.append(tag)  # at trace time: once per layer scan of each compiled step
+            return ragged_paged_attention_reference(*args, **kwargs)
+
+        return attend
+
+    config = EngineConfig(num_blocks=16, max_model_len=64, max_num_seqs=2, max_num_batched_tokens=8)
+    devices = jax.devices()
+    first = LLMEngine(loaded_model, config, devices[:1], attention=tagged("first"))
+    second = LLMEngine(
+        loaded_model, EngineConfig(**{**config.__dict__, "tp": 2}), devices[2:4], tagged("second")
+    )
+    greedy = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    a = first.generate(["Hello there"], greedy)[0].token_ids
+    assert set(traced) == {"first"}
+    b = second.generate(["Hello there"], greedy)[0].token_ids
+    assert set(traced) == {"first", "second"}
+    assert second.runner.mesh.devices.tolist() == devices[2:4] and a == b

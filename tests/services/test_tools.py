@@ -11,7 +11,7 @@ from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, models
 
 from pdserve.engine.core.output import OutputStream
-from pdserve.engine.core.request import Request
+from pdserve.engine.core.request import FinishReason, Request
 from pdserve.engine.sampling_params import InvalidRequestError, SamplingParams
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.services.decode.tool_formats import detect, marked_by_special_tokens
@@ -201,12 +201,15 @@ def test_special_token_markers_stay_in_the_text():
     for skip, text in ((True, "get_time[ARGS]{}"), (False, "[TOOL_CALLS]get_time[ARGS]{}")):
         params = SamplingParams(max_tokens=len(ids), skip_special_tokens=skip)
         request = Request("r", [0], params, seed=0)
-        stream = OutputStream(request, tok, max_model_len=64)
+        stream = OutputStream(request, tok)
         shown = ""
-        for token in ids:
+        for i, token in enumerate(ids):
             request.output_ids.append(token)
-            shown += stream.on_token(token, None).text
-        assert shown == text and request.finish_reason is not None
+            if i == len(ids) - 1:  # as the scheduler ends it at max_tokens
+                request.finish_reason = FinishReason.LENGTH
+            output = stream.on_token(token, None)
+            shown += output.text
+        assert shown == text and output.finished
     auto = tool_choice({"tools": [TIME]}, format="mistral")
     assert auto.calls(text)[1][0]["function"] == {"name": "get_time", "arguments": "{}"}
 
