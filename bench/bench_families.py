@@ -50,9 +50,8 @@ def kv_bytes_per_token(engine, num_tokens: int) -> dict:
     import dataclasses
 
     from pdserve.kvtransfer import KVLayout, LayerSpec, SpecKind, plan_frames
-    from pdserve.services.kv import engine_layout
 
-    layout = engine_layout(engine)
+    layout = engine.kv_layout
     sent = sum(f.num_layers * f.num_blocks for f in plan_frames(layout, num_tokens)) * layout.block_bytes
     cfg = engine.model.config
     if layout.is_mla:  # K and V of every head, as a non-latent cache would hold them

@@ -210,15 +210,15 @@ def main() -> None:
 
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.loading.sources import DEFAULT_MODEL, fetch, load_model
+    from pdserve.engine.model.kv_cache import kv_layout
     from pdserve.services.client import Client
-    from pdserve.services.kv import model_layout
     from pdserve.services.sampling import Limits
     from pdserve.testing.launch import ENGINE_ARGS, decode_server, prefill_server
 
     gguf = fetch(DEFAULT_MODEL, progress=False)
     logs = Path(tempfile.mkdtemp())
     config = dataclasses.replace(EngineConfig(max_model_len=1024, num_blocks=192), dtype="float32")
-    layout = model_layout(load_model(gguf).config, config)
+    layout = kv_layout(load_model(gguf).config, config)
     # as deployed, the roles do not share their devices: the prefill server and this client on core 0, the
     # decode server alone on core 1, so what the decode streams feel is the decode server's own handling
     # of the hostile traffic (on a CPU host the cores are the device)

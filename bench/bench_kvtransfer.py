@@ -90,7 +90,7 @@ def serve() -> None:
     import asyncio
 
     from pdserve.daemons import keep_freed_memory
-    from pdserve.engine.args import configure_jax
+    from pdserve.engine.compile_cache import configure_jax
     from pdserve.engine.llm_engine import LLMEngine
     from pdserve.services.grpc_server import RunningServer
     from pdserve.services.prefill.server import SERVICE_NAME, PrefillService, add_to_server
@@ -246,14 +246,13 @@ class DaemonPaths:
 
     def __init__(self, port: int):
         from pdserve.daemons import keep_freed_memory
-        from pdserve.engine.args import configure_jax
+        from pdserve.engine.compile_cache import configure_jax
         from pdserve.engine.llm_engine import LLMEngine
         from pdserve.engine.loading.sources import load_model
         from pdserve.services.decode.core import GenerationCore
         from pdserve.services.decode.prefill_pool import LocalPrefiller
         from pdserve.services.engine_loop import EngineLoop
         from pdserve.services.grpc_server import channel_options
-        from pdserve.services.kv import engine_layout
 
         keep_freed_memory()  # as the daemons do
         configure_jax()
@@ -264,11 +263,11 @@ class DaemonPaths:
         prefill_engine = LLMEngine(model, _engine_config(), [devices[0]])
         local_engine = LLMEngine(model, _engine_config(), [devices[1]])
         self.prefill_loop = EngineLoop(prefill_engine, name="prefill-engine")
-        local = LocalPrefiller(self.prefill_loop, engine_layout(prefill_engine))
+        local = LocalPrefiller(self.prefill_loop, prefill_engine.kv_layout)
         self.local = GenerationCore.for_engine(local_engine, local_prefiller=local)
         for engine in (remote_engine, local_engine):
             _sync_before_start(engine)
-        self.layout = engine_layout(remote_engine)
+        self.layout = remote_engine.kv_layout
         self.token_bytes = self.layout.num_cache_layers * self.layout.block_bytes // self.layout.block_size
         self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=channel_options())
         self.prepare_raw = self.channel.unary_unary("/bench.Raw/PrepareRaw")

@@ -122,7 +122,7 @@ def chat_study(gguf: Path, logs: Path, num: int, turns: int) -> dict:
 
 def throughput_study(rounds: int) -> dict:
     """Engines with caching on and off over the same random prompts (no prefix shared), interleaved."""
-    from pdserve.engine.args import configure_jax
+    from pdserve.engine.compile_cache import configure_jax
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.llm_engine import LLMEngine
     from pdserve.engine.loading.sources import load_model

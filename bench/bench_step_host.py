@@ -83,7 +83,7 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
-    from pdserve.engine.args import configure_jax
+    from pdserve.engine.compile_cache import configure_jax
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.llm_engine import LLMEngine
     from pdserve.engine.loading.sources import DEFAULT_MODEL, fetch

@@ -1,7 +1,7 @@
 """The engine of this tree against the engine of another commit, measured by one script in one run.
 
     .venv/bin/python bench/bench_vs_commit.py --baseline REV [--batches 1,32] [--contexts 32,480]
-        [--rounds 2] [--json OUT]
+        [--rounds 2] [--served] [--json OUT]
 
 Checks REV out into a git worktree, lays each tree's pdserve out as it installs (pdserve.testing.packaging:
 so REV must be 9e8f3d1 or later, when engine/ became pdserve.engine), then runs, for each round, one worker
@@ -10,8 +10,10 @@ the worker imports the `pdserve.engine` of its tree (its layout first on PYTHONP
 model's engine (`max_model_len` 1024, `num_blocks` 1024, `max_num_seqs` the largest batch), times its
 warmup with an empty compilation cache (every shape compiled), counts the compiled variants, times a
 1000-token prompt's prefill (two chunks), then times decode steps (bench_engine.decode_step_times:
-greedy, sampling included) at each batch and prompt length. The measuring code is this tree's bench/ for
-both; only `pdserve` differs. Prints each tree's best figures and the ratios this tree / baseline.
+greedy, sampling included) at each batch and prompt length; with --served, also the daemons' path
+(`served_path`: a 1000-token prompt's TTFT through services.decode.core, and the boundary crossings of one
+request prefilled by a second engine). The measuring code is this tree's bench/ for both; only `pdserve`
+differs. Prints each tree's best figures and the ratios this tree / baseline.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from bench_engine import decode_step_times, report  # bench/ is on the path when
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+SERVED_PROMPT = 600  # tokens of the request counted through the daemons' path (2 prefill chunks)
 
 
 def _timed(fn, *args) -> float:
@@ -38,7 +41,7 @@ def _timed(fn, *args) -> float:
     return time.perf_counter() - t0
 
 
-def worker(batches: list[int], contexts: list[int], steps: int) -> dict:
+def worker(batches: list[int], contexts: list[int], steps: int, served: bool = False) -> dict:
     import time
 
     from pdserve.engine.config import EngineConfig
@@ -68,6 +71,106 @@ def worker(batches: list[int], contexts: list[int], steps: int) -> dict:
         for batch in batches:
             times = sorted(decode_step_times(engine, batch, steps, prompt_len=context))
             result["decode_tokens_s"][f"b{batch}_ctx{context}"] = batch / times[len(times) // 2]
+    if served:
+        result.update(served_path(engine, sizes))
+    return result
+
+
+def served_path(engine, sizes: dict) -> dict:
+    """Through the daemons' path (services.decode.core over an engine thread), in this process:
+    - ttft_1000_s: a 1000-token prompt's first token, colocated (best of 3 prompts never seen before);
+    - crossings of one request prefilled by a second engine (`pdserve serve`'s shape: its KV moved device
+      to device) of SERVED_PROMPT tokens and 8 output tokens: calls down into the engine threads
+      (EngineLoop.call / submit, by what was sent), hand-offs up to the event loop from them (by the
+      callable handed), and the functions of services/ other than engine_loop.py that ran on an engine
+      thread (code of the daemons executed inside the engine's loop: callbacks, closures)."""
+    import asyncio
+    import collections
+    import threading
+    import time
+
+    import jax
+
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.services import engine_loop
+    from pdserve.services.decode.core import GenerationCore
+    from pdserve.services.decode.prefill_pool import LocalPrefiller
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+    async def one(core, prompt) -> float:
+        start = time.perf_counter()
+        first = None
+        async for _ in core.stream(core.make_request(prompt, greedy)):
+            first = first or time.perf_counter() - start
+        return first
+
+    async def ttft() -> float:
+        core = GenerationCore.for_engine(engine)
+        await core.start()
+        try:
+            return min([await one(core, list(range(2000 + 1000 * i, 3000 + 1000 * i))) for i in range(4)][1:])
+        finally:
+            await core.close()
+
+    result = {"ttft_1000_s": asyncio.run(ttft())}
+    calls, ups, services = collections.Counter(), collections.Counter(), collections.Counter()
+    engine_threads = ("prefill-engine", "decode-engine")
+
+    def counted(method):
+        def wrapper(self, what, *args, **kwargs):
+            calls[type(what).__name__ if not callable(what) else f"closure {what.__qualname__}"] += 1
+            return method(self, what, *args, **kwargs)
+
+        return wrapper
+
+    loop_cls = engine_loop.EngineLoop
+    loop_cls.call, loop_cls.submit = counted(loop_cls.call), counted(loop_cls.submit)
+    handoff = asyncio.BaseEventLoop.call_soon_threadsafe
+
+    def call_soon_threadsafe(self, callback, *args, **kwargs):
+        if threading.current_thread().name in engine_threads:
+            ups[getattr(callback, "__name__", type(callback).__name__)] += 1
+        return handoff(self, callback, *args, **kwargs)
+
+    asyncio.BaseEventLoop.call_soon_threadsafe = call_soon_threadsafe
+
+    def profile(frame, event, arg):
+        if event == "call" and threading.current_thread().name in engine_threads:
+            path = frame.f_code.co_filename
+            if "/services/" in path and not path.endswith("engine_loop.py"):
+                services[f"{Path(path).name}:{frame.f_code.co_name}"] += 1
+
+    async def disaggregated() -> None:
+        config = EngineConfig(**{**sizes, "max_num_seqs": 4})
+        devices = jax.devices()
+        decode = LLMEngine(engine.model, config, devices[:1])
+        prefill = LLMEngine(engine.model, config, devices[1:2])
+        layout = getattr(prefill, "kv_layout", None)
+        if layout is None:  # before engine.kv_layout
+            from pdserve.services.kv import engine_layout
+
+            layout = engine_layout(prefill)
+        prefill_loop = engine_loop.EngineLoop(prefill, name="prefill-engine")
+        threading.setprofile(profile)  # the engine threads started from here on
+        prefill_loop.start()
+        core = GenerationCore.for_engine(decode, local_prefiller=LocalPrefiller(prefill_loop, layout))
+        await core.start()
+        threading.setprofile(None)
+        try:
+            await one(core, list(range(5000, 5000 + SERVED_PROMPT)))
+        finally:
+            await core.close()
+            prefill_loop.stop()
+
+    asyncio.run(disaggregated())
+    result["crossings"] = {
+        "calls_down": dict(calls),
+        "handoffs_up": dict(ups),
+        "services_code_on_engine_threads": dict(services),
+    }
     return result
 
 
@@ -79,12 +182,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--json", default=None)
+    parser.add_argument(
+        "--served", action="store_true", help="also TTFT and boundary crossings through the daemons' path"
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # PYTHONPATH: the tree
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     contexts = [int(c) for c in args.contexts.split(",")]
     if args.worker:
-        print(json.dumps(worker(batches, contexts, args.steps)))
+        print(json.dumps(worker(batches, contexts, args.steps, args.served)))
         return
     if not args.baseline:
         parser.error("--baseline is required")
@@ -104,7 +210,9 @@ def main() -> None:
             for name in list(trees)[:: 1 if r % 2 == 0 else -1]:
                 cmd = [sys.executable, __file__, "--worker", "--batches", args.batches]
                 cmd += ["--contexts", args.contexts, "--steps", str(args.steps)]
+                cmd += ["--served"] if args.served else []
                 env = {**os.environ, "PYTHONPATH": str(layouts[name])}
+                env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2"
                 out = subprocess.run(
                     cmd, check=True, capture_output=True, text=True, env=env, cwd=trees[name]
                 )
@@ -121,6 +229,11 @@ def main() -> None:
             "decode_tokens_s": {
                 k: max(x["decode_tokens_s"][k] for x in rs) for k in rs[0]["decode_tokens_s"]
             },
+            **(
+                {"ttft_1000_s": min(x["ttft_1000_s"] for x in rs), "crossings": rs[0]["crossings"]}
+                if args.served
+                else {}
+            ),
         }
         for name, rs in runs.items()
     }
@@ -135,6 +248,11 @@ def main() -> None:
                 f"decode_tokens_s_{k}": new["decode_tokens_s"][k] / old["decode_tokens_s"][k]
                 for k in new["decode_tokens_s"]
             },
+            **(
+                {"ttft_1000_this_over_baseline": new["ttft_1000_s"] / old["ttft_1000_s"]}
+                if args.served
+                else {}
+            ),
         },
     }
     report(result, args.json)

@@ -378,24 +378,45 @@ def _powers_of_two(start: int, stop: int) -> tuple[int, ...]:
     return tuple(out)
 
 
+def flag(default: Any, help: str, **argparse_options: Any) -> Any:  # noqa: A002 - argparse's word
+    """A config field that is also a command-line flag (pdserve/flags.py derives it: --field-name, the
+    field's type and this default, `help`); `argparse_options` adds e.g. `flag` (another name),
+    `aliases`, `choices`, `metavar`."""
+    return dataclasses.field(default=default, metadata={"help": help, **argparse_options})
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    """Sizes of the paged cache, the batches and the compiled shape buckets."""
+    """Sizes of the paged cache, the batches and the compiled shape buckets. Fields made with `flag` are
+    the engine's command-line flags (the defaults live here only)."""
 
     block_size: int = 16
-    num_blocks: int = 1024
-    max_num_seqs: int = 32  # running requests decoded together
-    max_model_len: int = 4096  # prompt + generated tokens of one request
+    num_blocks: int = flag(1024, "KV cache blocks (of block_size tokens) in device memory")
+    max_num_seqs: int = flag(32, "running requests decoded together")
+    max_model_len: int = flag(4096, "prompt + generated tokens of one request")
     # The token budget of one step: every running request's decode token first, then prefill chunks up
     # to the budget. A long prompt delays running requests by at most one budget's compute per token.
-    max_num_batched_tokens: int = 512
+    max_num_batched_tokens: int = flag(
+        512,
+        "token budget of one step: every running request's decode token, then prefill chunks; a smaller "
+        "budget bounds how long a long prompt delays running requests, a larger one prefills faster",
+        aliases=("--max-prefill-tokens",),  # its name before steps mixed decode tokens and prefill chunks
+    )
     max_prefill_seqs: int = 4  # prompts being computed at once (chunks in one step)
-    tp: int = 1
-    dtype: str = "auto"  # weights and KV cache: "auto" (bfloat16 on accelerators, float32 on CPU), or a name
+    tp: int = flag(1, "tensor-parallel degree (devices)")
+    dtype: str = flag(
+        "auto", "weights and KV cache (auto: bfloat16 on TPUs and GPUs, float32 on CPUs)", choices=DTYPES
+    )
     max_logprobs: int = 20
-    max_loras: int = 0  # LoRA adapter slots in device memory (0: LoRA off)
-    max_lora_rank: int = 16  # adapters of lower rank are zero-padded to it
-    enable_prefix_caching: bool = True  # reuse the KV of full blocks of prompts (and outputs) seen before
+    max_loras: int = flag(
+        0, "LoRA adapter slots in device memory (0: LoRA off; default 4 with --lora)", group="lora"
+    )
+    max_lora_rank: int = flag(16, "highest adapter rank served (lower ranks are zero-padded)", group="lora")
+    enable_prefix_caching: bool = flag(
+        True,
+        "reuse the KV of cached prompt prefixes (--no-prefix-caching: compute every prompt in full)",
+        flag="--prefix-caching",
+    )
 
     def __post_init__(self):
         if self.max_model_len % self.block_size:

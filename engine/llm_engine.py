@@ -43,6 +43,7 @@ from pdserve.engine.loading.sources import LoadedModel, load_model
 from pdserve.engine.lora import AdapterRegistry
 from pdserve.engine.lora_slots import LoraSlots
 from pdserve.engine.model.attention import AttentionFn, ragged_paged_attention_reference
+from pdserve.engine.model.kv_cache import kv_layout
 from pdserve.engine.model.sampler import mask_words
 from pdserve.engine.model.sharding import make_mesh
 from pdserve.engine.model.tpu_attention import kernel_attention, kernel_unsupported
@@ -50,6 +51,7 @@ from pdserve.engine.model.weights import build_weights
 from pdserve.engine.model_runner import ModelRunner, SampleRow
 from pdserve.engine.multihost import Publish
 from pdserve.engine.sampling_params import InvalidRequestError, SamplingParams
+from pdserve.kvtransfer import KVLayout
 
 log = logging.getLogger(__name__)
 
@@ -323,9 +325,11 @@ class LLMEngine:
         still hold; returns their last outputs (with whatever else was produced before). The other
         requests are untouched."""
         for request_id, request in self._stepping.items():
-            self.abort(request_id)
-            request.finish_reason = FinishReason.ERROR
-            request.error = request.error or f"the step failed: {reason}"
+            error = request.error or f"the step failed: {reason}"
+            self._streams.pop(request_id, None)
+            self.kv_connector.forget(request_id)
+            if self.scheduler.abort(request_id, FinishReason.ERROR, error) is None:  # it finished in the step
+                self.scheduler.finish(request, FinishReason.ERROR, error)
             self._outputs.tokens.append(RequestOutput.failed(request))
         self._stepping = {}
         return self._take_outputs()
@@ -439,6 +443,11 @@ class LLMEngine:
         self.scheduler.kv.record_events()
 
     # ---- KV from elsewhere (see engine.core.kv_connector) ----------------------------------------------
+    @property
+    def kv_layout(self) -> KVLayout:
+        """This engine's cache as kvtransfer sees it (what a Handshake compares)."""
+        return kv_layout(self.model.config, self.config)
+
     @property
     def kv_connector(self) -> KVConnector:
         return self.scheduler.connector

@@ -69,6 +69,7 @@ class ModelRunner:
         self.weights = weights
         self.mesh = mesh
         self.lora = lora  # resident adapters; None: LoRA off (max_loras == 0)
+        self.layout = kv_cache.kv_layout(model, config)  # the cache as kvtransfer sees it
         self.cache = allocate_cache(model, config, mesh)
         self.groups = KVGroups.of(model)
         self.attention = attention
@@ -235,7 +236,7 @@ class ModelRunner:
         if isinstance(chunk.data, np.ndarray):
             if self.publish is not None:
                 self.publish(multihost.insert_op(chunk, tables))
-            data = jax.device_put(chunk.data, kv_cache.chunk_sharding(self.mesh, self.model))
+            data = jax.device_put(chunk.data, kvtransfer.chunk_sharding(self.mesh, self.layout))
             chunk = dataclasses.replace(chunk, data=data)
         elif self.publish is not None:
             raise ValueError("a multi-process engine inserts host chunks only")

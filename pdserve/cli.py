@@ -17,8 +17,9 @@ from pdserve.daemons import (
     refusing_unloadable_models,
     serve_main,
 )
-from pdserve.engine.args import add_engine_args, configure_jax, engine_config, load_adapters
+from pdserve.engine.compile_cache import configure_jax
 from pdserve.engine.loading.sources import DEFAULT_MODEL, KNOWN_MODELS, cache_dir
+from pdserve.flags import add_engine_args, engine_config, load_adapters
 from pdserve.services.client import add_client_flags, client_from_flags
 from pdserve.services.sampling import (
     add_constraint_flags,

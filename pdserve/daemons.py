@@ -9,8 +9,9 @@ import logging
 import os
 import sys
 
-from pdserve.engine.args import add_engine_args, configure_jax, engine_config, load_adapters
+from pdserve.engine.compile_cache import configure_jax
 from pdserve.engine.distributed import ProcessGroup, add_distributed_args, join, process_group
+from pdserve.flags import add_config_flags, add_engine_args, config_from_flags, engine_config, load_adapters
 from pdserve.services.decode.tool_formats import PARSERS
 from pdserve.services.sampling import add_limit_flags, limits_from_flags
 
@@ -151,8 +152,8 @@ def resolve_group(args: argparse.Namespace) -> ProcessGroup | None:
 def devices_per_process(args: argparse.Namespace, group: ProcessGroup | None) -> int:
     """Fake CPU devices this process exposes: --cpu-devices, else its share of --tp (--tp is global)."""
     if group is None:
-        return max(args.cpu_devices, args.tp)
-    return args.cpu_devices or -(-args.tp // group.num_processes)
+        return max(args.cpu_devices, engine_config(args).tp)
+    return args.cpu_devices or -(-engine_config(args).tp // group.num_processes)
 
 
 def build_engine(args: argparse.Namespace, group: ProcessGroup | None = None, engine_class=None):
@@ -176,10 +177,9 @@ def build_engine(args: argparse.Namespace, group: ProcessGroup | None = None, en
     leader = None
     if group is not None:
         from pdserve.services.group import follow, lead
-        from pdserve.services.kv import engine_layout
 
         if not group.is_leader:
-            raise SystemExit(follow(engine, engine_layout(engine), group))
+            raise SystemExit(follow(engine, engine.kv_layout, group))
         leader = lead(engine, group, args.host)
     load_adapters(engine, args.lora)
     return engine, leader
@@ -249,32 +249,11 @@ def decode_args(parser: argparse.ArgumentParser) -> None:
         default="local",
         help="prefill servers: ADDR[,ADDR...] (host:port or dns:///name:port), or `local` (colocated)",
     )
-    parser.add_argument(
-        "--local-prefill-below",
-        type=int,
-        default=0,
-        help="prefill here the prompts with fewer tokens than this beyond what this server has cached",
-    )
-    parser.add_argument(
-        "--prefill-routing",
-        choices=["prefix", "least-outstanding"],
-        default="prefix",
-        help="prefix: by the prompt blocks each replica holds (its KV events) against its queued work",
-    )
-    parser.add_argument(
-        "--prefill-routing-load-weight",
-        type=float,
-        default=1.0,
-        help="prefix routing: weight of a replica's queued prompt tokens against the tokens it lacks",
-    )
-    parser.add_argument(
-        "--accept-prefill-hint",
-        action="store_true",
-        help="prefill where a request's x-prefiller-host-port header says (llm-d's P/D), when that is one "
-        "of the --prefill replicas; without this flag the header is ignored",
-    )
-    parser.add_argument("--max-queue", type=int, default=256)
-    parser.add_argument("--no-fallback-local", action="store_true", help="UNAVAILABLE when prefill fails")
+    from pdserve.services.decode.core import DecodeConfig
+    from pdserve.services.decode.prefill_pool import Routing
+
+    add_config_flags(parser, DecodeConfig)
+    add_config_flags(parser, Routing)
     parser.add_argument(
         "--http-port", type=int, default=None, help="OpenAI-compatible HTTP API port (0: any)"
     )
@@ -306,13 +285,7 @@ def decode_args(parser: argparse.ArgumentParser) -> None:
 def decode_config(args: argparse.Namespace):
     from pdserve.services.decode.core import DecodeConfig
 
-    return DecodeConfig(
-        local_prefill_below=args.local_prefill_below,
-        max_queue=args.max_queue,
-        fallback_local=not args.no_fallback_local,
-        accept_prefill_hint=args.accept_prefill_hint,
-        limits=limits_from_flags(args),
-    )
+    return config_from_flags(DecodeConfig, args, limits=limits_from_flags(args))
 
 
 def prefill_channel_security(args: argparse.Namespace):
@@ -351,7 +324,7 @@ def decode_main(argv: list[str] | None = None, engine_class=None) -> int:
     from pdserve.services.decode.prefill_pool import Routing
 
     try:
-        routing = Routing(args.prefill_routing, args.prefill_routing_load_weight)
+        routing = config_from_flags(Routing, args)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from e
 
@@ -402,7 +375,6 @@ def serve_main(args: argparse.Namespace) -> int:
     from pdserve.services.decode.core import GenerationCore
     from pdserve.services.decode.prefill_pool import LocalPrefiller
     from pdserve.services.engine_loop import EngineLoop
-    from pdserve.services.kv import engine_layout
 
     configure_jax()
     devices = jax.devices()
@@ -422,7 +394,7 @@ def serve_main(args: argparse.Namespace) -> int:
         load_adapters(engine, args.lora)
     prefill_loop = EngineLoop(prefill_engine, name="prefill-engine")
     prefill_loop.start()
-    local = LocalPrefiller(prefill_loop, engine_layout(prefill_engine))
+    local = LocalPrefiller(prefill_loop, prefill_engine.kv_layout)
     core = GenerationCore.for_engine(decode_engine, local_prefiller=local, config=decode_config(args))
     try:
         run_decode_server(core, args, security)

@@ -271,7 +271,8 @@ def throughput_timeline(records: Sequence[RequestRecord], bin_s: float = 1.0) ->
 def _one_request(client, spec: RequestSpec, t0: float, ignore_eos: bool, timeout: float | None):
     import grpc
 
-    from pdserve.services.client import FINISH_NAMES, build_request
+    from pdserve.services.client import build_request
+    from pdserve.services.wire import FINISH_NAMES
 
     request = build_request(
         spec.prompt, max_tokens=spec.max_tokens, ignore_eos=ignore_eos, lora_adapter=spec.lora_adapter

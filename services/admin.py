@@ -15,7 +15,7 @@ from pdserve.services.engine_loop import EngineLoop
 from pdserve.v1 import admin_pb2 as pb
 from pdserve.v1 import admin_pb2_grpc as pb_grpc
 
-SERVICE_NAME = "pdserve.v1.Admin"
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Admin"].full_name
 
 
 @dataclasses.dataclass
@@ -45,41 +45,12 @@ class Counters:
         self.route_actual_hit_tokens_total += actual_hit_tokens
 
 
-@dataclasses.dataclass(frozen=True)
-class Load:
-    """A daemon's load as Admin.GetStats reports it and a router weighs it (/metrics, services.metrics).
-
-    num_running: requests holding blocks (decoding, prompt being computed, or, on a decode server, KV
-    arriving from a prefill server; `num_incoming` of them); num_waiting: queued for blocks or, on a
-    prefill server, for a prefill slot. kv_usage: blocks held by requests / all blocks (0-1; blocks kept
-    only by the prefix cache are reclaimable, so free). Adapters: names of the LoRA adapters of the
-    running and of the waiting requests; max_loras: adapter slots (0: LoRA off)."""
-
-    num_running: int
-    num_waiting: int
-    num_incoming: int
-    num_blocks: int
-    block_size: int
-    kv_usage: float
-    running_adapters: tuple[str, ...]
-    waiting_adapters: tuple[str, ...]
-    max_loras: int
-
-
-def read_load(stats: EngineStats, counters: Counters) -> Load:
-    """The load of an engine stats snapshot (engine.boundary.EngineStats: EngineLoop.stats, at most one
-    step old, or a fresh one) and the daemon's counters."""
-    return Load(
-        num_running=stats.num_running,
-        num_waiting=stats.num_waiting + counters.num_waiting,
-        num_incoming=stats.num_incoming,
-        num_blocks=stats.num_blocks,
-        block_size=stats.block_size,
-        kv_usage=stats.kv_usage,
-        running_adapters=stats.running_adapters,
-        waiting_adapters=stats.waiting_adapters,
-        max_loras=stats.max_loras,
-    )
+def read_load(stats: EngineStats, counters: Counters) -> EngineStats:
+    """A daemon's load as Admin.GetStats reports it and a router weighs it (/metrics, services.metrics):
+    its engine's stats snapshot (engine.boundary.EngineStats: EngineLoop.stats, at most one step old, or
+    a fresh one) with the requests the daemon holds before its engine (a prefill server's queue for a
+    prefill slot) counted as waiting."""
+    return dataclasses.replace(stats, num_waiting=stats.num_waiting + counters.num_waiting)
 
 
 class AdminService(pb_grpc.AdminServicer):
@@ -133,16 +104,15 @@ class AdminService(pb_grpc.AdminServicer):
         )
 
     async def GetStats(self, request, context) -> pb.ServerStats:
-        stats: EngineStats = await self.loop.call(Utility("stats"))
-        load, c = read_load(stats, self.counters), self.counters
+        load, c = read_load(await self.loop.call(Utility("stats")), self.counters), self.counters
         return pb.ServerStats(
             role=self.role,
-            num_blocks=stats.num_blocks,
-            num_free_blocks=stats.num_free_blocks,
-            num_cached_blocks=stats.num_cached_blocks,
-            prefix_cache_queries_total=stats.prefix_cache_queries,
-            prefix_cache_hits_total=stats.prefix_cache_hits,
-            prefix_cache_evictions_total=stats.prefix_cache_evictions,
+            num_blocks=load.num_blocks,
+            num_free_blocks=load.num_free_blocks,
+            num_cached_blocks=load.num_cached_blocks,
+            prefix_cache_queries_total=load.prefix_cache_queries,
+            prefix_cache_hits_total=load.prefix_cache_hits,
+            prefix_cache_evictions_total=load.prefix_cache_evictions,
             num_running=load.num_running,
             num_waiting=load.num_waiting,
             num_requests_total=c.num_requests_total,

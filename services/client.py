@@ -14,6 +14,7 @@ from pdserve.engine.sampling_params import Constraint
 from pdserve.services.grpc_server import channel_options
 from pdserve.services.sampling import set_constraint, set_request_fields
 from pdserve.services.security import ChannelSecurity, bearer_metadata, channel_credentials, read_tokens
+from pdserve.services.wire import FINISH_NAMES
 from pdserve.v1 import admin_pb2, admin_pb2_grpc
 from pdserve.v1 import generation_pb2 as pb
 from pdserve.v1 import generation_pb2_grpc as pb_grpc
@@ -100,9 +101,6 @@ def client_from_flags(args: argparse.Namespace) -> Client | None:
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return None
-
-
-FINISH_NAMES = {v: k.removeprefix("FINISH_REASON_").lower() for k, v in pb.FinishReason.items()}
 
 
 def build_request(

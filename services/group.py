@@ -39,12 +39,18 @@ import numpy as np
 
 from pdserve.engine.distributed import ProcessGroup
 from pdserve.engine.multihost import DeviceOp, Follower, engine_fingerprint
-from pdserve.services.grpc_server import KEEPALIVE_OPTIONS, channel_options, server_options
+from pdserve.services.grpc_server import (
+    KEEPALIVE_OPTIONS,
+    channel_options,
+    method_path,
+    server_options,
+    service_handler,
+)
 from pdserve.v1 import group_pb2 as pb
 
 log = logging.getLogger(__name__)
 
-SERVICE_NAME = "pdserve.v1.ProcessGroup"
+SERVICE = pb.DESCRIPTOR.services_by_name["ProcessGroup"]
 EXIT_GROUP_LOST = 3  # a process of the group is gone: the group must be recreated
 MAX_OP_BYTES = 1 << 30  # an operation's arrays (a KV chunk, an adapter) travel in one message
 LOST_GRACE_S = 1.0  # the leader's NOT_SERVING is visible this long before it exits
@@ -85,22 +91,12 @@ class Leader:
             concurrent.futures.ThreadPoolExecutor(max_workers=workers + 1, thread_name_prefix="group"),
             options=server_options(MAX_OP_BYTES),
         )
-        handler = grpc.method_handlers_generic_handler(
-            SERVICE_NAME,
-            {
-                "Follow": grpc.unary_stream_rpc_method_handler(
-                    self._follow,
-                    request_deserializer=pb.FollowRequest.FromString,
-                    response_serializer=pb.DeviceOp.SerializeToString,
-                )
-            },
-        )
-        self._server.add_generic_rpc_handlers((handler,))
+        self._server.add_generic_rpc_handlers((service_handler(SERVICE, self),))
         self.port = self._server.add_insecure_port(f"{host}:{group.group_port}")
         self._server.start()
         log.info("process group: leader of %d processes, group port %d", group.num_processes, self.port)
 
-    def _follow(self, request: pb.FollowRequest, context: grpc.ServicerContext):
+    def Follow(self, request: pb.FollowRequest, context: grpc.ServicerContext):  # noqa: N802 - the RPC's name
         pid = request.process_id
         if not 0 < pid < self.group.num_processes:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"process id {pid} is not a worker of this group")
@@ -230,7 +226,7 @@ def operations(group: ProcessGroup, fingerprint: str) -> queue.Queue[DeviceOp]:
         group.group_address, options=[*channel_options(MAX_OP_BYTES), *KEEPALIVE_OPTIONS]
     )
     call = channel.unary_stream(
-        f"/{SERVICE_NAME}/Follow",
+        method_path(SERVICE, "Follow"),
         request_serializer=pb.FollowRequest.SerializeToString,
         response_deserializer=pb.DeviceOp.FromString,
     )(pb.FollowRequest(process_id=group.process_id, engine_fingerprint=fingerprint), wait_for_ready=True)

@@ -9,6 +9,8 @@ import signal
 from collections.abc import Awaitable, Callable
 
 import grpc
+from google.protobuf import message_factory
+from google.protobuf.descriptor import ServiceDescriptor
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -22,6 +24,36 @@ MAX_MESSAGE_BYTES = 8 << 20  # KV frames are <= 4 MiB; anything larger is refuse
 # Peers that vanish (a killed decode server mid-transfer, a host gone) are noticed by keepalive pings within
 # 15 s, which breaks their streams: servers' handlers clean up, channels' calls fail.
 KEEPALIVE_OPTIONS = [("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000)]
+
+
+# ---- services as the generated descriptors define them (names, paths, streaming kinds, message types) ----
+Codec = tuple[Callable[[bytes], object], Callable[[object], bytes]]  # (request parser, response serializer)
+
+
+def method_path(service: ServiceDescriptor, method: str) -> str:
+    """A method's gRPC path, "/package.Service/Method", for a client's channel."""
+    return f"/{service.full_name}/{service.methods_by_name[method].name}"
+
+
+def service_handler(
+    service: ServiceDescriptor, servicer: object, codecs: dict[str, Codec] | None = None
+) -> grpc.GenericRpcHandler:
+    """The handler of every method of `service` (a generated module's DESCRIPTOR.services_by_name[...]):
+    the servicer's method of that name, of the descriptor's streaming kind, with the messages' own parsing
+    and serialization, or a method's `codecs` (a lenient parser, pre-encoded frames)."""
+    handlers = {}
+    for method in service.methods:
+        kind = f"{'stream' if method.client_streaming else 'unary'}_"
+        kind += "stream" if method.server_streaming else "unary"
+        request_class = message_factory.GetMessageClass(method.input_type)
+        response_class = message_factory.GetMessageClass(method.output_type)
+        parse, serialize = (codecs or {}).get(
+            method.name, (request_class.FromString, response_class.SerializeToString)
+        )
+        handlers[method.name] = getattr(grpc, f"{kind}_rpc_method_handler")(
+            getattr(servicer, method.name), request_deserializer=parse, response_serializer=serialize
+        )
+    return grpc.method_handlers_generic_handler(service.full_name, handlers)
 
 
 def server_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:

@@ -22,7 +22,6 @@ from pdserve.engine.core.request import FinishReason, Request
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.kvtransfer import MAX_FRAME_BYTES, HeadMap, KVChunk
 from pdserve.services.engine_loop import EngineFailure, EngineLoop, EngineStopped
-from pdserve.services.kv import engine_layout
 
 _CLOSED = object()
 
@@ -33,7 +32,7 @@ class PrefillFailed(RuntimeError):
 
 def install_connector(engine: LLMEngine) -> None:
     """Makes `engine` a prefill engine: the KV of the requests a sender expects goes to that sender."""
-    engine.set_kv_connector(PrefillConnector(engine_layout(engine)))
+    engine.set_kv_connector(PrefillConnector(engine.kv_layout))
 
 
 class PrefillStream:

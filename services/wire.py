@@ -67,6 +67,65 @@ def deserialize_prefill_message(data: bytes) -> prefill_pb.PrefillMessage | KVFr
     return prefill_pb.PrefillMessage.FromString(data)
 
 
+class PrefillProtocolError(ValueError):
+    """A Prefill stream out of order: a frame before the header, a second header, nothing after the
+    trailer, an end without one, a trailer that does not count the frames sent."""
+
+
+class PrefillStreamOrder:
+    """The Prefill stream's one order, header -> KV frames -> trailer, kept by both ends: the prefill
+    server passes each message it writes through `write`, the decode server each it reads through
+    `read` (PrefillProtocolError when out of order), and the trailer counts the frames between."""
+
+    def __init__(self):
+        self.state = "header"  # the next message expected: "header", then "frames" (or the trailer), "done"
+        self.num_frames = 0
+        self.num_bytes = 0  # of the frame messages, as they travel
+
+    def write(self, message: prefill_pb.PrefillMessage | bytes) -> prefill_pb.PrefillMessage | bytes:
+        """`message` (an encoded KV frame message, or a header or trailer), checked and counted."""
+        if isinstance(message, bytes):
+            self._frame(len(message))
+        else:
+            self._message(message)
+        return message
+
+    def read(self, item: prefill_pb.PrefillMessage | KVFrameBytes | None) -> str:
+        """What the received `item` is ("header", "frame", "trailer"), checked in order."""
+        if item is None:  # grpc.aio hands out None when the deserializer failed
+            raise PrefillProtocolError("undecodable Prefill message")
+        if isinstance(item, KVFrameBytes):
+            self._frame(len(item.data))
+            return "frame"
+        return self._message(item)
+
+    def end(self) -> None:
+        """The stream ended: only after its trailer."""
+        if self.state != "done":
+            raise PrefillProtocolError("stream ended without a trailer")
+
+    def _frame(self, nbytes: int) -> None:
+        if self.state != "frames":
+            where = "before the header" if self.state == "header" else "after the trailer"
+            raise PrefillProtocolError(f"KV frame {where}")
+        self.num_frames += 1
+        self.num_bytes += nbytes
+
+    def _message(self, message: prefill_pb.PrefillMessage) -> str:
+        kind = message.WhichOneof("kind")
+        if kind == "header" and self.state == "header":
+            self.state = "frames"
+        elif kind == "trailer" and self.state == "frames":
+            if message.trailer.num_frames != self.num_frames:
+                raise PrefillProtocolError(
+                    f"trailer counts {message.trailer.num_frames} frames, {self.num_frames} were sent"
+                )
+            self.state = "done"
+        else:
+            raise PrefillProtocolError(f"{kind or 'an empty message'} where the {self.state} was due")
+        return kind
+
+
 # ---- requests that do not parse ------------------------------------------------------------------------
 @dataclasses.dataclass
 class Unparsable:
@@ -116,6 +175,8 @@ def prompt_from_proto(
 # PrefillRequest.constraint; a decode server sends constrained requests to no other replica.
 CONSTRAINTS_FEATURE = "constraints"
 
+# The engine's finish reasons on the wire, read both ways (FINISH_NAMES: the client's side, the names the
+# OpenAI front and `pdserve generate --json` show)
 FINISH_REASONS = {
     None: gen_pb.FINISH_REASON_UNSPECIFIED,
     FinishReason.STOP: gen_pb.FINISH_REASON_STOP,
@@ -123,6 +184,7 @@ FINISH_REASONS = {
     FinishReason.ABORT: gen_pb.FINISH_REASON_ABORT,
     FinishReason.DEAD_END: gen_pb.FINISH_REASON_CONSTRAINT_DEAD_END,
 }
+FINISH_NAMES = {wire: reason.value for reason, wire in FINISH_REASONS.items() if reason is not None}
 
 
 def output_to_response(

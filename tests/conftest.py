@@ -22,7 +22,7 @@ import re  # noqa: E402
 
 import pytest  # noqa: E402
 
-from pdserve.engine.args import configure_jax  # noqa: E402
+from pdserve.engine.compile_cache import configure_jax  # noqa: E402
 
 # the daemons' persistent XLA cache (under the pdserve cache folder) serves the test process too: a later
 # run loads the executables an earlier one compiled (the model tier takes about a third less time)
@@ -173,11 +173,10 @@ def full_engine(full_model, small_config):
 
 @pytest.fixture(scope="session")
 def small_config():
-    """Engine sizes for tests: few buckets, chunked prefill past 256 tokens (services.launch.ENGINE_ARGS
-    gives the daemons the same sizes)."""
-    from pdserve.engine.config import EngineConfig
+    """Engine sizes for tests (pdserve.testing.launch.TEST_ENGINE, whose flags the daemons get)."""
+    from pdserve.testing.launch import TEST_ENGINE
 
-    return EngineConfig(num_blocks=192, max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=256)
+    return TEST_ENGINE
 
 
 _engines: dict = {}  # (config, device ids) -> engine

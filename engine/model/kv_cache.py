@@ -11,24 +11,37 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 
+from pdserve import kvtransfer
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.core.kv_groups import KVGroups
-from pdserve.engine.model.sharding import named
+from pdserve.kvtransfer import KVLayout, LayerSpec, SpecKind
 
 
-def _heads_axis(model: ModelConfig) -> str | None:
-    return None if model.is_mla else "kv_heads"
-
-
-def cache_sharding(mesh: Mesh, model: ModelConfig) -> NamedSharding:
-    return named(mesh, "layers", "blocks", "block_slots", _heads_axis(model), "head_dim")
-
-
-def chunk_sharding(mesh: Mesh, model: ModelConfig) -> NamedSharding:
-    """A KV chunk [layers, tokens, 2 * kv_heads, head_dim] on the mesh, sharded like the cache."""
-    return named(mesh, "layers", "tokens", _heads_axis(model), "head_dim")
+def kv_layout(model: ModelConfig, config: EngineConfig) -> KVLayout:
+    """The cache of an engine of `model` and `config` (its dtype resolved) as kvtransfer sees it: each layer
+    full or sliding-window attention (only the window's blocks are transferred), heads padded for TP.
+    Its shardings (kvtransfer.cache_sharding, chunk_sharding) are the cache's and the chunks'."""
+    if model.is_mla:  # one latent a token, the same on every chip
+        specs = (LayerSpec(SpecKind.MLA),) * model.num_layers
+        heads, head_dim = model.cache_token_shape(config.tp)
+        mla = dict(kv_lora_rank=model.kv_lora_rank, qk_rope_head_dim=model.qk_rope_head_dim)
+    else:
+        windows = [model.window(i) for i in range(model.num_layers)]
+        specs = tuple(LayerSpec(SpecKind.SLIDING, w) if w else LayerSpec(SpecKind.FULL) for w in windows)
+        heads, head_dim, mla = model.num_kv_heads, model.head_dim, {}
+    return KVLayout(
+        model=model.name,
+        layer_specs=specs,
+        num_kv_heads=heads,
+        head_dim=head_dim,
+        dtype=config.dtype,
+        block_size=config.block_size,
+        tp_size=config.tp,
+        head_strategy="pad",
+        **mla,
+    )
 
 
 def cache_shape(model: ModelConfig, engine: EngineConfig) -> tuple[int, ...]:
@@ -39,4 +52,5 @@ def cache_shape(model: ModelConfig, engine: EngineConfig) -> tuple[int, ...]:
 def allocate_cache(model: ModelConfig, engine: EngineConfig, mesh: Mesh) -> jax.Array:
     """A zeroed cache, created directly in its sharding (no host copy)."""
     shape, dtype = cache_shape(model, engine), jnp.dtype(engine.dtype)
-    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=cache_sharding(mesh, model))()
+    sharding = kvtransfer.cache_sharding(mesh, kv_layout(model, engine))
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()

@@ -14,17 +14,13 @@ import threading
 import time
 from pathlib import Path
 
-# Small engines, the same sizes as tests/conftest.py's small_config (colocated reference engine).
-ENGINE_ARGS = [
-    "--max-model-len",
-    "1024",
-    "--num-blocks",
-    "192",
-    "--max-num-seqs",
-    "8",
-    "--max-num-batched-tokens",
-    "256",
-]
+from pdserve.engine.config import EngineConfig
+from pdserve.flags import config_argv
+
+# Small engines for tests and benchmarks: few buckets, chunked prefill past 256 tokens. The test
+# process's engines (tests/conftest.py's small_config) and the daemons' (ENGINE_ARGS) are these.
+TEST_ENGINE = EngineConfig(num_blocks=192, max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=256)
+ENGINE_ARGS = config_argv(TEST_ENGINE)
 # KV cache events on any free ports: daemons of a test or benchmark share one host (the defaults are
 # fixed ports, one daemon a pod)
 EPHEMERAL_KV_EVENTS = ["--kv-events-port", "0", "--kv-events-replay-port", "0"]

@@ -32,6 +32,7 @@ from pdserve.engine.boundary import (
     RemoteKVFailed,
     TransferReady,
 )
+from pdserve.engine.config import flag
 from pdserve.engine.core.kv_connector import DecodeConnector
 from pdserve.engine.core.request import FinishReason, Request
 from pdserve.engine.llm_engine import LLMEngine
@@ -50,7 +51,6 @@ from pdserve.services.decode.prefill_pool import (
     check_first_token,
 )
 from pdserve.services.engine_loop import EngineFailure, EngineLoop, EngineStopped
-from pdserve.services.kv import engine_layout
 from pdserve.services.metrics import Metrics
 from pdserve.services.prepare import Overloaded, Preparer
 from pdserve.services.sampling import Limits, check_knobs
@@ -67,11 +67,22 @@ PREFILL_HINT_HEADER = "x-prefiller-host-port"
 
 @dataclasses.dataclass(frozen=True)
 class DecodeConfig:
-    local_prefill_below: int = 0  # prompts shorter than this are prefilled here (0: none; all with no pool)
-    max_queue: int = 256  # requests waiting for blocks before RESOURCE_EXHAUSTED
+    """How the decode server takes requests and gets them prefilled; `flag` fields are decode-server's
+    flags (pdserve/flags.py)."""
+
+    local_prefill_below: int = flag(
+        0, "prefill here the prompts with fewer tokens than this beyond what this server has cached"
+    )  # 0: none (all of them with no pool)
+    max_queue: int = flag(256, "requests waiting for blocks before RESOURCE_EXHAUSTED")
     max_attempts: int = 3  # prefill replicas tried per request
-    fallback_local: bool = True  # prefill here when every replica failed
-    accept_prefill_hint: bool = False  # honour PREFILL_HINT_HEADER (else: ignore it, route by our own pool)
+    fallback_local: bool = flag(
+        True, "prefill here when every replica failed (--no-fallback-local: UNAVAILABLE instead)"
+    )
+    accept_prefill_hint: bool = flag(
+        False,
+        f"prefill where a request's {PREFILL_HINT_HEADER} header says (llm-d's P/D), when that is one of "
+        "the --prefill replicas; otherwise the header is ignored",
+    )
     limits: Limits = Limits()  # what one request may carry (services.sampling.Limits)
     max_preparing: int = 64  # requests being rendered / tokenized at once before RESOURCE_EXHAUSTED
 
@@ -105,7 +116,7 @@ class GenerationCore:
         self.config = config
         self.counters = counters or Counters()
         self.metrics = Metrics("decode", loop, self.counters)
-        self.layout = engine_layout(self.engine)
+        self.layout = self.engine.kv_layout
         # KV arriving from prefill servers: put on this mesh as it arrives, or, in a multi-process engine,
         # kept on the host until its insert (every process puts its own shards: engine.multihost)
         self.sharding = None if is_multi_process() else chunk_sharding(self.engine.mesh, self.layout)
@@ -124,7 +135,7 @@ class GenerationCore:
     ) -> GenerationCore:
         """`prefill_targets`: ADDR or dns:///NAME:PORT of prefill servers (chosen per `routing`);
         `local_prefiller`: an engine of this process instead (`pdserve serve`); neither: colocated."""
-        layout = engine_layout(engine)
+        layout = engine.kv_layout
         engine.set_kv_connector(DecodeConnector(engine.config.block_size, config.local_prefill_below))
         pool = None
         if local_prefiller is not None:

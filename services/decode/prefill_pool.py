@@ -23,13 +23,14 @@ from collections.abc import AsyncIterator
 import grpc
 
 from pdserve import kvtransfer
+from pdserve.engine.config import flag
 from pdserve.engine.core.request import Request, TokenLogprobs
 from pdserve.engine.sampling_params import InvalidRequestError
 from pdserve.kvtransfer import KVChunk, KVLayout
 from pdserve.services import sampling, wire
 from pdserve.services.decode.prefix_index import ReplicaCache, follow
 from pdserve.services.engine_loop import EngineLoop, EngineStopped
-from pdserve.services.grpc_server import KEEPALIVE_OPTIONS, channel_options
+from pdserve.services.grpc_server import KEEPALIVE_OPTIONS, channel_options, method_path
 from pdserve.services.prefill_stream import PrefillFailed, PrefillStream, install_connector
 from pdserve.services.security import PLAINTEXT, ChannelSecurity
 from pdserve.v1 import prefill_pb2 as pb
@@ -144,13 +145,14 @@ class RemotePrefiller(Prefiller):
             ],
             aio=True,
         )
+        service = pb.DESCRIPTOR.services_by_name["Prefill"]
         self._prefill = self.channel.unary_stream(
-            "/pdserve.v1.Prefill/Prefill",
+            method_path(service, "Prefill"),
             request_serializer=pb.PrefillRequest.SerializeToString,
             response_deserializer=wire.deserialize_prefill_message,
         )
         self._handshake = self.channel.unary_unary(
-            "/pdserve.v1.Prefill/Handshake",
+            method_path(service, "Handshake"),
             request_serializer=pb.HandshakeRequest.SerializeToString,
             response_deserializer=pb.HandshakeResponse.FromString,
         )
@@ -219,17 +221,14 @@ class RemotePrefiller(Prefiller):
         )
         sampling.params_to_request(request.params, message)
         call = self._prefill(message, timeout=min(self.deadline_s, timeout or self.deadline_s))
-        assembler = None
+        assembler, order = None, wire.PrefillStreamOrder()
         try:
             async for item in call:
-                if item is None:  # grpc.aio hands out None when the deserializer failed
-                    raise PrefillError(f"{self.name}: undecodable Prefill message")
-                if isinstance(item, wire.KVFrameBytes):
-                    if assembler is None:
-                        raise PrefillError(f"{self.name}: KV frame before the header")
+                kind = order.read(item)
+                if kind == "frame":
                     frame = kvtransfer.deserialize_frame(item.data)
                     yield await asyncio.to_thread(assembler.add, frame)
-                elif item.HasField("header"):
+                elif kind == "header":
                     header = item.header
                     _check_adapter(request, header.lora_adapter, header.lora_fingerprint, self.name)
                     if header.first_block != len(held) or header.prompt_len != len(request.prompt_ids):
@@ -242,9 +241,7 @@ class RemotePrefiller(Prefiller):
                     assembler = kvtransfer.FrameAssembler(
                         request.request_id, num_tokens, src, dst, sharding=sharding
                     )
-                elif item.HasField("trailer"):
-                    if assembler is None:
-                        raise PrefillError(f"{self.name}: trailer before the header")
+                else:  # the trailer
                     assembler.finish()
                     trailer = item.trailer
                     logprobs = None
@@ -252,7 +249,9 @@ class RemotePrefiller(Prefiller):
                         logprobs = wire.logprobs_from_proto(trailer.first_logprobs)
                     yield FirstToken(trailer.first_token, logprobs, trailer.num_cached_tokens)
                     return
-            raise PrefillError(f"{self.name}: stream ended without a trailer")
+            order.end()
+        except wire.PrefillProtocolError as e:
+            raise PrefillError(f"{self.name}: {e}") from e
         except grpc.aio.AioRpcError as e:
             message = f"{self.name}: {e.code().name}: {e.details()}"
             if e.code() in _BUSY:
@@ -365,8 +364,18 @@ class Routing:
     first time spread over the replicas). "least-outstanding": always the latter.
     """
 
-    policy: str = "prefix"
-    load_weight: float = 1.0
+    policy: str = flag(
+        "prefix",
+        "prefix: by the prompt blocks each replica holds (its KV events) against its queued work; "
+        "least-outstanding: the replica with the fewest requests in flight",
+        flag="--prefill-routing",
+        choices=("prefix", "least-outstanding"),
+    )
+    load_weight: float = flag(
+        1.0,
+        "prefix routing: weight of a replica's queued prompt tokens against the tokens it lacks",
+        flag="--prefill-routing-load-weight",
+    )
     events_resync_s: float = 2.0  # a quiet event stream is checked against the replay socket this often
 
     def __post_init__(self):

@@ -34,14 +34,15 @@ from pdserve.services.admin import AdminService
 from pdserve.services.decode.core import PREFILL_HINT_HEADER, GenerationCore, ServiceError
 from pdserve.services.decode.openai_api import OpenAIFrontend
 from pdserve.services.engine_loop import FAILED_GRACE_S, STEP_TIMEOUT_S, EngineStopped, until_stopped
-from pdserve.services.grpc_server import RunningServer
+from pdserve.services.grpc_server import RunningServer, service_handler
 from pdserve.services.kv_events_zmq import KVEventsConfig, start_publishing
 from pdserve.services.security import ServerSecurity
 from pdserve.v1 import admin_pb2_grpc
 from pdserve.v1 import generation_pb2 as pb
 from pdserve.v1 import generation_pb2_grpc as pb_grpc
 
-SERVICE_NAME = "pdserve.v1.Generation"
+SERVICE = pb.DESCRIPTOR.services_by_name["Generation"]
+SERVICE_NAME = SERVICE.full_name
 
 
 class GenerationService(pb_grpc.GenerationServicer):
@@ -94,22 +95,11 @@ class GenerationService(pb_grpc.GenerationServicer):
 
 def add_to_server(server: grpc.aio.Server, service: GenerationService) -> None:
     """Registers Generation with a lenient request parser (bad UTF-8 etc. -> INVALID_ARGUMENT)."""
-    handler = grpc.method_handlers_generic_handler(
-        SERVICE_NAME,
-        {
-            "Generate": grpc.unary_stream_rpc_method_handler(
-                service.Generate,
-                request_deserializer=wire.lenient(pb.GenerateRequest.FromString),
-                response_serializer=pb.GenerateResponse.SerializeToString,
-            ),
-            "GetModelInfo": grpc.unary_unary_rpc_method_handler(
-                service.GetModelInfo,
-                request_deserializer=wire.lenient(pb.GetModelInfoRequest.FromString),
-                response_serializer=pb.ModelInfo.SerializeToString,
-            ),
-        },
-    )
-    server.add_generic_rpc_handlers((handler,))
+    codecs = {
+        "Generate": (wire.lenient(pb.GenerateRequest.FromString), pb.GenerateResponse.SerializeToString),
+        "GetModelInfo": (wire.lenient(pb.GetModelInfoRequest.FromString), pb.ModelInfo.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((service_handler(SERVICE, service, codecs),))
 
 
 async def serve(

@@ -49,8 +49,7 @@ from pdserve.services.engine_loop import (
     EngineStopped,
     until_stopped,
 )
-from pdserve.services.grpc_server import RunningServer
-from pdserve.services.kv import engine_layout
+from pdserve.services.grpc_server import RunningServer, service_handler
 from pdserve.services.kv_events_zmq import KVEventPublisher, KVEventsConfig, start_publishing
 from pdserve.services.metrics import Metrics
 from pdserve.services.prefill_stream import PrefillFailed, PrefillStream, install_connector
@@ -63,7 +62,8 @@ from pdserve.v1 import prefill_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
-SERVICE_NAME = "pdserve.v1.Prefill"
+SERVICE = pb.DESCRIPTOR.services_by_name["Prefill"]
+SERVICE_NAME = SERVICE.full_name
 
 
 class PrefillService(pb_grpc.PrefillServicer):
@@ -79,7 +79,7 @@ class PrefillService(pb_grpc.PrefillServicer):
         self.counters = counters
         self.engine: LLMEngine = loop.engine
         install_connector(self.engine)
-        self.layout = engine_layout(self.engine)
+        self.layout = self.engine.kv_layout
         self.layout_json = self.layout.to_json()
         self.fingerprint = self.layout.fingerprint()
         self.max_queue = max_queue
@@ -201,9 +201,9 @@ class PrefillService(pb_grpc.PrefillServicer):
             lora_adapter=request.lora_adapter,
             lora_fingerprint=engine_request.lora.fingerprint if engine_request.lora else "",
         )
-        yield pb.PrefillMessage(header=header)
+        order = wire.PrefillStreamOrder()  # header -> frames -> trailer, as the receiver checks it
+        yield order.write(pb.PrefillMessage(header=header))
         stream = PrefillStream(self.loop, engine_request, first_block=first_block)
-        num_frames = num_bytes = 0
         try:
             await stream.start()
             # each chunk is framed on the producer thread as soon as the engine has computed its tokens
@@ -212,9 +212,7 @@ class PrefillService(pb_grpc.PrefillServicer):
             )
             async with contextlib.aclosing(kvtransfer.aprefetch(frames)) as messages:
                 async for message in messages:
-                    num_frames += 1
-                    num_bytes += len(message)
-                    yield message  # back here once gRPC took it
+                    yield order.write(message)  # back here once gRPC took it
                     computed = stream.computed_at
                     if computed is not None and time.monotonic() - computed > self.lease_s:
                         # the KV waits outside the block pool for this receiver: it may not for long
@@ -225,7 +223,7 @@ class PrefillService(pb_grpc.PrefillServicer):
         finally:
             stream.close()
         self.metrics.prefill.observe(time.perf_counter() - start)
-        self.counters.kv_frames_sent_total += num_frames
+        self.counters.kv_frames_sent_total += order.num_frames
         self.counters.kv_frames_after_compute_total += stream.num_chunks_after_compute  # a frame a chunk
         log.info(
             "prefilled",
@@ -233,19 +231,19 @@ class PrefillService(pb_grpc.PrefillServicer):
                 "request_id": rid,
                 "engine_id": engine_request.request_id,
                 "prompt_tokens": stream.num_tokens,
-                "frames": num_frames,
+                "frames": order.num_frames,
             },
         )
         trailer = pb.PrefillTrailer(
-            num_frames=num_frames,
-            num_bytes=num_bytes,
+            num_frames=order.num_frames,
+            num_bytes=order.num_bytes,
             prefill_seconds=time.perf_counter() - start,
             first_token=output.new_token_ids[0],
             num_cached_tokens=output.num_cached_tokens,
         )
         if output.logprobs:
             trailer.first_logprobs.CopyFrom(wire.logprobs_to_proto(output.logprobs[0]))
-        yield pb.PrefillMessage(trailer=trailer)
+        yield order.write(pb.PrefillMessage(trailer=trailer))
 
 
 def held_blocks_problem(request, held: list[int], block_size: int) -> str | None:
@@ -259,22 +257,10 @@ def held_blocks_problem(request, held: list[int], block_size: int) -> str | None
 
 
 def add_to_server(server: grpc.aio.Server, service: PrefillService) -> None:
-    handler = grpc.method_handlers_generic_handler(
-        SERVICE_NAME,
-        {
-            "Handshake": grpc.unary_unary_rpc_method_handler(
-                service.Handshake,
-                request_deserializer=pb.HandshakeRequest.FromString,
-                response_serializer=pb.HandshakeResponse.SerializeToString,
-            ),
-            "Prefill": grpc.unary_stream_rpc_method_handler(
-                service.Prefill,
-                request_deserializer=wire.lenient(pb.PrefillRequest.FromString),
-                response_serializer=wire.serialize_prefill_message,
-            ),
-        },
-    )
-    server.add_generic_rpc_handlers((handler,))
+    """Registers Prefill: a lenient request parser (bad UTF-8 etc. -> INVALID_ARGUMENT), KV frames sent
+    as encoded (wire.serialize_prefill_message)."""
+    codecs = {"Prefill": (wire.lenient(pb.PrefillRequest.FromString), wire.serialize_prefill_message)}
+    server.add_generic_rpc_handlers((service_handler(SERVICE, service, codecs),))
 
 
 async def serve(

@@ -34,12 +34,12 @@ from pdserve.engine.core.kv_connector import DecodeConnector, PrefillConnector
 from pdserve.engine.core.request import FinishReason, Status
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.loading.sources import LoadedModel
+from pdserve.engine.model.kv_cache import kv_layout
 from pdserve.engine.model.sampler import SampleResult
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.kvtransfer import KVChunk
 from pdserve.kvtransfer.plan import HEADER_RESERVE_BYTES
-from pdserve.services.kv import model_layout
 
 pytestmark = pytest.mark.fast
 
@@ -225,7 +225,7 @@ def test_the_prefill_side_sends_the_kv_as_it_computes_then_the_first_token():
     """A SendKV request: each step's KVReady holds the frames its chunk completed; the step that finishes
     it (one token) brings the rest, marked last, before the token, and its blocks are back at once."""
     e, runner = engine()
-    e.set_kv_connector(PrefillConnector(model_layout(MODEL, CONFIG)))
+    e.set_kv_connector(PrefillConnector(kv_layout(MODEL, CONFIG)))
     runner.script["p"] = [9]
     frame_bytes = HEADER_RESERVE_BYTES + 2 * CONFIG.block_size * 32  # two blocks of one layer a frame
     e.apply(AddRequest(request(e, "p", 12, max_tokens=1), SendKV(max_frame_bytes=frame_bytes)))

@@ -12,14 +12,13 @@ from pdserve.engine.boundary import AddRequest, SendKV
 from pdserve.engine.core.kv_connector import PrefillConnector
 from pdserve.engine.core.request import Status
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.services.kv import engine_layout
 
 pytestmark = pytest.mark.model
 
 
 def test_a_long_prompt_is_handed_over_per_chunk_from_the_first_block_asked(make_engine, small_config):
     engine = make_engine()
-    layout, bs = engine_layout(engine), small_config.block_size
+    layout, bs = engine.kv_layout, small_config.block_size
     prompt = np.random.default_rng(7).integers(100, 30000, 600).tolist()  # 3 chunks of <= 256 tokens
     # frames of a few blocks each (the test model's 4 layers would fit the prompt in one 4 MiB frame)
     frame_bytes = 1 << 19

@@ -97,20 +97,24 @@ def test_request_waits_while_every_slot_is_pinned(lora_engine):
     first = engine.add_request(PROMPTS[0], GREEDY, lora="all8")
     second = engine.add_request(PROMPTS[1], GREEDY, lora="attn4")
     base = engine.add_request(PROMPTS[2], GREEDY)
-    engine.step()  # prefill: all8 pinned in the only slot; attn4 must wait, the base request passes it
-    assert [r.request_id for r in engine.scheduler.prefilling + engine.scheduler.running] == [first, base]
-    assert [r.request_id for r in engine.scheduler.waiting] == [second]
-    # what an endpoint picker's LoRA-affinity scorer reads (services.metrics: vLLM's lora_requests_info shape)
+    # what an endpoint picker's LoRA-affinity scorer reads (services.metrics: vLLM's lora_requests_info
+    # shape), from the stats of each step the engine loop publishes
     from pdserve.services.admin import Counters
     from pdserve.services.engine_loop import EngineLoop
     from pdserve.services.metrics import Metrics
 
-    registry = Metrics("decode", EngineLoop(engine), Counters()).registry
+    loop = EngineLoop(engine)
+    registry = Metrics("decode", loop, Counters()).registry
+    loop.publish(
+        engine.step()
+    )  # prefill: all8 pinned in the only slot; attn4 must wait, the base request passes it
+    assert [r.request_id for r in engine.scheduler.prefilling + engine.scheduler.running] == [first, base]
+    assert [r.request_id for r in engine.scheduler.waiting] == [second]
     labels = {"role": "decode", "max_lora": "1"}
     info = dict(labels, running_lora_adapters="all8", waiting_lora_adapters="attn4")
     assert registry.get_sample_value("pdserve_lora_requests_info", info) > 0
     while engine.has_unfinished:
-        engine.step()
+        loop.publish(engine.step())
     assert engine.lora_slots.resident[0].startswith("attn4@")
     idle = dict(labels, running_lora_adapters="", waiting_lora_adapters="")
     assert registry.get_sample_value("pdserve_lora_requests_info", idle) > 0
@@ -281,10 +285,9 @@ def test_a_follower_replays_the_published_operations(lora_engine):
     from pdserve.engine.multihost import Follower
     from pdserve.kvtransfer import KVChunk, plan_frames
     from pdserve.services.group import from_message, to_message
-    from pdserve.services.kv import engine_layout
 
     engine = lora_engine()
-    runner, slots, layout = engine.runner, engine.lora_slots, engine_layout(engine)
+    runner, slots, layout = engine.runner, engine.lora_slots, engine.kv_layout
     absent = next(
         n for n in ("all8", "attn4", "mlp16") if not any(k.startswith(f"{n}@") for k in slots.resident)
     )

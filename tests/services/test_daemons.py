@@ -70,9 +70,8 @@ def test_short_prompts_are_prefilled_locally(prefill, conditional, loaded_model)
 
 @pytest.mark.daemon
 def test_layout_mismatch_is_failed_precondition_naming_the_field(prefill, make_engine):
-    from pdserve.services.kv import engine_layout
 
-    layout = engine_layout(make_engine())
+    layout = make_engine().kv_layout
     other = dataclasses.replace(layout, dtype="bfloat16", block_size=32)
     with grpc.insecure_channel(prefill.address) as channel:
         handshake = channel.unary_unary(

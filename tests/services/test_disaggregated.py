@@ -184,13 +184,12 @@ def test_a_conversation_over_heterogeneous_tp_moves_only_its_new_blocks(
     from pdserve.kvtransfer import plan_frames
     from pdserve.services.decode.core import GenerationCore
     from pdserve.services.decode.server import serve
-    from pdserve.services.kv import engine_layout
 
     core = GenerationCore.for_engine(
         LLMEngine(loaded_model, small_config, jax.devices()[2:4]), prefill_targets=[prefill.address]
     )
     tokenize = loaded_model.tokenizer.encode
-    sender_layout = engine_layout(make_engine())  # the prefill server's: TP 1, the same sizes
+    sender_layout = make_engine().kv_layout  # the prefill server's: TP 1, the same sizes
 
     def planned_layer_blocks(num_tokens: int) -> int:
         return sum(p.num_layers * p.bucket for p in plan_frames(sender_layout, num_tokens))

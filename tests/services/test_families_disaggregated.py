@@ -11,7 +11,6 @@ import pytest
 
 from pdserve.kvtransfer import plan_frames
 from pdserve.services.client import Client
-from pdserve.services.kv import engine_layout
 from pdserve.testing.families import engine_of, hf_greedy, write_family
 from tests.helpers import assert_all_free, in_process
 
@@ -59,7 +58,7 @@ def test_prefill_tp1_to_decode_tp2_equals_transformers(family, tmp_path, loaded_
         assert_all_free(decode, prefill)
     # the bytes received are the frame plans' (sliding layers: from their window's first block), and a
     # sliding layer's share of a 300-token prompt (19 blocks) is the blocks that reach into its last 24 tokens
-    src, dst = engine_layout(prefill_engine), engine_layout(decode_engine)
+    src, dst = prefill_engine.kv_layout, decode_engine.kv_layout
     plans = [plan_frames(src, len(prompt)) for prompt in prompts]
     received = sum(f.num_layers * f.bucket for plan in plans for f in plan) * dst.block_bytes
     assert core.counters.kv_transfer_bytes_total == received
