@@ -89,7 +89,8 @@ class InsertKV:
 class RemoteKVDone:
     """The request's prompt KV is in its blocks (every InsertKV of attempt `transfer` ran before) and
     `token` is its first token, sampled where the prompt was computed (`num_cached_tokens` of it found in
-    that prefix cache): it starts decoding. Its token's output comes out of the next step."""
+    that prefix cache): it starts decoding. Its token's output is among the engine's next outputs
+    (take_outputs, which the engine loop hands out before its next step, or that step's)."""
 
     request_id: str
     token: int

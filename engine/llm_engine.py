@@ -294,6 +294,12 @@ class LLMEngine:
     def step(self) -> EngineOutputs:
         """One model step for the scheduled requests (none when nothing can run); returns what it and the
         commands since the last step produced, and a stats snapshot."""
+        return self.run_step(self.schedule_step())
+
+    def schedule_step(self) -> SchedulerOutput | None:
+        """step()'s first half: the scheduler admits and picks the rows (None: nothing can run). What
+        admission produced (a ReceiveKV request's TransferReady) is ready at once (take_outputs), so a
+        driver starts the transfer while the step computes."""
         self._stepping = {}
         scheduled = self.scheduler.schedule()
         self.stalled = scheduled is None
@@ -301,6 +307,11 @@ class LLMEngine:
             requests = self.scheduler.requests
             self._stepping = {row.request_id: requests[row.request_id] for row in scheduled.rows}
             self._stepping.update((r.request_id, r) for r in self.scheduler.sending)
+        return scheduled
+
+    def run_step(self, scheduled: SchedulerOutput | None) -> EngineOutputs:
+        """step()'s second half: runs the rows, applies the results, hands the KV to the connector."""
+        if scheduled is not None:
             sampled = self._execute(scheduled)
             for request, token in self.scheduler.update_from_output(scheduled, sampled):
                 self._outputs.tokens.append(self._emit(request, token))
@@ -317,7 +328,7 @@ class LLMEngine:
                 )
                 self.scheduler.finish_sending(request.request_id)
         self._stepping = {}
-        return self._take_outputs()
+        return self.take_outputs()
 
     def fail_step(self, reason: str) -> EngineOutputs:
         """After step() raised: ends the requests of that step (their state may be half updated; those it
@@ -332,9 +343,11 @@ class LLMEngine:
                 self.scheduler.finish(request, FinishReason.ERROR, error)
             self._outputs.tokens.append(RequestOutput.failed(request))
         self._stepping = {}
-        return self._take_outputs()
+        return self.take_outputs()
 
-    def _take_outputs(self) -> EngineOutputs:
+    def take_outputs(self) -> EngineOutputs:
+        """What the commands since the last step produced (a remote request's first token, transfers ready),
+        without a step: a driver hands them out at once rather than after the next step's compute."""
         outputs, self._outputs = self._outputs, EngineOutputs()
         for item in self.kv_connector.take_outputs():
             (outputs.transfers if isinstance(item, TransferReady) else outputs.kv).append(item)
@@ -460,8 +473,8 @@ class LLMEngine:
 
     def _remote_kv_done(self, done: RemoteKVDone) -> None:
         """The request starts decoding on its first token (its constraint's matcher advanced by it); the
-        token's output goes out with the next step's. KVInsertError when an insert of that transfer
-        failed here."""
+        token's output is among the next outputs (take_outputs). KVInsertError when an insert of that
+        transfer failed here."""
         error = self.kv_connector.take_insert_failure(done.request_id, done.transfer)
         if error is not None:
             raise KVInsertError(f"inserting the KV failed here: {error}")

@@ -213,7 +213,11 @@ class EngineLoop:
                     command = self._commands.get_nowait()
                 except queue.Empty:
                     command = False
-            if ran or engine.has_unfinished:  # a step takes what the commands produced, too
+            if (
+                ran
+            ):  # what the commands produced (a first token from elsewhere) goes out before a step's compute
+                self.publish(engine.take_outputs())
+            if engine.has_unfinished:
                 self.publish(self._step())
 
     def _step(self) -> EngineOutputs:
@@ -221,7 +225,11 @@ class EngineLoop:
         second failure in a row is raised (the thread ends, the loop fails)."""
         self.step_started = time.monotonic()
         try:
-            outputs = self.engine.step()
+            scheduled = self.engine.schedule_step()
+            admitted = self.engine.take_outputs()
+            if admitted.for_requests():  # transfers to start: out before the step computes
+                self.publish(admitted)
+            outputs = self.engine.run_step(scheduled)
         except Exception as e:
             self._failed_steps += 1
             log.exception("%s: engine step failed (%d in a row)", self.name, self._failed_steps)

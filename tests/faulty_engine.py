@@ -40,11 +40,11 @@ class FaultyEngine(LLMEngine):
             self._streams[request_id] = FailingStream(request, self.tokenizer)
         return request_id
 
-    def step(self):
+    def schedule_step(self):
         if self.broken or any(BROKEN in r.params.stop for r in self.scheduler.requests.values()):
             self.broken = True
             raise RuntimeError("injected: the device is gone")
-        return super().step()
+        return super().schedule_step()
 
     def _execute(self, scheduled):
         rows = [self.scheduler.requests[row.request_id] for row in scheduled.rows]

@@ -147,21 +147,27 @@ def test_remote_admission_arrival_and_decode():
     e, runner = engine(DecodeConnector(CONFIG.block_size))
     r = request(e, "remote", 10, max_tokens=3)
     e.apply(AddRequest(r, ReceiveKV()))
-    out = e.step()
+    e.apply(AddRequest(request(e, "local", 6, max_tokens=1)))
+    scheduled = e.schedule_step()  # admits both; the transfer can start before the step computes
+    out = e.take_outputs()
     assert out.transfers == [TransferReady("remote", 10, 0)] and out.tokens == [] and runner.steps == []
     assert r.status is Status.WAITING_FOR_REMOTE_KV and out.stats.num_incoming == 1
+    out = e.run_step(scheduled)
+    assert runner.steps == [[("local", 0, 6)]] and out.transfers == [] and out.tokens[0].finished
+    runner.steps.clear()
     assert e.apply(InsertKV("remote", chunk(0, 8), 0)) and e.apply(InsertKV("remote", chunk(8, 2), 0))
     blocks = e.scheduler.block_ids("remote")
     assert [(start, ids[:3]) for start, ids in runner.inserted] == [(0, blocks[:3]), (8, blocks[:3])]
     e.apply(RemoteKVDone("remote", 7, None, num_cached_tokens=4))
     runner.script["remote"] = [8, 9]
-    first, second, third = e.step(), e.step(), e.step()
-    assert [o.new_token_ids for o in first.tokens] == [[7], [8]]  # the first, then the step's own
-    assert first.tokens[0].num_cached_tokens == 4 and first.tokens[0].text == "w7"
+    (first,) = e.take_outputs().tokens  # out at once, before the next step computes
+    assert first.new_token_ids == [7] and first.num_cached_tokens == 4 and first.text == "w7"
+    second, third = e.step(), e.step()
     assert runner.steps[0] == [("remote", 10, 1)]  # decoding after the transferred prompt
-    assert [o.new_token_ids for o in second.tokens] == [[9]] and second.tokens[0].finished
-    assert second.tokens[0].finish_reason is FinishReason.LENGTH and third.tokens == []
-    assert second.stats.num_running == 0 and second.stats.num_used_blocks == 0
+    assert [o.new_token_ids for o in second.tokens] == [[8]]
+    assert [o.new_token_ids for o in third.tokens] == [[9]] and third.tokens[0].finished
+    assert third.tokens[0].finish_reason is FinishReason.LENGTH and e.step().tokens == []
+    assert third.stats.num_running == 0 and third.stats.num_used_blocks == 0
 
 
 def test_a_failed_insert_discards_its_attempt_only():
