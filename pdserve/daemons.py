@@ -249,8 +249,7 @@ def decode_args(parser: argparse.ArgumentParser) -> None:
         default="local",
         help="prefill servers: ADDR[,ADDR...] (host:port or dns:///name:port), or `local` (colocated)",
     )
-    from pdserve.services.decode.core import DecodeConfig
-    from pdserve.services.decode.prefill_pool import Routing
+    from pdserve.services.decode.config import DecodeConfig, Routing
 
     add_config_flags(parser, DecodeConfig)
     add_config_flags(parser, Routing)
@@ -283,7 +282,7 @@ def decode_args(parser: argparse.ArgumentParser) -> None:
 
 
 def decode_config(args: argparse.Namespace):
-    from pdserve.services.decode.core import DecodeConfig
+    from pdserve.services.decode.config import DecodeConfig
 
     return config_from_flags(DecodeConfig, args, limits=limits_from_flags(args))
 
@@ -320,8 +319,8 @@ def decode_main(argv: list[str] | None = None, engine_class=None) -> int:
     prefill_security = prefill_channel_security(args)
     group = resolve_group(args)
     prepare_process(args, devices_per_process(args, group))
+    from pdserve.services.decode.config import Routing
     from pdserve.services.decode.core import GenerationCore
-    from pdserve.services.decode.prefill_pool import Routing
 
     try:
         routing = config_from_flags(Routing, args)

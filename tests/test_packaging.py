@@ -98,3 +98,14 @@ def test_a_planted_violation_breaks_its_contract(tmp_path, importer, imported, c
     assert result.returncode != 0
     broken = result.stdout.split("Broken contracts")[-1]
     assert contract in broken, result.stdout
+
+
+def test_the_command_lines_are_built_without_jax():
+    """Every parser is built without importing JAX (decode-server's flags come from DecodeConfig and
+    Routing, in a module of their own): `pdserve adapters` and `--help` answer at once."""
+    code = (
+        "import sys; from pdserve.cli import build_parser; from pdserve.daemons import decode_parser, "
+        "prefill_parser; build_parser(); decode_parser(); prefill_parser(); print('jax' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import time
 import uuid
@@ -32,7 +31,6 @@ from pdserve.engine.boundary import (
     RemoteKVFailed,
     TransferReady,
 )
-from pdserve.engine.config import flag
 from pdserve.engine.core.kv_connector import DecodeConnector
 from pdserve.engine.core.request import FinishReason, Request
 from pdserve.engine.llm_engine import LLMEngine
@@ -40,6 +38,7 @@ from pdserve.engine.multihost import is_multi_process
 from pdserve.engine.sampling_params import InvalidRequestError
 from pdserve.kvtransfer import chunk_sharding
 from pdserve.services.admin import Counters
+from pdserve.services.decode.config import PREFILL_HINT_HEADER, DecodeConfig, Routing
 from pdserve.services.decode.prefill_pool import (
     FirstToken,
     LocalPrefiller,
@@ -47,44 +46,15 @@ from pdserve.services.decode.prefill_pool import (
     PrefillError,
     PrefillPool,
     Route,
-    Routing,
     check_first_token,
 )
 from pdserve.services.engine_loop import EngineFailure, EngineLoop, EngineStopped
 from pdserve.services.metrics import Metrics
 from pdserve.services.prepare import Overloaded, Preparer
-from pdserve.services.sampling import Limits, check_knobs
+from pdserve.services.sampling import check_knobs
 from pdserve.services.security import PLAINTEXT, ChannelSecurity
 
 log = logging.getLogger(__name__)
-
-
-# Set by an endpoint picker that chose a prefill pod for the request (llm-d's disagg-profile-handler):
-# HOST:PORT of that pod. Honoured with DecodeConfig.accept_prefill_hint (`--accept-prefill-hint`) when it
-# names one of this server's own prefill replicas (PrefillPool.pick), ignored otherwise.
-PREFILL_HINT_HEADER = "x-prefiller-host-port"
-
-
-@dataclasses.dataclass(frozen=True)
-class DecodeConfig:
-    """How the decode server takes requests and gets them prefilled; `flag` fields are decode-server's
-    flags (pdserve/flags.py)."""
-
-    local_prefill_below: int = flag(
-        0, "prefill here the prompts with fewer tokens than this beyond what this server has cached"
-    )  # 0: none (all of them with no pool)
-    max_queue: int = flag(256, "requests waiting for blocks before RESOURCE_EXHAUSTED")
-    max_attempts: int = 3  # prefill replicas tried per request
-    fallback_local: bool = flag(
-        True, "prefill here when every replica failed (--no-fallback-local: UNAVAILABLE instead)"
-    )
-    accept_prefill_hint: bool = flag(
-        False,
-        f"prefill where a request's {PREFILL_HINT_HEADER} header says (llm-d's P/D), when that is one of "
-        "the --prefill replicas; otherwise the header is ignored",
-    )
-    limits: Limits = Limits()  # what one request may carry (services.sampling.Limits)
-    max_preparing: int = 64  # requests being rendered / tokenized at once before RESOURCE_EXHAUSTED
 
 
 class ServiceError(Exception):

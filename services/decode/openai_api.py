@@ -7,7 +7,7 @@ For an inference gateway (docs/gateway.md): POST /v1/completions/render and /v1/
 take the same bodies and return the prompt's token ids without generating (vLLM's shapes: a list of
 {"token_ids"} for completions, one object for chat), which llm-d's precise prefix scorer hashes; GET
 /health is 200 while serving, 503 while draining. A request may carry `x-prefiller-host-port`
-(services.decode.core.PREFILL_HINT_HEADER).
+(services.decode.config.PREFILL_HINT_HEADER).
 """
 
 from __future__ import annotations

@@ -23,11 +23,11 @@ from collections.abc import AsyncIterator
 import grpc
 
 from pdserve import kvtransfer
-from pdserve.engine.config import flag
 from pdserve.engine.core.request import Request, TokenLogprobs
 from pdserve.engine.sampling_params import InvalidRequestError
 from pdserve.kvtransfer import KVChunk, KVLayout
 from pdserve.services import sampling, wire
+from pdserve.services.decode.config import Routing
 from pdserve.services.decode.prefix_index import ReplicaCache, follow
 from pdserve.services.engine_loop import EngineLoop, EngineStopped
 from pdserve.services.grpc_server import KEEPALIVE_OPTIONS, channel_options, method_path
@@ -351,46 +351,12 @@ def _check_adapter(request: Request, name: str, fingerprint: str, replica: str) 
         )
 
 
-@dataclasses.dataclass(frozen=True)
-class Routing:
-    """How the pool picks a replica for a prompt (`--prefill-routing`, `--prefill-routing-load-weight`).
-
-    "prefix": each healthy replica's cost is the prompt tokens it would compute plus `load_weight` times
-    the prompt tokens it is already computing for this decode server:
-        cost = (prompt tokens - tokens of the leading prompt blocks it holds) + load_weight * pending
-    (with load_weight 1: the tokens of prefill work ahead of this prompt's last one on that replica); the
-    cheapest wins, fewer requests in flight breaking ties. When no replica holds any of the prompt:
-    the one with the fewest requests in flight, in turns among equals (so that prefixes seen for the
-    first time spread over the replicas). "least-outstanding": always the latter.
-    """
-
-    policy: str = flag(
-        "prefix",
-        "prefix: by the prompt blocks each replica holds (its KV events) against its queued work; "
-        "least-outstanding: the replica with the fewest requests in flight",
-        flag="--prefill-routing",
-        choices=("prefix", "least-outstanding"),
-    )
-    load_weight: float = flag(
-        1.0,
-        "prefix routing: weight of a replica's queued prompt tokens against the tokens it lacks",
-        flag="--prefill-routing-load-weight",
-    )
-    events_resync_s: float = 2.0  # a quiet event stream is checked against the replay socket this often
-
-    def __post_init__(self):
-        if self.policy not in ("prefix", "least-outstanding"):
-            raise ValueError(f"prefill routing {self.policy!r}: prefix or least-outstanding")
-        if self.load_weight < 0:
-            raise ValueError(f"prefill routing load weight {self.load_weight} < 0")
-
-
 @dataclasses.dataclass
 class Route:
     replica: Prefiller
     expected_hit_tokens: int  # prompt tokens the replica holds, per its events
     reason: str  # "prefix": for what it holds; "load": nothing held anywhere, the least busy; "hint": named
-    # by the request's endpoint picker (services.decode.core.PREFILL_HINT_HEADER)
+    # by the request's endpoint picker (services.decode.config.PREFILL_HINT_HEADER)
 
 
 class PrefillPool:
