@@ -1,9 +1,12 @@
 """What crosses between the daemons and the engine thread: typed commands in, plain outputs out.
 
 A daemon drives its LLMEngine only through `LLMEngine.apply(command)` (services.engine_loop runs each on
-the engine thread, between steps, in submission order) and reads only what `LLMEngine.step()` returns:
+the engine thread, between steps, in submission order) and reads only the EngineOutputs the engine hands
+out: what commands produced (`take_outputs`, at once), what admission produced (between `schedule_step`
+and `run_step`, so a transfer starts while the step computes), and each step's (`run_step`; `step()` is
+both halves):
 
-  commands in                                   outputs out (EngineOutputs, one per step)
+  commands in                                   outputs out (EngineOutputs)
     AddRequest(request, kv)   queue a request      tokens     RequestOutput per request that got a token
       kv=ReceiveKV(): its prompt's KV may           transfers  TransferReady: a ReceiveKV request holds its
         arrive from a prefill server (decode)                  blocks; how many prompt tokens to transfer
