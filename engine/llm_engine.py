@@ -43,7 +43,6 @@ from pdserve.engine.loading.sources import LoadedModel, load_model
 from pdserve.engine.lora import AdapterRegistry
 from pdserve.engine.lora_slots import LoraSlots
 from pdserve.engine.model.attention import AttentionFn, ragged_paged_attention_reference
-from pdserve.engine.model.kv_cache import kv_layout
 from pdserve.engine.model.sampler import mask_words
 from pdserve.engine.model.sharding import make_mesh
 from pdserve.engine.model.tpu_attention import kernel_attention, kernel_unsupported
@@ -218,15 +217,15 @@ class LLMEngine:
         self.scheduler.add(request)
         return request.request_id
 
-    def abort(self, request_id: str) -> bool:
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT, error: str = "") -> bool:
         """Cancels a request in any state, frees its blocks and forgets its transfer state; False when it
-        is not (or no longer) here.
+        is not (or no longer) here. `reason`: ABORT, or ERROR (fail_step; `error` says what failed).
 
         Idempotent; on the engine thread it runs after every command submitted before it, so a request
         added by a command still in flight when its caller was cancelled is removed too."""
         self._streams.pop(request_id, None)
         self.kv_connector.forget(request_id)
-        return self.scheduler.abort(request_id) is not None
+        return self.scheduler.abort(request_id, reason, error) is not None
 
     # ---- the daemons' boundary (engine.boundary) ------------------------------------------------------
     def apply(self, command: Command):
@@ -337,9 +336,7 @@ class LLMEngine:
         requests are untouched."""
         for request_id, request in self._stepping.items():
             error = request.error or f"the step failed: {reason}"
-            self._streams.pop(request_id, None)
-            self.kv_connector.forget(request_id)
-            if self.scheduler.abort(request_id, FinishReason.ERROR, error) is None:  # it finished in the step
+            if not self.abort(request_id, FinishReason.ERROR, error):  # it finished in the step
                 self.scheduler.finish(request, FinishReason.ERROR, error)
             self._outputs.tokens.append(RequestOutput.failed(request))
         self._stepping = {}
@@ -458,8 +455,8 @@ class LLMEngine:
     # ---- KV from elsewhere (see engine.core.kv_connector) ----------------------------------------------
     @property
     def kv_layout(self) -> KVLayout:
-        """This engine's cache as kvtransfer sees it (what a Handshake compares)."""
-        return kv_layout(self.model.config, self.config)
+        """This engine's cache as kvtransfer sees it (what a Handshake compares): its runner's."""
+        return self.runner.layout
 
     @property
     def kv_connector(self) -> KVConnector:

@@ -151,9 +151,10 @@ def resolve_group(args: argparse.Namespace) -> ProcessGroup | None:
 
 def devices_per_process(args: argparse.Namespace, group: ProcessGroup | None) -> int:
     """Fake CPU devices this process exposes: --cpu-devices, else its share of --tp (--tp is global)."""
+    tp = engine_config(args).tp
     if group is None:
-        return max(args.cpu_devices, engine_config(args).tp)
-    return args.cpu_devices or -(-engine_config(args).tp // group.num_processes)
+        return max(args.cpu_devices, tp)
+    return args.cpu_devices or -(-tp // group.num_processes)
 
 
 def build_engine(args: argparse.Namespace, group: ProcessGroup | None = None, engine_class=None):

@@ -319,7 +319,9 @@ class GenerationCore:
             replica = route.replica
             tried.add(replica.name)
             try:
-                first, started, nbytes = await self._transfer(route, request, time_remaining, held, attempt)
+                first, started, nbytes = await self._transfer(
+                    route, request, time_remaining, hashes, held, attempt
+                )
                 done = RemoteKVDone(rid, first.token, first.logprobs, first.num_cached_tokens, attempt)
                 try:
                     await self.loop.call(done)  # after every InsertKV of the attempt
@@ -360,19 +362,25 @@ class GenerationCore:
             route.replica.held_less(hashes[actual // bs : expected // bs])
 
     async def _transfer(
-        self, route: Route, request: Request, timeout: float | None, held: list[int], attempt: int
+        self,
+        route: Route,
+        request: Request,
+        timeout: float | None,
+        hashes: list[int],
+        held: list[int],
+        attempt: int,
     ) -> tuple[FirstToken, float, int]:
         """One attempt: (first token, perf_counter when the first KV arrived, KV bytes received). Each chunk
         is inserted as it arrives (InsertKV of transfer `attempt`, on the engine thread, in order).
-        `held`: the hashes of the leading prompt blocks this engine holds. On failure the request's blocks
-        stay allocated (to be refilled by the next try).
+        `hashes`: the prompt's block hashes; `held`: the leading ones this engine holds. On failure the
+        request's blocks stay allocated (to be refilled by the next try).
 
         Closing the prefill stream (aclosing) cancels it at once when this request is cancelled.
         """
         replica, rid = route.replica, request.request_id
         work = len(request.prompt_ids) - route.expected_hit_tokens
         if replica.cache is not None:  # the blocks it is about to hold: the next such prompt goes there
-            replica.cache.expect(request.prefix_hashes(self.engine.config.block_size))
+            replica.cache.expect(hashes)
         replica.outstanding += 1
         replica.pending_tokens += work
         try:

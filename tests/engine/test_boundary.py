@@ -80,6 +80,7 @@ class ScriptedRunner:
 
     def __init__(self, config: EngineConfig = CONFIG):
         self.config = config
+        self.layout = kv_layout(MODEL, config)
         self.script: dict[str, list[int]] = {}
         self.steps: list[list[tuple[str, int, int]]] = []  # per step: (request id, first position, tokens)
         self.inserted: list[tuple[int, list[int]]] = []  # (chunk's first token, the blocks written)
@@ -231,7 +232,7 @@ def test_the_prefill_side_sends_the_kv_as_it_computes_then_the_first_token():
     """A SendKV request: each step's KVReady holds the frames its chunk completed; the step that finishes
     it (one token) brings the rest, marked last, before the token, and its blocks are back at once."""
     e, runner = engine()
-    e.set_kv_connector(PrefillConnector(kv_layout(MODEL, CONFIG)))
+    e.set_kv_connector(PrefillConnector(e.kv_layout))
     runner.script["p"] = [9]
     frame_bytes = HEADER_RESERVE_BYTES + 2 * CONFIG.block_size * 32  # two blocks of one layer a frame
     e.apply(AddRequest(request(e, "p", 12, max_tokens=1), SendKV(max_frame_bytes=frame_bytes)))
