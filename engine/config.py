@@ -46,6 +46,10 @@ class UnsupportedModelError(ValueError):
     """The checkpoint describes an architecture or feature pdserve does not implement."""
 
 
+class MemoryBudgetError(ValueError):
+    """The model, at the asked sizes, does not fit the devices' memory budget (engine.memory)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Architecture of a decoder pdserve serves: Llama 2/3, SmolLM2, Mistral, Qwen2/2.5, Qwen3, Gemma 2/3,
@@ -348,6 +352,13 @@ def _layer_windows(arch: str, config: Mapping[str, Any]) -> tuple[int, ...]:
 
 def _refuse_unsupported_features(config: Mapping[str, Any]) -> None:
     """UnsupportedModelError naming the config.json field of a feature the forward pass lacks."""
+    quantization = config.get("quantization_config") or config.get("compression_config")
+    if quantization:
+        method = quantization.get("quant_method") or quantization.get("format") or "unnamed"
+        raise UnsupportedModelError(
+            f"config.json quantization_config (quant_method={method!r}): quantized checkpoints are not "
+            "supported; serve the unquantized (bf16) checkpoint"
+        )
     act = config.get("hidden_activation") or config.get("hidden_act", "silu")
     if act not in _HF_ACTIVATIONS:
         raise UnsupportedModelError(

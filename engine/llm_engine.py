@@ -68,13 +68,15 @@ class LLMEngine:
         devices: Sequence[jax.Device] | None = None,
         attention: AttentionFn | None = None,
         runner: ModelRunner | None = None,
+        progress: bool = False,
     ):
         """`runner`: the device side, built here by default (on `devices`, attending with `attention`);
-        a given one brings its own mesh and adapter slots (tests drive the host side with a scripted one)."""
+        a given one brings its own mesh and adapter slots (tests drive the host side with a scripted one).
+        `progress`: a progress bar while the weights load."""
         self.model = model
         self.tokenizer = model.tokenizer
         if runner is None:
-            runner = self._build_runner(model, config, devices, attention)
+            runner = self._build_runner(model, config, devices, attention, progress)
         self.runner, self.mesh, self.lora_slots = runner, runner.mesh, runner.lora
         self.config = config = runner.config
         self.loras = AdapterRegistry(model.config, config.max_lora_rank, enabled=self.lora_slots is not None)
@@ -107,6 +109,7 @@ class LLMEngine:
         config: EngineConfig,
         devices: Sequence[jax.Device] | None,
         attention: AttentionFn | None,
+        progress: bool,
     ) -> ModelRunner:
         """The device side: the mesh, the weights on it, the adapter slots, the cache and the attention (on
         a TPU jax's Pallas kernel over this mesh where it applies, else the reference)."""
@@ -121,7 +124,7 @@ class LLMEngine:
             elif platform == "tpu":
                 attention = kernel_attention(model.config, mesh)
         dtype = jax.numpy.dtype(config.dtype)
-        weights = build_weights(model.config, model.host_weights, mesh, dtype)
+        weights = build_weights(model.config, model.checkpoint, mesh, dtype, progress)
         lora_slots = None
         if config.max_loras and (model.config.num_experts or model.config.is_mla):
             raise ValueError(
@@ -142,7 +145,7 @@ class LLMEngine:
     ) -> LLMEngine:
         """Loads a model (path or known name; None: the default) and compiles every shape."""
         t0 = time.perf_counter()
-        engine = cls(load_model(ref), config or EngineConfig(), devices)
+        engine = cls(load_model(ref), config or EngineConfig(), devices, progress=progress)
         loaded = time.perf_counter()
         if warmup:
             engine.runner.warmup(progress=progress)

@@ -153,14 +153,14 @@ def model_path():
 def loaded_model(model_path):
     from pdserve.engine.loading.sources import load_model
 
-    return load_model(model_path)
+    return load_model(model_path).in_memory()  # read once, for the many engines the tests build
 
 
 @pytest.fixture(scope="session")
 def full_model(full_gguf_path):
     from pdserve.engine.loading.sources import load_model
 
-    return load_model(full_gguf_path)
+    return load_model(full_gguf_path).in_memory()
 
 
 @pytest.fixture(scope="session")

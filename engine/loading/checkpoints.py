@@ -1,19 +1,22 @@
-"""Checkpoint loading: GGUF files (dequantized at load) and Hugging Face safetensors folders.
+"""Checkpoints: GGUF files (each tensor dequantized as it is read) and Hugging Face safetensors folders.
 
-Both produce a `ModelConfig` and host numpy arrays in math layout (`x @ W`), layers stacked on a leading
-axis, ready for `engine.model.weights.build_weights`.
+Opening one reads its config only. Its weights are read one layer at a time, in their stored dtype and in
+math layout (`x @ W`), by `engine.model.weights.build_weights`, which streams each layer to the devices: no
+copy of the whole model is ever held on the host. `HostCheckpoint` holds a model's arrays in memory
+instead (random test models, and the tests' shared fixtures).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import numpy as np
 
-from pdserve.engine.config import GEMMA, ModelConfig
+from pdserve.engine.config import GEMMA, ModelConfig, UnsupportedModelError
 from pdserve.engine.loading import gguf_config
 from pdserve.engine.tokenizer import read_gguf_metadata
 
@@ -109,10 +112,6 @@ def _mla_rope_in_halves(cfg: ModelConfig, host: dict[str, np.ndarray]) -> None:
         host["w_kv_a"] = _halves_from_interleaved_rope(host["w_kv_a"], host["w_kv_a"].shape[-1], cfg.rope_dim)
 
 
-class CheckpointError(FileNotFoundError):
-    """A checkpoint file or tensor is missing."""
-
-
 def _undo_gguf_rope_permutation(w: np.ndarray, num_heads: int) -> np.ndarray:
     """llama.cpp's converter reorders each q/k head's rows from halves to interleaved pairs; undo it.
 
@@ -122,136 +121,295 @@ def _undo_gguf_rope_permutation(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, out // num_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _stack_layers(cfg: ModelConfig, fetch: Callable[[int, str], np.ndarray | None]) -> dict[str, np.ndarray]:
-    """Stacks per-layer tensors ([out, in] as stored, [experts, out, in] for experts) into [L, in, out]
-    (or [L, experts, in, out]) math layout, over the layers that have them (DeepSeek: its dense MLPs over
-    the first layers, its experts over the rest)."""
-    stacked = {}
-    for name in _LAYER_TENSORS:
-        layers = _layers_with(cfg, name)
-        if not layers:
-            continue
-        per_layer = []
-        for i in layers:
-            w = fetch(i, name)
+class CheckpointError(FileNotFoundError):
+    """A checkpoint file or tensor is missing."""
+
+
+# Tensor dtypes pdserve reads from safetensors files (anything else is a quantized or foreign checkpoint)
+_SAFETENSORS_DTYPES = ("F32", "F16", "BF16")
+_GLOBAL_TENSORS = ("embed", "final_norm", "lm_head")
+
+
+class LayerReader:
+    """An open checkpoint: one layer's arrays (or the embeddings, final norm and head) at a time, as
+    numpy arrays in their stored dtype (float32 where dequantized), in math layout. `bytes_read` counts
+    the stored bytes read so far (progress)."""
+
+    bytes_read: int = 0
+
+    def layer(self, i: int) -> dict[str, np.ndarray]:
+        """Layer i's arrays, named as engine.model.weights.build_weights takes them ([in, out] weights;
+        [experts, in, out] for experts), only those the layer has."""
+        raise NotImplementedError
+
+    def globals(self) -> dict[str, np.ndarray]:
+        """`embed` [vocab, hidden], `final_norm` [hidden] and, when the head is not tied, `lm_head`
+        [hidden, vocab]."""
+        raise NotImplementedError
+
+
+class Checkpoint:
+    """A model's weights where they are stored. `config` is read on opening; `reader()` reads the
+    weights, a layer at a time (engine.model.weights.build_weights)."""
+
+    config: ModelConfig
+    path: Path
+    nbytes: int  # stored bytes of the weights
+
+    def reader(self) -> contextlib.AbstractContextManager[LayerReader]:
+        raise NotImplementedError
+
+
+class _FileReader(LayerReader):
+    """A checkpoint file's reader over `tensor(key)` and `fetch(layer, name)` (the stored [out, in]
+    tensor of one of _LAYER_TENSORS): what GGUF and safetensors share."""
+
+    def __init__(self, cfg: ModelConfig, path: Path, fetch: Callable[[int, str], np.ndarray | None]):
+        self.cfg, self.path, self.fetch = cfg, path, fetch
+
+    def tensor(self, key: str) -> np.ndarray | None:
+        raise NotImplementedError
+
+    def layer(self, i: int) -> dict[str, np.ndarray]:
+        cfg, out = self.cfg, {}
+        for name in _LAYER_TENSORS:
+            if i not in _layers_with(cfg, name):
+                continue
+            w = self.fetch(i, name)
             if w is None:
                 if name in _BIASES and not cfg.qkv_bias:
-                    out = cfg.num_heads if name == "bq" else cfg.num_kv_heads
-                    w = np.zeros(out * cfg.head_dim, np.float32)
+                    heads = cfg.num_heads if name == "bq" else cfg.num_kv_heads
+                    w = np.zeros(heads * cfg.head_dim, np.float32)
                 else:
                     raise CheckpointError(f"layer {i} lacks tensor {name} ({_LAYER_TENSORS[name]})")
-            per_layer.append(np.swapaxes(w, -1, -2) if w.ndim >= 2 else w)  # [(experts,) out, in] -> in, out
-        stacked[name] = np.stack(per_layer).astype(np.float32, copy=False)
-    return stacked
+            out[name] = np.swapaxes(w, -1, -2) if w.ndim >= 2 else w  # [(experts,) out, in] -> in, out
+        _mla_rope_in_halves(cfg, out)
+        return out
+
+    def required(self, key: str) -> np.ndarray:
+        w = self.tensor(key)
+        if w is None:
+            raise CheckpointError(f"{self.path} lacks tensor {key}")
+        return w
 
 
-def load_gguf(path: str | Path, name: str | None = None) -> tuple[ModelConfig, dict[str, np.ndarray], dict]:
-    """Reads a GGUF file: (config, host weights, metadata). Quantized tensors are dequantized to float32."""
-    import gguf
+class GGUFCheckpoint(Checkpoint):
+    """A GGUF file (llama.cpp's format); quantized tensors are dequantized to float32 one at a time."""
 
-    path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"GGUF file not found: {path}")
-    reader = gguf.GGUFReader(str(path))
-    meta = read_gguf_metadata(reader)
-    tensors = {t.name: t for t in reader.tensors}
-    config = gguf_config.hf_config(meta, tie_word_embeddings="output.weight" not in tensors)
-    cfg = ModelConfig.from_hf_config(config, name=name or path.stem)
+    def __init__(self, path: str | Path, name: str | None = None):
+        import gguf
 
-    def tensor(key: str) -> np.ndarray | None:
-        t = tensors.get(key)
+        self.path = path = Path(path)
+        if not path.is_file():
+            raise CheckpointError(f"GGUF file not found: {path}")
+        reader = gguf.GGUFReader(str(path))
+        self.metadata = read_gguf_metadata(reader)
+        names = {t.name for t in reader.tensors}
+        config = gguf_config.hf_config(self.metadata, tie_word_embeddings="output.weight" not in names)
+        self.config = ModelConfig.from_hf_config(config, name=name or path.stem)
+        self.nbytes = sum(int(t.n_bytes) for t in reader.tensors)
+
+    @contextlib.contextmanager
+    def reader(self) -> Iterator[LayerReader]:
+        import gguf
+
+        reader = gguf.GGUFReader(str(self.path))  # a memory map, dropped when the load ends
+        yield _GGUFReader(self.config, self.path, {t.name: t for t in reader.tensors}, self.metadata)
+
+
+class _GGUFReader(_FileReader):
+    def __init__(self, cfg: ModelConfig, path: Path, tensors: Mapping, meta: Mapping):
+        super().__init__(cfg, path, self._fetch)
+        self.tensors = tensors
+        self.permute = meta["general.architecture"] in gguf_config.ROPE_PERMUTED
+
+    def tensor(self, key: str) -> np.ndarray | None:
+        import gguf
+
+        t = self.tensors.get(key)
         if t is None:
             return None
-        arr = gguf.quants.dequantize(t.data, t.tensor_type)
+        self.bytes_read += int(t.n_bytes)
+        try:
+            arr = gguf.quants.dequantize(t.data, t.tensor_type)
+        except NotImplementedError:
+            raise UnsupportedModelError(
+                f"{self.path}: tensor {key} is {t.tensor_type.name}, a type the gguf package does not read"
+            ) from None
         return np.asarray(arr, dtype=np.float32).reshape(tuple(reversed([int(d) for d in t.shape])))
 
-    permute = meta["general.architecture"] in gguf_config.ROPE_PERMUTED
-
-    def fetch(i: int, weight: str) -> np.ndarray | None:
-        w = tensor(f"blk.{i}.{_LAYER_TENSORS[weight][0]}")
+    def _fetch(self, i: int, weight: str) -> np.ndarray | None:
+        cfg = self.cfg
+        w = self.tensor(f"blk.{i}.{_LAYER_TENSORS[weight][0]}")
         # llama.cpp splits DeepSeek's kv_b: k_b [heads, rank, nope], v_b [heads, v, rank]
         if w is None and weight == "w_kv_b":
-            k_b, v_b = tensor(f"blk.{i}.attn_k_b.weight"), tensor(f"blk.{i}.attn_v_b.weight")
+            k_b, v_b = self.tensor(f"blk.{i}.attn_k_b.weight"), self.tensor(f"blk.{i}.attn_v_b.weight")
             if k_b is not None and v_b is not None:
                 w = np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1).reshape(-1, k_b.shape[1])
-        if w is not None and permute and weight in ("wq", "bq"):
+        if w is not None and self.permute and weight in ("wq", "bq"):
             w = _undo_gguf_rope_permutation(w, cfg.num_heads)
-        if w is not None and permute and weight in ("wk", "bk"):
+        if w is not None and self.permute and weight in ("wk", "bk"):
             w = _undo_gguf_rope_permutation(w, cfg.num_kv_heads)
         return w
 
-    host = _stack_layers(cfg, fetch)
-    for key, target in (("token_embd.weight", "embed"), ("output_norm.weight", "final_norm")):
-        w = tensor(key)
-        if w is None:
-            raise CheckpointError(f"{path} lacks tensor {key}")
-        host[target] = w
-    if not cfg.tie_word_embeddings:
-        host["lm_head"] = tensor("output.weight").T
-    _mla_rope_in_halves(cfg, host)
-    return cfg, host, meta
+    def globals(self) -> dict[str, np.ndarray]:
+        out = {"embed": self.required("token_embd.weight"), "final_norm": self.required("output_norm.weight")}
+        if not self.cfg.tie_word_embeddings:
+            out["lm_head"] = self.required("output.weight").T
+        return out
+
+
+class SafetensorsCheckpoint(Checkpoint):
+    """A Hugging Face folder: config.json and one or several *.safetensors files (with an index)."""
+
+    def __init__(self, path: str | Path, name: str | None = None):
+        from safetensors import safe_open
+
+        self.path = path = Path(path)
+        config_file = path / "config.json"
+        if not config_file.is_file():
+            raise CheckpointError(f"{path} has no config.json")
+        self.config = ModelConfig.from_hf_config(json.loads(config_file.read_text()), name=name or path.name)
+        index_file = path / "model.safetensors.index.json"
+        if index_file.is_file():
+            files = sorted(set(json.loads(index_file.read_text())["weight_map"].values()))
+        else:
+            files = sorted(p.name for p in path.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"{path} has no *.safetensors files")
+        self.where: dict[str, Path] = {}
+        self.nbytes = 0
+        for file in files:
+            if not (path / file).is_file():
+                raise CheckpointError(f"{path / file} (named in the index) is missing")
+            with safe_open(str(path / file), framework="numpy") as f:
+                for key in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                    dtype = f.get_slice(key).get_dtype()
+                    if dtype not in _SAFETENSORS_DTYPES:
+                        raise UnsupportedModelError(
+                            f"{path / file}: tensor {key} is {dtype}: pdserve reads {_SAFETENSORS_DTYPES} "
+                            "tensors only (a quantized checkpoint? serve its bf16 original)"
+                        )
+                    self.where[key] = path / file
+            self.nbytes += (path / file).stat().st_size
+
+    @contextlib.contextmanager
+    def reader(self) -> Iterator[LayerReader]:
+        yield _SafetensorsReader(self.config, self.path, self.where)
+
+
+class _SafetensorsReader(_FileReader):
+    def __init__(self, cfg: ModelConfig, path: Path, where: Mapping[str, Path]):
+        super().__init__(cfg, path, self._fetch)
+        self.where = where
+        self.names = {w: hf for w, (_, hf) in _LAYER_TENSORS.items()}
+        if cfg.architecture in GEMMA:
+            self.names.update(_GEMMA_HF_TENSORS)
+        if cfg.architecture == "mixtral":
+            self.names.update(_MIXTRAL_HF_TENSORS)
+
+    def tensor(self, key: str) -> np.ndarray | None:
+        from safetensors import safe_open
+
+        file = self.where.get(key)
+        if file is None:
+            return None
+        # opened for each tensor: the file's memory map (resident pages) ends with the read
+        with safe_open(str(file), framework="numpy") as f:
+            w = f.get_tensor(key)
+        self.bytes_read += w.nbytes
+        return w
+
+    def _fetch(self, i: int, weight: str) -> np.ndarray | None:
+        name = f"model.layers.{i}.{self.names[weight]}"
+        if "{e}" not in name:
+            return self.tensor(name)
+        experts = [self.tensor(name.format(e=e)) for e in range(self.cfg.num_experts)]
+        missing = [e for e, w in enumerate(experts) if w is None]
+        if missing:
+            raise CheckpointError(f"{self.path} lacks {name} of experts {missing}")
+        return np.stack(experts)
+
+    def layer(self, i: int) -> dict[str, np.ndarray]:
+        out = super().layer(i)
+        if self.cfg.architecture in GEMMA:  # RMSNorm scales by (1 + weight): folded in, as llama.cpp does
+            for key in [k for k in out if k.endswith("_norm")]:
+                out[key] = out[key].astype(np.float32) + 1.0
+        return out
+
+    def globals(self) -> dict[str, np.ndarray]:
+        out = {"embed": self.required("model.embed_tokens.weight")}
+        final_norm = self.required("model.norm.weight")
+        out["final_norm"] = final_norm.astype(np.float32) + 1.0 if self.cfg.architecture in GEMMA else final_norm
+        if not self.cfg.tie_word_embeddings:
+            lm_head = self.tensor("lm_head.weight")
+            if lm_head is None:
+                raise CheckpointError(f"{self.path} lacks lm_head.weight and embeddings are not tied")
+            out["lm_head"] = lm_head.T
+        return out
+
+
+class HostCheckpoint(Checkpoint):
+    """A model's arrays held in memory, layers stacked on a leading axis (random test models; test fixtures
+    that build many engines of one model)."""
+
+    def __init__(self, config: ModelConfig, host: dict[str, np.ndarray], path: Path | None = None):
+        self.config, self.host, self.path = config, host, path or Path(config.name)
+        self.nbytes = sum(w.nbytes for w in host.values())
+
+    @contextlib.contextmanager
+    def reader(self) -> Iterator[LayerReader]:
+        yield _HostReader(self)
+
+
+class _HostReader(LayerReader):
+    def __init__(self, checkpoint: HostCheckpoint):
+        self.cfg, self.host = checkpoint.config, checkpoint.host
+
+    def layer(self, i: int) -> dict[str, np.ndarray]:
+        out = {}
+        for name, w in self.host.items():
+            layers = _layers_with(self.cfg, name) if name not in _GLOBAL_TENSORS else range(0)
+            if i in layers:
+                out[name] = w[i - layers.start]
+                self.bytes_read += out[name].nbytes
+        return out
+
+    def globals(self) -> dict[str, np.ndarray]:
+        return {k: w for k, w in self.host.items() if k in _GLOBAL_TENSORS}
+
+
+def read_stacked(checkpoint: Checkpoint) -> dict[str, np.ndarray]:
+    """Every array of `checkpoint` in memory as float32, layers stacked on a leading axis (over the layers
+    that have them): a HostCheckpoint's arrays. Tests compare formats with it."""
+    cfg = checkpoint.config
+    with checkpoint.reader() as reader:
+        layers = [reader.layer(i) for i in range(cfg.num_layers)]
+        host = {k: w.astype(np.float32) for k, w in reader.globals().items()}
+    for name in _LAYER_TENSORS:
+        per_layer = [layer[name] for layer in layers if name in layer]
+        if per_layer:
+            host[name] = np.stack(per_layer).astype(np.float32, copy=False)
+    return host
+
+
+def open_checkpoint(path: str | Path, name: str | None = None) -> GGUFCheckpoint | SafetensorsCheckpoint:
+    """A GGUF file or a Hugging Face folder, its config read."""
+    path = Path(path)
+    if path.is_dir():
+        return SafetensorsCheckpoint(path, name)
+    if path.suffix == ".gguf":
+        return GGUFCheckpoint(path, name)
+    raise CheckpointError(f"{path}: expected a .gguf file or a Hugging Face folder")
+
+
+def load_gguf(path: str | Path, name: str | None = None) -> tuple[ModelConfig, dict[str, np.ndarray], dict]:
+    """A GGUF file read whole: (config, float32 arrays as read_stacked gives them, metadata)."""
+    checkpoint = GGUFCheckpoint(path, name)
+    return checkpoint.config, read_stacked(checkpoint), checkpoint.metadata
 
 
 def load_hf_folder(path: str | Path, name: str | None = None) -> tuple[ModelConfig, dict[str, np.ndarray]]:
-    """Reads a Hugging Face folder: config.json and one or several *.safetensors files."""
-    from safetensors import safe_open
-
-    path = Path(path)
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise CheckpointError(f"{path} has no config.json")
-    cfg = ModelConfig.from_hf_config(json.loads(config_file.read_text()), name=name or path.name)
-    index_file = path / "model.safetensors.index.json"
-    if index_file.is_file():
-        files = sorted(set(json.loads(index_file.read_text())["weight_map"].values()))
-    else:
-        files = sorted(p.name for p in path.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"{path} has no *.safetensors files")
-    where: dict[str, Path] = {}
-    for file in files:
-        if not (path / file).is_file():
-            raise CheckpointError(f"{path / file} (named in the index) is missing")
-        with safe_open(str(path / file), framework="flax") as f:
-            for key in f.keys():  # noqa: SIM118 - safe_open has no __iter__
-                where[key] = path / file
-
-    def tensor(key: str) -> np.ndarray | None:
-        file = where.get(key)
-        if file is None:
-            return None
-        with safe_open(str(file), framework="flax") as f:
-            return np.asarray(f.get_tensor(key), dtype=np.float32)
-
-    names = {w: hf for w, (_, hf) in _LAYER_TENSORS.items()}
-    if cfg.architecture in GEMMA:
-        names.update(_GEMMA_HF_TENSORS)
-    if cfg.architecture == "mixtral":
-        names.update(_MIXTRAL_HF_TENSORS)
-
-    def fetch(i: int, weight: str) -> np.ndarray | None:
-        name = f"model.layers.{i}.{names[weight]}"
-        if "{e}" not in name:
-            return tensor(name)
-        experts = [tensor(name.format(e=e)) for e in range(cfg.num_experts)]
-        missing = [e for e, w in enumerate(experts) if w is None]
-        if missing:
-            raise CheckpointError(f"{path} lacks {name} of experts {missing}")
-        return np.stack(experts)
-
-    host = _stack_layers(cfg, fetch)
-    for key, target in (("model.embed_tokens.weight", "embed"), ("model.norm.weight", "final_norm")):
-        w = tensor(key)
-        if w is None:
-            raise CheckpointError(f"{path} lacks tensor {key}")
-        host[target] = w
-    _mla_rope_in_halves(cfg, host)
-    if cfg.architecture in GEMMA:  # Gemma's RMSNorm scales by (1 + weight): folded in here, as llama.cpp does
-        for key in [k for k in host if k.endswith("_norm")]:  # q/k, layers' and final norms
-            host[key] = host[key] + 1.0
-    lm_head = tensor("lm_head.weight")
-    if not cfg.tie_word_embeddings:
-        if lm_head is None:
-            raise CheckpointError(f"{path} lacks lm_head.weight and embeddings are not tied")
-        host["lm_head"] = lm_head.T
-    return cfg, host
+    """A Hugging Face folder read whole: (config, float32 arrays as read_stacked gives them)."""
+    checkpoint = SafetensorsCheckpoint(path, name)
+    return checkpoint.config, read_stacked(checkpoint)

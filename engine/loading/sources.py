@@ -18,10 +18,15 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-import numpy as np
-
-from pdserve.engine.config import ModelConfig, UnsupportedModelError
-from pdserve.engine.loading.checkpoints import CheckpointError, load_gguf, load_hf_folder
+from pdserve.engine.config import MemoryBudgetError, ModelConfig, UnsupportedModelError
+from pdserve.engine.loading.checkpoints import (
+    Checkpoint,
+    CheckpointError,
+    GGUFCheckpoint,
+    HostCheckpoint,
+    open_checkpoint,
+    read_stacked,
+)
 from pdserve.engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -113,26 +118,34 @@ def resolve(ref: str | os.PathLike | None) -> Path:
 
 @dataclasses.dataclass
 class LoadedModel:
+    """A model ready to build engines from: its config, its tokenizer, and its checkpoint, whose weights
+    each engine reads onto its devices, a layer at a time (nothing of them is held here)."""
+
     config: ModelConfig
-    host_weights: dict[str, np.ndarray]  # math layout, layers stacked; see engine.model.weights.build_weights
-    tokenizer: Tokenizer
+    checkpoint: Checkpoint
+    tokenizer: Tokenizer | None
     path: Path
+
+    def in_memory(self) -> LoadedModel:
+        """This model with its weights read into host memory once (float32), for building many engines of
+        it in one process without reading the checkpoint again (tests)."""
+        host = HostCheckpoint(self.config, read_stacked(self.checkpoint), self.path)
+        return dataclasses.replace(self, checkpoint=host)
 
 
 # What loading a model reference can fail with that is the reference's fault (not found, an architecture or
-# a config feature pdserve lacks): command lines print it as one line and exit non-zero.
-MODEL_ERRORS = (UnsupportedModelError, CheckpointError)
+# a config feature pdserve lacks, more than the devices' memory): command lines print it as one line and
+# exit non-zero.
+MODEL_ERRORS = (UnsupportedModelError, CheckpointError, MemoryBudgetError)
 
 
 def load_model(ref: str | os.PathLike | None = None) -> LoadedModel:
-    """Loads config, weights (on the host) and tokenizer of a GGUF file or a Hugging Face folder."""
+    """Opens a GGUF file or a Hugging Face folder: its config and tokenizer (the weights are read when an
+    engine is built)."""
     path = resolve(ref)
-    if path.is_dir():
-        config, host = load_hf_folder(path)
-        tokenizer = Tokenizer.from_hf_folder(path)
-    elif path.suffix == ".gguf":
-        config, host, meta = load_gguf(path)
-        tokenizer = Tokenizer.from_gguf_metadata(meta)
+    checkpoint = open_checkpoint(path)
+    if isinstance(checkpoint, GGUFCheckpoint):
+        tokenizer = Tokenizer.from_gguf_metadata(checkpoint.metadata)
     else:
-        raise CheckpointError(f"{path}: expected a .gguf file or a Hugging Face folder")
-    return LoadedModel(config, host, tokenizer, path)
+        tokenizer = Tokenizer.from_hf_folder(path)
+    return LoadedModel(checkpoint.config, checkpoint, tokenizer, path)

@@ -8,14 +8,20 @@ group. Padded query heads have zero output projections, so they add nothing to t
 from __future__ import annotations
 
 import dataclasses
+import functools
+import logging
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 
 from pdserve.engine.config import ModelConfig
+from pdserve.engine.loading.checkpoints import Checkpoint
 from pdserve.engine.model.sharding import named
+
+log = logging.getLogger(__name__)
 
 
 @jax.tree_util.register_dataclass
@@ -133,7 +139,7 @@ def _mla(cfg: ModelConfig, host: dict[str, np.ndarray], tp: int) -> dict[str, np
         raise ValueError(f"MLA: {cfg.num_heads} heads do not split over TP {tp}")
     h, r, nope = cfg.num_heads, cfg.kv_lora_rank, cfg.head_dim - cfg.rope_dim
     q = host["w_q_b" if cfg.q_lora_rank else "wq"]
-    kv_b = host["w_kv_b"].reshape(cfg.num_layers, r, h, nope + cfg.v_head_dim)  # [L, r, heads, nope + v]
+    kv_b = host["w_kv_b"].reshape(-1, r, h, nope + cfg.v_head_dim)  # [L, r, heads, nope + v]
     return {
         "w_q": q.reshape(*q.shape[:-1], h, cfg.head_dim),
         "w_q_a": host.get("w_q_a"),
@@ -144,10 +150,6 @@ def _mla(cfg: ModelConfig, host: dict[str, np.ndarray], tp: int) -> dict[str, np
         "w_uv": kv_b[..., nope:].transpose(0, 2, 1, 3),
         "wo": host["wo"],
     }
-
-
-_DENSE_MLP = ("w_gate_up", "w_down")
-_EXPERT_MLP = ("w_router", "experts_gate_up", "experts_down", "shared_gate_up", "shared_down")
 
 
 def _mlp(host: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -161,21 +163,15 @@ def _mlp(host: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return out
 
 
-def build_weights(
-    cfg: ModelConfig, host: dict[str, np.ndarray], mesh: Mesh, dtype: jnp.dtype = jnp.float32
-) -> Weights:
-    """Pads heads for the mesh's TP size and places every array with its sharding.
-
-    `host` holds numpy arrays in math layout (x @ W), layers stacked (the names of
-    engine.loading.checkpoints): `embed` [V, D], `final_norm` [D], optional `lm_head` [D, V], `wq` `wk` `wv`
-    [L, D, heads * head_dim], their biases `bq` `bk` `bv`, `wo`, `w_gate` `w_up` [L, D, I], `w_down`,
-    `attn_norm`, `mlp_norm`; with experts `experts_gate` `experts_up` [L', E, D, I], `experts_down`, the
-    router `w_router` [L', D, E] and shared experts `shared_gate` `shared_up` `shared_down` over the L' expert
-    layers (the dense MLP's over the others); with MLA its own (engine.loading.checkpoints); and with qk_norm
-    `q_norm` `k_norm` [L, head_dim], with sandwich_norms `post_attn_norm` `post_mlp_norm` [L, D].
-    """
-    tp = mesh.shape["model"]
-    per_layer = {  # every layer's
+def _layer_arrays(cfg: ModelConfig, layer: dict[str, np.ndarray], tp: int) -> dict[str, np.ndarray | None]:
+    """One layer's LayerWeights arrays (leading axis 1) from its checkpoint arrays (the names of
+    engine.loading.checkpoints: `wq` `wk` `wv` [D, heads * head_dim], their biases `bq` `bk` `bv`, `wo`,
+    `w_gate` `w_up` [D, I], `w_down`, `attn_norm`, `mlp_norm`; in an expert layer `experts_gate`
+    `experts_up` [E, D, I], `experts_down`, the router `w_router` [D, E] and shared experts `shared_gate`
+    `shared_up` `shared_down`; with MLA its own; with qk_norm `q_norm` `k_norm` [head_dim], with
+    sandwich_norms `post_attn_norm` `post_mlp_norm` [D]): heads padded for TP, Q/K/V and gate/up fused."""
+    host = {name: w[None] for name, w in layer.items()}
+    return {
         "attn_norm": host["attn_norm"],
         **(_mla(cfg, host, tp) if cfg.is_mla else _fused_qkv(cfg, host, tp)),
         "mlp_norm": host["mlp_norm"],
@@ -183,36 +179,76 @@ def build_weights(
         "k_norm": host.get("k_norm"),
         "post_attn_norm": host.get("post_attn_norm"),
         "post_mlp_norm": host.get("post_mlp_norm"),
+        **_mlp(host),
     }
-    mlp = _mlp(host)
-    dense_end = cfg.dense_layers
 
-    def segment(start: int, end: int) -> LayerWeights:
-        arrays = {name: None if w is None else w[start:end] for name, w in per_layer.items()}
-        dense = start < dense_end
-        first = start if dense else start - dense_end  # index into its MLP arrays
-        for name in _DENSE_MLP if dense else _EXPERT_MLP:
-            if mlp.get(name) is not None:
-                arrays[name] = mlp[name][first : first + end - start]
-        return LayerWeights(
-            **{
-                name: None
-                if arrays.get(name) is None
-                else jax.device_put(arrays[name].astype(dtype), named(mesh, *axes))
-                for name, axes in _LAYER_AXES.items()
-            }
+
+def _put(host: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """A host array onto the devices of `sharding`: each of this process's devices gets its own slice."""
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _zeros(shape: tuple[int, ...], dtype: np.dtype, sharding: NamedSharding) -> jax.Array:
+    return jax.lax.with_sharding_constraint(jnp.zeros(shape, dtype), sharding)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _write_layer(stacked: jax.Array, layer: jax.Array, index: jax.Array) -> jax.Array:
+    """`stacked` [L, ...] with layer `index` replaced by `layer` [1, ...], in place (donated)."""
+    return jax.lax.dynamic_update_slice_in_dim(stacked, layer, index, axis=0)
+
+
+def build_weights(
+    cfg: ModelConfig, checkpoint: Checkpoint, mesh: Mesh, dtype: jnp.dtype = jnp.float32, progress: bool = False
+) -> Weights:
+    """Streams `checkpoint`'s weights onto `mesh`, a layer at a time: each layer's arrays are read, fused
+    and padded for the mesh's TP size, cast to `dtype` and written into their layer of the stacked device
+    arrays (created zeroed in their sharding). The host holds one layer at a time; each device receives only
+    its own shard. `progress`: a bar of the stored bytes read."""
+    from tqdm import tqdm
+
+    tp = mesh.shape["model"]
+    dtype = np.dtype(dtype)
+    start_time = time.perf_counter()
+    with (
+        checkpoint.reader() as reader,
+        tqdm(total=checkpoint.nbytes, unit="B", unit_scale=True, desc="weights", disable=not progress) as bar,
+    ):
+        segments = []
+        for start, end in cfg.layer_segments():
+            stacked: dict[str, jax.Array] = {}
+            for i in range(start, end):
+                for name, w in _layer_arrays(cfg, reader.layer(i), tp).items():
+                    if w is None:
+                        continue
+                    sharding = named(mesh, *_LAYER_AXES[name])
+                    if name not in stacked:
+                        stacked[name] = _zeros((end - start, *w.shape[1:]), dtype, sharding)
+                    stacked[name] = _write_layer(stacked[name], _put(w.astype(dtype), sharding), i - start)
+                bar.update(reader.bytes_read - bar.n)
+            segments.append(LayerWeights(**{name: stacked.get(name) for name in _LAYER_AXES}))
+        host = reader.globals()
+        lm_head = host.get("lm_head")
+        weights = Weights(
+            embed=_put(host["embed"].astype(dtype), named(mesh, "vocab", "embed")),
+            layers=tuple(segments),
+            final_norm=_put(host["final_norm"].astype(dtype), named(mesh, "embed")),
+            lm_head=None if lm_head is None else _put(lm_head.astype(dtype), named(mesh, "embed", "vocab")),
         )
-
-    lm_head = host.get("lm_head")
-    return Weights(
-        embed=jax.device_put(host["embed"].astype(dtype), named(mesh, "vocab", "embed")),
-        layers=tuple(segment(start, end) for start, end in cfg.layer_segments()),
-        final_norm=jax.device_put(host["final_norm"].astype(dtype), named(mesh, "embed")),
-        lm_head=None
-        if lm_head is None
-        else jax.device_put(lm_head.astype(dtype), named(mesh, "embed", "vocab")),
+        bar.update(reader.bytes_read - bar.n)
+    jax.block_until_ready(weights)
+    seconds = time.perf_counter() - start_time
+    log.info(
+        "weights loaded: %.2f GiB stored, %.2f GiB on the devices, %.1f s (%.2f GB/s)",
+        checkpoint.nbytes / 2**30,
+        weight_bytes(weights) / 2**30,
+        seconds,
+        checkpoint.nbytes / 1e9 / max(seconds, 1e-9),
     )
+    return weights
 
 
 def weight_bytes(weights: Weights) -> int:
+    """Bytes of the weights' global arrays (a replicated array counted once)."""
     return sum(x.nbytes for x in jax.tree.leaves(weights))

@@ -161,11 +161,11 @@ def engine_of(path: Path, tokenizer, config, devices=None, attention=None):
     """An LLMEngine over the folder's weights with `tokenizer` (the SmolLM2 one: the folder has none);
     `attention`: its attention implementation (default: the platform's)."""
     from pdserve.engine.llm_engine import LLMEngine
-    from pdserve.engine.loading.checkpoints import load_hf_folder
+    from pdserve.engine.loading.checkpoints import SafetensorsCheckpoint
     from pdserve.engine.loading.sources import LoadedModel
 
-    cfg, host = load_hf_folder(path)
-    return LLMEngine(LoadedModel(cfg, host, tokenizer, path), config, devices, attention)
+    checkpoint = SafetensorsCheckpoint(path)
+    return LLMEngine(LoadedModel(checkpoint.config, checkpoint, tokenizer, path), config, devices, attention)
 
 
 GGUF_ARCHITECTURES = {

@@ -12,6 +12,7 @@ import pytest
 from pdserve.engine.config import ModelConfig, UnsupportedModelError
 from pdserve.engine.loading.checkpoints import (
     CheckpointError,
+    SafetensorsCheckpoint,
     _undo_gguf_rope_permutation,
     load_gguf,
     load_hf_folder,
@@ -307,7 +308,7 @@ def test_small_hf_folder_loads_and_runs(tmp_path):
     cfg, host = load_hf_folder(tmp_path)
     assert cfg.num_kv_heads == 2 and host["wq"].shape == (2, 16, 16) and "lm_head" not in host
     engine = LLMEngine(
-        LoadedModel(cfg, host, tokenizer=None, path=tmp_path),
+        LoadedModel(cfg, SafetensorsCheckpoint(tmp_path), tokenizer=None, path=tmp_path),
         EngineConfig(
             num_blocks=8, max_model_len=64, max_num_seqs=2, max_num_batched_tokens=32, block_size=16
         ),
