@@ -8,9 +8,9 @@ instead (random test models, and the tests' shared fixtures).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
-import contextlib
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
@@ -340,7 +340,8 @@ class _SafetensorsReader(_FileReader):
     def globals(self) -> dict[str, np.ndarray]:
         out = {"embed": self.required("model.embed_tokens.weight")}
         final_norm = self.required("model.norm.weight")
-        out["final_norm"] = final_norm.astype(np.float32) + 1.0 if self.cfg.architecture in GEMMA else final_norm
+        gemma = self.cfg.architecture in GEMMA
+        out["final_norm"] = final_norm.astype(np.float32) + 1.0 if gemma else final_norm
         if not self.cfg.tie_word_embeddings:
             lm_head = self.tensor("lm_head.weight")
             if lm_head is None:

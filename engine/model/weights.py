@@ -200,7 +200,11 @@ def _write_layer(stacked: jax.Array, layer: jax.Array, index: jax.Array) -> jax.
 
 
 def build_weights(
-    cfg: ModelConfig, checkpoint: Checkpoint, mesh: Mesh, dtype: jnp.dtype = jnp.float32, progress: bool = False
+    cfg: ModelConfig,
+    checkpoint: Checkpoint,
+    mesh: Mesh,
+    dtype: jnp.dtype = jnp.float32,
+    progress: bool = False,
 ) -> Weights:
     """Streams `checkpoint`'s weights onto `mesh`, a layer at a time: each layer's arrays are read, fused
     and padded for the mesh's TP size, cast to `dtype` and written into their layer of the stacked device
