@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from pdserve.engine.loading.sources import cache_dir
 
 
@@ -14,3 +16,15 @@ def configure_jax() -> None:
 
     jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "xla"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
+
+def cache_state() -> str:
+    """The persistent compilation cache as the start-up summary names it: off, or its executables."""
+    import jax
+
+    folder = jax.config.jax_compilation_cache_dir
+    if not folder:
+        return "off"
+    path = Path(folder)
+    count = sum(1 for _ in path.iterdir()) if path.is_dir() else 0
+    return f"{count} executables in {path}"

@@ -46,8 +46,9 @@ class UnsupportedModelError(ValueError):
     """The checkpoint describes an architecture or feature pdserve does not implement."""
 
 
-class MemoryBudgetError(ValueError):
-    """The model, at the asked sizes, does not fit the devices' memory budget (engine.memory)."""
+class SizingError(ValueError):
+    """The asked sizes do not fit the model (a longer max_model_len than its context) or the devices'
+    memory (engine.memory)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -402,9 +403,21 @@ class EngineConfig:
     the engine's command-line flags (the defaults live here only)."""
 
     block_size: int = 16
-    num_blocks: int = flag(1024, "KV cache blocks (of block_size tokens) in device memory")
+    num_blocks: int = flag(
+        0, "KV cache blocks (of block_size tokens) in device memory (0: what --gpu-memory-utilization leaves)"
+    )
+    gpu_memory_utilization: float = flag(
+        0.0,
+        "fraction of each device's memory for the weights, the largest step's activations and the KV cache "
+        "(0: 0.9; on a CPU, of the RAM available at start, 0: 0.1); unused with --num-blocks",
+        aliases=("--memory-fraction",),
+    )
     max_num_seqs: int = flag(32, "running requests decoded together")
-    max_model_len: int = flag(4096, "prompt + generated tokens of one request")
+    max_model_len: int = flag(
+        0,
+        "prompt + generated tokens of one request (0: the model's context, capped to what the KV cache "
+        "holds)",
+    )
     # The token budget of one step: every running request's decode token first, then prefill chunks up
     # to the budget. A long prompt delays running requests by at most one budget's compute per token.
     max_num_batched_tokens: int = flag(
@@ -430,8 +443,10 @@ class EngineConfig:
     )
 
     def __post_init__(self):
-        if self.max_model_len % self.block_size:
-            raise ValueError("max_model_len must be a multiple of block_size")
+        if self.max_model_len % self.block_size or self.max_model_len < 0:
+            raise ValueError("max_model_len must be a multiple of block_size (0: the model's context)")
+        if not 0 <= self.gpu_memory_utilization <= 1 or self.num_blocks < 0:
+            raise ValueError("gpu_memory_utilization must be in [0, 1] and num_blocks >= 0")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs (every decode fits a step)")
         if self.max_loras < 0 or self.max_lora_rank < 1:

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
+from pdserve.engine import memory
 from pdserve.engine.boundary import (
     Abort,
     AdapterState,
@@ -32,6 +33,7 @@ from pdserve.engine.boundary import (
     RemoteKVFailed,
     Utility,
 )
+from pdserve.engine.compile_cache import cache_state
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.constraints import ConstraintCompiler
 from pdserve.engine.core.kv_connector import KVConnector, TransferReady
@@ -47,7 +49,7 @@ from pdserve.engine.model.sampler import mask_words
 from pdserve.engine.model.sharding import make_mesh
 from pdserve.engine.model.tpu_attention import kernel_attention, kernel_unsupported
 from pdserve.engine.model.weights import build_weights
-from pdserve.engine.model_runner import ModelRunner, SampleRow
+from pdserve.engine.model_runner import ModelRunner, SampleRow, step_temp_bytes
 from pdserve.engine.multihost import Publish
 from pdserve.engine.sampling_params import InvalidRequestError, SamplingParams
 from pdserve.kvtransfer import KVLayout
@@ -124,6 +126,7 @@ class LLMEngine:
             elif platform == "tpu":
                 attention = kernel_attention(model.config, mesh)
         dtype = jax.numpy.dtype(config.dtype)
+        memory.model_len(model.config, config)  # a length past the model's refused before the weights load
         weights = build_weights(model.config, model.checkpoint, mesh, dtype, progress)
         lora_slots = None
         if config.max_loras and (model.config.num_experts or model.config.is_mla):
@@ -132,7 +135,19 @@ class LLMEngine:
             )
         if config.max_loras:
             lora_slots = LoraSlots(model.config, config.max_loras, config.max_lora_rank, mesh, dtype)
-        return ModelRunner(model.config, config, weights, mesh, lora_slots, attention)
+        lora_weights = None if lora_slots is None else lora_slots.weights
+        temp_bytes = functools.partial(
+            step_temp_bytes,
+            model.config,
+            mesh=mesh,
+            weights=weights,
+            lora_weights=lora_weights,
+            attention=attention,
+        )
+        config, plan = memory.plan(model.config, config, mesh, (weights, lora_weights), temp_bytes)
+        runner = ModelRunner(model.config, config, weights, mesh, lora_slots, attention)
+        runner.memory = plan
+        return runner
 
     @classmethod
     def from_model(
@@ -149,8 +164,25 @@ class LLMEngine:
         loaded = time.perf_counter()
         if warmup:
             engine.runner.warmup(progress=progress)
-        log.info("engine ready: load %.1f s, warmup %.1f s", loaded - t0, time.perf_counter() - loaded)
+        engine.log_summary(load_s=f"{loaded - t0:.1f}", warmup_s=f"{time.perf_counter() - loaded:.1f}")
         return engine
+
+    def summary(self) -> dict[str, str]:
+        """What this engine runs on, in one place (the start-up line, Admin stats, /metrics' engine info):
+        the model, platform, devices and mesh, dtype, weights per device, KV blocks and tokens, the maximum
+        concurrency at max_model_len, the compile cache (engine.memory.MemoryPlan)."""
+        plan = self.runner.memory
+        return {
+            "model": self.model.config.name,
+            **(plan.summary() if plan is not None else {}),
+            "tp": str(self.config.tp),
+            "compile_cache": cache_state(),
+        }
+
+    def log_summary(self, **extra: str) -> None:
+        """The start-up line: summary() and `extra` (load and warmup times) as key=value pairs."""
+        fields = {**self.summary(), **extra}.items()
+        log.info("engine: %s", " ".join(f"{k}={v!r}" if " " in v else f"{k}={v}" for k, v in fields))
 
     # ---- requests -------------------------------------------------------------------------------------
     def make_request(

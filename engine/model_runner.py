@@ -22,6 +22,7 @@ from pdserve.engine.config import EngineConfig, ModelConfig, bucket_for
 from pdserve.engine.core.kv_groups import BlockTables, KVGroups
 from pdserve.engine.core.scheduler import Row
 from pdserve.engine.lora_slots import LoraSlots
+from pdserve.engine.memory import MemoryPlan
 from pdserve.engine.model import kv_cache
 from pdserve.engine.model.attention import KV_TILE_BLOCKS, AttentionFn, ragged_paged_attention_reference
 from pdserve.engine.model.forward import forward_step
@@ -78,6 +79,7 @@ class ModelRunner:
         # The leader of a multi-process engine hands each device operation here before running it
         # (engine.multihost); None: single process, or a follower.
         self.publish: Publish | None = None
+        self.memory: MemoryPlan | None = None  # how the cache was sized (engine.memory; set by its builder)
 
     # ---- shapes ----------------------------------------------------------------------------------------
     def step_shapes(self) -> list[tuple[int, int]]:
@@ -92,8 +94,7 @@ class ModelRunner:
 
     @functools.cached_property
     def block_table_width(self) -> int:
-        """Columns of a step's block tables: the longest sequence's blocks, in whole attention tiles."""
-        return -(-self.config.max_blocks_per_seq // KV_TILE_BLOCKS) * KV_TILE_BLOCKS
+        return block_table_width(self.config)
 
     # ---- execution ------------------------------------------------------------------------------------
     def forward(self, rows: list[Row]) -> jax.Array:
@@ -261,7 +262,7 @@ class ModelRunner:
             total=len(shapes) + len(sampler_shapes), desc="compiling", disable=not progress, unit="shape"
         )
         for shape in shapes:
-            self._compile_step(*shape)
+            self._compile_step(shape[0])
             bar.update()
         vocab = self.model.vocab_size
         for b, penalties in sampler_shapes:
@@ -274,19 +275,64 @@ class ModelRunner:
         bar.close()
         return len(shapes) + len(sampler_shapes)
 
-    def _compile_step(self, num_tokens: int, num_seqs: int) -> None:
+    def _compile_step(self, num_tokens: int) -> None:
         """Compiles (or loads from the persistent cache) the step of this shape ahead of time: nothing
         runs, the cache is untouched, and a later step of that shape finds the executable."""
-        zeros = np.zeros
-        _jitted_step.lower(
-            self.weights,
-            self.lora_weights,
-            self.cache,
-            zeros(num_tokens, np.int32),
-            zeros(num_seqs + 1, np.int32),
-            zeros(num_seqs, np.int32),
-            zeros((self.groups.num_groups, num_seqs, self.block_table_width), np.int32),
-            np.full(num_seqs, -1, np.int32),
-            cfg=self.model,
-            attention=self.attention,
+        lower_step(
+            self.model, self.config, self.weights, self.lora_weights, self.cache, num_tokens, self.attention
         ).compile()
+
+
+def block_table_width(config: EngineConfig) -> int:
+    """Columns of a step's block tables: the longest sequence's blocks, in whole attention tiles."""
+    return -(-config.max_blocks_per_seq // KV_TILE_BLOCKS) * KV_TILE_BLOCKS
+
+
+def step_temp_bytes(
+    model: ModelConfig,
+    config: EngineConfig,
+    mesh: Mesh,
+    weights: Weights,
+    lora_weights: LoraWeights | None,
+    attention: AttentionFn,
+) -> int:
+    """The temporary bytes per device of the largest step (its token budget, sequences and block tables of
+    `config`), from XLA's memory analysis of it compiled against a cache of the same layout with only a
+    table's width of blocks (the cache is donated and updated in place: its size adds no temporaries)."""
+    small = dataclasses.replace(config, num_blocks=block_table_width(config))
+    sharding = kvtransfer.cache_sharding(mesh, kv_cache.kv_layout(model, config))
+    cache = jax.ShapeDtypeStruct(
+        kv_cache.cache_shape(model, small), jax.numpy.dtype(config.dtype), sharding=sharding
+    )
+    compiled = lower_step(
+        model, small, weights, lora_weights, cache, config.max_num_batched_tokens, attention
+    )
+    analysis = compiled.compile().memory_analysis()
+    return int(analysis.temp_size_in_bytes) if analysis is not None else 0
+
+
+def lower_step(
+    model: ModelConfig,
+    config: EngineConfig,
+    weights: Weights,
+    lora_weights: LoraWeights | None,
+    cache: jax.Array | jax.ShapeDtypeStruct,
+    num_tokens: int,
+    attention: AttentionFn,
+) -> jax.stages.Lowered:
+    """The step of `num_tokens` tokens (a token bucket) lowered for these weights and cache (an array, or
+    only its shape, dtype and sharding: engine.memory profiles the largest step before the cache exists)."""
+    num_seqs = config.seq_bucket(num_tokens)
+    zeros = np.zeros
+    return _jitted_step.lower(
+        weights,
+        lora_weights,
+        cache,
+        zeros(num_tokens, np.int32),
+        zeros(num_seqs + 1, np.int32),
+        zeros(num_seqs, np.int32),
+        zeros((KVGroups.of(model).num_groups, num_seqs, block_table_width(config)), np.int32),
+        np.full(num_seqs, -1, np.int32),
+        cfg=model,
+        attention=attention,
+    )

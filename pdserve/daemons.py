@@ -390,6 +390,8 @@ def serve_main(args: argparse.Namespace) -> int:
     if not args.no_warmup:
         prefill_engine.runner.warmup()
         decode_engine.runner.warmup()
+    for role, engine in (("prefill", prefill_engine), ("decode", decode_engine)):
+        engine.log_summary(role=role)
     for engine in (prefill_engine, decode_engine):
         load_adapters(engine, args.lora)
     prefill_loop = EngineLoop(prefill_engine, name="prefill-engine")

@@ -125,6 +125,7 @@ class AdminService(pb_grpc.AdminServicer):
             kv_frames_after_compute_total=c.kv_frames_after_compute_total,
             route_expected_hit_tokens_total=c.route_expected_hit_tokens_total,
             route_actual_hit_tokens_total=c.route_actual_hit_tokens_total,
+            engine=self.loop.engine_info,
         )
 
 

@@ -68,6 +68,7 @@ class EngineLoop:
         self._on_failure: list[Callable[[], None]] = []  # supervise()'s wake-ups (any thread)
         self.step_started: float | None = None  # monotonic time the running step began (None: none runs)
         self.stats: EngineStats = engine.stats()  # after the last step (replaced whole, read by any thread)
+        self.engine_info: dict[str, str] = engine.summary()  # what the engine runs on (fixed at start)
 
     def publish_kv_events(self, sink: Callable[[list], None]) -> None:
         """The engine's KV cache events go to `sink` from the next step on (called on the engine thread

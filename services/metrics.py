@@ -18,7 +18,7 @@ import threading
 import time
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from prometheus_client import CollectorRegistry, Histogram, make_wsgi_app
+from prometheus_client import CollectorRegistry, Histogram, Info, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import ThreadingWSGIServer
 
@@ -204,6 +204,10 @@ class Metrics:
         self.registry = CollectorRegistry()  # /metrics: everything
         self.registry.register(picker)
         self.registry.register(_StateCollector(role, loop, counters))
+        engine = Info(
+            "pdserve_engine", "what the engine runs on (its start-up line)", ["role"], registry=self.registry
+        )
+        engine.labels(role).info(loop.engine_info)
         hist = lambda name, doc: Histogram(name, doc, buckets=_LATENCY_BUCKETS, registry=self.registry)  # noqa: E731
         self.ttft = hist("pdserve_time_to_first_token_seconds", "request arrival to its first token")
         self.tpot = hist("pdserve_time_per_output_token_seconds", "mean gap between a request's tokens")

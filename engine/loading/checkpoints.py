@@ -127,7 +127,7 @@ class CheckpointError(FileNotFoundError):
 
 # Tensor dtypes pdserve reads from safetensors files (anything else is a quantized or foreign checkpoint)
 _SAFETENSORS_DTYPES = ("F32", "F16", "BF16")
-_GLOBAL_TENSORS = ("embed", "final_norm", "lm_head")
+GLOBAL_TENSORS = ("embed", "final_norm", "lm_head")  # the arrays outside the layers
 
 
 class LayerReader:
@@ -142,9 +142,14 @@ class LayerReader:
         [experts, in, out] for experts), only those the layer has."""
         raise NotImplementedError
 
-    def globals(self) -> dict[str, np.ndarray]:
-        """`embed` [vocab, hidden], `final_norm` [hidden] and, when the head is not tied, `lm_head`
-        [hidden, vocab]."""
+    def global_tensor(self, name: str, vocab: slice = slice(None)) -> np.ndarray | None:
+        """One of GLOBAL_TENSORS: `embed` [vocab, hidden], `final_norm` [hidden], `lm_head` [hidden, vocab]
+        (None when the head is tied to the embeddings); of `embed` and `lm_head` only the `vocab` entries
+        (the loader reads them in pieces: each is the size of several layers)."""
+        raise NotImplementedError
+
+    def vocab_size(self, name: str) -> int:
+        """Vocabulary entries of `embed` or `lm_head` as stored."""
         raise NotImplementedError
 
 
@@ -167,8 +172,26 @@ class _FileReader(LayerReader):
     def __init__(self, cfg: ModelConfig, path: Path, fetch: Callable[[int, str], np.ndarray | None]):
         self.cfg, self.path, self.fetch = cfg, path, fetch
 
-    def tensor(self, key: str) -> np.ndarray | None:
+    GLOBAL_KEYS: dict[str, str]  # GLOBAL_TENSORS' names in the format
+
+    def tensor(self, key: str, rows: slice = slice(None)) -> np.ndarray | None:
+        """The stored tensor `key` (those `rows` of its first axis), None if the checkpoint lacks it."""
         raise NotImplementedError
+
+    def rows(self, key: str) -> int:
+        raise NotImplementedError
+
+    def vocab_size(self, name: str) -> int:
+        return self.rows(self.GLOBAL_KEYS[name])
+
+    def global_tensor(self, name: str, vocab: slice = slice(None)) -> np.ndarray | None:
+        if name == "lm_head" and self.cfg.tie_word_embeddings:
+            return None
+        w = self.tensor(self.GLOBAL_KEYS[name], vocab if name != "final_norm" else slice(None))
+        if w is None:
+            tied = " and embeddings are not tied" if name == "lm_head" else ""
+            raise CheckpointError(f"{self.path} lacks tensor {self.GLOBAL_KEYS[name]}{tied}")
+        return w.T if name == "lm_head" else w  # stored [vocab, hidden]
 
     def layer(self, i: int) -> dict[str, np.ndarray]:
         cfg, out = self.cfg, {}
@@ -185,12 +208,6 @@ class _FileReader(LayerReader):
             out[name] = np.swapaxes(w, -1, -2) if w.ndim >= 2 else w  # [(experts,) out, in] -> in, out
         _mla_rope_in_halves(cfg, out)
         return out
-
-    def required(self, key: str) -> np.ndarray:
-        w = self.tensor(key)
-        if w is None:
-            raise CheckpointError(f"{self.path} lacks tensor {key}")
-        return w
 
 
 class GGUFCheckpoint(Checkpoint):
@@ -223,20 +240,31 @@ class _GGUFReader(_FileReader):
         self.tensors = tensors
         self.permute = meta["general.architecture"] in gguf_config.ROPE_PERMUTED
 
-    def tensor(self, key: str) -> np.ndarray | None:
+    GLOBAL_KEYS = {
+        "embed": "token_embd.weight",
+        "final_norm": "output_norm.weight",
+        "lm_head": "output.weight",
+    }
+
+    def rows(self, key: str) -> int:
+        return int(self.tensors[key].shape[-1])  # (GGUF lists dimensions innermost first)
+
+    def tensor(self, key: str, rows: slice = slice(None)) -> np.ndarray | None:
         import gguf
 
         t = self.tensors.get(key)
         if t is None:
             return None
-        self.bytes_read += int(t.n_bytes)
+        shape = tuple(reversed([int(d) for d in t.shape]))
+        data = t.data[rows] if rows != slice(None) else t.data  # rows of a matrix: rows of its blocks
+        self.bytes_read += data.nbytes
         try:
-            arr = gguf.quants.dequantize(t.data, t.tensor_type)
+            arr = gguf.quants.dequantize(data, t.tensor_type)
         except NotImplementedError:
             raise UnsupportedModelError(
                 f"{self.path}: tensor {key} is {t.tensor_type.name}, a type the gguf package does not read"
             ) from None
-        return np.asarray(arr, dtype=np.float32).reshape(tuple(reversed([int(d) for d in t.shape])))
+        return np.asarray(arr, dtype=np.float32).reshape(-1, *shape[1:])
 
     def _fetch(self, i: int, weight: str) -> np.ndarray | None:
         cfg = self.cfg
@@ -251,12 +279,6 @@ class _GGUFReader(_FileReader):
         if w is not None and self.permute and weight in ("wk", "bk"):
             w = _undo_gguf_rope_permutation(w, cfg.num_kv_heads)
         return w
-
-    def globals(self) -> dict[str, np.ndarray]:
-        out = {"embed": self.required("token_embd.weight"), "final_norm": self.required("output_norm.weight")}
-        if not self.cfg.tie_word_embeddings:
-            out["lm_head"] = self.required("output.weight").T
-        return out
 
 
 class SafetensorsCheckpoint(Checkpoint):
@@ -308,7 +330,19 @@ class _SafetensorsReader(_FileReader):
         if cfg.architecture == "mixtral":
             self.names.update(_MIXTRAL_HF_TENSORS)
 
-    def tensor(self, key: str) -> np.ndarray | None:
+    GLOBAL_KEYS = {
+        "embed": "model.embed_tokens.weight",
+        "final_norm": "model.norm.weight",
+        "lm_head": "lm_head.weight",
+    }
+
+    def rows(self, key: str) -> int:
+        from safetensors import safe_open
+
+        with safe_open(str(self.where[key]), framework="numpy") as f:
+            return f.get_slice(key).get_shape()[0]
+
+    def tensor(self, key: str, rows: slice = slice(None)) -> np.ndarray | None:
         from safetensors import safe_open
 
         file = self.where.get(key)
@@ -316,7 +350,7 @@ class _SafetensorsReader(_FileReader):
             return None
         # opened for each tensor: the file's memory map (resident pages) ends with the read
         with safe_open(str(file), framework="numpy") as f:
-            w = f.get_tensor(key)
+            w = f.get_tensor(key) if rows == slice(None) else f.get_slice(key)[rows]
         self.bytes_read += w.nbytes
         return w
 
@@ -337,17 +371,11 @@ class _SafetensorsReader(_FileReader):
                 out[key] = out[key].astype(np.float32) + 1.0
         return out
 
-    def globals(self) -> dict[str, np.ndarray]:
-        out = {"embed": self.required("model.embed_tokens.weight")}
-        final_norm = self.required("model.norm.weight")
-        gemma = self.cfg.architecture in GEMMA
-        out["final_norm"] = final_norm.astype(np.float32) + 1.0 if gemma else final_norm
-        if not self.cfg.tie_word_embeddings:
-            lm_head = self.tensor("lm_head.weight")
-            if lm_head is None:
-                raise CheckpointError(f"{self.path} lacks lm_head.weight and embeddings are not tied")
-            out["lm_head"] = lm_head.T
-        return out
+    def global_tensor(self, name: str, vocab: slice = slice(None)) -> np.ndarray | None:
+        w = super().global_tensor(name, vocab)
+        if name == "final_norm" and self.cfg.architecture in GEMMA:  # (1 + weight), as in the layers
+            w = w.astype(np.float32) + 1.0
+        return w
 
 
 class HostCheckpoint(Checkpoint):
@@ -370,14 +398,21 @@ class _HostReader(LayerReader):
     def layer(self, i: int) -> dict[str, np.ndarray]:
         out = {}
         for name, w in self.host.items():
-            layers = _layers_with(self.cfg, name) if name not in _GLOBAL_TENSORS else range(0)
+            layers = _layers_with(self.cfg, name) if name not in GLOBAL_TENSORS else range(0)
             if i in layers:
                 out[name] = w[i - layers.start]
                 self.bytes_read += out[name].nbytes
         return out
 
-    def globals(self) -> dict[str, np.ndarray]:
-        return {k: w for k, w in self.host.items() if k in _GLOBAL_TENSORS}
+    def global_tensor(self, name: str, vocab: slice = slice(None)) -> np.ndarray | None:
+        w = self.host.get(name)
+        if w is None or name == "final_norm":
+            return w
+        return w[vocab] if name == "embed" else w[:, vocab]
+
+    def vocab_size(self, name: str) -> int:
+        w = self.host[name]
+        return w.shape[0] if name == "embed" else w.shape[1]
 
 
 def read_stacked(checkpoint: Checkpoint) -> dict[str, np.ndarray]:
@@ -386,7 +421,8 @@ def read_stacked(checkpoint: Checkpoint) -> dict[str, np.ndarray]:
     cfg = checkpoint.config
     with checkpoint.reader() as reader:
         layers = [reader.layer(i) for i in range(cfg.num_layers)]
-        host = {k: w.astype(np.float32) for k, w in reader.globals().items()}
+        host = {name: reader.global_tensor(name) for name in GLOBAL_TENSORS}
+        host = {name: w.astype(np.float32) for name, w in host.items() if w is not None}
     for name in _LAYER_TENSORS:
         per_layer = [layer[name] for layer in layers if name in layer]
         if per_layer:

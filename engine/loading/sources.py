@@ -18,7 +18,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from pdserve.engine.config import MemoryBudgetError, ModelConfig, UnsupportedModelError
+from pdserve.engine.config import ModelConfig, SizingError, UnsupportedModelError
 from pdserve.engine.loading.checkpoints import (
     Checkpoint,
     CheckpointError,
@@ -136,7 +136,7 @@ class LoadedModel:
 # What loading a model reference can fail with that is the reference's fault (not found, an architecture or
 # a config feature pdserve lacks, more than the devices' memory): command lines print it as one line and
 # exit non-zero.
-MODEL_ERRORS = (UnsupportedModelError, CheckpointError, MemoryBudgetError)
+MODEL_ERRORS = (UnsupportedModelError, CheckpointError, SizingError)
 
 
 def load_model(ref: str | os.PathLike | None = None) -> LoadedModel:

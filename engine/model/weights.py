@@ -18,7 +18,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from pdserve.engine.config import ModelConfig
-from pdserve.engine.loading.checkpoints import Checkpoint
+from pdserve.engine.loading.checkpoints import GLOBAL_TENSORS, Checkpoint
 from pdserve.engine.model.sharding import named
 
 log = logging.getLogger(__name__)
@@ -71,6 +71,7 @@ class Weights:
     lm_head: jax.Array | None  # [hidden, vocab]; None when tied to `embed`
 
 
+_AXES = {"embed": ("vocab", "embed"), "final_norm": ("embed",), "lm_head": ("embed", "vocab")}
 _LAYER_AXES = {
     "attn_norm": ("layers", "embed"),
     "w_qkv": ("layers", "embed", "kv_heads", None),
@@ -193,10 +194,55 @@ def _zeros(shape: tuple[int, ...], dtype: np.dtype, sharding: NamedSharding) -> 
     return jax.lax.with_sharding_constraint(jnp.zeros(shape, dtype), sharding)
 
 
-@functools.partial(jax.jit, donate_argnums=0)
-def _write_layer(stacked: jax.Array, layer: jax.Array, index: jax.Array) -> jax.Array:
-    """`stacked` [L, ...] with layer `index` replaced by `layer` [1, ...], in place (donated)."""
-    return jax.lax.dynamic_update_slice_in_dim(stacked, layer, index, axis=0)
+@functools.partial(jax.jit, donate_argnums=0, static_argnames="axis")
+def _write_at(target: jax.Array, piece: jax.Array, index: jax.Array, axis: int = 0) -> jax.Array:
+    """`target` with `piece` written from `index` of `axis` on, in place (donated)."""
+    return jax.lax.dynamic_update_slice_in_dim(target, piece, index, axis=axis)
+
+
+_VOCAB_PIECE_BYTES = 64 * 2**20  # the embeddings and the head are read and placed in pieces of this size
+
+
+def _read_outside(cfg: ModelConfig, reader, name: str, mesh: Mesh, dtype: np.dtype, bar) -> jax.Array | None:
+    """One of the arrays outside the layers onto the mesh; the embeddings and the head (a vocabulary axis,
+    each the size of several layers) a piece of the vocabulary at a time."""
+    sharding = named(mesh, *_AXES[name])
+    if name == "final_norm":
+        return _put(reader.global_tensor(name).astype(dtype, copy=False), sharding)
+    if name == "lm_head" and cfg.tie_word_embeddings:
+        return None
+    vocab, axis = reader.vocab_size(name), 0 if name == "embed" else 1
+    shape = (vocab, cfg.hidden_size) if axis == 0 else (cfg.hidden_size, vocab)
+    target = _zeros(shape, dtype, sharding)
+    step = max(1, _VOCAB_PIECE_BYTES // (4 * cfg.hidden_size))  # (float32 where dequantized)
+    for start in range(0, vocab, step):
+        piece = reader.global_tensor(name, slice(start, min(start + step, vocab))).astype(dtype, copy=False)
+        # (a piece is replicated: its rows need not divide over the mesh; each device keeps its part)
+        target = _write_at(target, _put(piece, named(mesh)), start, axis=axis)
+        bar.update(reader.bytes_read - bar.n)
+    return target
+
+
+def _return_freed_memory() -> None:
+    """Hands the host memory of the arrays freed so far back to the system. glibc keeps freed blocks of
+    up to 32 MB in its heap (its mmap threshold rises to the largest block freed), so the per-layer arrays
+    of a model with small layers would otherwise stay resident beside their device copies."""
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
+def _glibc():
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return libc if hasattr(libc, "malloc_trim") else None
+    except OSError:
+        return None
+
+
+_LIBC = _glibc()
 
 
 def build_weights(
@@ -229,19 +275,15 @@ def build_weights(
                     sharding = named(mesh, *_LAYER_AXES[name])
                     if name not in stacked:
                         stacked[name] = _zeros((end - start, *w.shape[1:]), dtype, sharding)
-                    stacked[name] = _write_layer(stacked[name], _put(w.astype(dtype), sharding), i - start)
+                    layer = _put(w.astype(dtype, copy=False), sharding)
+                    stacked[name] = _write_at(stacked[name], layer, i - start)
                 bar.update(reader.bytes_read - bar.n)
+                _return_freed_memory()
             segments.append(LayerWeights(**{name: stacked.get(name) for name in _LAYER_AXES}))
-        host = reader.globals()
-        lm_head = host.get("lm_head")
-        weights = Weights(
-            embed=_put(host["embed"].astype(dtype), named(mesh, "vocab", "embed")),
-            layers=tuple(segments),
-            final_norm=_put(host["final_norm"].astype(dtype), named(mesh, "embed")),
-            lm_head=None if lm_head is None else _put(lm_head.astype(dtype), named(mesh, "embed", "vocab")),
-        )
-        bar.update(reader.bytes_read - bar.n)
+        outside = {name: _read_outside(cfg, reader, name, mesh, dtype, bar) for name in GLOBAL_TENSORS}
+        weights = Weights(layers=tuple(segments), **outside)
     jax.block_until_ready(weights)
+    _return_freed_memory()
     seconds = time.perf_counter() - start_time
     log.info(
         "weights loaded: %.2f GiB stored, %.2f GiB on the devices, %.1f s (%.2f GB/s)",

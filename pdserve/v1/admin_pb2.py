@@ -24,13 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16pdserve/v1/admin.proto\x12\npdserve.v1\"4\n\x16LoadLoraAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\"z\n\x0fLoraAdapterInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x16\n\x0etarget_modules\x18\x04 \x03(\t\x12\x13\n\x0b\x66ingerprint\x18\x05 \x01(\t\x12\x10\n\x08resident\x18\x06 \x01(\x08\"(\n\x18UnloadLoraAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x1b\n\x19UnloadLoraAdapterResponse\"\x19\n\x17ListLoraAdaptersRequest\"e\n\x0fLoraAdapterList\x12-\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x1b.pdserve.v1.LoraAdapterInfo\x12\x11\n\tnum_slots\x18\x02 \x01(\r\x12\x10\n\x08max_rank\x18\x03 \x01(\r\"\x11\n\x0fGetStatsRequest\"\xc5\x04\n\x0bServerStats\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\r\x12\x13\n\x0bnum_running\x18\x04 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\r\x12\x1a\n\x12num_requests_total\x18\x06 \x01(\x04\x12\x14\n\x0cnum_incoming\x18\x07 \x01(\r\x12\x1b\n\x13num_transfers_total\x18\x08 \x01(\x04\x12!\n\x19kv_transfer_seconds_total\x18\t \x01(\x01\x12\x1f\n\x17kv_transfer_bytes_total\x18\n \x01(\x04\x12#\n\x1bnum_transfer_failures_total\x18\x0b \x01(\x04\x12\x19\n\x11num_cached_blocks\x18\x0c \x01(\r\x12\"\n\x1aprefix_cache_queries_total\x18\r \x01(\x04\x12\x1f\n\x17prefix_cache_hits_total\x18\x0e \x01(\x04\x12$\n\x1cprefix_cache_evictions_total\x18\x0f \x01(\x04\x12\x1c\n\x14kv_frames_sent_total\x18\x10 \x01(\x04\x12%\n\x1dkv_frames_after_compute_total\x18\x11 \x01(\x04\x12\'\n\x1froute_expected_hit_tokens_total\x18\x12 \x01(\x04\x12%\n\x1droute_actual_hit_tokens_total\x18\x13 \x01(\x04\x32\xd5\x02\n\x05\x41\x64min\x12@\n\x08GetStats\x12\x1b.pdserve.v1.GetStatsRequest\x1a\x17.pdserve.v1.ServerStats\x12R\n\x0fLoadLoraAdapter\x12\".pdserve.v1.LoadLoraAdapterRequest\x1a\x1b.pdserve.v1.LoraAdapterInfo\x12`\n\x11UnloadLoraAdapter\x12$.pdserve.v1.UnloadLoraAdapterRequest\x1a%.pdserve.v1.UnloadLoraAdapterResponse\x12T\n\x10ListLoraAdapters\x12#.pdserve.v1.ListLoraAdaptersRequest\x1a\x1b.pdserve.v1.LoraAdapterListb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16pdserve/v1/admin.proto\x12\npdserve.v1\"4\n\x16LoadLoraAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\"z\n\x0fLoraAdapterInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x16\n\x0etarget_modules\x18\x04 \x03(\t\x12\x13\n\x0b\x66ingerprint\x18\x05 \x01(\t\x12\x10\n\x08resident\x18\x06 \x01(\x08\"(\n\x18UnloadLoraAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x1b\n\x19UnloadLoraAdapterResponse\"\x19\n\x17ListLoraAdaptersRequest\"e\n\x0fLoraAdapterList\x12-\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x1b.pdserve.v1.LoraAdapterInfo\x12\x11\n\tnum_slots\x18\x02 \x01(\r\x12\x10\n\x08max_rank\x18\x03 \x01(\r\"\x11\n\x0fGetStatsRequest\"\xa9\x05\n\x0bServerStats\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\r\x12\x13\n\x0bnum_running\x18\x04 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\r\x12\x1a\n\x12num_requests_total\x18\x06 \x01(\x04\x12\x14\n\x0cnum_incoming\x18\x07 \x01(\r\x12\x1b\n\x13num_transfers_total\x18\x08 \x01(\x04\x12!\n\x19kv_transfer_seconds_total\x18\t \x01(\x01\x12\x1f\n\x17kv_transfer_bytes_total\x18\n \x01(\x04\x12#\n\x1bnum_transfer_failures_total\x18\x0b \x01(\x04\x12\x19\n\x11num_cached_blocks\x18\x0c \x01(\r\x12\"\n\x1aprefix_cache_queries_total\x18\r \x01(\x04\x12\x1f\n\x17prefix_cache_hits_total\x18\x0e \x01(\x04\x12$\n\x1cprefix_cache_evictions_total\x18\x0f \x01(\x04\x12\x1c\n\x14kv_frames_sent_total\x18\x10 \x01(\x04\x12%\n\x1dkv_frames_after_compute_total\x18\x11 \x01(\x04\x12\'\n\x1froute_expected_hit_tokens_total\x18\x12 \x01(\x04\x12%\n\x1droute_actual_hit_tokens_total\x18\x13 \x01(\x04\x12\x33\n\x06\x65ngine\x18\x14 \x03(\x0b\x32#.pdserve.v1.ServerStats.EngineEntry\x1a-\n\x0b\x45ngineEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x32\xd5\x02\n\x05\x41\x64min\x12@\n\x08GetStats\x12\x1b.pdserve.v1.GetStatsRequest\x1a\x17.pdserve.v1.ServerStats\x12R\n\x0fLoadLoraAdapter\x12\".pdserve.v1.LoadLoraAdapterRequest\x1a\x1b.pdserve.v1.LoraAdapterInfo\x12`\n\x11UnloadLoraAdapter\x12$.pdserve.v1.UnloadLoraAdapterRequest\x1a%.pdserve.v1.UnloadLoraAdapterResponse\x12T\n\x10ListLoraAdapters\x12#.pdserve.v1.ListLoraAdaptersRequest\x1a\x1b.pdserve.v1.LoraAdapterListb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.admin_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_SERVERSTATS_ENGINEENTRY']._loaded_options = None
+  _globals['_SERVERSTATS_ENGINEENTRY']._serialized_options = b'8\001'
   _globals['_LOADLORAADAPTERREQUEST']._serialized_start=38
   _globals['_LOADLORAADAPTERREQUEST']._serialized_end=90
   _globals['_LORAADAPTERINFO']._serialized_start=92
@@ -46,7 +48,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETSTATSREQUEST']._serialized_start=417
   _globals['_GETSTATSREQUEST']._serialized_end=434
   _globals['_SERVERSTATS']._serialized_start=437
-  _globals['_SERVERSTATS']._serialized_end=1018
-  _globals['_ADMIN']._serialized_start=1021
-  _globals['_ADMIN']._serialized_end=1362
+  _globals['_SERVERSTATS']._serialized_end=1118
+  _globals['_SERVERSTATS_ENGINEENTRY']._serialized_start=1073
+  _globals['_SERVERSTATS_ENGINEENTRY']._serialized_end=1118
+  _globals['_ADMIN']._serialized_start=1121
+  _globals['_ADMIN']._serialized_end=1462
 # @@protoc_insertion_point(module_scope)

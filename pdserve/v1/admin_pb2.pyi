@@ -59,7 +59,14 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerStats(_message.Message):
-    __slots__ = ("role", "num_blocks", "num_free_blocks", "num_running", "num_waiting", "num_requests_total", "num_incoming", "num_transfers_total", "kv_transfer_seconds_total", "kv_transfer_bytes_total", "num_transfer_failures_total", "num_cached_blocks", "prefix_cache_queries_total", "prefix_cache_hits_total", "prefix_cache_evictions_total", "kv_frames_sent_total", "kv_frames_after_compute_total", "route_expected_hit_tokens_total", "route_actual_hit_tokens_total")
+    __slots__ = ("role", "num_blocks", "num_free_blocks", "num_running", "num_waiting", "num_requests_total", "num_incoming", "num_transfers_total", "kv_transfer_seconds_total", "kv_transfer_bytes_total", "num_transfer_failures_total", "num_cached_blocks", "prefix_cache_queries_total", "prefix_cache_hits_total", "prefix_cache_evictions_total", "kv_frames_sent_total", "kv_frames_after_compute_total", "route_expected_hit_tokens_total", "route_actual_hit_tokens_total", "engine")
+    class EngineEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -79,6 +86,7 @@ class ServerStats(_message.Message):
     KV_FRAMES_AFTER_COMPUTE_TOTAL_FIELD_NUMBER: _ClassVar[int]
     ROUTE_EXPECTED_HIT_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     ROUTE_ACTUAL_HIT_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
     role: str
     num_blocks: int
     num_free_blocks: int
@@ -98,4 +106,5 @@ class ServerStats(_message.Message):
     kv_frames_after_compute_total: int
     route_expected_hit_tokens_total: int
     route_actual_hit_tokens_total: int
-    def __init__(self, role: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_requests_total: _Optional[int] = ..., num_incoming: _Optional[int] = ..., num_transfers_total: _Optional[int] = ..., kv_transfer_seconds_total: _Optional[float] = ..., kv_transfer_bytes_total: _Optional[int] = ..., num_transfer_failures_total: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., prefix_cache_queries_total: _Optional[int] = ..., prefix_cache_hits_total: _Optional[int] = ..., prefix_cache_evictions_total: _Optional[int] = ..., kv_frames_sent_total: _Optional[int] = ..., kv_frames_after_compute_total: _Optional[int] = ..., route_expected_hit_tokens_total: _Optional[int] = ..., route_actual_hit_tokens_total: _Optional[int] = ...) -> None: ...
+    engine: _containers.ScalarMap[str, str]
+    def __init__(self, role: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_requests_total: _Optional[int] = ..., num_incoming: _Optional[int] = ..., num_transfers_total: _Optional[int] = ..., kv_transfer_seconds_total: _Optional[float] = ..., kv_transfer_bytes_total: _Optional[int] = ..., num_transfer_failures_total: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., prefix_cache_queries_total: _Optional[int] = ..., prefix_cache_hits_total: _Optional[int] = ..., prefix_cache_evictions_total: _Optional[int] = ..., kv_frames_sent_total: _Optional[int] = ..., kv_frames_after_compute_total: _Optional[int] = ..., route_expected_hit_tokens_total: _Optional[int] = ..., route_actual_hit_tokens_total: _Optional[int] = ..., engine: _Optional[_Mapping[str, str]] = ...) -> None: ...

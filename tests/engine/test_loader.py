@@ -360,3 +360,47 @@ def test_dtype_auto_is_bfloat16_on_accelerators_and_float32_on_cpu():
     assert EngineConfig(dtype="float32").on_platform("tpu").dtype == "float32"  # given: kept
     with pytest.raises(ValueError, match="dtype"):
         EngineConfig(dtype="float16")
+
+
+def _fp8_folder(path: Path, config: dict) -> Path:
+    """A tiny folder as llm-compressor writes FP8 checkpoints: F8_E4M3 weights beside float32 scales."""
+    import ml_dtypes
+    from safetensors.numpy import save_file
+
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(config))
+    weight = np.ones((16, 16), ml_dtypes.float8_e4m3fn)
+    tensors = {
+        "model.embed_tokens.weight": np.zeros((32, 16), np.float32),
+        "model.layers.0.self_attn.q_proj.weight": weight,
+        "model.layers.0.self_attn.q_proj.weight_scale": np.ones((16, 1), np.float32),
+    }
+    save_file(tensors, str(path / "model.safetensors"))
+    return path
+
+
+@pytest.mark.parametrize(
+    "quantization, method",
+    [
+        ({"quant_method": "compressed-tensors", "format": "float-quantized"}, "compressed-tensors"),
+        ({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False}, "gptq"),
+        ({"quant_method": "awq", "bits": 4, "version": "gemm"}, "awq"),
+    ],
+)
+def test_quantized_checkpoints_are_refused_in_one_line(tmp_path, quantization, method):
+    """A config.json quantization_config of any kind is refused by name: its weights would otherwise load
+    unscaled (FP8) or fail as a missing tensor (GPTQ's qweight)."""
+    from pdserve.engine.loading.sources import MODEL_ERRORS, load_model
+
+    folder = _fp8_folder(tmp_path / "q", {**HF_CONFIG, "quantization_config": quantization})
+    with pytest.raises(MODEL_ERRORS) as refusal:
+        load_model(folder)
+    assert isinstance(refusal.value, UnsupportedModelError)
+    assert "\n" not in str(refusal.value) and f"quant_method={method!r}" in str(refusal.value)
+
+
+def test_tensors_of_an_unread_dtype_are_refused_by_name(tmp_path):
+    """Without a quantization_config, an F8_E4M3 tensor is still refused, naming the tensor."""
+    folder = _fp8_folder(tmp_path / "f8", HF_CONFIG)
+    with pytest.raises(UnsupportedModelError, match="q_proj.weight is F8_E4M3"):
+        SafetensorsCheckpoint(folder)

@@ -1,0 +1,216 @@
+"""The KV cache sized from the devices' memory, and what an engine runs on (its start-up summary).
+
+With no `--num-blocks`, the KV cache takes what the memory fraction (`--gpu-memory-utilization`) leaves of
+each device once the weights (and LoRA slots) are on it and the largest step's temporaries are set aside.
+Those are measured, not estimated: the step of the largest token bucket is compiled ahead of time against
+a small cache of the same layout, and XLA's memory analysis gives its temporary bytes per device. On a
+CPU, where the devices share the host's memory, the budget is a fraction of the RAM available at start.
+
+`--max-model-len` defaults to the model's context (max_position_embeddings), capped to what the cache
+holds for one request; a larger value than the model's context is refused, and so is a budget that cannot
+hold one request of an explicit `--max-model-len`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+
+from pdserve.engine.config import EngineConfig, ModelConfig, SizingError
+from pdserve.engine.model.kv_cache import cache_shape
+
+log = logging.getLogger(__name__)
+
+# The memory fraction where --gpu-memory-utilization is not given: most of an accelerator's memory (vLLM's
+# default), a tenth of a CPU host's available RAM (a CPU engine shares it with everything else on the host).
+DEFAULT_FRACTION = {"cpu": 0.1}
+ACCELERATOR_FRACTION = 0.9
+GIB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """How an engine's memory is split. Byte counts are per device; on a CPU, of the host's RAM (every
+    CPU device's together)."""
+
+    platform: str
+    device_kind: str
+    num_devices: int  # of the engine's mesh
+    dtype: str
+    weight_bytes: int  # weights and LoRA slots
+    num_blocks: int
+    block_size: int
+    block_bytes: int  # one KV block's
+    max_model_len: int
+    budget_bytes: int = (
+        0  # what the memory fraction gives the engine (0: the cache was sized by --num-blocks)
+    )
+    activation_bytes: int = 0  # the largest step's temporaries (measured when sizing from memory)
+    fraction: float = 0.0
+
+    @property
+    def kv_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def max_concurrency(self) -> float:
+        """Requests of max_model_len tokens the cache holds at once."""
+        return self.kv_tokens / self.max_model_len
+
+    def summary(self) -> dict[str, str]:
+        """The start-up summary's fields (also Admin stats' and /metrics' engine info)."""
+        sized = f"gpu_memory_utilization={self.fraction:g}" if self.budget_bytes else "num_blocks"
+        return {
+            "platform": self.platform,
+            "devices": str(self.num_devices),
+            "device_kind": self.device_kind,
+            "dtype": self.dtype,
+            "weights_gib": f"{self.weight_bytes / GIB:.2f}",
+            "kv_blocks": str(self.num_blocks),
+            "kv_tokens": str(self.kv_tokens),
+            "kv_gib": f"{self.num_blocks * self.block_bytes / GIB:.2f}",
+            "activations_gib": f"{self.activation_bytes / GIB:.2f}",
+            "max_model_len": str(self.max_model_len),
+            "max_concurrency": f"{self.max_concurrency:.1f}",
+            "sized_by": sized,
+        }
+
+
+def _local_devices(mesh) -> list[jax.Device]:
+    return [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+
+
+def device_bytes(trees, mesh) -> int:
+    """Bytes the arrays of `trees` hold on the fullest of this process's devices of `mesh`; on a CPU, on
+    all of them together (replicated arrays count once a device)."""
+    per_device: dict[jax.Device, int] = {d: 0 for d in _local_devices(mesh)}
+    for leaf in jax.tree.leaves(trees):
+        for shard in leaf.addressable_shards:
+            per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
+    values = per_device.values()
+    return sum(values) if _platform(mesh) == "cpu" else max(values)
+
+
+def _platform(mesh) -> str:
+    return mesh.devices.flat[0].platform
+
+
+def _available_ram() -> int:
+    """The host's available RAM (Linux MemAvailable; elsewhere the free pages)."""
+    meminfo = Path("/proc/meminfo")
+    if meminfo.is_file():
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _budget(mesh, fraction: float, weight_bytes: int) -> int:
+    """What the fraction leaves the engine beyond what its devices already hold (the weights): per device
+    on an accelerator (the fullest device's), on a CPU of the host's RAM."""
+    if _platform(mesh) == "cpu":
+        return int(fraction * (_available_ram() + weight_bytes)) - weight_bytes
+    budgets = []
+    for device in _local_devices(mesh):
+        stats = device.memory_stats() or {}
+        if "bytes_limit" not in stats:
+            raise SizingError(
+                f"{device.device_kind} reports no memory limit: size the KV cache with --num-blocks"
+            )
+        budgets.append(int(fraction * stats["bytes_limit"]) - stats.get("bytes_in_use", 0))
+    return min(budgets)
+
+
+def block_bytes(model: ModelConfig, config: EngineConfig, mesh) -> int:
+    """One KV block's bytes per device (on a CPU, every device's together): the cache is split over the
+    mesh by heads, or replicated (MLA's latent)."""
+    shape = cache_shape(model, dataclasses.replace(config, num_blocks=1))
+    total = jax.numpy.dtype(config.dtype).itemsize
+    for n in shape:
+        total *= n
+    tp = config.tp
+    per_device = total if model.is_mla else total // tp
+    return per_device * tp if _platform(mesh) == "cpu" else per_device
+
+
+def model_len(model: ModelConfig, config: EngineConfig) -> int:
+    """The asked max_model_len, or the model's context (in whole blocks); SizingError past the context."""
+    context = model.max_position_embeddings
+    if config.max_model_len > context:
+        raise SizingError(
+            f"--max-model-len {config.max_model_len} exceeds the model's context ({context} tokens, "
+            "max_position_embeddings of its config)"
+        )
+    return config.max_model_len or context // config.block_size * config.block_size
+
+
+def plan(
+    model: ModelConfig,
+    config: EngineConfig,
+    mesh,
+    resident,
+    step_temp_bytes: Callable[[EngineConfig], int],
+) -> tuple[EngineConfig, MemoryPlan]:
+    """`config` with num_blocks and max_model_len resolved (0: sized here), and the plan that says how.
+    `resident`: what the devices hold already (the weights, the LoRA slots); `step_temp_bytes(config)`:
+    the largest step's temporary bytes per device, measured by compiling it."""
+    bs = config.block_size
+    max_len = model_len(model, config)
+    weight_bytes = device_bytes(resident, mesh)
+    per_block = block_bytes(model, config, mesh)
+    device = mesh.devices.flat[0]
+    fields = dict(
+        platform=device.platform,
+        device_kind=device.device_kind,
+        num_devices=mesh.devices.size,
+        dtype=config.dtype,
+        weight_bytes=weight_bytes,
+        block_size=bs,
+        block_bytes=per_block,
+    )
+    if config.num_blocks:  # sized by the flag
+        if not config.max_model_len:
+            max_len = max(bs, min(max_len, config.num_blocks * bs))
+        resolved = dataclasses.replace(config, max_model_len=max_len)
+        return resolved, MemoryPlan(num_blocks=config.num_blocks, max_model_len=max_len, **fields)
+    platform = device.platform
+    fraction = config.gpu_memory_utilization or DEFAULT_FRACTION.get(platform, ACCELERATOR_FRACTION)
+    budget = _budget(mesh, fraction, weight_bytes)
+    activations = step_temp_bytes(dataclasses.replace(config, max_model_len=max_len))
+    if platform == "cpu":
+        activations *= config.tp  # every CPU device's temporaries in the same RAM
+    num_blocks = max(0, (budget - activations) // per_block)
+    one_request = -(-max_len // bs)
+    if num_blocks < one_request:
+        capped = num_blocks * bs
+        if config.max_model_len or capped < min(max_len, config.max_num_batched_tokens):
+            raise SizingError(
+                f"the KV cache does not fit one request of {max_len} tokens: {fraction:g} of "
+                f"{'the available RAM' if platform == 'cpu' else 'device memory'} leaves "
+                f"{max(budget, 0) / GIB:.2f} GiB per device beyond the weights "
+                f"({weight_bytes / GIB:.2f} GiB), the largest step takes {activations / GIB:.2f} GiB, and "
+                f"{one_request} blocks of {per_block / 2**20:.2f} MiB need "
+                f"{one_request * per_block / GIB:.2f} GiB. Shard over more devices (--tp), lower "
+                "--max-model-len, or raise --gpu-memory-utilization"
+            )
+        log.warning(
+            "max_model_len %d (the model's context) capped to %d: the KV cache holds %d tokens",
+            max_len,
+            capped,
+            capped,
+        )
+        max_len = capped
+    resolved = dataclasses.replace(config, num_blocks=int(num_blocks), max_model_len=max_len)
+    return resolved, MemoryPlan(
+        num_blocks=int(num_blocks),
+        max_model_len=max_len,
+        budget_bytes=budget,
+        activation_bytes=activations,
+        fraction=fraction,
+        **fields,
+    )

@@ -1,0 +1,71 @@
+"""The KV cache sized from memory (engine.memory), max_model_len from the model, refusals before serving."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.engine import memory
+from pdserve.engine.config import EngineConfig, SizingError
+from pdserve.engine.llm_engine import LLMEngine
+
+pytestmark = pytest.mark.model
+
+# The tests' step sizes (the largest step is what the profile compiles)
+SIZES = dict(max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=256)
+MIB = 2**20
+
+
+def fraction_for(kv_bytes: int, weight_bytes: int) -> float:
+    """The CPU memory fraction that leaves about `kv_bytes` for the cache beside weights of `weight_bytes`
+    (the budget is a fraction of the RAM available at start; this box's varies)."""
+    available = memory._available_ram()
+    return (kv_bytes + weight_bytes + 64 * MIB) / (available + weight_bytes)
+
+
+def test_kv_capacity_follows_the_memory_fraction(loaded_model, caplog):
+    """Two fractions, two capacities: each cache takes what its fraction leaves beyond the weights and the
+    largest step's measured temporaries, and the start-up line says so."""
+    probe = LLMEngine(loaded_model, EngineConfig(num_blocks=64, **SIZES))
+    weights = probe.runner.memory.weight_bytes
+    del probe
+    engines = {}
+    for target in (96 * MIB, 288 * MIB):
+        config = EngineConfig(gpu_memory_utilization=fraction_for(target, weights), **SIZES)
+        engines[target] = engine = LLMEngine(loaded_model, config)
+        plan = engine.runner.memory
+        assert plan.fraction == config.gpu_memory_utilization and plan.activation_bytes > 0
+        kv = plan.num_blocks * plan.block_bytes
+        assert target / 2 < kv < target * 1.5, (target, kv)  # (RAM available moves between the reads)
+        assert engine.config.num_blocks == plan.num_blocks == engine.scheduler.kv.num_blocks
+        assert engine.runner.cache.shape[1] == plan.num_blocks
+        with caplog.at_level("INFO", logger="pdserve.engine.llm_engine"):
+            engine.log_summary()
+        assert f"kv_tokens={plan.num_blocks * 16} " in caplog.text
+    small, large = (engines[t].runner.memory for t in sorted(engines))
+    assert large.num_blocks > 2 * small.num_blocks
+    info = engines[96 * MIB].summary()
+    assert info["platform"] == "cpu" and info["max_model_len"] == "1024" and info["compile_cache"]
+
+
+def test_a_budget_too_small_is_refused_naming_the_numbers_and_flags(loaded_model):
+    with pytest.raises(SizingError) as refusal:
+        LLMEngine(loaded_model, EngineConfig(gpu_memory_utilization=1e-5, **SIZES))
+    message = str(refusal.value)
+    assert "does not fit one request of 1024 tokens" in message
+    for flag in ("--tp", "--max-model-len", "--gpu-memory-utilization"):
+        assert flag in message
+
+
+def test_max_model_len_defaults_to_the_model_context(loaded_model):
+    """The test model's context is 8192 (max_position_embeddings): the default where the cache holds it,
+    capped to the cache otherwise; a longer one is refused before any weight is read."""
+    sizes = dict(max_num_seqs=8, max_num_batched_tokens=256)
+    context = loaded_model.config.max_position_embeddings
+    assert context == 8192
+    assert (
+        LLMEngine(loaded_model, EngineConfig(num_blocks=context // 16, **sizes)).config.max_model_len
+        == context
+    )
+    assert LLMEngine(loaded_model, EngineConfig(num_blocks=64, **sizes)).config.max_model_len == 1024
+    with pytest.raises(SizingError, match="exceeds the model's context"):
+        LLMEngine(loaded_model, EngineConfig(num_blocks=64, max_model_len=2 * context, **sizes))
