@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import jax
+import numpy as np
 
 from pdserve.engine.config import EngineConfig, ModelConfig, SizingError
 from pdserve.engine.model.kv_cache import cache_shape
@@ -138,6 +139,16 @@ def block_bytes(model: ModelConfig, config: EngineConfig, mesh) -> int:
     return per_device * tp if _platform(mesh) == "cpu" else per_device
 
 
+def agreed_num_blocks(num_blocks: int) -> int:
+    """The cache size every process of a multi-process engine takes: each sizes its own from its own
+    devices, but all run the same steps on one cache (engine.multihost), so they take the smallest."""
+    if jax.process_count() == 1:
+        return int(num_blocks)
+    from jax.experimental import multihost_utils
+
+    return int(np.min(multihost_utils.process_allgather(np.int64(num_blocks))))
+
+
 def model_len(model: ModelConfig, config: EngineConfig) -> int:
     """The asked max_model_len, or the model's context (in whole blocks); SizingError past the context."""
     context = model.max_position_embeddings
@@ -184,7 +195,7 @@ def plan(
     activations = step_temp_bytes(dataclasses.replace(config, max_model_len=max_len))
     if platform == "cpu":
         activations *= config.tp  # every CPU device's temporaries in the same RAM
-    num_blocks = max(0, (budget - activations) // per_block)
+    num_blocks = agreed_num_blocks(max(0, (budget - activations) // per_block))
     one_request = -(-max_len // bs)
     if num_blocks < one_request:
         capped = num_blocks * bs

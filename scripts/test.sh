@@ -2,7 +2,8 @@
 # Quick start, command 2: set up with the dev + reference + plots extras, lint, check generated code and
 # import layering, fetch the default model, then run the tests in three tiers, each in its own pytest
 # process (fast: model-free units; model: real weights in the test process; daemon: real processes): fast
-# beside model, then daemon. It prints the XLA cache's size before each tier and every tier's time.
+# beside model, then daemon. Beside the model tier it also runs scripts/compat.sh (pdserve on Python 3.12
+# and the newest JAX). It prints the XLA cache's size before each tier and every tier's time.
 #   bash scripts/test.sh                  # everything (what CI runs)
 #   bash scripts/test.sh fast [ARGS...]   # one tier (fast, model or daemon); ARGS go to pytest
 set -euo pipefail
@@ -32,6 +33,13 @@ run() { # NAME MARKERS [ARGS...]: one pytest process; its line of the summary go
   echo "$name $((SECONDS - start)) s$([ "$rc" -eq 0 ] || echo " (exit $rc)")" >"$times/$name"
   return "$rc"
 }
+step() { # NAME COMMAND...: a step beside the tiers, timed like them
+  local name=$1 start=$SECONDS rc=0
+  shift
+  "$@" || rc=$?
+  echo "$name $((SECONDS - start)) s$([ "$rc" -eq 0 ] || echo " (exit $rc)")" >"$times/$name"
+  return "$rc"
+}
 summary() {
   echo "=== tier times: $(cat "$times"/* 2>/dev/null | paste -sd ';' -)" \
     "(XLA cache after: $(cache_state))" >&2
@@ -47,14 +55,17 @@ else
   # alone afterwards, on the session's shared daemons, loading what the others compiled.
   echo "=== tier: model, with fast then daemon (standalone) beside it (XLA cache: $(cache_state))" >&2
   (
-    run fast fast "$@" >"$logs/fast" 2>&1
-    run daemon-standalone "daemon and standalone" "$@" >"$logs/daemon-standalone" 2>&1
+    rc=0
+    run fast fast "$@" >"$logs/fast" 2>&1 || rc=1
+    step compat bash scripts/compat.sh >"$logs/compat" 2>&1 || rc=1
+    run daemon-standalone "daemon and standalone" "$@" >"$logs/daemon-standalone" 2>&1 || rc=1
+    exit "$rc"
   ) &
   beside=$!
   rc=0
   run model model "$@" || rc=1
   wait "$beside" || rc=1
-  for name in fast daemon-standalone; do
+  for name in fast compat daemon-standalone; do
     if [ -f "$logs/$name" ]; then
       echo "=== tier: $name (ran beside model)" >&2
       cat "$logs/$name"

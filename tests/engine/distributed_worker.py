@@ -1,5 +1,5 @@
 """One process of test_distributed's two-process job: joins it (engine.distributed flags), sums a vector
-sharded over every process's devices, prints what it saw as JSON."""
+sharded over every process's devices, agrees on a KV cache size, prints what it saw as JSON."""
 
 import argparse
 import json
@@ -19,4 +19,14 @@ mesh = Mesh(np.array(jax.devices()), ("model",))
 data = np.arange(8, dtype=np.float32)
 x = jax.make_array_from_callback((8,), NamedSharding(mesh, P("model")), lambda index: data[index])
 total = jax.jit(lambda a: a.sum(), out_shardings=NamedSharding(mesh, P()))(x)
-print(json.dumps({"process": jax.process_index(), "devices": jax.device_count(), "sum": float(total)}))
+# engine.memory: each process sizes its KV cache from its own memory; all take the smallest
+from pdserve.engine.memory import agreed_num_blocks  # noqa: E402
+
+agreed = agreed_num_blocks(100 + 5 * jax.process_index())
+out = {
+    "process": jax.process_index(),
+    "devices": jax.device_count(),
+    "sum": float(total),
+    "num_blocks": agreed,
+}
+print(json.dumps(out))

@@ -1,0 +1,91 @@
+"""Loading a ~1B-parameter bfloat16 checkpoint: host memory and speed of the streaming loader.
+
+    .venv/bin/python bench/bench_load.py [--dir DIR] [--layers 22] [--dtype bfloat16] [--json OUT]
+
+Writes a random Llama-architecture checkpoint (TinyLlama-1.1B's shapes by default: hidden 2048,
+intermediate 5632, 22 layers, 32 heads, 4 KV heads, vocabulary 32000, untied head; about 2.2 GB of
+bfloat16 in 4 safetensors shards with an index) into DIR (default: a temporary folder; nothing is kept),
+then in a fresh process loads it into an engine (pdserve.testing.load_probe) and prefills a prompt.
+Reported against references measured in the same run:
+
+- peak RSS growth / checkpoint bytes (goal <= 1.3): the process's high-water mark (VmHWM) less its
+  resident memory once JAX was up. On a CPU the devices' memory is host memory, so the weights' own copy
+  (1.0x in bfloat16) is part of it;
+- steady RSS growth after serving / checkpoint bytes, less the KV cache (goal <= 1.1);
+- load GB/s against reading the same shard files from disk in the same run (the page cache warm for
+  both: the loader's own cost over the bytes it must read).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def read_files(folder: Path) -> float:
+    """GB/s of reading every shard once, in 64 MiB reads (the reference of the load's speed)."""
+    files = sorted(folder.glob("*.safetensors"))
+    start, total = time.perf_counter(), 0
+    for file in files:
+        with file.open("rb") as f:
+            while chunk := f.read(64 * 2**20):
+                total += len(chunk)
+    return total / 1e9 / (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dir", type=Path, default=None)
+    parser.add_argument("--layers", type=int, default=22)
+    parser.add_argument("--dtype", default="bfloat16", help="the engine's (the checkpoint is bfloat16)")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+
+    from pdserve.testing.load_probe import write_random_llama
+
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+        folder = Path(tmp) / "random-llama-1b"
+        start = time.perf_counter()
+        stored = write_random_llama(
+            folder, shards=4, hidden=2048, intermediate=5632, layers=args.layers, heads=32, kv_heads=4,
+            vocab=32000,
+        )  # fmt: skip
+        print(f"wrote {stored / 1e9:.2f} GB in {time.perf_counter() - start:.0f} s", file=sys.stderr)
+        disk = max(read_files(folder) for _ in range(2))  # the second read: page cache warm, as the load's
+        probe = subprocess.run(
+            [sys.executable, "-m", "pdserve.testing.load_probe", str(folder), "--dtype", args.dtype],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+    cost = json.loads(probe.stdout.strip().splitlines()[-1])
+    ckpt = cost["checkpoint_bytes"]
+    result = {
+        "checkpoint_gb": ckpt / 1e9,
+        "dtype": args.dtype,
+        "weights_on_devices_gb": cost["weight_bytes"] / 1e9,
+        "peak_rss_growth_over_checkpoint": (cost["rss_peak"] - cost["rss_before"]) / ckpt,
+        "steady_rss_growth_less_kv_over_checkpoint": (
+            cost["rss_serving"] - cost["rss_before"] - cost["kv_bytes"]
+        )
+        / ckpt,
+        "traced_peak_over_checkpoint": cost["traced_peak"] / ckpt,
+        "traced_after_load_mb": cost["traced_after"] / 1e6,
+        "load_seconds": cost["load_seconds"],
+        "load_gb_per_s": ckpt / 1e9 / cost["load_seconds"],
+        "read_files_gb_per_s": disk,
+    }
+    result["load_over_read_speed"] = result["load_gb_per_s"] / disk
+    for key, value in result.items():
+        print(f"{key:45s} {value:.3f}" if isinstance(value, float) else f"{key:45s} {value}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
