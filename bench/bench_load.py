@@ -11,7 +11,9 @@ Reported against references measured in the same run:
 - peak RSS growth / checkpoint bytes (goal <= 1.3): the process's high-water mark (VmHWM) less its
   resident memory once JAX was up. On a CPU the devices' memory is host memory, so the weights' own copy
   (1.0x in bfloat16) is part of it;
-- steady RSS growth after serving / checkpoint bytes, less the KV cache (goal <= 1.1);
+- steady RSS growth once loaded, and after a prefill has run, / checkpoint bytes, less the KV cache (goal
+  <= 1.1). The second includes what XLA keeps of the compiled step and the step's temporaries, which
+  are reported too (XLA's memory analysis of the largest step);
 - load GB/s against reading the same shard files from disk in the same run (the page cache warm for
   both: the loader's own cost over the bytes it must read).
 """
@@ -65,15 +67,15 @@ def main() -> None:
         )
     cost = json.loads(probe.stdout.strip().splitlines()[-1])
     ckpt = cost["checkpoint_bytes"]
+    growth = lambda key: (cost[key] - cost["rss_before"] - cost["kv_bytes"]) / ckpt  # noqa: E731
     result = {
         "checkpoint_gb": ckpt / 1e9,
         "dtype": args.dtype,
         "weights_on_devices_gb": cost["weight_bytes"] / 1e9,
         "peak_rss_growth_over_checkpoint": (cost["rss_peak"] - cost["rss_before"]) / ckpt,
-        "steady_rss_growth_less_kv_over_checkpoint": (
-            cost["rss_serving"] - cost["rss_before"] - cost["kv_bytes"]
-        )
-        / ckpt,
+        "loaded_rss_growth_less_kv_over_checkpoint": growth("rss_loaded"),
+        "served_rss_growth_less_kv_over_checkpoint": growth("rss_serving"),
+        "step_temporaries_over_checkpoint": cost["step_temp_bytes"] / ckpt,
         "traced_peak_over_checkpoint": cost["traced_peak"] / ckpt,
         "traced_after_load_mb": cost["traced_after"] / 1e6,
         "load_seconds": cost["load_seconds"],

@@ -7,7 +7,9 @@ one JSON line of what that cost (tests/engine/test_streaming_load.py, bench/benc
 
   rss_before      resident bytes once JAX is up, before the checkpoint is opened (/proc/self/status VmRSS)
   rss_peak        the process's high-water mark of resident bytes, after the load (VmHWM)
+  rss_loaded      resident bytes once the engine is built
   rss_serving     resident bytes after the engine has run a prefill
+  step_temp_bytes the largest step's temporaries (XLA's memory analysis; engine.memory)
   traced_peak     the largest amount of Python/numpy memory held at once during the load (tracemalloc:
                   numpy reports its allocations to it; XLA's device buffers are not traced)
   traced_after    Python/numpy memory allocated during the load and still held once the engine is built (a
@@ -122,6 +124,7 @@ def probe(folder: Path, dtype: str, num_blocks: int) -> dict:
     from pdserve.engine.loading.checkpoints import SafetensorsCheckpoint
     from pdserve.engine.loading.sources import LoadedModel
     from pdserve.engine.model.weights import weight_bytes
+    from pdserve.engine.model_runner import step_temp_bytes
 
     jax.devices()
     rss_before = _status("VmRSS")
@@ -138,10 +141,15 @@ def probe(folder: Path, dtype: str, num_blocks: int) -> dict:
     gc.collect()
     traced_after, traced_peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()  # (tracing slows the steps; the load is what it watches)
+    rss_loaded = _status("VmRSS")
+    runner = engine.runner
+    temp = step_temp_bytes(runner.model, runner.config, runner.mesh, runner.weights, None, runner.attention)
     logits = engine.prompt_logits(PROBE_PROMPT)  # a prefill through the compiled step
     return {
         "rss_before": rss_before,
         "rss_peak": rss_peak,
+        "rss_loaded": rss_loaded,
+        "step_temp_bytes": temp,
         "rss_serving": _status("VmRSS"),
         "traced_peak": traced_peak,
         "traced_after": traced_after,
