@@ -341,9 +341,12 @@ def test_dockerfile():
     text = (DEPLOY / "Dockerfile").read_text()
     lines = [line.strip() for line in text.splitlines() if line.strip() and not line.startswith("#")]
     assert lines[0].startswith("FROM python:3.11-slim")
-    for package in ("pyproject.toml", "pdserve", "engine", "kvtransfer", "services"):
+    for package in ("pyproject.toml", "constraints.txt", "pdserve", "engine", "kvtransfer", "services"):
         assert any(line.startswith("COPY") and package in line.split()[1:-1] for line in lines), package
-    assert any(re.match(r'RUN pip install "\.\$\{EXTRAS:\+\[\$EXTRAS\]\}"', line) for line in lines)
+    assert any(
+        re.match(r'RUN pip install -c constraints.txt "\.\$\{EXTRAS:\+\[\$EXTRAS\]\}"', line)
+        for line in lines
+    )
     users = [line for line in lines if line.startswith("USER")]
     assert users and not users[-1].split()[1].startswith(("root", "0"))
     assert any("pdserve models fetch" in line for line in lines)

@@ -197,3 +197,8 @@ def test_the_pickers_series_follow_the_load_as_admin_reports_it(gateway):
     assert metrics[f'{info}{{block_size="16",{CACHE_NUM_BLOCKS_LABEL}="192",role="decode"}}'] == 1
     (lora,) = [k for k in metrics if k.startswith(PICKER_SERIES["loraSpec"] + "{")]
     assert 'max_lora="0"' in lora and 'running_lora_adapters=""' in lora
+    # what the engine runs on (its start-up line) is on /metrics and in Admin stats alike
+    (engine,) = [k for k in everything if k.startswith("pdserve_engine_info{")]
+    stats = client.stats().engine
+    assert stats["platform"] == "cpu" and stats["kv_blocks"] == "192" and stats["sized_by"] == "num_blocks"
+    assert all(f'{key}="{value}"' in engine for key, value in stats.items())
