@@ -126,7 +126,8 @@ class LLMEngine:
             elif platform == "tpu":
                 attention = kernel_attention(model.config, mesh)
         dtype = jax.numpy.dtype(config.dtype)
-        memory.model_len(model.config, config)  # a length past the model's refused before the weights load
+        memory.model_len(model.config, config)  # refused before the weights load: a length past the model's,
+        memory.check_weights_fit(model.config, config, mesh, model.checkpoint.num_params)  # weights too large
         weights = build_weights(model.config, model.checkpoint, mesh, dtype, progress)
         lora_slots = None
         if config.max_loras and (model.config.num_experts or model.config.is_mla):

@@ -160,6 +160,28 @@ def model_len(model: ModelConfig, config: EngineConfig) -> int:
     return config.max_model_len or context // config.block_size * config.block_size
 
 
+def check_weights_fit(model: ModelConfig, config: EngineConfig, mesh, num_params: int) -> None:
+    """Before any weight is read: SizingError when the weights alone (`num_params` in the serving dtype,
+    split over the mesh) exceed the memory fraction (not checked with --num-blocks, which sizes the rest
+    by hand). Heads padded for TP and replicated norms make the true figure slightly larger."""
+    if config.num_blocks:
+        return
+    platform = _platform(mesh)
+    fraction = config.gpu_memory_utilization or DEFAULT_FRACTION.get(platform, ACCELERATOR_FRACTION)
+    weights = num_params * jax.numpy.dtype(config.dtype).itemsize
+    if platform != "cpu":
+        weights //= config.tp
+    budget = _budget(mesh, fraction, 0)
+    if weights > budget:
+        where = "the available RAM" if platform == "cpu" else "device memory"
+        raise SizingError(
+            f"the weights need {weights / GIB:.2f} GiB {'in all' if platform == 'cpu' else 'per device'} "
+            f"({num_params / 1e9:.2f}B parameters in {config.dtype} over TP {config.tp}), more than "
+            f"{fraction:g} of {where} leaves ({max(budget, 0) / GIB:.2f} GiB). Shard over more devices "
+            "(--tp) or raise --gpu-memory-utilization"
+        )
+
+
 def plan(
     model: ModelConfig,
     config: EngineConfig,

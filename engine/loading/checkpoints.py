@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
@@ -160,6 +161,7 @@ class Checkpoint:
     config: ModelConfig
     path: Path
     nbytes: int  # stored bytes of the weights
+    num_params: int  # their elements (the devices' bytes before loading: engine.memory)
 
     def reader(self) -> contextlib.AbstractContextManager[LayerReader]:
         raise NotImplementedError
@@ -225,6 +227,7 @@ class GGUFCheckpoint(Checkpoint):
         config = gguf_config.hf_config(self.metadata, tie_word_embeddings="output.weight" not in names)
         self.config = ModelConfig.from_hf_config(config, name=name or path.stem)
         self.nbytes = sum(int(t.n_bytes) for t in reader.tensors)
+        self.num_params = sum(int(t.n_elements) for t in reader.tensors)
 
     @contextlib.contextmanager
     def reader(self) -> Iterator[LayerReader]:
@@ -300,19 +303,21 @@ class SafetensorsCheckpoint(Checkpoint):
         if not files:
             raise CheckpointError(f"{path} has no *.safetensors files")
         self.where: dict[str, Path] = {}
-        self.nbytes = 0
+        self.nbytes = self.num_params = 0
         for file in files:
             if not (path / file).is_file():
                 raise CheckpointError(f"{path / file} (named in the index) is missing")
             with safe_open(str(path / file), framework="numpy") as f:
                 for key in f.keys():  # noqa: SIM118 - safe_open has no __iter__
-                    dtype = f.get_slice(key).get_dtype()
+                    tensor = f.get_slice(key)
+                    dtype = tensor.get_dtype()
                     if dtype not in _SAFETENSORS_DTYPES:
                         raise UnsupportedModelError(
                             f"{path / file}: tensor {key} is {dtype}: pdserve reads {_SAFETENSORS_DTYPES} "
                             "tensors only (a quantized checkpoint? serve its bf16 original)"
                         )
                     self.where[key] = path / file
+                    self.num_params += math.prod(tensor.get_shape())
             self.nbytes += (path / file).stat().st_size
 
     @contextlib.contextmanager
@@ -385,6 +390,7 @@ class HostCheckpoint(Checkpoint):
     def __init__(self, config: ModelConfig, host: dict[str, np.ndarray], path: Path | None = None):
         self.config, self.host, self.path = config, host, path or Path(config.name)
         self.nbytes = sum(w.nbytes for w in host.values())
+        self.num_params = sum(w.size for w in host.values())
 
     @contextlib.contextmanager
     def reader(self) -> Iterator[LayerReader]:

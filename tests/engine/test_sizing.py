@@ -47,11 +47,25 @@ def test_kv_capacity_follows_the_memory_fraction(loaded_model, caplog):
     assert info["platform"] == "cpu" and info["max_model_len"] == "1024" and info["compile_cache"]
 
 
-def test_a_budget_too_small_is_refused_naming_the_numbers_and_flags(loaded_model):
+def test_weights_beyond_the_budget_are_refused_before_loading(loaded_model):
     with pytest.raises(SizingError) as refusal:
         LLMEngine(loaded_model, EngineConfig(gpu_memory_utilization=1e-5, **SIZES))
     message = str(refusal.value)
-    assert "does not fit one request of 1024 tokens" in message
+    assert message.startswith("the weights need") and "parameters in float32 over TP 1" in message
+    assert "--tp" in message and "--gpu-memory-utilization" in message
+
+
+def test_a_cache_that_cannot_hold_one_request_is_refused_naming_the_numbers_and_flags(loaded_model):
+    """engine.memory.plan on the engine's real mesh and weights, the largest step's temporaries given as
+    more than the budget (what a long max_model_len's tables cost): no block is left for one request."""
+    engine = LLMEngine(loaded_model, EngineConfig(num_blocks=64, **SIZES))
+    runner = engine.runner
+    config = EngineConfig(gpu_memory_utilization=0.5, **SIZES).on_platform("cpu")
+    huge = lambda _config: memory._available_ram()  # noqa: E731
+    with pytest.raises(SizingError) as refusal:
+        memory.plan(loaded_model.config, config, runner.mesh, runner.weights, huge)
+    message = str(refusal.value)
+    assert "does not fit one request of 1024 tokens" in message and "the largest step takes" in message
     for flag in ("--tp", "--max-model-len", "--gpu-memory-utilization"):
         assert flag in message
 
