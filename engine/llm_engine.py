@@ -172,7 +172,7 @@ class LLMEngine:
         """What this engine runs on, in one place (the start-up line, Admin stats, /metrics' engine info):
         the model, platform, devices and mesh, dtype, weights per device, KV blocks and tokens, the maximum
         concurrency at max_model_len, the compile cache (engine.memory.MemoryPlan)."""
-        plan = self.runner.memory
+        plan = getattr(self.runner, "memory", None)  # (a scripted runner's: none)
         return {
             "model": self.model.config.name,
             **(plan.summary() if plan is not None else {}),

@@ -184,6 +184,8 @@ class _FileReader(LayerReader):
         raise NotImplementedError
 
     def vocab_size(self, name: str) -> int:
+        if self.global_tensor(name, slice(0, 0)) is None:  # (raises CheckpointError naming a missing one)
+            raise CheckpointError(f"{self.path}: {name} is tied to the embeddings")
         return self.rows(self.GLOBAL_KEYS[name])
 
     def global_tensor(self, name: str, vocab: slice = slice(None)) -> np.ndarray | None:

@@ -404,3 +404,29 @@ def test_tensors_of_an_unread_dtype_are_refused_by_name(tmp_path):
     folder = _fp8_folder(tmp_path / "f8", HF_CONFIG)
     with pytest.raises(UnsupportedModelError, match="q_proj.weight is F8_E4M3"):
         SafetensorsCheckpoint(folder)
+
+
+def test_an_untied_head_missing_is_named(tmp_path):
+    """A folder whose config unties the head but that has no lm_head.weight: a CheckpointError naming the
+    tensor when the weights stream to the devices (the head is read in pieces, its size looked up first)."""
+    from safetensors import safe_open
+
+    from pdserve.engine.model.sharding import make_mesh
+    from pdserve.engine.model.weights import build_weights
+    from pdserve.testing.load_probe import write_random_llama
+
+    write_random_llama(
+        tmp_path, shards=1, hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, vocab=96
+    )
+    (shard,) = tmp_path.glob("*.safetensors")
+    with safe_open(str(shard), "numpy") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys() if k != "lm_head.weight"}  # noqa: SIM118
+    from safetensors.numpy import save_file
+
+    save_file(tensors, str(shard))
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": dict.fromkeys(tensors, shard.name)})
+    )
+    checkpoint = SafetensorsCheckpoint(tmp_path)
+    with pytest.raises(CheckpointError, match="lacks tensor lm_head.weight and embeddings are not tied"):
+        build_weights(checkpoint.config, checkpoint, make_mesh(1))
