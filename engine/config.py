@@ -436,6 +436,9 @@ class EngineConfig:
         0, "LoRA adapter slots in device memory (0: LoRA off; default 4 with --lora)", group="lora"
     )
     max_lora_rank: int = flag(16, "highest adapter rank served (lower ranks are zero-padded)", group="lora")
+    max_cpu_loras: int = flag(
+        32, "adapters loaded at once, in host memory (more are refused: unload one first)", group="lora"
+    )
     enable_prefix_caching: bool = flag(
         True,
         "reuse the KV of cached prompt prefixes (--no-prefix-caching: compute every prompt in full)",
@@ -449,8 +452,10 @@ class EngineConfig:
             raise ValueError("gpu_memory_utilization must be in [0, 1] and num_blocks >= 0")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs (every decode fits a step)")
-        if self.max_loras < 0 or self.max_lora_rank < 1:
-            raise ValueError("max_loras must be >= 0 and max_lora_rank >= 1")
+        if self.max_loras < 0 or self.max_lora_rank < 1 or self.max_cpu_loras < max(self.max_loras, 1):
+            raise ValueError(
+                "max_loras must be >= 0, max_lora_rank >= 1 and max_cpu_loras >= max(max_loras, 1)"
+            )
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r}: one of {DTYPES}")
 

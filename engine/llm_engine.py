@@ -81,7 +81,9 @@ class LLMEngine:
             runner = self._build_runner(model, config, devices, attention, progress)
         self.runner, self.mesh, self.lora_slots = runner, runner.mesh, runner.lora
         self.config = config = runner.config
-        self.loras = AdapterRegistry(model.config, config.max_lora_rank, enabled=self.lora_slots is not None)
+        self.loras = AdapterRegistry(
+            model.config, config.max_lora_rank, self.lora_slots is not None, config.max_cpu_loras
+        )
         ring_blocks = KVGroups.of(model.config).ring_blocks(config.block_size, config.max_num_batched_tokens)
         self.scheduler = Scheduler(
             config,

@@ -81,7 +81,7 @@ def common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--lora-root",
         metavar="DIR",
-        help="Admin.LoadLoraAdapter reads adapters inside DIR only (default: any)",
+        help="Admin.LoadLoraAdapter reads adapter folders inside DIR only (default: run-time loads off)",
     )
     parser.add_argument(
         "--engine-step-timeout",

@@ -54,7 +54,9 @@ def read_load(stats: EngineStats, counters: Counters) -> EngineStats:
 
 
 class AdminService(pb_grpc.AdminServicer):
-    """`lora_root`: when set, LoadLoraAdapter reads only folders inside it (PERMISSION_DENIED otherwise).
+    """`lora_root`: LoadLoraAdapter reads only adapter folders inside it (a path relative to it, or an
+    absolute one inside it; NOT_FOUND otherwise, the same for a path outside as for a missing one);
+    without it run-time loads are off (FAILED_PRECONDITION).
     `mirrors`: engines of the same process that load and unload the same adapters (`pdserve serve`)."""
 
     def __init__(
@@ -72,11 +74,15 @@ class AdminService(pb_grpc.AdminServicer):
     async def LoadLoraAdapter(self, request: pb.LoadLoraAdapterRequest, context) -> pb.LoraAdapterInfo:
         if not request.name or not request.path:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "name and path are required")
-        path = Path(request.path).resolve()
-        if self.lora_root is not None and not path.is_relative_to(self.lora_root):
+        if self.lora_root is None:
             await context.abort(
-                grpc.StatusCode.PERMISSION_DENIED, f"path: adapters load from {self.lora_root} only"
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "run-time adapter loads are off: start the daemon with --lora-root DIR",
             )
+        path = (self.lora_root / request.path).resolve()  # (an absolute path stays itself)
+        if not path.is_relative_to(self.lora_root) or not (path / "adapter_config.json").is_file():
+            # one answer for outside the root and for missing: a caller learns nothing of other paths
+            await context.abort(grpc.StatusCode.NOT_FOUND, "path: no adapter folder there under --lora-root")
         try:  # read off the engine thread (a file), then added on every engine of the process
             adapter = await asyncio.to_thread(self.loop.engine.loras.read, request.name, str(path))
             for mirror in self.mirrors:

@@ -9,6 +9,7 @@ from pdserve.engine.lora.adapter import (
     LoraAdapter,
     LoraDisabledError,
     LoraLoadError,
+    TooManyAdaptersError,
     UnknownAdapterError,
     load_peft_adapter,
 )
@@ -22,6 +23,7 @@ __all__ = [
     "LoraAdapter",
     "LoraDisabledError",
     "LoraLoadError",
+    "TooManyAdaptersError",
     "UnknownAdapterError",
     "load_peft_adapter",
 ]

@@ -49,6 +49,12 @@ class AdapterExistsError(LoraLoadError):
     status = "ALREADY_EXISTS"
 
 
+class TooManyAdaptersError(LoraLoadError):
+    """As many adapters as the engine holds (max_cpu_loras) are loaded already."""
+
+    status = "RESOURCE_EXHAUSTED"
+
+
 class UnknownAdapterError(InvalidRequestError):
     """A request names an adapter that is not loaded here."""
 
@@ -111,6 +117,8 @@ def _read_config(folder: Path) -> dict:
         config = json.loads(config_file.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise LoraLoadError(f"{config_file}: {e}") from e
+    if not isinstance(config, dict):
+        raise LoraLoadError(f"{config_file}: not a JSON object")
     if config.get("peft_type", "LORA") != "LORA":
         raise LoraLoadError(f"{folder}: peft_type {config.get('peft_type')!r} is not LORA")
     unsupported = {
@@ -147,12 +155,15 @@ def load_peft_adapter(name: str, path: str | Path, cfg: ModelConfig, max_rank: i
     weights_file = folder / "adapter_model.safetensors"
     if not weights_file.is_file():
         raise LoraLoadError(f"{folder}: no adapter_model.safetensors")
-    rank = int(config.get("r", 0))
-    if not 0 < rank <= max_rank:
+    try:
+        rank = int(config.get("r", 0))
+        alpha = float(config.get("lora_alpha", rank))
+    except (TypeError, ValueError):
+        raise LoraLoadError(f"{folder}: adapter_config.json r and lora_alpha must be numbers") from None
+    if not 0 < rank <= max_rank or not math.isfinite(alpha):
         raise LoraLoadError(
             f"{folder}: rank {rank} is outside 1..{max_rank} (the configured --max-lora-rank)"
         )
-    alpha = float(config.get("lora_alpha", rank))
     scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
 
     shapes = projection_shapes(cfg)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.lora.adapter import (
     AdapterExistsError,
     AdapterMismatchError,
     LoraAdapter,
     LoraDisabledError,
+    TooManyAdaptersError,
     UnknownAdapterError,
     load_peft_adapter,
 )
@@ -18,8 +21,10 @@ class AdapterRegistry:
     the engine thread loads and unloads. Device slots are engine.lora_slots' business: an adapter enters
     one only when a request needs it."""
 
-    def __init__(self, cfg: ModelConfig, max_rank: int, enabled: bool):
-        self.cfg, self.max_rank, self.enabled = cfg, max_rank, enabled
+    def __init__(self, cfg: ModelConfig, max_rank: int, enabled: bool, max_adapters: int = 32):
+        """`max_adapters`: how many may be loaded at once (each holds float32 A and B of every projection
+        in host memory)."""
+        self.cfg, self.max_rank, self.enabled, self.max_adapters = cfg, max_rank, enabled, max_adapters
         self.adapters: dict[str, LoraAdapter] = {}
 
     def resolve(self, name: str, fingerprint: str | None = None) -> LoraAdapter:
@@ -52,6 +57,13 @@ class AdapterRegistry:
                 f"adapter {adapter.name!r} is loaded with other weights: unload it first"
             )
         if current is None:
+            if len(self.adapters) >= self.max_adapters:
+                raise TooManyAdaptersError(
+                    f"{self.max_adapters} adapters are loaded (--max-cpu-loras): unload one first"
+                )
+            same = next((a for a in self.adapters.values() if a.fingerprint == adapter.fingerprint), None)
+            if same is not None:  # the same files under another name: one copy of the weights
+                adapter = dataclasses.replace(adapter, a=same.a, b=same.b)
             self.adapters = {**self.adapters, adapter.name: adapter}
         return self.adapters[adapter.name]
 

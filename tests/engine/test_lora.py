@@ -12,7 +12,9 @@ import pytest
 from pdserve.engine.lora import (
     AdapterExistsError,
     AdapterMismatchError,
+    AdapterRegistry,
     LoraLoadError,
+    TooManyAdaptersError,
     UnknownAdapterError,
     load_peft_adapter,
 )
@@ -201,6 +203,26 @@ def test_refusals(lora_engine, make_engine, loaded_model, tmp_path, adapters):
         load_peft_adapter("x", wrong, cfg, 16)
     with pytest.raises(LoraLoadError, match="LoRA is off"):
         make_engine().loras.load("x", str(adapters["all8"]))
+    for bad, match in (({"r": "eight"}, "must be numbers"), ({"r": None}, "must be numbers")):
+        (wrong / "adapter_config.json").write_text(json.dumps({**config, **bad}))
+        with pytest.raises(LoraLoadError, match=match):
+            load_peft_adapter("x", wrong, cfg, 16)
+    (wrong / "adapter_config.json").write_text("[1, 2]")
+    with pytest.raises(LoraLoadError, match="not a JSON object"):
+        load_peft_adapter("x", wrong, cfg, 16)
+
+
+def test_adapters_held_are_bounded_and_one_folder_is_held_once(loaded_model, adapters):
+    """--max-cpu-loras bounds the adapters loaded at once; the same files under a second name share the
+    first one's host arrays."""
+    registry = AdapterRegistry(loaded_model.config, 16, True, max_adapters=2)
+    first = registry.load("a", str(adapters["all8"]))
+    second = registry.load("b", str(adapters["all8"]))
+    assert second.name == "b" and second.a is first.a and second.b is first.b
+    with pytest.raises(TooManyAdaptersError, match="--max-cpu-loras") as refusal:
+        registry.load("c", str(adapters["attn4"]))
+    assert refusal.value.status == "RESOURCE_EXHAUSTED"
+    assert registry.remove("a") and registry.load("c", str(adapters["attn4"])).name == "c"
 
 
 def test_removed_adapter_finishes_running_requests(lora_engine):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
+import shutil
 import subprocess
 import sys
 import urllib.request
@@ -47,7 +48,7 @@ def lora_prefill(model_path, log_dir, adapter_dir):
         model_path,
         log_dir,
         name="prefill-lora",
-        extra=[*LORA_ARGS, "--lora", f"alpha={adapter_dir / 'alpha'}"],
+        extra=[*LORA_ARGS, "--lora", f"alpha={adapter_dir / 'alpha'}", "--lora-root", str(adapter_dir)],
     )
     yield daemon
     assert daemon.terminate() == 0
@@ -153,11 +154,18 @@ def test_adapter_errors(lora_decode, adapter_dir, tmp_path, loaded_model):
     assert error.code() == grpc.StatusCode.NOT_FOUND and "'nope' is not loaded" in error.details()
     error = rpc_error(lambda: load(lora_decode.address, "alpha", adapter_dir / "gamma"))
     assert error.code() == grpc.StatusCode.ALREADY_EXISTS
-    error = rpc_error(lambda: load(lora_decode.address, "x", adapter_dir / "missing"))
-    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "not a directory" in error.details()
+    # outside --lora-root and missing: one answer, that says nothing of other paths
     outside = write_random_adapter(tmp_path / "outside", loaded_model.config, rank=2)
-    error = rpc_error(lambda: load(lora_decode.address, "x", outside))
-    assert error.code() == grpc.StatusCode.PERMISSION_DENIED
+    answers = set()
+    for path in (adapter_dir / "missing", outside, adapter_dir / ".." / outside.parent.name / "outside"):
+        error = rpc_error(lambda path=path: load(lora_decode.address, "x", path))
+        answers.add((error.code(), error.details()))
+    assert answers == {(grpc.StatusCode.NOT_FOUND, "path: no adapter folder there under --lora-root")}
+    malformed = shutil.copytree(adapter_dir / "beta", adapter_dir / "malformed")
+    config = json.loads((malformed / "adapter_config.json").read_text())
+    (malformed / "adapter_config.json").write_text(json.dumps({**config, "r": "eight"}))
+    error = rpc_error(lambda: load(lora_decode.address, "x", "malformed"))  # (relative to the root)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "must be numbers" in error.details()
     error = rpc_error(lambda: client.unload_lora("nope"))
     assert error.code() == grpc.StatusCode.NOT_FOUND
     load(lora_decode.address, "delta", adapter_dir / "beta")
@@ -241,7 +249,7 @@ def test_serve_shape_with_adapters(model_path, log_dir, adapter_dir, colocated_l
     """`pdserve serve`, prefill TP 1 -> decode TP 2 (heterogeneous TP in one process, base model and
     adapters): the local prefill engine has the --lora adapters and those loaded through Admin; the
     adapters' heads are padded for each side's TP."""
-    extra = [*LORA_ARGS, "--lora", f"alpha={adapter_dir / 'alpha'}"]
+    extra = [*LORA_ARGS, "--lora", f"alpha={adapter_dir / 'alpha'}", "--lora-root", str(adapter_dir)]
     daemon = daemons.add(serve_daemon(model_path, log_dir, "1,2", name="serve-lora", extra=extra))
     client = Client(daemon.address)
     load(daemon.address, "beta", adapter_dir / "beta")
@@ -251,3 +259,9 @@ def test_serve_shape_with_adapters(model_path, log_dir, adapter_dir, colocated_l
         got = client.generate(TEXTS[0], lora_adapter=lora or "", **SEEDED).token_ids
         assert got == colocated_lora(TEXTS[0], lora_adapter=lora or "", **SEEDED), lora
     assert client.stats().num_transfer_failures_total == 0
+
+
+def test_run_time_loads_are_off_without_a_lora_root(decode, adapter_dir):
+    """The session's decode server has no --lora-root: Admin loads nothing, whatever the path."""
+    error = rpc_error(lambda: load(decode.address, "x", adapter_dir / "beta"))
+    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION and "--lora-root" in error.details()
