@@ -102,6 +102,12 @@ def common_args(parser: argparse.ArgumentParser) -> None:
     )
     events.add_argument("--kv-events-pod", help="pod name in the topic (default: $POD_IP or host, :port)")
     events.add_argument("--no-kv-events", action="store_true", help="publish no KV cache events")
+    parser.add_argument(
+        "--auth-token-file",
+        metavar="FILE",
+        help="bearer tokens (one a line) that every call but health checks must present (a prefill "
+        "server's callers: decode servers with --prefill-auth-token-file)",
+    )
     tls = parser.add_argument_group("TLS of the listening port (default: plaintext)")
     tls.add_argument("--tls-cert", metavar="PEM", help="server certificate chain")
     tls.add_argument("--tls-key", metavar="PEM", help="server private key")
@@ -275,11 +281,6 @@ def decode_args(parser: argparse.ArgumentParser) -> None:
         metavar="S",
         help="an HTTP request's deadline (a client's X-Request-Timeout header may ask for less)",
     )
-    parser.add_argument(
-        "--auth-token-file",
-        metavar="FILE",
-        help="bearer tokens (one a line) that Generation and Admin calls must present",
-    )
 
 
 def decode_config(args: argparse.Namespace):
@@ -290,15 +291,18 @@ def decode_config(args: argparse.Namespace):
 
 def prefill_channel_security(args: argparse.Namespace):
     """How decode-server reaches prefill servers: TLS when any --prefill-tls-* flag is given."""
-    from pdserve.services.security import PLAINTEXT, ChannelSecurity, channel_credentials
+    from pdserve.services.security import PLAINTEXT, ChannelSecurity, channel_credentials, read_tokens
 
-    if not (args.prefill_tls_ca or args.prefill_tls_cert or args.prefill_tls_key):
-        return PLAINTEXT
+    token = None
     try:
+        if args.prefill_auth_token_file:
+            token = read_tokens(args.prefill_auth_token_file)[0]
+        if not (args.prefill_tls_ca or args.prefill_tls_cert or args.prefill_tls_key):
+            return ChannelSecurity(token=token) if token else PLAINTEXT
         credentials = channel_credentials(args.prefill_tls_ca, args.prefill_tls_cert, args.prefill_tls_key)
     except (ValueError, OSError) as e:
         raise SystemExit(f"error: {e}") from e
-    return ChannelSecurity(credentials, args.prefill_tls_server_name)
+    return ChannelSecurity(credentials, args.prefill_tls_server_name, token)
 
 
 def decode_parser() -> argparse.ArgumentParser:
@@ -310,6 +314,11 @@ def decode_parser() -> argparse.ArgumentParser:
     tls.add_argument("--prefill-tls-cert", metavar="PEM", help="this server's client certificate (mTLS)")
     tls.add_argument("--prefill-tls-key", metavar="PEM", help="its private key")
     tls.add_argument("--prefill-tls-server-name", help="name to check their certificates against")
+    tls.add_argument(
+        "--prefill-auth-token-file",
+        metavar="FILE",
+        help="the bearer token (the file's first) presented to prefill servers run with --auth-token-file",
+    )
     return parser
 
 

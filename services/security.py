@@ -51,11 +51,17 @@ def channel_credentials(
 
 @dataclasses.dataclass(frozen=True)
 class ChannelSecurity:
-    """How a client reaches a server: TLS `credentials` (None: plaintext) and, optionally, the name to
-    check the server certificate against instead of the target's host (e.g. targets resolved to pod IPs)."""
+    """How a client reaches a server: TLS `credentials` (None: plaintext), optionally the name to check
+    the server certificate against instead of the target's host (e.g. targets resolved to pod IPs), and
+    the bearer token its calls present."""
 
     credentials: grpc.ChannelCredentials | None = None
     server_name: str | None = None
+    token: str | None = None  # presented with each call (`metadata`) to a server that asks for tokens
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return bearer_metadata(self.token)
 
     def open(self, target: str, options=(), aio: bool = False):
         """A blocking (or grpc.aio) channel to `target`, secure when there are credentials."""

@@ -133,6 +133,7 @@ class RemotePrefiller(Prefiller):
         self._follower: asyncio.Task | None = None
         self._events_endpoint = ""
         self.features: frozenset[str] = frozenset()  # HandshakeResponse.features
+        self.metadata = security.metadata  # the bearer token a replica asks for (--prefill-auth-token-file)
         self.channel = security.open(
             target,
             options=[
@@ -170,7 +171,8 @@ class RemotePrefiller(Prefiller):
         """Compares layouts (raises PrefillError naming the differences when they do not fit) and follows
         the replica's KV events when it publishes them."""
         try:
-            reply = await self._handshake(pb.HandshakeRequest(layout_json=self.dst.to_json()), timeout=10)
+            handshake = pb.HandshakeRequest(layout_json=self.dst.to_json())
+            reply = await self._handshake(handshake, timeout=10, metadata=self.metadata)
         except grpc.aio.AioRpcError as e:
             raise PrefillError(f"{self.name}: handshake failed: {e.code().name}: {e.details()}") from e
         src = KVLayout.from_json(reply.layout_json)
@@ -220,7 +222,9 @@ class RemotePrefiller(Prefiller):
             constraint_fingerprint=constraint.fingerprint if constraint is not None else "",
         )
         sampling.params_to_request(request.params, message)
-        call = self._prefill(message, timeout=min(self.deadline_s, timeout or self.deadline_s))
+        call = self._prefill(
+            message, timeout=min(self.deadline_s, timeout or self.deadline_s), metadata=self.metadata
+        )
         assembler, order = None, wire.PrefillStreamOrder()
         try:
             async for item in call:

@@ -111,10 +111,15 @@ def creds(pki, root="ca", client=None) -> grpc.ChannelCredentials:
 
 
 @pytest.fixture(scope="module")
-def secure_prefill(model_path, log_dir, pki):
+def secure_prefill(model_path, log_dir, pki, tokens):
     cert, key = pki["server"]
     tls = ["--tls-cert", cert, "--tls-key", key, "--tls-client-ca", pki["ca"][0], "--require-client-cert"]
-    daemon = prefill_server(model_path, log_dir, name="prefill-mtls", extra=tls)
+    extra = [
+        *tls,
+        "--auth-token-file",
+        str(tokens),
+    ]  # the decode server's token too, not only its certificate
+    daemon = prefill_server(model_path, log_dir, name="prefill-mtls", extra=extra)
     yield daemon
     assert daemon.terminate() == 0
 
@@ -140,6 +145,7 @@ def secure_decode(model_path, log_dir, pki, secure_prefill, tokens):
             "--prefill-tls-key",
             decode_key,
         ),
+        *("--prefill-auth-token-file", str(tokens)),
     ]
     daemon = decode_server(model_path, secure_prefill.address, log_dir, name="decode-tls", extra=extra)
     yield daemon
@@ -157,8 +163,8 @@ def code_of(call) -> grpc.StatusCode:
     return err.value.code()
 
 
-def prefill_stats(address: str, pki, client="decode") -> admin_pb2.ServerStats:
-    return Client(address, credentials=creds(pki, client=client)).stats()
+def prefill_stats(address: str, pki, client="decode", token=TOKEN) -> admin_pb2.ServerStats:
+    return Client(address, credentials=creds(pki, client=client), token=token).stats()
 
 
 # --- tests -----------------------------------------------------------------------------------------
@@ -271,11 +277,31 @@ def test_prefill_refuses_rogue_certificate(secure_prefill, pki):
         prefill = channel.unary_stream(
             "/pdserve.v1.Prefill/Prefill", request_serializer=prefill_pb2.PrefillRequest.SerializeToString
         )
-        denied = grpc.StatusCode.PERMISSION_DENIED
-        assert code_of(lambda: handshake(prefill_pb2.HandshakeRequest(layout_json="{}"))) == denied
-        assert code_of(lambda: list(prefill(prefill_pb2.PrefillRequest(prompt_ids=[1, 2])))) == denied
+        denied, token = (
+            grpc.StatusCode.PERMISSION_DENIED,
+            bearer_metadata(TOKEN),
+        )  # a stolen token: not enough
+        request = prefill_pb2.HandshakeRequest(layout_json="{}")
+        assert code_of(lambda: handshake(request, metadata=token)) == denied
+        request = prefill_pb2.PrefillRequest(prompt_ids=[1, 2])
+        assert code_of(lambda: list(prefill(request, metadata=token))) == denied
     assert code_of(lambda: prefill_stats(secure_prefill.address, pki, client="intruder")) == denied
     assert prefill_stats(secure_prefill.address, pki).role == "prefill"  # the decode certificate is let in
+
+
+def test_prefill_asks_for_a_token_too(secure_prefill, pki):
+    """With --auth-token-file a prefill server refuses its Admin and Prefill services to a caller with
+    the right certificate but no token, or a wrong one (its decode servers present theirs:
+    --prefill-auth-token-file, used by every other test of this module)."""
+    unauthenticated = grpc.StatusCode.UNAUTHENTICATED
+    for token in (None, WRONG_TOKEN):
+        assert code_of(lambda t=token: prefill_stats(secure_prefill.address, pki, token=t)) == unauthenticated
+    with ChannelSecurity(creds(pki, client="decode")).open(secure_prefill.address) as channel:
+        handshake = channel.unary_unary(
+            "/pdserve.v1.Prefill/Handshake",
+            request_serializer=prefill_pb2.HandshakeRequest.SerializeToString,
+        )
+        assert code_of(lambda: handshake(prefill_pb2.HandshakeRequest(layout_json="{}"))) == unauthenticated
 
 
 def test_oversized_request_is_refused_and_daemon_keeps_serving(secure_decode, pki):
