@@ -14,13 +14,19 @@ lists last changed). Why pdserve's own names and not vLLM's: docs/gateway.md.
 
 from __future__ import annotations
 
-import threading
+import asyncio
 import time
-from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from prometheus_client import CollectorRegistry, Histogram, Info, make_wsgi_app
+from aiohttp import web
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    Info,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.exposition import ThreadingWSGIServer
 
 from pdserve.services.admin import Counters, read_load
 from pdserve.services.engine_loop import EngineLoop
@@ -38,6 +44,12 @@ CACHE_NUM_BLOCKS_LABEL = "num_blocks"  # of cacheInfoSpec (vLLM's: num_gpu_block
 # The picker's series alone, for its 20 Hz polling: rendered 14x faster than /metrics, whose histograms
 # dominate (BENCHMARKS.md "Behind an inference gateway")
 PICKER_PATH = "/metrics/picker"
+
+# The metrics port's bounds: connections open at once (the picker's, Prometheus', a person's; more are
+# closed on arrival), and how long one may stay open, whatever it does (a scrape takes milliseconds: a
+# half-open or slow connection holds its slot no longer)
+MAX_CONNECTIONS = 64
+MAX_CONNECTION_S = 30.0
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2, 5, 10, 30, 60, 120)
 
@@ -214,6 +226,12 @@ class Metrics:
         self.itl = hist("pdserve_inter_token_latency_seconds", "every gap between consecutive tokens")
         self.e2e = hist("pdserve_request_duration_seconds", "request arrival to its last token")
         self.prefill = hist("pdserve_prefill_duration_seconds", "prefill server: arrival to KV gathered")
+        self.refused_connections = Counter(
+            "pdserve_metrics_connections_refused",
+            "connections to the metrics port closed on arrival: as many as it serves at once were open",
+            registry=self.registry,
+        )
+        self._runner: web.ServerRunner | None = None
 
     def observe_request(self, token_times: list[float], start: float) -> None:
         """`token_times`: monotonic arrival time of each token of a finished request."""
@@ -226,20 +244,57 @@ class Metrics:
         if len(token_times) > 1:
             self.tpot.observe((token_times[-1] - token_times[0]) / (len(token_times) - 1))
 
-    def serve(self, port: int, host: str = "127.0.0.1") -> int:
-        """Starts the HTTP endpoint on a thread: PICKER_PATH serves the picker's series, any other path all
-        of them (/metrics). Returns the bound port."""
-        everything, picker = make_wsgi_app(self.registry), make_wsgi_app(self.picker_registry)
+    async def start(
+        self,
+        port: int,
+        host: str = "127.0.0.1",
+        max_connections: int = MAX_CONNECTIONS,
+        max_connection_s: float = MAX_CONNECTION_S,
+    ) -> int:
+        """Starts the HTTP endpoint on the running event loop (no thread per connection): PICKER_PATH
+        serves the picker's series, any other path all of them (/metrics). Returns the bound port."""
 
-        def app(environ, start_response):
-            chosen = picker if environ.get("PATH_INFO") == PICKER_PATH else everything
-            return chosen(environ, start_response)
+        async def scrape(request: web.BaseRequest) -> web.Response:
+            registry = self.picker_registry if request.path == PICKER_PATH else self.registry
+            body = await asyncio.to_thread(generate_latest, registry)  # (collectors read snapshots)
+            return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
-        server = make_server(host, port, app, ThreadingWSGIServer, handler_class=_QuietHandler)
-        threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
-        return server.server_port
+        server = _BoundedServer(
+            scrape,
+            max_connections,
+            max_connection_s,
+            self.refused_connections.inc,
+            keepalive_timeout=max_connection_s,
+            access_log=None,
+        )
+        self._runner = web.ServerRunner(server)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port)
+        await site.start()
+        return site._server.sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
 
 
-class _QuietHandler(WSGIRequestHandler):
-    def log_message(self, format, *args):  # noqa: A002 - scrapes are not worth a log line each
-        return None
+class _BoundedServer(web.Server):
+    """aiohttp's low-level HTTP server with a bound on the connections open at once (one past it is
+    closed on arrival and counted) and on each connection's life (closed `max_connection_s` after it
+    opened)."""
+
+    def __init__(self, handler, max_connections: int, max_connection_s: float, on_refused, **kwargs):
+        super().__init__(handler, **kwargs)
+        self.max_connections, self.max_connection_s, self.on_refused = (
+            max_connections,
+            max_connection_s,
+            on_refused,
+        )
+
+    def connection_made(self, handler, transport: asyncio.Transport) -> None:
+        if len(self.connections) >= self.max_connections:
+            self.on_refused()
+            transport.close()
+            return
+        super().connection_made(handler, transport)
+        asyncio.get_running_loop().call_later(self.max_connection_s, transport.close)

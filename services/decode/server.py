@@ -133,7 +133,7 @@ async def serve(
     raises EngineStopped (the daemon exits non-zero)."""
     await core.start()
     if metrics_port is not None:
-        print(f"metrics on {host}:{core.metrics.serve(metrics_port, host)}", flush=True)
+        print(f"metrics on {host}:{await core.metrics.start(metrics_port, host)}", flush=True)
     http, http_bound = None, None
     if http_port is not None:
         http_security = security
@@ -164,6 +164,7 @@ async def serve(
     await (running.stop(0, linger_s=FAILED_GRACE_S) if failure else running.stop(grace_s))
     if http is not None:
         await http.stop()
+    await core.metrics.stop()
     if failure is None:
         await core.close()
     if publisher is not None:

@@ -285,7 +285,7 @@ async def serve(
     loop, counters = service.loop, service.counters
     loop.start()
     if metrics_port is not None:
-        print(f"metrics on {host}:{service.metrics.serve(metrics_port, host)}", flush=True)
+        print(f"metrics on {host}:{await service.metrics.start(metrics_port, host)}", flush=True)
     admin = AdminService("prefill", loop, counters, lora_root=lora_root)
 
     def register(server: grpc.aio.Server) -> None:
@@ -304,6 +304,7 @@ async def serve(
     failure = await until_stopped(stop, [loop], step_timeout_s)
     service.draining = True
     await (running.stop(0, linger_s=FAILED_GRACE_S) if failure else running.stop(grace_s))
+    await service.metrics.stop()
     if failure is None:
         loop.stop()
     service.preparer.close()
