@@ -26,6 +26,7 @@ ENGINE_ARGS = config_argv(TEST_ENGINE)
 EPHEMERAL_KV_EVENTS = ["--kv-events-port", "0", "--kv-events-replay-port", "0"]
 _READY = re.compile(r"ready on ([0-9.]+):(\d+)")
 _EXTRA_PORT = re.compile(r"^(metrics|http|kv-events) on ([0-9.]+):(\d+)")  # printed before "ready on"
+_REPLAY_PORT = re.compile(r"\(replay (\d+)\)")  # of the kv-events line
 
 
 class Daemon:
@@ -70,7 +71,8 @@ class Daemon:
             threading.Thread(target=self._drain, daemon=True).start()
 
     def _wait_ready(self, timeout: float) -> str:
-        self.addresses: dict[str, str] = {}  # "metrics" / "http" / "kv-events" -> host:port, when served
+        # "metrics" / "http" / "kv-events" / "kv-events-replay" -> host:port, when served
+        self.addresses: dict[str, str] = {}
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             line = self.proc.stdout.readline()
@@ -83,6 +85,9 @@ class Daemon:
             extra = _EXTRA_PORT.search(line)
             if extra:
                 self.addresses[extra.group(1)] = f"{extra.group(2)}:{extra.group(3)}"
+                replay = _REPLAY_PORT.search(line)
+                if replay:
+                    self.addresses["kv-events-replay"] = f"{extra.group(2)}:{replay.group(1)}"
             match = _READY.search(line)
             if match:
                 threading.Thread(target=self._drain, daemon=True).start()
