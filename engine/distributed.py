@@ -44,6 +44,9 @@ class ProcessGroup:
     num_processes: int
     process_id: int
     group_port: int = DEFAULT_GROUP_PORT
+    # a file holding the group's shared secret (services/group.py: a worker presents it before the leader
+    # gives it a slot); None: the group port is open to anyone who reaches it
+    secret_file: str | None = None
 
     def __post_init__(self):
         if self.num_processes < 1 or not 0 <= self.process_id < self.num_processes:
@@ -78,6 +81,12 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_GROUP_PORT,
         help="the leader's port streaming device operations to the workers",
     )
+    group.add_argument(
+        "--group-secret-file",
+        metavar="FILE",
+        help="the group's shared secret (the file's first line, the same for every process; deploy/: a "
+        "Secret): a worker presents it before the leader gives it a slot (default: the port is open)",
+    )
 
 
 def process_group(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> ProcessGroup | None:
@@ -86,13 +95,20 @@ def process_group(args: argparse.Namespace, environ: Mapping[str, str] = os.envi
     if any(value is not None for value in flags):
         if any(value is None for value in flags):
             raise ValueError("--coordinator-address, --num-processes and --process-id go together")
-        return ProcessGroup(args.coordinator_address, args.num_processes, args.process_id, args.group_port)
+        return ProcessGroup(
+            args.coordinator_address,
+            args.num_processes,
+            args.process_id,
+            args.group_port,
+            args.group_secret_file,
+        )
     if LWS_LEADER_ADDRESS in environ and LWS_GROUP_SIZE in environ:
         size = int(environ[LWS_GROUP_SIZE])
         if size == 1:
             return None
         address = f"{environ[LWS_LEADER_ADDRESS]}:{args.coordinator_port}"
-        return ProcessGroup(address, size, int(environ.get(LWS_WORKER_INDEX, "0")), args.group_port)
+        worker = int(environ.get(LWS_WORKER_INDEX, "0"))
+        return ProcessGroup(address, size, worker, args.group_port, args.group_secret_file)
     return None
 
 

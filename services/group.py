@@ -18,8 +18,10 @@ Failure (processes share fate; the LeaderWorkerSet recreates the whole group):
     in-flight Prefill streams break, and decode servers retry another replica or prefill locally;
   - the leader's stream ends before `stop`: the worker exits with EXIT_GROUP_LOST;
   - SIGTERM: the leader drains, then sends `stop`; workers ignore SIGTERM and follow the leader.
-The group port, like JAX's coordinator and gloo's ports, carries no authentication: it must be reachable
-from the group's own pods only (deploy/: NetworkPolicy).
+With `--group-secret-file` a worker presents the group's shared secret before the leader gives it a slot
+(else UNAUTHENTICATED: no slot, no operation). The stream itself is plaintext, and JAX's coordinator and
+gloo's ports carry no authentication: they must be reachable from the group's own pods only (deploy/:
+NetworkPolicy).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from pdserve.services.grpc_server import (
     server_options,
     service_handler,
 )
+from pdserve.services.security import bearer_metadata, read_tokens, token_ok
 from pdserve.v1 import group_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -54,6 +57,11 @@ SERVICE = pb.DESCRIPTOR.services_by_name["ProcessGroup"]
 EXIT_GROUP_LOST = 3  # a process of the group is gone: the group must be recreated
 MAX_OP_BYTES = 1 << 30  # an operation's arrays (a KV chunk, an adapter) travel in one message
 LOST_GRACE_S = 1.0  # the leader's NOT_SERVING is visible this long before it exits
+
+
+def group_secret(group: ProcessGroup) -> str | None:
+    """The group's shared secret from its file (None without one)."""
+    return read_tokens(group.secret_file)[0] if group.secret_file else None
 
 
 # ---- DeviceOp <-> message ------------------------------------------------------------------------------
@@ -79,6 +87,9 @@ class Leader:
     def __init__(self, group: ProcessGroup, fingerprint: str, host: str):
         self.group = group
         self.fingerprint = fingerprint
+        self.secret = group_secret(group)
+        if self.secret is None:
+            log.warning("process group: the group port is unauthenticated (no --group-secret-file)")
         self._cond = threading.Condition()
         self._streams: dict[int, queue.Queue] = {}  # process id -> its stream's messages (None: the end)
         self._seq = 0
@@ -97,6 +108,11 @@ class Leader:
         log.info("process group: leader of %d processes, group port %d", group.num_processes, self.port)
 
     def Follow(self, request: pb.FollowRequest, context: grpc.ServicerContext):  # noqa: N802 - the RPC's name
+        if self.secret and not token_ok(context.invocation_metadata(), (self.secret,)):
+            context.abort(  # before anything else: no slot, no operation, nothing about the group
+                grpc.StatusCode.UNAUTHENTICATED,
+                "a worker must present the group's secret (--group-secret-file)",
+            )
         pid = request.process_id
         if not 0 < pid < self.group.num_processes:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"process id {pid} is not a worker of this group")
@@ -229,7 +245,11 @@ def operations(group: ProcessGroup, fingerprint: str) -> queue.Queue[DeviceOp]:
         method_path(SERVICE, "Follow"),
         request_serializer=pb.FollowRequest.SerializeToString,
         response_deserializer=pb.DeviceOp.FromString,
-    )(pb.FollowRequest(process_id=group.process_id, engine_fingerprint=fingerprint), wait_for_ready=True)
+    )(
+        pb.FollowRequest(process_id=group.process_id, engine_fingerprint=fingerprint),
+        wait_for_ready=True,
+        metadata=bearer_metadata(group_secret(group)),
+    )
     ops: queue.Queue[DeviceOp] = queue.Queue()
 
     def read() -> None:

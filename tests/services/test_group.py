@@ -24,16 +24,18 @@ pytestmark = pytest.mark.fast
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def leader(num_processes: int) -> Leader:
-    return Leader(
-        ProcessGroup("127.0.0.1:1", num_processes, 0, group_port=free_port()), "engine-a", "127.0.0.1"
-    )
+def leader(num_processes: int, secret_file: Path | None = None) -> Leader:
+    group = ProcessGroup("127.0.0.1:1", num_processes, 0, group_port=free_port(), secret_file=secret_file)
+    return Leader(group, "engine-a", "127.0.0.1")
 
 
-def follower(lead: Leader, process_id: int, fingerprint: str = "engine-a") -> subprocess.Popen:
+def follower(
+    lead: Leader, process_id: int, fingerprint: str = "engine-a", secret_file: Path | None = None
+) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
     argv = [sys.executable, str(ROOT / "tests/services/group_follower.py")]
     argv += [f"127.0.0.1:{lead.port}", str(process_id), fingerprint]
+    argv += [str(secret_file)] if secret_file else []
     return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
@@ -59,6 +61,27 @@ def test_operations_reach_every_worker_in_order():
         assert w.returncode == 0, err
         assert [json.loads(line) for line in out.splitlines()[1:]] == expected
     assert not lead.lost.is_set()
+
+
+def test_a_would_be_worker_without_the_secret_gets_no_slot_and_no_operation(tmp_path):
+    """With --group-secret-file, a caller without the secret (or with another) is refused before it gets
+    a slot; the worker with it then takes that slot and receives the operations."""
+    secret, wrong = tmp_path / "secret", tmp_path / "wrong"
+    secret.write_text("group-secret-1\n")
+    wrong.write_text("group-secret-2\n")
+    lead = leader(2, secret)
+    for intruder_secret in (None, wrong):
+        intruder = follower(lead, 1, secret_file=intruder_secret)
+        out, err = intruder.communicate(timeout=60)
+        assert intruder.returncode == EXIT_GROUP_LOST and "UNAUTHENTICATED" in err
+        assert out.splitlines() == ["following"]  # not one operation
+    worker = follower(lead, 1, secret_file=secret)
+    lead.wait_for_workers(120)
+    lead.publish(DeviceOp("gather_kv", args={"block_ids": [1]}))
+    lead.stop()
+    out, err = worker.communicate(timeout=60)
+    assert worker.returncode == 0, err
+    assert [json.loads(line)["kind"] for line in out.splitlines()[1:]] == ["gather_kv", "stop"]
 
 
 def test_a_worker_of_another_engine_is_refused():
