@@ -13,7 +13,10 @@ Publisher (`KVEventPublisher`, one per daemon, bound):
     and 64-bit integers; a small msgpack integer would make it drop the batch). medium is "GPU", vLLM's
     name for accelerator memory, which routers weigh as the fastest tier.
   * ROUTER replay socket: a DEALER sends [b"", start sequence (8 bytes)]; it is answered with
-    [b"", seq, payload] for each buffered batch from there on, then [b"", -1 (8 bytes), b""].
+    [b"", seq, payload] for each buffered batch from there on, then [b"", -1 (8 bytes), b""]. Replays go
+    out in slices between live batches, at most MAX_REPLAYS at once (a request past them goes unanswered:
+    the reader times out and asks again); a reader that lets REPLAY_HWM messages pile up loses the rest of
+    its replay.
 A daemon's first batch (sequence 0) is ["AllBlocksCleared"]: a reader that sees the sequence start over
 knows the daemon restarted with an empty cache.
 """
@@ -23,6 +26,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import errno
+import itertools
 import logging
 import os
 import queue
@@ -41,6 +45,13 @@ DEFAULT_PORT = 5557
 DEFAULT_REPLAY_PORT = 5558
 MEDIUM = "GPU"
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
+# Bounds (a reader is a peer on the pod network, not a trusted party):
+MAX_QUEUED_BATCHES = 1024  # engine -> publisher; past it the oldest is dropped and counted
+MAX_REPLAYS = 8  # replays under way at once; a request past them goes unanswered (the reader retries)
+REPLAY_BATCHES_PER_TURN = 64  # a replay goes out in slices of this many, between live batches
+REPLAY_HWM = 1024  # replay messages queued to one reader; a reader that lets more pile up is dropped
+MAX_REQUEST_BYTES = 64  # a replay request: an empty frame and 8 bytes
+MAX_BATCH_BYTES = 16 << 20  # a batch a reader accepts (a step's events are kilobytes)
 
 
 def topic(pod: str, model: str) -> str:
@@ -139,6 +150,9 @@ class KVEventPublisher:
         self._pub.setsockopt(zmq.LINGER, 0)
         self._replay = self._context.socket(zmq.ROUTER)
         self._replay.setsockopt(zmq.LINGER, 0)
+        self._replay.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
+        self._replay.setsockopt(zmq.SNDHWM, REPLAY_HWM)
+        self._replay.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reader at its high-water mark: EAGAIN, not loss
         try:
             self.port = _bind(self._pub, host, port, DEFAULT_PORT)
             self.replay_port = _bind(self._replay, host, replay_port, DEFAULT_REPLAY_PORT)
@@ -146,11 +160,17 @@ class KVEventPublisher:
             self._context.destroy(linger=0)
             raise
         self._buffer: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=buffer_batches)
-        self._queue: queue.Queue[list[KVEvent] | None] = queue.Queue()
+        self._queue = DropOldestQueue(MAX_QUEUED_BATCHES)
+        self._replays: dict[bytes, int] = {}  # reader identity -> the next sequence number it is owed
         self._seq = 0
         self.num_batches = 0
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
         self._thread.start()
+
+    @property
+    def num_dropped(self) -> int:
+        """Batches dropped before sending: the engine published faster than the sockets took them."""
+        return self._queue.num_dropped
 
     def publish(self, events: list[KVEvent]) -> None:
         self._queue.put(events)
@@ -164,17 +184,20 @@ class KVEventPublisher:
     def _run(self) -> None:
         poller = zmq.Poller()
         poller.register(self._replay, zmq.POLLIN)
-        while True:
+        while True:  # a turn: a live batch, new replay requests, one slice of each replay under way
             try:
-                events = self._queue.get(timeout=0.02)
+                events = self._queue.get(timeout=0 if self._replays else 0.02)
             except queue.Empty:
                 events = []
             if events is None:
                 return
             if events:
                 self._send(events)
-            while poller.poll(0):
+            for _ in range(MAX_REPLAYS):
+                if not poller.poll(0):
+                    break
                 self._answer_replay()
+            self._serve_replays()
 
     def _send(self, events: list[KVEvent]) -> None:
         payload = encode_batch(events)
@@ -193,10 +216,55 @@ class KVEventPublisher:
             log.warning("KV events: malformed replay request of %d frames", len(frames))
             return
         identity, start = frames[0], int.from_bytes(frames[2], "big")
-        for seq, payload in list(self._buffer):
-            if seq >= start:
-                self._replay.send_multipart((identity, b"", seq.to_bytes(8, "big"), payload))
-        self._replay.send_multipart((identity, b"", END_OF_REPLAY, b""))
+        if len(self._replays) >= MAX_REPLAYS and identity not in self._replays:
+            return  # busy: no answer (the reader's request times out and it asks again; an empty replay
+            # would tell it that the replica holds nothing)
+        self._replays[identity] = start
+
+    def _serve_replays(self) -> None:
+        """One slice of each replay under way, from the buffer (which moves on meanwhile)."""
+        for identity, start in list(self._replays.items()):
+            first = self._buffer[0][0] if self._buffer else self._seq
+            position = max(start - first, 0)
+            batches = list(itertools.islice(self._buffer, position, position + REPLAY_BATCHES_PER_TURN))
+            done = len(batches) < REPLAY_BATCHES_PER_TURN
+            sent = all(self._reply(identity, seq.to_bytes(8, "big"), payload) for seq, payload in batches)
+            if not sent or (done and not self._reply(identity, END_OF_REPLAY, b"")) or done:
+                del self._replays[identity]
+            else:
+                self._replays[identity] = batches[-1][0] + 1
+
+    def _reply(self, identity: bytes, seq: bytes, payload: bytes) -> bool:
+        """False when the reader is gone or has let REPLAY_HWM messages pile up: its replay ends there."""
+        try:
+            self._replay.send_multipart((identity, b"", seq, payload), flags=zmq.NOBLOCK)
+            return True
+        except (zmq.Again, zmq.ZMQError):
+            return False
+
+
+class DropOldestQueue(queue.Queue):
+    """A bounded queue whose `put` never blocks: when full it drops the oldest item, and counts it."""
+
+    def __init__(self, maxsize: int):
+        super().__init__(maxsize)
+        self.num_dropped = 0
+
+    def put(self, item, block: bool = True, timeout: float | None = None) -> None:
+        while True:
+            try:
+                super().put(item, block=False)
+                return
+            except queue.Full:
+                try:
+                    self.get_nowait()
+                    self.num_dropped += 1
+                    if self.num_dropped == 1 or self.num_dropped % 1000 == 0:
+                        log.warning(
+                            "KV events: %d batches dropped (the publisher fell behind)", self.num_dropped
+                        )
+                except queue.Empty:
+                    pass
 
 
 def _bind(socket: zmq.Socket, host: str, port: int | None, default: int) -> int:

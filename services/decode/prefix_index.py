@@ -25,7 +25,7 @@ import zmq
 import zmq.asyncio
 
 from pdserve.engine.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from pdserve.services.kv_events_zmq import END_OF_REPLAY, decode_batch
+from pdserve.services.kv_events_zmq import END_OF_REPLAY, MAX_BATCH_BYTES, decode_batch
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +137,7 @@ async def replay(endpoint: str, start: int, timeout_s: float = 2.0) -> list[tupl
     ValueError (a bad batch) or zmq.ZMQError."""
     socket = zmq.asyncio.Context.instance().socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.MAXMSGSIZE, MAX_BATCH_BYTES)  # a replica sending more is disconnected
     socket.setsockopt(zmq.IPV6, 1)  # replicas behind dns:/// may have IPv6 addresses
     try:
         socket.connect(endpoint)
@@ -160,6 +161,7 @@ async def follow(
     """Keeps `cache` current from a replica's event stream until cancelled (never raises otherwise)."""
     socket = zmq.asyncio.Context.instance().socket(zmq.SUB)
     socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.MAXMSGSIZE, MAX_BATCH_BYTES)
     socket.setsockopt(zmq.IPV6, 1)
     socket.setsockopt(zmq.SUBSCRIBE, topic.encode())
     socket.setsockopt(zmq.RECONNECT_IVL_MAX, 2_000)

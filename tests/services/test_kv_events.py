@@ -249,3 +249,61 @@ def test_the_router_sees_a_restarted_publisher():
     assert index.matched_blocks(pod, [5, 6], "m") == 1
     index.add_frames([b"kv@p:1@m", (0).to_bytes(8, "big"), encode_batch([AllBlocksCleared()])])
     assert index.num_restarts == 1 and index.matched_blocks(pod, [5, 6], "m") == 0
+
+
+def test_the_engine_to_publisher_queue_drops_its_oldest_when_full():
+    from pdserve.services.kv_events_zmq import DropOldestQueue
+
+    q = DropOldestQueue(3)
+    for i in range(5):
+        q.put(i)  # never blocks
+    assert [q.get_nowait() for _ in range(3)] == [2, 3, 4] and q.num_dropped == 2
+
+
+def test_a_replay_flood_and_slow_readers_do_not_hold_up_live_batches():
+    """Readers that ask for the whole replay buffer again and again and never read their answers: at most
+    MAX_REPLAYS are served at once, in slices between live batches, and each is dropped once its
+    messages pile up; a healthy subscriber gets every live batch, in order, meanwhile; a replay asked
+    for after the flood is answered in full."""
+    import zmq
+
+    from pdserve.services.kv_events_zmq import MAX_REPLAYS
+
+    name = topic("127.0.0.1:1", "m")
+    pub = KVEventPublisher(name, port=0, replay_port=0, buffer_batches=5000)
+    context = zmq.Context()
+    try:
+        for i in range(5000):  # a full replay buffer: a large payload each, so readers fill up fast
+            pub.publish([BlockStored([i], None, list(range(64)), 64)])
+            while pub.num_batches < i - 500:  # (within the engine-to-publisher queue's bound)
+                asyncio.run(asyncio.sleep(0.001))
+        sub = context.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, name.encode())
+        sub.connect(f"tcp://127.0.0.1:{pub.port}")
+        flood = []
+        for _ in range(4 * MAX_REPLAYS):
+            reader = context.socket(zmq.DEALER)
+            reader.setsockopt(zmq.RCVHWM, 10)  # and never reads
+            reader.connect(f"tcp://127.0.0.1:{pub.replay_port}")
+            for _ in range(3):
+                reader.send_multipart((b"", (0).to_bytes(8, "big")))
+            flood.append(reader)
+        asyncio.run(asyncio.sleep(0.5))  # (the subscription reaches the publisher)
+        for i in range(200):
+            pub.publish([BlockStored([10_000 + i], None, [0], 1)])
+        live = []
+        while len(live) < 200:
+            assert sub.poll(30_000), f"{len(live)} live batches of 200"
+            frames = sub.recv_multipart()
+            (event,) = decode_batch(frames[2])[1]
+            if event.block_hashes[0] >= 10_000:
+                live.append(event.block_hashes[0] - 10_000)
+        assert live == list(range(200)) and pub.num_dropped == 0
+        assert len(pub._replays) <= MAX_REPLAYS
+        for reader in flood:
+            reader.close(linger=0)
+        batches = asyncio.run(replay(f"tcp://127.0.0.1:{pub.replay_port}", 5100, timeout_s=30))
+        assert [seq for seq, *_ in batches] == list(range(5100, 5200))
+    finally:
+        pub.close()
+        context.destroy(linger=0)
