@@ -56,6 +56,8 @@ from pdserve.kvtransfer import KVLayout
 
 log = logging.getLogger(__name__)
 
+MAX_CACHE_SALT_CHARS = 256  # vLLM's cache_salt is a short opaque string
+
 
 class LLMEngine:
     """Continuous batching over one model on one mesh. Not thread-safe: drive it from one thread.
@@ -196,13 +198,17 @@ class LLMEngine:
         lora: str | None = None,
         lora_fingerprint: str | None = None,
         seed: int | None = None,
+        cache_salt: str | None = None,
     ) -> Request:
         """Validates and tokenizes; raises InvalidRequestError naming the bad field.
 
         `lora`: the adapter's name (None: the base model); with `lora_fingerprint` (a peer's copy of the
         adapter) the adapter loaded here must have the same weights (AdapterMismatchError otherwise).
         `seed`: the resolved seed a peer drew (default: params.seed, else a random one).
+        `cache_salt`: the tenant's salt (Request.cache_salt; None or empty: unsalted).
         """
+        if cache_salt is not None and len(cache_salt) > MAX_CACHE_SALT_CHARS:
+            raise InvalidRequestError("cache_salt", f"at most {MAX_CACHE_SALT_CHARS} characters")
         vocab = self.model.config.vocab_size
         params.validate(vocab, self.config.max_logprobs)
         if isinstance(prompt, str):
@@ -234,6 +240,7 @@ class LLMEngine:
             lora=None if lora is None else self.loras.resolve(lora, lora_fingerprint),
             matcher=None if params.constraint is None else self.constraints.matcher(params.constraint),
             stop_token_ids=stop_ids,
+            cache_salt=cache_salt or None,
         )
         if self.config.enable_prefix_caching:  # off the engine thread: a Preparer's (services.prepare)
             request.extend_block_hashes(self.config.block_size)
@@ -562,15 +569,20 @@ class LLMEngine:
         prompts: Sequence[str | Sequence[int]],
         params: SamplingParams | Sequence[SamplingParams],
         lora: str | Sequence[str | None] | None = None,
+        cache_salt: str | None = None,
     ) -> list[FinishedSequence]:
         """Runs prompts to completion together (continuous batching); results in prompt order.
 
-        `lora`: one adapter name for all prompts, or one per prompt (None: the base model)."""
+        `lora`: one adapter name for all prompts, or one per prompt (None: the base model). `cache_salt`:
+        the tenant's prefix-cache salt for all of them (None: unsalted)."""
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         if lora is None or isinstance(lora, str):
             lora = [lora] * len(prompts)
-        ids = [self.add_request(p, sp, lora=name) for p, sp, name in zip(prompts, params, lora, strict=True)]
+        ids = [
+            self.add_request(p, sp, lora=name, cache_salt=cache_salt)
+            for p, sp, name in zip(prompts, params, lora, strict=True)
+        ]
         done: dict[str, FinishedSequence] = {
             rid: FinishedSequence(rid, self.scheduler.requests[rid].prompt_ids, [], "", None) for rid in ids
         }

@@ -111,13 +111,18 @@ def build_request(
     lora_adapter: str = "",
     return_prompt_ids: bool = False,
     constraint: Constraint | None = None,
+    cache_salt: str = "",
     **sampling_fields,
 ) -> pb.GenerateRequest:
     """A GenerateRequest. `sampling_fields`: any knob of services.sampling.FIELDS by its SamplingParams
     name (temperature, top_p, ..., max_tokens, stop, stop_token_ids, ignore_eos); left out or None: the
-    server's default (greedy, 256 tokens). `constraint`: structured output (None: free text)."""
+    server's default (greedy, 256 tokens). `constraint`: structured output (None: free text).
+    `cache_salt`: the tenant's prefix-cache salt (GenerateRequest.cache_salt)."""
     request = pb.GenerateRequest(
-        request_id=request_id, lora_adapter=lora_adapter, return_prompt_ids=return_prompt_ids
+        request_id=request_id,
+        lora_adapter=lora_adapter,
+        return_prompt_ids=return_prompt_ids,
+        cache_salt=cache_salt,
     )
     if constraint is not None:
         set_constraint(request.constraint, constraint)

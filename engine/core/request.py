@@ -58,6 +58,9 @@ class Request:
     status: Status = Status.WAITING
     finish_reason: FinishReason | None = None
     lora: LoraAdapter | None = None  # None: the base model
+    # A tenant's salt (vLLM's cache_salt): blocks hashed with another salt, or none, are never shared with
+    # it, so one tenant's prompts cannot be probed through another's cache hits. None: unsalted.
+    cache_salt: str | None = None
     lora_slot: int = -1  # device slot pinned for `lora` from admission to the end; -1: none
     # Its full blocks may enter the prefix cache. False once KV that fills only some layers' blocks arrived
     # by transfer (sliding-window layers get only the window's blocks): no later request may hit them.
@@ -98,5 +101,9 @@ class Request:
 
     @property
     def cache_key(self) -> str | None:
-        """What else besides the tokens the KV depends on (prefix cache hashes): the adapter's weights."""
-        return None if self.lora is None else self.lora.fingerprint
+        """What else besides the tokens its blocks' hashes depend on: the adapter's weights (the KV
+        depends on them) and the cache salt (who may share them)."""
+        adapter = None if self.lora is None else self.lora.fingerprint
+        if self.cache_salt is None:
+            return adapter
+        return f"{adapter or ''}\x00salt\x00{self.cache_salt}"

@@ -30,7 +30,7 @@ class HandshakeResponse(_message.Message):
     def __init__(self, layout_json: _Optional[str] = ..., fingerprint: _Optional[str] = ..., kv_events_port: _Optional[int] = ..., kv_events_replay_port: _Optional[int] = ..., kv_events_topic: _Optional[str] = ..., features: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_ids", "sampling", "seed", "layout_fingerprint", "lora_adapter", "stop", "lora_fingerprint", "held_block_hashes", "constraint", "constraint_fingerprint")
+    __slots__ = ("request_id", "prompt_ids", "sampling", "seed", "layout_fingerprint", "lora_adapter", "stop", "lora_fingerprint", "held_block_hashes", "constraint", "constraint_fingerprint", "cache_salt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -42,6 +42,7 @@ class PrefillRequest(_message.Message):
     HELD_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
     CONSTRAINT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _generation_pb2.SamplingParameters
@@ -53,7 +54,8 @@ class PrefillRequest(_message.Message):
     held_block_hashes: _containers.RepeatedScalarFieldContainer[int]
     constraint: _generation_pb2.Constraint
     constraint_fingerprint: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParameters, _Mapping]] = ..., seed: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., lora_adapter: _Optional[str] = ..., stop: _Optional[_Union[_generation_pb2.StopConditions, _Mapping]] = ..., lora_fingerprint: _Optional[str] = ..., held_block_hashes: _Optional[_Iterable[int]] = ..., constraint: _Optional[_Union[_generation_pb2.Constraint, _Mapping]] = ..., constraint_fingerprint: _Optional[str] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParameters, _Mapping]] = ..., seed: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., lora_adapter: _Optional[str] = ..., stop: _Optional[_Union[_generation_pb2.StopConditions, _Mapping]] = ..., lora_fingerprint: _Optional[str] = ..., held_block_hashes: _Optional[_Iterable[int]] = ..., constraint: _Optional[_Union[_generation_pb2.Constraint, _Mapping]] = ..., constraint_fingerprint: _Optional[str] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class PrefillHeader(_message.Message):
     __slots__ = ("request_id", "prompt_len", "layout_json", "lora_adapter", "lora_fingerprint", "first_block")

@@ -158,9 +158,10 @@ class GenerationCore:
         self.loop.stop()
         self.preparer.close()
 
-    def make_request(self, prompt, params, label: str = "", lora: str = "") -> Request:
+    def make_request(self, prompt, params, label: str = "", lora: str = "", cache_salt: str = "") -> Request:
         """Checks the limits, validates and tokenizes (InvalidRequestError names the field); refuses while
-        draining. Blocking CPU work by the size of the request: call it through `prepare`.
+        draining. Blocking CPU work by the size of the request: call it through `prepare`. `cache_salt`:
+        the tenant's (engine.core.request.Request.cache_salt; empty: none).
 
         The engine's key is this server's own, unique whatever clients send: the client's `label` (its
         request id, checked by the caller) and a random suffix, so that two requests of one id never meet.
@@ -171,7 +172,9 @@ class GenerationCore:
         limits.check(params)
         suffix = uuid.uuid4().hex[:12]  # the key stays within the limit a prefill server checks it against
         key = f"{label[: limits.max_request_id_chars - 13]}-{suffix}" if label else uuid.uuid4().hex
-        return self.engine.make_request(prompt, params, request_id=key, lora=lora or None)
+        return self.engine.make_request(
+            prompt, params, request_id=key, lora=lora or None, cache_salt=cache_salt or None
+        )
 
     def check_params(self, params):
         """The checks of make_request that cost next to nothing (the limits, each knob's range), for a

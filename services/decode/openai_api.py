@@ -301,7 +301,8 @@ class OpenAIFrontend:
         if tools is not None and tools.mode == "auto" and self.tool_markers_special:
             params = dataclasses.replace(params, skip_special_tokens=False)
         try:
-            return self.service.make_request(prompt, params, label, lora=self._adapter(body))
+            adapter, salt = self._adapter(body), body.get("cache_salt") or ""
+            return self.service.make_request(prompt, params, label, lora=adapter, cache_salt=salt)
         except InvalidRequestError as e:
             if e.field != "constraint":
                 raise
@@ -507,6 +508,7 @@ _BODY_TYPES: dict[str, tuple[type, ...]] = {
     "tools": (list,),
     "tool_choice": (str, dict),
     "lora_adapter": (str,),
+    "cache_salt": (str,),  # vLLM's: a tenant's prefix-cache salt
     "user": (str,),
     "guided_json": (str, dict),
     "guided_regex": (str,),

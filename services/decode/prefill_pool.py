@@ -218,6 +218,7 @@ class RemotePrefiller(Prefiller):
             layout_fingerprint=self.dst.fingerprint(),
             lora_adapter=request.lora.name if request.lora else "",
             lora_fingerprint=request.lora.fingerprint if request.lora else "",
+            cache_salt=request.cache_salt or "",
             held_block_hashes=held,
             constraint_fingerprint=constraint.fingerprint if constraint is not None else "",
         )
@@ -300,6 +301,7 @@ class LocalPrefiller(Prefiller):
                 lora=lora.name if lora else None,
                 lora_fingerprint=lora.fingerprint if lora else None,
                 seed=request.seed,
+                cache_salt=request.cache_salt,
             )
         except InvalidRequestError as e:
             raise PrefillError(f"{self.name}: {e}", replica_down=False) from e

@@ -70,7 +70,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         prompt = wire.prompt_from_proto(
             request, self.engine.tokenizer, config.limits, self.engine.config.max_prompt_chars
         )
-        return self.core.make_request(prompt, params, label, request.lora_adapter)
+        return self.core.make_request(prompt, params, label, request.lora_adapter, request.cache_salt)
 
     async def Generate(self, request: pb.GenerateRequest, context):
         if isinstance(request, wire.Unparsable):

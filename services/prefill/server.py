@@ -163,6 +163,7 @@ class PrefillService(pb_grpc.PrefillServicer):
             lora=request.lora_adapter or None,
             lora_fingerprint=request.lora_fingerprint or None,
             seed=request.seed,
+            cache_salt=request.cache_salt or None,
         )
 
     async def _prefill(self, request: pb.PrefillRequest, context):

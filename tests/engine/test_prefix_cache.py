@@ -63,3 +63,19 @@ def test_tensor_parallel_2_with_caching(make_engine, loaded_model):
     first, second = run_twice(tp2, prompts, params)
     assert [c.token_ids for c in first + second] == [c.token_ids for c in reference[0] + reference[1]]
     assert sum(c.num_cached_tokens for c in second) > 0
+
+
+def test_cache_salts_keep_tenants_apart(make_engine, loaded_model):
+    """vLLM's cache_salt: a prompt cached under one salt is not found under another, nor unsalted; the
+    same salt hits. The tokens are the same every time."""
+    engine = make_engine()
+    prompt = loaded_model.tokenizer.encode("A system prompt that two tenants send word for word. " * 6)
+    first = engine.generate([prompt], GREEDY, cache_salt="tenant-a")[0]
+    other = engine.generate([prompt], GREEDY, cache_salt="tenant-b")[0]
+    unsalted = engine.generate([prompt], GREEDY)[0]
+    again = engine.generate([prompt], GREEDY, cache_salt="tenant-a")[0]
+    assert [c.num_cached_tokens for c in (first, other, unsalted)] == [0, 0, 0]
+    assert again.num_cached_tokens == (len(prompt) - 1) // 16 * 16
+    assert first.token_ids == other.token_ids == unsalted.token_ids == again.token_ids
+    with pytest.raises(ValueError, match="cache_salt"):
+        engine.make_request(prompt, GREEDY, cache_salt="x" * 257)

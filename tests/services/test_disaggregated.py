@@ -226,3 +226,26 @@ def test_heterogeneous_tp_in_serve_shape(model_path, log_dir, daemons, colocated
     for ids in prompts(loaded_model.tokenizer)[1:4]:
         assert client.generate(ids, **GREEDY).token_ids == colocated(ids, **GREEDY), len(ids)
     assert_all_free(daemon.address)
+
+
+def test_cache_salts_keep_tenants_apart_on_both_roles(prefill, decode, loaded_model, colocated, openai):
+    """GenerateRequest.cache_salt (and the OpenAI body's cache_salt): a prompt one tenant cached, in the
+    decode server's cache and the prefill server's, is not found for another tenant; the same tenant
+    hits. The tokens are the colocated engine's."""
+    prompt = loaded_model.tokenizer.encode("Tenant isolation: the same words from two tenants. " * 6)
+    client = Client(decode.address)
+    first = client.generate(prompt, cache_salt="tenant-a", **GREEDY)
+    other = client.generate(prompt, cache_salt="tenant-b", **GREEDY)
+    assert first.cached_prompt_tokens == other.cached_prompt_tokens == 0
+    again = client.generate(prompt, cache_salt="tenant-a", **GREEDY)
+    assert again.cached_prompt_tokens >= len(prompt) - 16
+    assert first.token_ids == other.token_ids == again.token_ids == colocated(prompt, **GREEDY)
+    http = openai.OpenAI(base_url=f"http://{decode.addresses['http']}/v1", api_key="unused")
+    (model,) = http.models.list().data
+    text = loaded_model.tokenizer.decode(prompt)
+    for salt, cached in (("tenant-c", False), ("tenant-c", True)):
+        usage = http.completions.create(
+            model=model.id, prompt=text, max_tokens=2, temperature=0, extra_body={"cache_salt": salt}
+        ).usage
+        assert (usage.prompt_tokens_details.cached_tokens > 0) == cached, salt
+    assert_all_free(decode.address, prefill.address)
