@@ -103,6 +103,9 @@ class ModelConfig:
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
     name: str = "model"
+    # A digest of the checkpoint's weights (engine.loading.checkpoints): part of the KV layout's model, so
+    # that KV computed with other weights under the same name is never inserted. "": not known.
+    weights_digest: str = ""
 
     def __post_init__(self):
         if self.architecture not in SUPPORTED_ARCHITECTURES:

@@ -11,7 +11,10 @@ valid protobuf either way.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections.abc import Sequence
+
+import numpy as np
 
 from pdserve.engine.core.output import RequestOutput
 from pdserve.engine.core.request import FinishReason, TokenLogprobs
@@ -65,6 +68,12 @@ def deserialize_prefill_message(data: bytes) -> prefill_pb.PrefillMessage | KVFr
             raise ValueError(f"kv_frame field of {length} bytes in a message of {len(view)}")
         return KVFrameBytes(view[pos:])
     return prefill_pb.PrefillMessage.FromString(data)
+
+
+def prompt_digest(prompt_ids) -> bytes:
+    """PrefillHeader.prompt_digest: what the KV that follows was computed for (the decode side checks it
+    against its own request's prompt)."""
+    return hashlib.sha256(np.asarray(prompt_ids, "<u4").tobytes()).digest()
 
 
 class PrefillProtocolError(ValueError):

@@ -9,6 +9,8 @@ instead (random test models, and the tests' shared fixtures).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import hashlib
 import json
 import logging
 import math
@@ -131,6 +133,23 @@ _SAFETENSORS_DTYPES = ("F32", "F16", "BF16")
 GLOBAL_TENSORS = ("embed", "final_norm", "lm_head")  # the arrays outside the layers
 
 
+def weights_digest(entries: Iterator[tuple[str, str, tuple[int, ...], bytes]]) -> str:
+    """A digest of a checkpoint's weights from each tensor's (name, dtype, shape, a sample of its bytes:
+    its first and last rows): other weights (a fine-tune, another release under the same name) differ in
+    every tensor, so it tells them apart without reading the whole checkpoint."""
+    digest = hashlib.sha256()
+    for name, dtype, shape, sample in sorted(entries):
+        digest.update(f"{name}|{dtype}|{shape}|".encode())
+        digest.update(hashlib.sha256(sample).digest())
+    return digest.hexdigest()[:16]
+
+
+def _edge_rows(array: np.ndarray) -> bytes:
+    """The first and last rows of an array (all of a small one), as bytes."""
+    flat = array.reshape(array.shape[0], -1) if array.ndim > 1 else array.reshape(1, -1)
+    return np.ascontiguousarray(flat[0]).tobytes() + np.ascontiguousarray(flat[-1]).tobytes()
+
+
 class LayerReader:
     """An open checkpoint: one layer's arrays (or the embeddings, final norm and head) at a time, as
     numpy arrays in their stored dtype (float32 where dequantized), in math layout. `bytes_read` counts
@@ -227,9 +246,14 @@ class GGUFCheckpoint(Checkpoint):
         self.metadata = read_gguf_metadata(reader)
         names = {t.name for t in reader.tensors}
         config = gguf_config.hf_config(self.metadata, tie_word_embeddings="output.weight" not in names)
-        self.config = ModelConfig.from_hf_config(config, name=name or path.stem)
+        config = ModelConfig.from_hf_config(config, name=name or path.stem)
         self.nbytes = sum(int(t.n_bytes) for t in reader.tensors)
         self.num_params = sum(int(t.n_elements) for t in reader.tensors)
+        entries = (
+            (t.name, t.tensor_type.name, tuple(int(d) for d in t.shape), _edge_rows(np.asarray(t.data)))
+            for t in reader.tensors
+        )
+        self.config = dataclasses.replace(config, weights_digest=weights_digest(entries))
 
     @contextlib.contextmanager
     def reader(self) -> Iterator[LayerReader]:
@@ -306,6 +330,7 @@ class SafetensorsCheckpoint(Checkpoint):
             raise CheckpointError(f"{path} has no *.safetensors files")
         self.where: dict[str, Path] = {}
         self.nbytes = self.num_params = 0
+        entries = []
         for file in files:
             if not (path / file).is_file():
                 raise CheckpointError(f"{path / file} (named in the index) is missing")
@@ -319,8 +344,15 @@ class SafetensorsCheckpoint(Checkpoint):
                             "tensors only (a quantized checkpoint? serve its bf16 original)"
                         )
                     self.where[key] = path / file
-                    self.num_params += math.prod(tensor.get_shape())
+                    shape = tuple(tensor.get_shape())
+                    self.num_params += math.prod(shape)
+                    if shape and shape[0]:
+                        sample = _edge_rows(tensor[0:1]) + _edge_rows(tensor[shape[0] - 1 : shape[0]])
+                    else:
+                        sample = b""
+                    entries.append((key, dtype, shape, sample))
             self.nbytes += (path / file).stat().st_size
+        self.config = dataclasses.replace(self.config, weights_digest=weights_digest(iter(entries)))
 
     @contextlib.contextmanager
     def reader(self) -> Iterator[LayerReader]:
@@ -390,7 +422,11 @@ class HostCheckpoint(Checkpoint):
     that build many engines of one model)."""
 
     def __init__(self, config: ModelConfig, host: dict[str, np.ndarray], path: Path | None = None):
-        self.config, self.host, self.path = config, host, path or Path(config.name)
+        if not config.weights_digest:  # (one read from a checkpoint keeps the checkpoint's digest)
+            entries = ((k, w.dtype.name, w.shape, _edge_rows(w) if w.size else b"") for k, w in host.items())
+            config = dataclasses.replace(config, weights_digest=weights_digest(entries))
+        self.config = config
+        self.host, self.path = host, path or Path(config.name)
         self.nbytes = sum(w.nbytes for w in host.values())
         self.num_params = sum(w.size for w in host.values())
 

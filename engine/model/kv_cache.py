@@ -21,7 +21,8 @@ from pdserve.kvtransfer import KVLayout, LayerSpec, SpecKind
 
 def kv_layout(model: ModelConfig, config: EngineConfig) -> KVLayout:
     """The cache of an engine of `model` and `config` (its dtype resolved) as kvtransfer sees it: each layer
-    full or sliding-window attention (only the window's blocks are transferred), heads padded for TP.
+    full or sliding-window attention (only the window's blocks are transferred), heads padded for TP. Its
+    model names the weights too (name@digest): KV of other weights under the same name does not fit it.
     Its shardings (kvtransfer.cache_sharding, chunk_sharding) are the cache's and the chunks'."""
     if model.is_mla:  # one latent a token, the same on every chip
         specs = (LayerSpec(SpecKind.MLA),) * model.num_layers
@@ -32,7 +33,7 @@ def kv_layout(model: ModelConfig, config: EngineConfig) -> KVLayout:
         specs = tuple(LayerSpec(SpecKind.SLIDING, w) if w else LayerSpec(SpecKind.FULL) for w in windows)
         heads, head_dim, mla = model.num_kv_heads, model.head_dim, {}
     return KVLayout(
-        model=model.name,
+        model=f"{model.name}@{model.weights_digest}" if model.weights_digest else model.name,
         layer_specs=specs,
         num_kv_heads=heads,
         head_dim=head_dim,

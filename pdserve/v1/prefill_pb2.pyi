@@ -58,20 +58,22 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParameters, _Mapping]] = ..., seed: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., lora_adapter: _Optional[str] = ..., stop: _Optional[_Union[_generation_pb2.StopConditions, _Mapping]] = ..., lora_fingerprint: _Optional[str] = ..., held_block_hashes: _Optional[_Iterable[int]] = ..., constraint: _Optional[_Union[_generation_pb2.Constraint, _Mapping]] = ..., constraint_fingerprint: _Optional[str] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class PrefillHeader(_message.Message):
-    __slots__ = ("request_id", "prompt_len", "layout_json", "lora_adapter", "lora_fingerprint", "first_block")
+    __slots__ = ("request_id", "prompt_len", "layout_json", "lora_adapter", "lora_fingerprint", "first_block", "prompt_digest")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_JSON_FIELD_NUMBER: _ClassVar[int]
     LORA_ADAPTER_FIELD_NUMBER: _ClassVar[int]
     LORA_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_DIGEST_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_len: int
     layout_json: str
     lora_adapter: str
     lora_fingerprint: str
     first_block: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_len: _Optional[int] = ..., layout_json: _Optional[str] = ..., lora_adapter: _Optional[str] = ..., lora_fingerprint: _Optional[str] = ..., first_block: _Optional[int] = ...) -> None: ...
+    prompt_digest: bytes
+    def __init__(self, request_id: _Optional[str] = ..., prompt_len: _Optional[int] = ..., layout_json: _Optional[str] = ..., lora_adapter: _Optional[str] = ..., lora_fingerprint: _Optional[str] = ..., first_block: _Optional[int] = ..., prompt_digest: _Optional[bytes] = ...) -> None: ...
 
 class PrefillTrailer(_message.Message):
     __slots__ = ("num_frames", "num_bytes", "prefill_seconds", "first_token", "first_logprobs", "num_cached_tokens")

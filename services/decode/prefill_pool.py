@@ -241,6 +241,8 @@ class RemotePrefiller(Prefiller):
                             f"{self.name}: KV of {header.prompt_len} tokens from block {header.first_block}, "
                             f"asked for {len(request.prompt_ids)} from block {len(held)}"
                         )
+                    if header.prompt_digest != wire.prompt_digest(request.prompt_ids):
+                        raise PrefillError(f"{self.name}: KV computed for another prompt")  # a broken replica
                     src = KVLayout.from_json(header.layout_json)
                     num_tokens = header.prompt_len - header.first_block * src.block_size
                     assembler = kvtransfer.FrameAssembler(

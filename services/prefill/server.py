@@ -201,6 +201,7 @@ class PrefillService(pb_grpc.PrefillServicer):
             layout_json=self.layout_json,
             lora_adapter=request.lora_adapter,
             lora_fingerprint=engine_request.lora.fingerprint if engine_request.lora else "",
+            prompt_digest=wire.prompt_digest(engine_request.prompt_ids),
         )
         order = wire.PrefillStreamOrder()  # header -> frames -> trailer, as the receiver checks it
         yield order.write(pb.PrefillMessage(header=header))

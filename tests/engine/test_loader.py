@@ -205,7 +205,9 @@ def test_qwen3_gguf_and_hf_folder_load_the_same_weights(tmp_path):
     cfg, host = load_hf_folder(folder, name="q")
     gguf_cfg, gguf_host, _ = load_gguf(tmp_path / "q.gguf", name="q")
     assert gguf_cfg.rms_norm_eps == pytest.approx(cfg.rms_norm_eps)  # a float32 in GGUF
-    assert cfg == dataclasses.replace(gguf_cfg, rms_norm_eps=cfg.rms_norm_eps)
+    assert cfg == dataclasses.replace(
+        gguf_cfg, rms_norm_eps=cfg.rms_norm_eps, weights_digest=cfg.weights_digest
+    )
     assert cfg.qk_norm and not cfg.qkv_bias and cfg.head_dim == head_dim
     assert host.keys() == gguf_host.keys() and {"q_norm", "k_norm"} <= host.keys()
     for key in host:
@@ -430,3 +432,27 @@ def test_an_untied_head_missing_is_named(tmp_path):
     checkpoint = SafetensorsCheckpoint(tmp_path)
     with pytest.raises(CheckpointError, match="lacks tensor lm_head.weight and embeddings are not tied"):
         build_weights(checkpoint.config, checkpoint, make_mesh(1))
+
+
+def test_the_weights_digest_tells_checkpoints_of_one_name_apart(tmp_path):
+    """Two folders of the same name (the same model name) with other weights: other digests, so KV layouts
+    that do not fit each other; the same files again, and their copy read into memory, keep theirs."""
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.loading.sources import LoadedModel
+    from pdserve.engine.model.kv_cache import kv_layout
+    from pdserve.kvtransfer import LayoutMismatchError
+    from pdserve.testing.load_probe import write_random_llama
+
+    sizes = dict(hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, vocab=96)
+    first, second = tmp_path / "a" / "m", tmp_path / "b" / "m"
+    write_random_llama(first, shards=2, seed=1, **sizes)
+    write_random_llama(second, shards=2, seed=2, **sizes)
+    a, b = SafetensorsCheckpoint(first), SafetensorsCheckpoint(second)
+    assert a.config.name == b.config.name == "m" and a.config.weights_digest != b.config.weights_digest
+    assert SafetensorsCheckpoint(first).config.weights_digest == a.config.weights_digest
+    in_memory = LoadedModel(a.config, a, None, first).in_memory()
+    assert in_memory.checkpoint.config.weights_digest == a.config.weights_digest
+    config = EngineConfig(num_blocks=8, max_model_len=64).on_platform("cpu")
+    with pytest.raises(LayoutMismatchError, match="model"):
+        kv_layout(a.config, config).check_compatible(kv_layout(b.config, config))
+    kv_layout(a.config, config).check_compatible(kv_layout(in_memory.config, config))

@@ -5,7 +5,8 @@ cycling through FAULTS by request count: a corrupted payload byte, a frame cut s
 the trailer dropped, a stream that dies after the first frame, and one healthy stream. A request whose id
 reads `fuzz:<offset>:<xor>:<cut>` instead gets exactly that damage on its first frame (hypothesis drives it);
 `die:<n>:...` dies after its n-th frame (between two prompt chunks of a long prompt); `badtoken:<t>` sends
-<t> as the first token in its trailer. (The id a decode server sends is its engine's key: the client's id,
+<t> as the first token in its trailer; `otherprompt` computes the KV of a prompt of the same length but its
+last token. (The id a decode server sends is its engine's key: the client's id,
 then `-` and a random suffix.)
 Run: python -c "from tests.services.faulty_prefill import main; main()" ARGS... (prefill-server's flags)
 """
@@ -23,6 +24,8 @@ class FaultyPrefillService(prefill_server.PrefillService):
     async def _prefill(self, request, context):
         fault = FAULTS[(self.counters.num_requests_total - 1) % len(FAULTS)]
         label = request.request_id.rpartition("-")[0]  # the client's id
+        if label == "otherprompt":  # computes a prompt of the same length, its header honest about it
+            request.prompt_ids[-1] = (request.prompt_ids[-1] + 1) % 1000
         if label.startswith("badtoken:"):
             async for message in super()._prefill(request, context):
                 if not isinstance(message, bytes) and message.HasField("trailer"):

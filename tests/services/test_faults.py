@@ -17,7 +17,7 @@ import grpc
 import pytest
 
 from pdserve.services.client import Client, build_request
-from pdserve.testing.launch import ENGINE_ARGS, EPHEMERAL_KV_EVENTS, Daemon
+from pdserve.testing.launch import ENGINE_ARGS, EPHEMERAL_KV_EVENTS, Daemon, prefill_server
 from tests.helpers import wait_all_free
 
 pytestmark = pytest.mark.daemon
@@ -253,6 +253,35 @@ def test_damaged_kv_frames_are_never_decoded(faulty, daemons, reference, loaded_
     for bad, prompt in zip((-1, 49152), make_prompts(2, seed=24), strict=True):
         result = client.generate(prompt, max_tokens=4, ignore_eos=True, request_id=f"badtoken:{bad}")
         assert result.token_ids == reference(prompt, 4)
-    assert client.stats().num_transfer_failures_total >= 6
+    # KV computed for another prompt of the same length (the header says which: PrefillHeader.prompt_digest)
+    other = make_prompts(1, seed=25)[0]
+    result = client.generate(other, max_tokens=4, ignore_eos=True, request_id="otherprompt")
+    assert result.token_ids == reference(other, 4)
+    assert client.stats().num_transfer_failures_total >= 7
     s = wait_all_free(decode.address)
     assert s.num_free_blocks + s.num_cached_blocks == s.num_blocks
+
+
+def test_a_replica_with_other_weights_under_the_same_name_is_never_used(
+    daemons, model_path, tmp_path, reference
+):
+    """A rolling update: a prefill server on other weights in a folder of the same name (so the same model
+    name) is refused at its handshake (the KV layout names the weights' digest); the decode server prefills
+    itself and its tokens are the colocated engine's."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    other = tmp_path / "update" / model_path.name
+    shutil.copytree(model_path, other)
+    for shard in other.glob("*.safetensors"):
+        tensors = load_file(str(shard))
+        tensors = {k: v * 1.01 if ".mlp." in k else v for k, v in tensors.items()}
+        save_file(tensors, str(shard))
+    replica = daemons.add(prefill_server(other, daemons.log_dir, name="prefill-updated"))
+    decode = daemons.decode(replica.address, "decode-before-update")
+    prompt = make_prompts(1, seed=26)[0]
+    assert Client(decode.address).generate(prompt, max_tokens=4, ignore_eos=True).token_ids == reference(
+        prompt, 4
+    )
+    assert Client(replica.address).stats().num_requests_total == 0
