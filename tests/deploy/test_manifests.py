@@ -234,6 +234,28 @@ def test_network_policy_admits_only_decode_to_prefill(overlay):
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
+def test_network_policy_of_decode_opens_its_api_and_fences_the_rest(overlay):
+    """Decode pods: gRPC and HTTP from any pod; metrics from monitoring and the endpoint picker; KV events
+    (prompts' token ids) from the endpoint picker only; no other port."""
+    docs = render(overlay)
+    policy = one(docs, "NetworkPolicy", "pdserve-decode")["spec"]
+    decode = [t for _, t in pod_templates(docs) if role(t) == "decode"]
+    selected = policy["podSelector"]["matchLabels"]
+    assert decode and all(selected.items() <= t["metadata"]["labels"].items() for t in decode)
+    assert policy["policyTypes"] == ["Ingress"]
+    opened: dict[int, list] = {}
+    for rule in policy["ingress"]:
+        assert rule.get("ports"), rule  # every rule names its ports
+        for port in (p["port"] for p in rule["ports"]):
+            opened.setdefault(port, []).append(rule.get("from"))
+    assert sorted(opened) == [5557, 5558, 8000, 9090, 50052]
+    assert opened[50052] == opened[8000] == [None]  # any pod
+    picker = {"app.kubernetes.io/name": "pdserve", "app.kubernetes.io/component": "endpoint-picker"}
+    for port in (5557, 5558):
+        assert opened[port] == [[{"podSelector": {"matchLabels": picker}}]], port
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
 def test_decode_dials_the_headless_prefill_service(overlay):
     docs = render(overlay)
     [decode] = [t for _, t in pod_templates(docs) if role(t) == "decode"]
