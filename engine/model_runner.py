@@ -24,7 +24,7 @@ from pdserve.engine.core.scheduler import Row
 from pdserve.engine.lora_slots import LoraSlots
 from pdserve.engine.memory import MemoryPlan
 from pdserve.engine.model import kv_cache
-from pdserve.engine.model.attention import KV_TILE_BLOCKS, AttentionFn, ragged_paged_attention_reference
+from pdserve.engine.model.attention import AttentionFn, block_table_width, ragged_paged_attention_reference
 from pdserve.engine.model.forward import forward_step
 from pdserve.engine.model.kv_cache import allocate_cache
 from pdserve.engine.model.lora import LoraWeights
@@ -281,11 +281,6 @@ class ModelRunner:
         lower_step(
             self.model, self.config, self.weights, self.lora_weights, self.cache, num_tokens, self.attention
         ).compile()
-
-
-def block_table_width(config: EngineConfig) -> int:
-    """Columns of a step's block tables: the longest sequence's blocks, in whole attention tiles."""
-    return -(-config.max_blocks_per_seq // KV_TILE_BLOCKS) * KV_TILE_BLOCKS
 
 
 def step_temp_bytes(

@@ -31,9 +31,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from pdserve.engine.core.kv_groups import BlockTables
+from pdserve.engine.core.kv_groups import BlockTables, KVGroups
+from pdserve.engine.model.attention import block_table_width
 from pdserve.engine.model.sampler import SamplingBatch
-from pdserve.kvtransfer import HeadMap, KVChunk
+from pdserve.kvtransfer import MAX_FRAME_BYTES, HeadMap, KVChunk
 from pdserve.kvtransfer.plan import FramePlan
 
 OP_KINDS = ("step", "sample", "gather_kv", "insert_kv", "lora_write", "stop")
@@ -67,6 +68,25 @@ def engine_fingerprint(engine) -> str:
         "jax": jax.__version__,
     }
     return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def max_op_bytes(engine) -> int:
+    """An upper bound on the arrays of any one device operation of `engine` (an LLMEngine), by kind: a
+    step's token and block-table arrays, a sampling batch's (its penalty rows are vocabulary-wide), a KV
+    chunk received (a frame's tokens, resharded into this cache's heads and dtype: at most 4 frames'
+    bytes), an adapter's slot arrays (float32); 1 MiB more for the encoding and the JSON arguments. The
+    group stream's receive limit (services/group.py)."""
+    config, model = engine.config, engine.model.config
+    tokens, rows = config.max_num_batched_tokens, config.seq_bucket(config.max_num_batched_tokens)
+    groups = KVGroups.of(model).num_groups
+    step = 4 * (tokens + 3 * rows + 2 + groups * rows * block_table_width(config))
+    vocab = model.vocab_size
+    sample = rows * (64 + 5 * vocab + 4 * -(-vocab // 32) + 4)
+    lora = 0
+    if engine.lora_slots is not None:
+        slots = engine.lora_slots
+        lora = 4 * sum(leaf.size // slots.num_slots for leaf in jax.tree.leaves(slots.weights))
+    return max(step, sample, 4 * MAX_FRAME_BYTES, lora) + (1 << 20)
 
 
 # ---- operations <-> arguments (one place for each kind's encoding) ---------------------------------------

@@ -19,7 +19,8 @@ Failure (processes share fate; the LeaderWorkerSet recreates the whole group):
   - the leader's stream ends before `stop`: the worker exits with EXIT_GROUP_LOST;
   - SIGTERM: the leader drains, then sends `stop`; workers ignore SIGTERM and follow the leader.
 With `--group-secret-file` a worker presents the group's shared secret before the leader gives it a slot
-(else UNAUTHENTICATED: no slot, no operation). The stream itself is plaintext, and JAX's coordinator and
+(else UNAUTHENTICATED: no slot, no operation). The leader accepts requests of at most 64 KiB; workers accept
+operations of at most engine.multihost.max_op_bytes of their engine. The stream itself is plaintext, and JAX's coordinator and
 gloo's ports carry no authentication: they must be reachable from the group's own pods only (deploy/:
 NetworkPolicy).
 """
@@ -40,7 +41,7 @@ import grpc
 import numpy as np
 
 from pdserve.engine.distributed import ProcessGroup
-from pdserve.engine.multihost import DeviceOp, Follower, engine_fingerprint
+from pdserve.engine.multihost import DeviceOp, Follower, engine_fingerprint, max_op_bytes
 from pdserve.services.grpc_server import (
     KEEPALIVE_OPTIONS,
     channel_options,
@@ -55,7 +56,10 @@ log = logging.getLogger(__name__)
 
 SERVICE = pb.DESCRIPTOR.services_by_name["ProcessGroup"]
 EXIT_GROUP_LOST = 3  # a process of the group is gone: the group must be recreated
-MAX_OP_BYTES = 1 << 30  # an operation's arrays (a KV chunk, an adapter) travel in one message
+# An operation's arrays (a KV chunk, an adapter) travel in one message: at most engine.multihost.max_op_bytes
+# of the group's engine (this default: a group without an engine, in tests). A worker's request is small.
+MAX_OP_BYTES = 64 << 20
+MAX_FOLLOW_REQUEST_BYTES = 64 << 10
 LOST_GRACE_S = 1.0  # the leader's NOT_SERVING is visible this long before it exits
 
 
@@ -84,7 +88,7 @@ def from_message(message: pb.DeviceOp) -> DeviceOp:
 class Leader:
     """Process 0's side: serves Follow to the workers and publishes each device operation to all of them."""
 
-    def __init__(self, group: ProcessGroup, fingerprint: str, host: str):
+    def __init__(self, group: ProcessGroup, fingerprint: str, host: str, max_op_bytes: int = MAX_OP_BYTES):
         self.group = group
         self.fingerprint = fingerprint
         self.secret = group_secret(group)
@@ -100,7 +104,7 @@ class Leader:
         workers = group.num_processes - 1
         self._server = grpc.server(
             concurrent.futures.ThreadPoolExecutor(max_workers=workers + 1, thread_name_prefix="group"),
-            options=server_options(MAX_OP_BYTES),
+            options=server_options(MAX_FOLLOW_REQUEST_BYTES, max_send_bytes=max_op_bytes),
         )
         self._server.add_generic_rpc_handlers((service_handler(SERVICE, self),))
         self.port = self._server.add_insecure_port(f"{host}:{group.group_port}")
@@ -214,7 +218,7 @@ async def supervised(leader: Leader | None, stop: asyncio.Event, serving: Awaita
 def lead(engine, group: ProcessGroup, host: str, timeout_s: float = 600.0) -> Leader:
     """Process 0, its engine warmed up: opens the group port, waits for every worker, then publishes each
     of the engine's device operations (`engine`: an engine.llm_engine.LLMEngine)."""
-    leader = Leader(group, engine_fingerprint(engine), host)
+    leader = Leader(group, engine_fingerprint(engine), host, max_op_bytes(engine))
     leader.wait_for_workers(timeout_s)
     engine.publish_device_ops(leader.publish)
     return leader
@@ -226,7 +230,7 @@ def follow(engine, layout, group: ProcessGroup) -> int:
     `stop`, then returns 0 (`engine`: an engine.llm_engine.LLMEngine; `layout`: its KV layout)."""
     signal.signal(signal.SIGTERM, lambda *_: log.info("SIGTERM: the leader stops this worker"))
     follower = Follower(engine, layout)
-    ops = operations(group, engine_fingerprint(engine))
+    ops = operations(group, engine_fingerprint(engine), max_op_bytes(engine))
     log.info("process group: worker %d follows %s", group.process_id, group.group_address)
     while follower.apply(ops.get()):
         pass
@@ -234,12 +238,12 @@ def follow(engine, layout, group: ProcessGroup) -> int:
     return 0
 
 
-def operations(group: ProcessGroup, fingerprint: str) -> queue.Queue[DeviceOp]:
+def operations(group: ProcessGroup, fingerprint: str, max_bytes: int = MAX_OP_BYTES) -> queue.Queue[DeviceOp]:
     """Follows the leader: its operations arrive in order in the returned queue, `stop` last. When the
     stream ends otherwise (the leader is gone, or refused this worker) the process exits EXIT_GROUP_LOST
     at once: its main thread may be blocked in a collective with the dead leader."""
     channel = grpc.insecure_channel(
-        group.group_address, options=[*channel_options(MAX_OP_BYTES), *KEEPALIVE_OPTIONS]
+        group.group_address, options=[*channel_options(max_bytes), *KEEPALIVE_OPTIONS]
     )
     call = channel.unary_stream(
         method_path(SERVICE, "Follow"),

@@ -56,10 +56,12 @@ def service_handler(
     return grpc.method_handlers_generic_handler(service.full_name, handlers)
 
 
-def server_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+def server_options(max_message_bytes: int = MAX_MESSAGE_BYTES, max_send_bytes: int | None = None) -> list:
+    """A server's options: messages received of at most `max_message_bytes`, sent of at most
+    `max_send_bytes` (default: the same)."""
     return [
         ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_send_bytes or max_message_bytes),
         ("grpc.so_reuseport", 0),
         *KEEPALIVE_OPTIONS,
         ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),

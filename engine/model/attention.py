@@ -52,6 +52,12 @@ CHUNK_TILE_BLOCKS = 8
 KV_TILE_BLOCKS = 8
 
 
+def block_table_width(config) -> int:
+    """Columns of a step's block tables for an engine.config.EngineConfig: the longest sequence's blocks,
+    in whole attention tiles."""
+    return -(-config.max_blocks_per_seq // KV_TILE_BLOCKS) * KV_TILE_BLOCKS
+
+
 def decode_tile_blocks(num_seqs: int) -> int:
     """Blocks of each sequence's past the decode loop reads per iteration (a power of two)."""
     power_of_two = 1 << max(0, (DECODE_TILE_BUDGET // num_seqs).bit_length() - 1)  # divides the table
