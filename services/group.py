@@ -19,10 +19,10 @@ Failure (processes share fate; the LeaderWorkerSet recreates the whole group):
   - the leader's stream ends before `stop`: the worker exits with EXIT_GROUP_LOST;
   - SIGTERM: the leader drains, then sends `stop`; workers ignore SIGTERM and follow the leader.
 With `--group-secret-file` a worker presents the group's shared secret before the leader gives it a slot
-(else UNAUTHENTICATED: no slot, no operation). The leader accepts requests of at most 64 KiB; workers accept
-operations of at most engine.multihost.max_op_bytes of their engine. The stream itself is plaintext, and JAX's coordinator and
-gloo's ports carry no authentication: they must be reachable from the group's own pods only (deploy/:
-NetworkPolicy).
+(else UNAUTHENTICATED: no slot, no operation). The leader accepts requests of at most 64 KiB; workers
+accept operations of at most engine.multihost.max_op_bytes of their engine. The stream itself is
+plaintext, and JAX's coordinator and gloo's ports carry no authentication: they must be reachable from the
+group's own pods only (deploy/: NetworkPolicy).
 """
 
 from __future__ import annotations
