@@ -233,6 +233,21 @@ def test_network_policy_admits_only_decode_to_prefill(overlay):
     )
 
 
+def test_every_host_of_a_prefill_slice_holds_the_group_secret():
+    """The LeaderWorkerSet's leader and workers read --group-secret-file from the same mounted Secret."""
+    docs = render("gke-tpu-multihost")
+    templates = [t for _, t in pod_templates(docs) if role(t) == "prefill"]
+    assert len(templates) == 2  # the leader's and the workers'
+    for template in templates:
+        spec = template["spec"]
+        (container,) = spec["containers"]
+        (path,) = [a.split("=", 1)[1] for a in container["args"] if a.startswith("--group-secret-file=")]
+        mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+        volume = mounts[path.rsplit("/", 1)[0]]
+        (secret,) = [v["secret"] for v in spec["volumes"] if v["name"] == volume]
+        assert secret["secretName"] == "pdserve-group-secret"
+
+
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_network_policy_of_decode_opens_its_api_and_fences_the_rest(overlay):
     """Decode pods: gRPC and HTTP from any pod; metrics from monitoring and the endpoint picker; KV events
@@ -468,7 +483,9 @@ def test_multihost_pods_read_their_group_as_the_tests_start_it():
                 env[var["name"]] = expand(var["value"], env)
         args = prefill_parser().parse_args([expand(a, env) for a in c["args"]])
         group = process_group(args, env)
-        assert group == ProcessGroup(f"{leader_host}:{DEFAULT_COORDINATOR_PORT}", size, index), index
+        secret = "/etc/pdserve/group/secret"  # (test_every_host_of_a_prefill_slice_holds_the_group_secret)
+        expected = ProcessGroup(f"{leader_host}:{DEFAULT_COORDINATOR_PORT}", size, index, secret_file=secret)
+        assert group == expected, index
         assert (ports["coordinator"], ports["group"]) == (DEFAULT_COORDINATOR_PORT, group.group_port)
         assert args.tp == int(env["PDSERVE_TP"]) == size * devices_per_process(args, group)
         assert devices_per_process(args, group) == int(c["resources"]["limits"]["google.com/tpu"])
