@@ -113,6 +113,17 @@ class Daemon:
         self.proc.kill()
         self.proc.wait()
 
+    def wait_exit(self, timeout: float = 60.0) -> int:
+        """Waits for the process to end by itself (a group's worker, once its leader sent `stop`); returns
+        its exit code. Past `timeout` it is killed and TimeoutExpired raised."""
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise
+        self.log.close()
+        return self.proc.returncode
+
     def terminate(self, timeout: float = 60.0) -> int:
         """SIGTERM; returns the exit code (0 after a clean drain)."""
         if self.proc.poll() is None:
