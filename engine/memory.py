@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -97,6 +98,11 @@ def device_bytes(trees, mesh) -> int:
     return sum(values) if _platform(mesh) == "cpu" else max(values)
 
 
+def memory_fraction(config: EngineConfig, platform: str) -> float:
+    """The fraction of memory the engine may take: --gpu-memory-utilization, or the platform's default."""
+    return config.gpu_memory_utilization or DEFAULT_FRACTION.get(platform, ACCELERATOR_FRACTION)
+
+
 def _platform(mesh) -> str:
     return mesh.devices.flat[0].platform
 
@@ -131,9 +137,7 @@ def block_bytes(model: ModelConfig, config: EngineConfig, mesh) -> int:
     """One KV block's bytes per device (on a CPU, every device's together): the cache is split over the
     mesh by heads, or replicated (MLA's latent)."""
     shape = cache_shape(model, dataclasses.replace(config, num_blocks=1))
-    total = jax.numpy.dtype(config.dtype).itemsize
-    for n in shape:
-        total *= n
+    total = jax.numpy.dtype(config.dtype).itemsize * math.prod(shape)
     tp = config.tp
     per_device = total if model.is_mla else total // tp
     return per_device * tp if _platform(mesh) == "cpu" else per_device
@@ -167,7 +171,7 @@ def check_weights_fit(model: ModelConfig, config: EngineConfig, mesh, num_params
     if config.num_blocks:
         return
     platform = _platform(mesh)
-    fraction = config.gpu_memory_utilization or DEFAULT_FRACTION.get(platform, ACCELERATOR_FRACTION)
+    fraction = memory_fraction(config, platform)
     weights = num_params * jax.numpy.dtype(config.dtype).itemsize
     if platform != "cpu":
         weights //= config.tp
@@ -212,7 +216,7 @@ def plan(
         resolved = dataclasses.replace(config, max_model_len=max_len)
         return resolved, MemoryPlan(num_blocks=config.num_blocks, max_model_len=max_len, **fields)
     platform = device.platform
-    fraction = config.gpu_memory_utilization or DEFAULT_FRACTION.get(platform, ACCELERATOR_FRACTION)
+    fraction = memory_fraction(config, platform)
     budget = _budget(mesh, fraction, weight_bytes)
     activations = step_temp_bytes(dataclasses.replace(config, max_model_len=max_len))
     if platform == "cpu":
