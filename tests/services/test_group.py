@@ -74,7 +74,8 @@ def test_a_would_be_worker_without_the_secret_gets_no_slot_and_no_operation(tmp_
         intruder = follower(lead, 1, secret_file=intruder_secret)
         out, err = intruder.communicate(timeout=60)
         assert intruder.returncode == EXIT_GROUP_LOST and "UNAUTHENTICATED" in err
-        assert out.splitlines() == ["following"]  # not one operation
+        # not one operation; the refusal may end the process before it prints that it follows
+        assert out.splitlines() in ([], ["following"])
     worker = follower(lead, 1, secret_file=secret)
     lead.wait_for_workers(120)
     lead.publish(DeviceOp("gather_kv", args={"block_ids": [1]}))
