@@ -4,12 +4,12 @@ scorer), each against the same server without it, measured in one run with alter
 
     .venv/bin/python bench/bench_gateway.py [--rounds N] [--json OUT]
 
-Three colocated decode-servers on this machine, one publishing KV events (a ZMQ subscriber here reads every
-message, as the router does) and two with --no-kv-events (the second is a control: how much two identical
-servers differ here); only one is loaded at a time. Each round runs 8
-concurrent streams of 96 tokens (distinct prompts: every request stores new blocks, so the publisher has
-work) on each, once with a thread here scraping the loaded server's metrics every 50 ms (PICKER_PATH, what
-deploy/components/inference-gateway points the picker at) and once without.
+Three colocated decode-servers on this machine, one publishing KV events (--kv-events=plain; a ZMQ
+subscriber here reads every message, as the router does) and two without, a decode server's default (the
+second is a control: how much two identical servers differ here); only one is loaded at a time. Each
+round runs 8 concurrent streams of 96 tokens (distinct prompts: every request stores new blocks, so the
+publisher has work) on each, once with a thread here scraping the loaded server's metrics every 50 ms
+(PICKER_PATH, what deploy/components/inference-gateway points the picker at) and once without.
 First, the CPU a scrape costs the server to render (/metrics and PICKER_PATH, no HTTP). Then the
 figures: decode tokens/s (after the last first token), medians over rounds; ratios scraped / not scraped
 and events on / off, per round (the same minutes of this noisy machine), their median and range (targets:
@@ -108,7 +108,9 @@ def study(rounds: int) -> dict:
     gguf = fetch(DEFAULT_MODEL, progress=False)
     logs = Path(tempfile.mkdtemp(prefix="bench-gateway-"))
     extra = ["--metrics-port", "0"]
-    events_on = decode_server(gguf, "local", logs, name="events-on", engine_args=ENGINE_ARGS, extra=extra)
+    events_on = decode_server(
+        gguf, "local", logs, name="events-on", engine_args=ENGINE_ARGS, extra=[*extra, "--kv-events=plain"]
+    )
     off = [
         decode_server(
             gguf,
@@ -116,7 +118,7 @@ def study(rounds: int) -> dict:
             logs,
             name=f"events-off-{i}",
             engine_args=ENGINE_ARGS,
-            extra=[*extra, "--no-kv-events"],
+            extra=extra,  # (a decode server's default: no events)
         )
         for i in range(2)
     ]

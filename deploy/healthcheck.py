@@ -3,6 +3,7 @@
 are plaintext only). Exit 0 when the server reports SERVING, 1 otherwise."""
 
 import argparse
+import os
 import sys
 
 import grpc
@@ -12,7 +13,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pdserve-healthcheck")
     parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument(
+        "--host",
+        default=os.environ.get("POD_IP") or "127.0.0.1",
+        help="the server's address (default: $POD_IP, where deploy/'s daemons listen, else 127.0.0.1)",
+    )
     parser.add_argument("--ca", help="CA of the server certificate (TLS); without it: plaintext")
     parser.add_argument("--cert", help="client certificate (mutual TLS)")
     parser.add_argument("--key", help="its private key")
@@ -20,7 +25,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--service", default="", help="health service name ('' = the whole server)")
     parser.add_argument("--timeout", type=float, default=3.0)
     args = parser.parse_args(argv)
-    target = f"{args.host}:{args.port}"
+    host = f"[{args.host}]" if ":" in args.host else args.host  # an IPv6 pod address
+    target = f"{host}:{args.port}"
     if args.ca:
 
         def read(path):

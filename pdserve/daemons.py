@@ -16,6 +16,7 @@ from pdserve.services.decode.tool_formats import PARSERS
 from pdserve.services.sampling import add_limit_flags, limits_from_flags
 
 EXIT_ENGINE_FAILED = 4  # the engine could not serve any more (services.engine_loop): restart the process
+KV_EVENTS_MODES = ("authenticated", "plain", "off")  # --kv-events: who may read them (kv_events_config)
 
 
 @contextlib.contextmanager
@@ -101,7 +102,13 @@ def common_args(parser: argparse.ArgumentParser) -> None:
         "--kv-events-replay-port", type=int, help="replay (ROUTER) port (default 5558, likewise; 0: any)"
     )
     events.add_argument("--kv-events-pod", help="pod name in the topic (default: $POD_IP or host, :port)")
-    events.add_argument("--no-kv-events", action="store_true", help="publish no KV cache events")
+    events.add_argument(
+        "--kv-events",
+        choices=KV_EVENTS_MODES,
+        help="who may read them (they carry every cached block's token ids): `authenticated`, pdserve's "
+        "decode servers whose CURVE keys came through the Handshake (a prefill server's default); `plain`, "
+        "anyone who reaches the ports (llm-d's router; fence them); `off` (a decode server's default)",
+    )
     parser.add_argument(
         "--auth-token-file",
         metavar="FILE",
@@ -139,12 +146,22 @@ def server_security(args: argparse.Namespace, allowed_peers=()):
         raise SystemExit(f"error: {e}") from e
 
 
-def kv_events_config(args: argparse.Namespace):
+def kv_events_config(args: argparse.Namespace, role: str):
+    """The KV events a daemon of `role` publishes (None: none). A prefill server's are for decode servers
+    (`authenticated` by default); a decode server's only for an endpoint picker (`plain`, opt-in)."""
     from pdserve.services.kv_events_zmq import KVEventsConfig
 
-    if args.no_kv_events:
+    mode = args.kv_events or ("authenticated" if role == "prefill" else "off")
+    if mode == "off":
         return None
-    return KVEventsConfig(args.kv_events_port, args.kv_events_replay_port, args.kv_events_pod)
+    if mode == "authenticated" and role != "prefill":
+        raise SystemExit(
+            "error: --kv-events=authenticated: only a prefill server has readers that register keys (its "
+            "decode servers); a decode server's events are for an endpoint picker: plain, or off"
+        )
+    return KVEventsConfig(
+        args.kv_events_port, args.kv_events_replay_port, args.kv_events_pod, mode == "plain"
+    )
 
 
 def resolve_group(args: argparse.Namespace) -> ProcessGroup | None:
@@ -215,18 +232,20 @@ def prefill_main(argv: list[str] | None = None, service_class=None) -> int:
 
     engine, leader = build_engine(args, group)
     service = (service_class or PrefillService).for_engine(engine, limits=limits_from_flags(args))
-    run_daemon(leader, lambda stop: serve(service, args.port, stop, **serve_options(args, security)))
+    run_daemon(
+        leader, lambda stop: serve(service, args.port, stop, **serve_options(args, security, "prefill"))
+    )
     return 0
 
 
-def serve_options(args: argparse.Namespace, security) -> dict:
+def serve_options(args: argparse.Namespace, security, role: str) -> dict:
     """The keyword arguments both daemons' serve() take from the common flags."""
     return dict(
         host=args.host,
         security=security,
         metrics_port=args.metrics_port,
         lora_root=args.lora_root,
-        kv_events=kv_events_config(args),
+        kv_events=kv_events_config(args, role),
         step_timeout_s=args.engine_step_timeout,
     )
 
@@ -326,6 +345,7 @@ def decode_main(argv: list[str] | None = None, engine_class=None) -> int:
     """`decode-server ARGS`. `engine_class`: an LLMEngine subclass to serve with (tests)."""
     args = decode_parser().parse_args(argv)
     security = server_security(args)
+    kv_events_config(args, "decode")  # refuses a mode this role cannot serve before the model loads
     prefill_security = prefill_channel_security(args)
     group = resolve_group(args)
     prepare_process(args, devices_per_process(args, group))
@@ -355,7 +375,7 @@ def run_decode_server(core, args: argparse.Namespace, security, leader=None) -> 
     run_daemon)."""
     from pdserve.services.decode.server import serve
 
-    options = serve_options(args, security)
+    options = serve_options(args, security, "decode")
     http = dict(
         http_port=args.http_port,
         http_plaintext=args.http_plaintext,
@@ -372,6 +392,7 @@ def serve_main(args: argparse.Namespace) -> int:
     if set(prefill_devices) & set(decode_devices):
         raise SystemExit("--prefill-devices and --decode-devices must be disjoint")
     security = server_security(args)
+    kv_events_config(args, "decode")  # refuses a mode this role cannot serve before the model loads
     if resolve_group(args) is not None:
         raise SystemExit("error: pdserve serve runs in one process (no --num-processes, no LeaderWorkerSet)")
     prepare_process(args, max(args.cpu_devices, max(prefill_devices + decode_devices) + 1))

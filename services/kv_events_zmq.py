@@ -19,6 +19,13 @@ Publisher (`KVEventPublisher`, one per daemon, bound):
     its replay.
 A daemon's first batch (sequence 0) is ["AllBlocksCleared"]: a reader that sees the sequence start over
 knows the daemon restarted with an empty cache.
+
+Who may read (`KVEventsConfig.plain`): the batches carry the token ids of every cached block, prompts and
+answers alike. By default both sockets speak ZMQ CURVE (encrypted; the publisher's key pair is made at
+start): a reader connects with its own CURVE key pair and the publisher's public key, and gets through only
+when its public key was registered with `allow` (a prefill server registers the key a decode server sends
+in its Handshake, which the gRPC port's mTLS and tokens authenticate); any other reader is refused before
+a byte. The plain stream (what llm-d's router reads) has no authentication at all and is opt-in.
 """
 
 from __future__ import annotations
@@ -30,11 +37,14 @@ import itertools
 import logging
 import os
 import queue
+import struct
 import threading
 import time
 
 import msgpack
 import zmq
+from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils import z85
 
 from pdserve.engine.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from pdserve.services.engine_loop import EngineLoop
@@ -50,8 +60,9 @@ MAX_QUEUED_BATCHES = 1024  # engine -> publisher; past it the oldest is dropped 
 MAX_REPLAYS = 8  # replays under way at once; a request past them goes unanswered (the reader retries)
 REPLAY_BATCHES_PER_TURN = 64  # a replay goes out in slices of this many, between live batches
 REPLAY_HWM = 1024  # replay messages queued to one reader; a reader that lets more pile up is dropped
-MAX_REQUEST_BYTES = 64  # a replay request: an empty frame and 8 bytes
+MAX_REQUEST_BYTES = 1024  # a replay request (an empty frame, 8 bytes), or a CURVE handshake command (< 400)
 MAX_BATCH_BYTES = 16 << 20  # a batch a reader accepts (a step's events are kilobytes)
+MAX_READER_KEYS = 1024  # CURVE public keys allowed at once; past it the least recently registered goes
 
 
 def topic(pod: str, model: str) -> str:
@@ -126,6 +137,72 @@ def decode_batch(payload: bytes) -> tuple[float, list[KVEvent]]:
         raise ValueError(f"bad KV event batch: {type(e).__name__}: {e}") from e
 
 
+# ---- who may read -----------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class CurveKeys:
+    """A CURVE key pair, Z85-encoded (40 characters each)."""
+
+    public: bytes
+    secret: bytes
+
+    @classmethod
+    def generate(cls) -> CurveKeys:
+        if not zmq.has("curve"):
+            raise RuntimeError("this libzmq has no CURVE: run with --kv-events=plain or off")
+        return cls(*zmq.curve_keypair())
+
+
+def parse_reader_key(key: str) -> bytes:
+    """A reader's CURVE public key as sent (Z85, 40 characters); ValueError when it is not one."""
+    try:
+        if len(key) == 40 and len(z85.decode(key.encode("ascii"))) == 32:
+            return key.encode("ascii")
+    except (UnicodeEncodeError, ValueError, KeyError, IndexError, struct.error):
+        pass
+    raise ValueError("not a Z85-encoded CURVE public key (40 characters)")
+
+
+@dataclasses.dataclass(frozen=True)
+class ReaderCredentials:
+    """What a reader connects to a CURVE publisher with: its own key pair (registered with the publisher)
+    and the publisher's public key."""
+
+    keys: CurveKeys
+    publisher_key: bytes
+
+    def secure(self, socket: zmq.Socket) -> None:
+        """Makes `socket` (before it connects) a CURVE client of the publisher."""
+        socket.curve_serverkey = self.publisher_key
+        socket.curve_publickey = self.keys.public
+        socket.curve_secretkey = self.keys.secret
+
+
+class _AllowedReaders:
+    """The CURVE public keys let through (pyzmq's authenticator calls `callback` for each connection);
+    at most MAX_READER_KEYS, the least recently registered dropped past it."""
+
+    def __init__(self):
+        self._keys: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self.num_refused = 0
+
+    def allow(self, key: bytes) -> None:
+        with self._lock:
+            self._keys.pop(key, None)
+            self._keys[key] = None
+            while len(self._keys) > MAX_READER_KEYS:
+                self._keys.popitem(last=False)
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        with self._lock:
+            allowed = key in self._keys
+        if not allowed:
+            self.num_refused += 1
+            if self.num_refused == 1 or self.num_refused % 1000 == 0:
+                log.warning("KV events: %d connections refused (no registered CURVE key)", self.num_refused)
+        return allowed
+
+
 # ---- the publisher ---------------------------------------------------------------------------------------
 class KVEventPublisher:
     """Binds the PUB and replay sockets and publishes batches from its own thread (ZMQ sockets belong to
@@ -133,7 +210,9 @@ class KVEventPublisher:
 
     `port` / `replay_port` 0: any free port; None: the default port, or any free port when another
     daemon of this host has it (see `.port`, `.replay_port` once bound). The last `buffer_batches`
-    batches are kept for replay. Raises zmq.ZMQError when a port given cannot be bound."""
+    batches are kept for replay. `plain`: anyone who reaches the ports reads (llm-d's router); otherwise
+    CURVE, and only readers whose keys were given to `allow` (`.public_key` is what they connect with).
+    Raises zmq.ZMQError when a port given cannot be bound."""
 
     def __init__(
         self,
@@ -142,9 +221,20 @@ class KVEventPublisher:
         port: int | None = None,
         replay_port: int | None = None,
         buffer_batches: int = 10_000,
+        plain: bool = False,
     ):
         self.topic = topic.encode()
         self._context = zmq.Context()
+        self._readers = _AllowedReaders()
+        self._authenticator: ThreadAuthenticator | None = None
+        self.public_key = b""
+        if not plain:
+            keys = CurveKeys.generate()
+            self.public_key = keys.public
+            # the ZAP handler must run before the sockets bind: a CURVE server without one admits anyone
+            self._authenticator = ThreadAuthenticator(self._context, log=log.getChild("zap"))
+            self._authenticator.start()
+            self._authenticator.configure_curve_callback(domain="*", credentials_provider=self._readers)
         self._pub = self._context.socket(zmq.PUB)
         self._pub.setsockopt(zmq.SNDHWM, 100_000)
         self._pub.setsockopt(zmq.LINGER, 0)
@@ -153,11 +243,15 @@ class KVEventPublisher:
         self._replay.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
         self._replay.setsockopt(zmq.SNDHWM, REPLAY_HWM)
         self._replay.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reader at its high-water mark: EAGAIN, not loss
+        for socket in (self._pub, self._replay) if not plain else ():
+            socket.curve_secretkey = keys.secret
+            socket.curve_publickey = keys.public
+            socket.curve_server = True
         try:
             self.port = _bind(self._pub, host, port, DEFAULT_PORT)
             self.replay_port = _bind(self._replay, host, replay_port, DEFAULT_REPLAY_PORT)
         except zmq.ZMQError:
-            self._context.destroy(linger=0)
+            self._stop_sockets()
             raise
         self._buffer: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=buffer_batches)
         self._queue = DropOldestQueue(MAX_QUEUED_BATCHES)
@@ -172,6 +266,15 @@ class KVEventPublisher:
         """Batches dropped before sending: the engine published faster than the sockets took them."""
         return self._queue.num_dropped
 
+    @property
+    def num_refused(self) -> int:
+        """Connections refused: a CURVE key not registered."""
+        return self._readers.num_refused
+
+    def allow(self, key: bytes) -> None:
+        """Lets the reader with this CURVE public key (Z85, see `parse_reader_key`) connect."""
+        self._readers.allow(key)
+
     def publish(self, events: list[KVEvent]) -> None:
         self._queue.put(events)
 
@@ -179,6 +282,11 @@ class KVEventPublisher:
         """Publishes what is queued, then closes the sockets."""
         self._queue.put(None)
         self._thread.join(10)
+        self._stop_sockets()
+
+    def _stop_sockets(self) -> None:
+        if self._authenticator is not None:
+            self._authenticator.stop()
         self._context.destroy(linger=0)
 
     def _run(self) -> None:
@@ -289,13 +397,16 @@ def _bind(socket: zmq.Socket, host: str, port: int | None, default: int) -> int:
 @dataclasses.dataclass(frozen=True)
 class KVEventsConfig:
     """Where a daemon publishes (`--kv-events-port`, `--kv-events-replay-port`; 0: any free port; None:
-    5557 and 5558, or free ones when another daemon of the host has them) and the pod name of its topic
+    5557 and 5558, or free ones when another daemon of the host has them), the pod name of its topic
     (`--kv-events-pod`; default: $POD_IP, else the listening host, and the serving port: what llm-d's
-    router matches to the endpoint it scores)."""
+    router matches to the endpoint it scores), and who may read (`--kv-events`): `plain`, anyone (llm-d's
+    router), or else only readers whose CURVE keys the daemon registered (a prefill server's decode
+    servers, through the Handshake)."""
 
     port: int | None = None
     replay_port: int | None = None
     pod: str | None = None
+    plain: bool = False
 
 
 def start_publishing(
@@ -304,8 +415,9 @@ def start_publishing(
     """Binds the sockets and routes the engine's events to them; prints where (operators, launchers)."""
     pod = config.pod or f"{os.environ.get('POD_IP') or host}:{serving_port}"
     publisher = KVEventPublisher(
-        topic(pod, loop.engine.model.config.name), host, config.port, config.replay_port
+        topic(pod, loop.engine.model.config.name), host, config.port, config.replay_port, plain=config.plain
     )
     loop.publish_kv_events(publisher.publish)
-    print(f"kv-events on {host}:{publisher.port} (replay {publisher.replay_port})", flush=True)
+    readers = "plain: any reader" if config.plain else "CURVE: registered readers"
+    print(f"kv-events on {host}:{publisher.port} (replay {publisher.replay_port}; {readers})", flush=True)
     return publisher

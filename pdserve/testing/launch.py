@@ -26,7 +26,7 @@ ENGINE_ARGS = config_argv(TEST_ENGINE)
 EPHEMERAL_KV_EVENTS = ["--kv-events-port", "0", "--kv-events-replay-port", "0"]
 _READY = re.compile(r"ready on ([0-9.]+):(\d+)")
 _EXTRA_PORT = re.compile(r"^(metrics|http|kv-events) on ([0-9.]+):(\d+)")  # printed before "ready on"
-_REPLAY_PORT = re.compile(r"\(replay (\d+)\)")  # of the kv-events line
+_REPLAY_PORT = re.compile(r"\(replay (\d+)")  # of the kv-events line
 
 
 class Daemon:

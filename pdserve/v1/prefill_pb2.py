@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve.v1 import generation_pb2 as pdserve_dot_v1_dot_generation__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdserve/v1/prefill.proto\x12\npdserve.v1\x1a\x1bpdserve/v1/generation.proto\"\'\n\x10HandshakeRequest\x12\x13\n\x0blayout_json\x18\x01 \x01(\t\"\x9f\x01\n\x11HandshakeResponse\x12\x13\n\x0blayout_json\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x16\n\x0ekv_events_port\x18\x03 \x01(\r\x12\x1d\n\x15kv_events_replay_port\x18\x04 \x01(\r\x12\x17\n\x0fkv_events_topic\x18\x05 \x01(\t\x12\x10\n\x08\x66\x65\x61tures\x18\x06 \x03(\t\"\xe9\x02\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12\x30\n\x08sampling\x18\x03 \x01(\x0b\x32\x1e.pdserve.v1.SamplingParameters\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x1a\n\x12layout_fingerprint\x18\x05 \x01(\t\x12\x14\n\x0clora_adapter\x18\x06 \x01(\t\x12(\n\x04stop\x18\x07 \x01(\x0b\x32\x1a.pdserve.v1.StopConditions\x12\x18\n\x10lora_fingerprint\x18\x08 \x01(\t\x12\x19\n\x11held_block_hashes\x18\t \x03(\x06\x12*\n\nconstraint\x18\n \x01(\x0b\x32\x16.pdserve.v1.Constraint\x12\x1e\n\x16\x63onstraint_fingerprint\x18\x0b \x01(\t\x12\x12\n\ncache_salt\x18\x0c \x01(\t\"\xba\x01\n\rPrefillHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_len\x18\x03 \x01(\r\x12\x13\n\x0blayout_json\x18\x04 \x01(\t\x12\x14\n\x0clora_adapter\x18\x06 \x01(\t\x12\x18\n\x10lora_fingerprint\x18\x07 \x01(\t\x12\x13\n\x0b\x66irst_block\x18\t \x01(\r\x12\x15\n\rprompt_digest\x18\n \x01(\x0cJ\x04\x08\x02\x10\x03J\x04\x08\x05\x10\x06J\x04\x08\x08\x10\t\"\xb3\x01\n\x0ePrefillTrailer\x12\x12\n\nnum_frames\x18\x01 \x01(\r\x12\x11\n\tnum_bytes\x18\x02 \x01(\x04\x12\x17\n\x0fprefill_seconds\x18\x03 \x01(\x01\x12\x13\n\x0b\x66irst_token\x18\x04 \x01(\x05\x12\x31\n\x0e\x66irst_logprobs\x18\x05 \x01(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\r\"\x88\x01\n\x0ePrefillMessage\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x19.pdserve.v1.PrefillHeaderH\x00\x12\x12\n\x08kv_frame\x18\x02 \x01(\x0cH\x00\x12-\n\x07trailer\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.PrefillTrailerH\x00\x42\x06\n\x04kind2\x98\x01\n\x07Prefill\x12H\n\tHandshake\x12\x1c.pdserve.v1.HandshakeRequest\x1a\x1d.pdserve.v1.HandshakeResponse\x12\x43\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1a.pdserve.v1.PrefillMessage0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdserve/v1/prefill.proto\x12\npdserve.v1\x1a\x1bpdserve/v1/generation.proto\">\n\x10HandshakeRequest\x12\x13\n\x0blayout_json\x18\x01 \x01(\t\x12\x15\n\rkv_events_key\x18\x02 \x01(\t\"\xb6\x01\n\x11HandshakeResponse\x12\x13\n\x0blayout_json\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x16\n\x0ekv_events_port\x18\x03 \x01(\r\x12\x1d\n\x15kv_events_replay_port\x18\x04 \x01(\r\x12\x17\n\x0fkv_events_topic\x18\x05 \x01(\t\x12\x10\n\x08\x66\x65\x61tures\x18\x06 \x03(\t\x12\x15\n\rkv_events_key\x18\x07 \x01(\t\"\xe9\x02\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12\x30\n\x08sampling\x18\x03 \x01(\x0b\x32\x1e.pdserve.v1.SamplingParameters\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x1a\n\x12layout_fingerprint\x18\x05 \x01(\t\x12\x14\n\x0clora_adapter\x18\x06 \x01(\t\x12(\n\x04stop\x18\x07 \x01(\x0b\x32\x1a.pdserve.v1.StopConditions\x12\x18\n\x10lora_fingerprint\x18\x08 \x01(\t\x12\x19\n\x11held_block_hashes\x18\t \x03(\x06\x12*\n\nconstraint\x18\n \x01(\x0b\x32\x16.pdserve.v1.Constraint\x12\x1e\n\x16\x63onstraint_fingerprint\x18\x0b \x01(\t\x12\x12\n\ncache_salt\x18\x0c \x01(\t\"\xba\x01\n\rPrefillHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_len\x18\x03 \x01(\r\x12\x13\n\x0blayout_json\x18\x04 \x01(\t\x12\x14\n\x0clora_adapter\x18\x06 \x01(\t\x12\x18\n\x10lora_fingerprint\x18\x07 \x01(\t\x12\x13\n\x0b\x66irst_block\x18\t \x01(\r\x12\x15\n\rprompt_digest\x18\n \x01(\x0cJ\x04\x08\x02\x10\x03J\x04\x08\x05\x10\x06J\x04\x08\x08\x10\t\"\xb3\x01\n\x0ePrefillTrailer\x12\x12\n\nnum_frames\x18\x01 \x01(\r\x12\x11\n\tnum_bytes\x18\x02 \x01(\x04\x12\x17\n\x0fprefill_seconds\x18\x03 \x01(\x01\x12\x13\n\x0b\x66irst_token\x18\x04 \x01(\x05\x12\x31\n\x0e\x66irst_logprobs\x18\x05 \x01(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\r\"\x88\x01\n\x0ePrefillMessage\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x19.pdserve.v1.PrefillHeaderH\x00\x12\x12\n\x08kv_frame\x18\x02 \x01(\x0cH\x00\x12-\n\x07trailer\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.PrefillTrailerH\x00\x42\x06\n\x04kind2\x98\x01\n\x07Prefill\x12H\n\tHandshake\x12\x1c.pdserve.v1.HandshakeRequest\x1a\x1d.pdserve.v1.HandshakeResponse\x12\x43\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1a.pdserve.v1.PrefillMessage0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,17 +33,17 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.prefill_pb2', _g
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_HANDSHAKEREQUEST']._serialized_start=69
-  _globals['_HANDSHAKEREQUEST']._serialized_end=108
-  _globals['_HANDSHAKERESPONSE']._serialized_start=111
-  _globals['_HANDSHAKERESPONSE']._serialized_end=270
-  _globals['_PREFILLREQUEST']._serialized_start=273
-  _globals['_PREFILLREQUEST']._serialized_end=634
-  _globals['_PREFILLHEADER']._serialized_start=637
-  _globals['_PREFILLHEADER']._serialized_end=823
-  _globals['_PREFILLTRAILER']._serialized_start=826
-  _globals['_PREFILLTRAILER']._serialized_end=1005
-  _globals['_PREFILLMESSAGE']._serialized_start=1008
-  _globals['_PREFILLMESSAGE']._serialized_end=1144
-  _globals['_PREFILL']._serialized_start=1147
-  _globals['_PREFILL']._serialized_end=1299
+  _globals['_HANDSHAKEREQUEST']._serialized_end=131
+  _globals['_HANDSHAKERESPONSE']._serialized_start=134
+  _globals['_HANDSHAKERESPONSE']._serialized_end=316
+  _globals['_PREFILLREQUEST']._serialized_start=319
+  _globals['_PREFILLREQUEST']._serialized_end=680
+  _globals['_PREFILLHEADER']._serialized_start=683
+  _globals['_PREFILLHEADER']._serialized_end=869
+  _globals['_PREFILLTRAILER']._serialized_start=872
+  _globals['_PREFILLTRAILER']._serialized_end=1051
+  _globals['_PREFILLMESSAGE']._serialized_start=1054
+  _globals['_PREFILLMESSAGE']._serialized_end=1190
+  _globals['_PREFILL']._serialized_start=1193
+  _globals['_PREFILL']._serialized_end=1345
 # @@protoc_insertion_point(module_scope)

@@ -8,26 +8,30 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class HandshakeRequest(_message.Message):
-    __slots__ = ("layout_json",)
+    __slots__ = ("layout_json", "kv_events_key")
     LAYOUT_JSON_FIELD_NUMBER: _ClassVar[int]
+    KV_EVENTS_KEY_FIELD_NUMBER: _ClassVar[int]
     layout_json: str
-    def __init__(self, layout_json: _Optional[str] = ...) -> None: ...
+    kv_events_key: str
+    def __init__(self, layout_json: _Optional[str] = ..., kv_events_key: _Optional[str] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("layout_json", "fingerprint", "kv_events_port", "kv_events_replay_port", "kv_events_topic", "features")
+    __slots__ = ("layout_json", "fingerprint", "kv_events_port", "kv_events_replay_port", "kv_events_topic", "features", "kv_events_key")
     LAYOUT_JSON_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     KV_EVENTS_PORT_FIELD_NUMBER: _ClassVar[int]
     KV_EVENTS_REPLAY_PORT_FIELD_NUMBER: _ClassVar[int]
     KV_EVENTS_TOPIC_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
+    KV_EVENTS_KEY_FIELD_NUMBER: _ClassVar[int]
     layout_json: str
     fingerprint: str
     kv_events_port: int
     kv_events_replay_port: int
     kv_events_topic: str
     features: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, layout_json: _Optional[str] = ..., fingerprint: _Optional[str] = ..., kv_events_port: _Optional[int] = ..., kv_events_replay_port: _Optional[int] = ..., kv_events_topic: _Optional[str] = ..., features: _Optional[_Iterable[str]] = ...) -> None: ...
+    kv_events_key: str
+    def __init__(self, layout_json: _Optional[str] = ..., fingerprint: _Optional[str] = ..., kv_events_port: _Optional[int] = ..., kv_events_replay_port: _Optional[int] = ..., kv_events_topic: _Optional[str] = ..., features: _Optional[_Iterable[str]] = ..., kv_events_key: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_ids", "sampling", "seed", "layout_fingerprint", "lora_adapter", "stop", "lora_fingerprint", "held_block_hashes", "constraint", "constraint_fingerprint", "cache_salt")

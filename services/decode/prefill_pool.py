@@ -31,6 +31,7 @@ from pdserve.services.decode.config import Routing
 from pdserve.services.decode.prefix_index import ReplicaCache, follow
 from pdserve.services.engine_loop import EngineLoop, EngineStopped
 from pdserve.services.grpc_server import KEEPALIVE_OPTIONS, channel_options, method_path
+from pdserve.services.kv_events_zmq import CurveKeys, ReaderCredentials
 from pdserve.services.prefill_stream import PrefillFailed, PrefillStream, install_connector
 from pdserve.services.security import PLAINTEXT, ChannelSecurity
 from pdserve.v1 import prefill_pb2 as pb
@@ -131,7 +132,9 @@ class RemotePrefiller(Prefiller):
         self.deadline_s = deadline_s
         self.events_resync_s = events_resync_s
         self._follower: asyncio.Task | None = None
-        self._events_endpoint = ""
+        self._events_source = ("", b"")  # the endpoint and key followed
+        self._greeting: asyncio.Task | None = None  # a Handshake the events asked for (_greet_again)
+        self._events_keys = CurveKeys.generate()  # what this server reads the replica's KV events with
         self.features: frozenset[str] = frozenset()  # HandshakeResponse.features
         self.metadata = security.metadata  # the bearer token a replica asks for (--prefill-auth-token-file)
         self.channel = security.open(
@@ -171,7 +174,9 @@ class RemotePrefiller(Prefiller):
         """Compares layouts (raises PrefillError naming the differences when they do not fit) and follows
         the replica's KV events when it publishes them."""
         try:
-            handshake = pb.HandshakeRequest(layout_json=self.dst.to_json())
+            handshake = pb.HandshakeRequest(
+                layout_json=self.dst.to_json(), kv_events_key=self._events_keys.public.decode()
+            )
             reply = await self._handshake(handshake, timeout=10, metadata=self.metadata)
         except grpc.aio.AioRpcError as e:
             raise PrefillError(f"{self.name}: handshake failed: {e.code().name}: {e.details()}") from e
@@ -189,17 +194,44 @@ class RemotePrefiller(Prefiller):
     def _follow_events(self, reply: pb.HandshakeResponse) -> None:
         host = self.name.rpartition(":")[0]
         endpoint = f"tcp://{host}:{reply.kv_events_port}"
-        if self._follower is not None and not self._follower.done() and endpoint == self._events_endpoint:
+        key = reply.kv_events_key.encode()  # a restart on the same ports has a new one
+        if (
+            self._follower is not None
+            and not self._follower.done()
+            and (endpoint, key) == self._events_source
+        ):
             return
         if self._follower is not None:
             self._follower.cancel()
-        self.cache = ReplicaCache(self.name)
-        self._events_endpoint = endpoint
+        if self.cache is None:  # kept across sources: a restarted replica's replay rebuilds it
+            self.cache = ReplicaCache(self.name)
+        self._events_source = (endpoint, key)
         replay_endpoint = f"tcp://{host}:{reply.kv_events_replay_port}"
+        credentials = ReaderCredentials(self._events_keys, key) if key else None
         self._follower = asyncio.create_task(
-            follow(self.cache, endpoint, replay_endpoint, reply.kv_events_topic, self.events_resync_s),
+            follow(
+                self.cache,
+                endpoint,
+                replay_endpoint,
+                reply.kv_events_topic,
+                self.events_resync_s,
+                credentials,
+                on_lost=self._greet_again,
+            ),
             name=f"kv-events {self.name}",
         )
+
+    def _greet_again(self) -> None:
+        """The events' replay failed: the replica may have restarted (other ports, another CURVE key), so
+        the Handshake is repeated (once at a time), which follows its stream anew when that changed."""
+        if self._greeting is None or self._greeting.done():
+            self._greeting = asyncio.create_task(self._quiet_handshake(), name=f"handshake {self.name}")
+
+    async def _quiet_handshake(self) -> None:
+        try:
+            await self.handshake()
+        except PrefillError as e:  # down or changed: requests find out and say so; the events retry
+            log.debug("%s", e)
 
     async def prefill(
         self, request: Request, dst: KVLayout, sharding, timeout: float | None = None, held: list[int] = ()
@@ -272,8 +304,9 @@ class RemotePrefiller(Prefiller):
             call.cancel()
 
     async def close(self) -> None:
-        if self._follower is not None:
-            self._follower.cancel()
+        for task in (self._follower, self._greeting):
+            if task is not None:
+                task.cancel()
         await self.channel.close()
 
 

@@ -20,12 +20,13 @@ import contextlib
 import logging
 import time
 import zlib
+from collections.abc import Callable
 
 import zmq
 import zmq.asyncio
 
 from pdserve.engine.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from pdserve.services.kv_events_zmq import END_OF_REPLAY, MAX_BATCH_BYTES, decode_batch
+from pdserve.services.kv_events_zmq import END_OF_REPLAY, MAX_BATCH_BYTES, ReaderCredentials, decode_batch
 
 log = logging.getLogger(__name__)
 
@@ -132,13 +133,22 @@ class ReplicaCache:
             self.apply(seq, payload, events)
 
 
-async def replay(endpoint: str, start: int, timeout_s: float = 2.0) -> list[tuple[int, bytes, list[KVEvent]]]:
-    """The batches a replica's replay socket holds from sequence `start` on. Raises TimeoutError,
-    ValueError (a bad batch) or zmq.ZMQError."""
-    socket = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+def _reader_socket(kind: int, credentials: ReaderCredentials | None) -> zmq.asyncio.Socket:
+    socket = zmq.asyncio.Context.instance().socket(kind)
     socket.setsockopt(zmq.LINGER, 0)
     socket.setsockopt(zmq.MAXMSGSIZE, MAX_BATCH_BYTES)  # a replica sending more is disconnected
     socket.setsockopt(zmq.IPV6, 1)  # replicas behind dns:/// may have IPv6 addresses
+    if credentials is not None:
+        credentials.secure(socket)
+    return socket
+
+
+async def replay(
+    endpoint: str, start: int, timeout_s: float = 2.0, credentials: ReaderCredentials | None = None
+) -> list[tuple[int, bytes, list[KVEvent]]]:
+    """The batches a replica's replay socket holds from sequence `start` on (`credentials`: a CURVE
+    publisher's; None: a plain one). Raises TimeoutError, ValueError (a bad batch) or zmq.ZMQError."""
+    socket = _reader_socket(zmq.DEALER, credentials)
     try:
         socket.connect(endpoint)
         batches = []
@@ -156,13 +166,19 @@ async def replay(endpoint: str, start: int, timeout_s: float = 2.0) -> list[tupl
 
 
 async def follow(
-    cache: ReplicaCache, endpoint: str, replay_endpoint: str, topic: str, resync_s: float = 5.0
+    cache: ReplicaCache,
+    endpoint: str,
+    replay_endpoint: str,
+    topic: str,
+    resync_s: float = 5.0,
+    credentials: ReaderCredentials | None = None,
+    on_lost: Callable[[], None] | None = None,
 ) -> None:
-    """Keeps `cache` current from a replica's event stream until cancelled (never raises otherwise)."""
-    socket = zmq.asyncio.Context.instance().socket(zmq.SUB)
-    socket.setsockopt(zmq.LINGER, 0)
-    socket.setsockopt(zmq.MAXMSGSIZE, MAX_BATCH_BYTES)
-    socket.setsockopt(zmq.IPV6, 1)
+    """Keeps `cache` current from a replica's event stream until cancelled (never raises otherwise).
+    `credentials`: the replica's CURVE publisher key and this reader's registered keys (None: plain).
+    `on_lost` is called after each failed replay (the replica down, or restarted elsewhere or with
+    another key: the caller may find out and follow anew)."""
+    socket = _reader_socket(zmq.SUB, credentials)
     socket.setsockopt(zmq.SUBSCRIBE, topic.encode())
     socket.setsockopt(zmq.RECONNECT_IVL_MAX, 2_000)
     socket.connect(endpoint)
@@ -172,12 +188,14 @@ async def follow(
     async def resync() -> None:
         nonlocal replaying
         try:
-            cache.rebuild(await replay(replay_endpoint, cache.last_seq or 0))
+            cache.rebuild(await replay(replay_endpoint, cache.last_seq or 0, credentials=credentials))
             replaying = True
         except (TimeoutError, ValueError, zmq.ZMQError) as e:
             if replaying:
                 log.info("KV events of %s: replay failed: %s %s", cache.name, type(e).__name__, e)
             replaying = False
+            if on_lost is not None:
+                on_lost()
 
     try:
         await resync()

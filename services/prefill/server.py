@@ -50,7 +50,12 @@ from pdserve.services.engine_loop import (
     until_stopped,
 )
 from pdserve.services.grpc_server import RunningServer, service_handler
-from pdserve.services.kv_events_zmq import KVEventPublisher, KVEventsConfig, start_publishing
+from pdserve.services.kv_events_zmq import (
+    KVEventPublisher,
+    KVEventsConfig,
+    parse_reader_key,
+    start_publishing,
+)
 from pdserve.services.metrics import Metrics
 from pdserve.services.prefill_stream import PrefillFailed, PrefillStream, install_connector
 from pdserve.services.prepare import Overloaded, Preparer
@@ -106,6 +111,10 @@ class PrefillService(pb_grpc.PrefillServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except (ValueError, KeyError, TypeError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"layout_json: {e}")
+        try:
+            reader_key = parse_reader_key(request.kv_events_key) if request.kv_events_key else None
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"kv_events_key: {e}")
         reply = pb.HandshakeResponse(
             layout_json=self.layout_json, fingerprint=self.fingerprint, features=[wire.CONSTRAINTS_FEATURE]
         )
@@ -114,6 +123,9 @@ class PrefillService(pb_grpc.PrefillServicer):
             reply.kv_events_port = self.kv_events.port
             reply.kv_events_replay_port = self.kv_events.replay_port
             reply.kv_events_topic = self.kv_events.topic.decode()
+            reply.kv_events_key = self.kv_events.public_key.decode()
+            if reader_key is not None and self.kv_events.public_key:
+                self.kv_events.allow(reader_key)  # this call passed the port's mTLS and tokens
         return reply
 
     async def Prefill(self, request: pb.PrefillRequest, context):

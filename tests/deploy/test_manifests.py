@@ -251,7 +251,8 @@ def test_every_host_of_a_prefill_slice_holds_the_group_secret():
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_network_policy_of_decode_opens_its_api_and_fences_the_rest(overlay):
     """Decode pods: gRPC and HTTP from any pod; metrics from monitoring and the endpoint picker; KV events
-    (prompts' token ids) from the endpoint picker only; no other port."""
+    (prompts' token ids) only behind an inference gateway, and from its endpoint picker only; no other
+    port."""
     docs = render(overlay)
     policy = one(docs, "NetworkPolicy", "pdserve-decode")["spec"]
     decode = [t for _, t in pod_templates(docs) if role(t) == "decode"]
@@ -263,11 +264,28 @@ def test_network_policy_of_decode_opens_its_api_and_fences_the_rest(overlay):
         assert rule.get("ports"), rule  # every rule names its ports
         for port in (p["port"] for p in rule["ports"]):
             opened.setdefault(port, []).append(rule.get("from"))
-    assert sorted(opened) == [5557, 5558, 8000, 9090, 50052]
+    [container] = decode[0]["spec"]["containers"]
+    events = "--kv-events=plain" in container["args"]
+    assert events == overlay.endswith("gateway")  # a decode server publishes for an endpoint picker only
+    assert {"kv-events", "kv-events-rpl"} <= {p["name"] for p in container["ports"]} or not events
+    assert sorted(opened) == [*([5557, 5558] if events else []), 8000, 9090, 50052]
     assert opened[50052] == opened[8000] == [None]  # any pod
     picker = {"app.kubernetes.io/name": "pdserve", "app.kubernetes.io/component": "endpoint-picker"}
-    for port in (5557, 5558):
+    for port in (5557, 5558) if events else ():
         assert opened[port] == [[{"podSelector": {"matchLabels": picker}}]], port
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_daemon_listens_on_its_pod_address_only(overlay):
+    """--host is the pod's IP (from the downward API), not every address; the exec probes' healthcheck
+    dials the same $POD_IP."""
+    for where, template in pod_templates(render(overlay)):
+        for container in template["spec"]["containers"]:
+            if container["command"][0] not in ("prefill-server", "decode-server"):
+                continue
+            assert "--host=$(POD_IP)" in container["args"], where
+            [pod_ip] = [e for e in container["env"] if e["name"] == "POD_IP"]
+            assert pod_ip["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP", where
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -415,7 +433,7 @@ def test_make_certs_emits_both_secrets():
         validate(secret)
 
 
-def test_healthcheck_script_reports_serving_status():
+def test_healthcheck_script_reports_serving_status(monkeypatch):
     from concurrent import futures
     from importlib.util import module_from_spec, spec_from_file_location
 
@@ -432,6 +450,10 @@ def test_healthcheck_script_reports_serving_status():
     server.start()
     try:
         servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        assert module.main([f"--port={port}"]) == 0
+        monkeypatch.setenv("POD_IP", "127.0.0.2")  # deploy/'s daemons listen on the pod's address only
+        assert module.main([f"--port={port}", "--timeout=0.5"]) == 1  # (nothing there)
+        monkeypatch.setenv("POD_IP", "127.0.0.1")
         assert module.main([f"--port={port}"]) == 0
         servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
         assert module.main([f"--port={port}"]) == 1
@@ -475,6 +497,7 @@ def test_multihost_pods_read_their_group_as_the_tests_start_it():
         env = dict(one(docs, "ConfigMap", c["envFrom"][0]["configMapRef"]["name"])["data"])
         env |= lws_environ(leader_host, size, index)
         fields = {"metadata.namespace": "ns", "group-index": "0", "worker-index": str(index)}
+        fields["status.podIP"] = f"10.0.0.{index + 1}"
         for var in c["env"]:
             if "valueFrom" in var:
                 path = var["valueFrom"]["fieldRef"]["fieldPath"]
@@ -526,7 +549,9 @@ def test_the_inference_pool_and_its_picker_fit_the_decode_pods():
     args = decode_parser().parse_args([expand(a, env) for a in c["args"]])
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     assert numbers == [args.http_port] == [ports["http"]] and args.http_plaintext
-    assert args.metrics_port == ports["metrics"] and not args.no_kv_events and not args.accept_prefill_hint
+    assert (
+        args.metrics_port == ports["metrics"] and args.kv_events == "plain" and not args.accept_prefill_hint
+    )
 
     picker = one(docs, "Service", spec["endpointPickerRef"]["name"])
     assert spec["endpointPickerRef"]["port"]["number"] in [p["port"] for p in picker["spec"]["ports"]]

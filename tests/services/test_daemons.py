@@ -85,6 +85,41 @@ def test_layout_mismatch_is_failed_precondition_naming_the_field(prefill, make_e
             handshake(prefill_pb2.HandshakeRequest(layout_json=other.to_json()))
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "dtype" in err.value.details() and "block_size" in err.value.details()
+        with pytest.raises(grpc.RpcError) as err:
+            handshake(prefill_pb2.HandshakeRequest(layout_json=layout.to_json(), kv_events_key="not a key"))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "kv_events_key" in err.value.details()
+
+
+@pytest.mark.daemon
+def test_a_prefill_servers_kv_events_are_read_only_with_a_key_given_in_the_handshake(prefill, make_engine):
+    """The events carry prompts' token ids: from loopback, a reader without a key (or with one the server
+    was not given) gets no answer from the replay socket; one whose key came in a Handshake gets the
+    server's history."""
+    import asyncio
+
+    from pdserve.services.decode.prefix_index import replay
+    from pdserve.services.kv_events_zmq import CurveKeys, ReaderCredentials
+
+    keys, stranger = CurveKeys.generate(), CurveKeys.generate()
+    with grpc.insecure_channel(prefill.address) as channel:
+        handshake = channel.unary_unary(
+            "/pdserve.v1.Prefill/Handshake",
+            request_serializer=prefill_pb2.HandshakeRequest.SerializeToString,
+            response_deserializer=prefill_pb2.HandshakeResponse.FromString,
+        )
+        layout = make_engine().kv_layout.to_json()
+        reply = handshake(
+            prefill_pb2.HandshakeRequest(layout_json=layout, kv_events_key=keys.public.decode())
+        )
+    publisher_key = reply.kv_events_key.encode()
+    assert len(publisher_key) == 40
+    endpoint = f"tcp://127.0.0.1:{reply.kv_events_replay_port}"
+    assert endpoint == f"tcp://{prefill.addresses['kv-events-replay']}"
+    for credentials in (None, ReaderCredentials(stranger, publisher_key)):
+        with pytest.raises(TimeoutError):
+            asyncio.run(replay(endpoint, 0, 1.0, credentials))
+    batches = asyncio.run(replay(endpoint, 0, 10.0, ReaderCredentials(keys, publisher_key)))
+    assert batches[0][0] == 0  # from the first batch (AllBlocksCleared) on
 
 
 @pytest.mark.daemon

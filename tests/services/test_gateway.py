@@ -41,7 +41,7 @@ def gateway(prefill, loaded_model, small_config):
         prefill_targets=[prefill.address],
         config=DecodeConfig(accept_prefill_hint=True),
     )
-    options = dict(http_port=http, metrics_port=metrics, kv_events=KVEventsConfig(events, 0))
+    options = dict(http_port=http, metrics_port=metrics, kv_events=KVEventsConfig(events, 0, plain=True))
     with in_process(lambda stop, ready: serve_decode(core, 0, stop, on_ready=ready, **options)) as decode:
         yield types.SimpleNamespace(
             address=decode,

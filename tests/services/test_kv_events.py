@@ -10,7 +10,15 @@ from hypothesis import strategies as st
 
 from pdserve.engine.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from pdserve.services.decode.prefix_index import ReplicaCache, follow, replay
-from pdserve.services.kv_events_zmq import KVEventPublisher, decode_batch, encode_batch, topic
+from pdserve.services.kv_events_zmq import (
+    CurveKeys,
+    KVEventPublisher,
+    ReaderCredentials,
+    decode_batch,
+    encode_batch,
+    parse_reader_key,
+    topic,
+)
 
 pytestmark = pytest.mark.fast
 
@@ -119,7 +127,7 @@ async def _until(predicate, timeout=10.0):
 def test_a_follower_tracks_a_publisher_through_its_restart_and_a_cut_stream():
     async def main():
         name = topic("127.0.0.1:1", "m")
-        pub = KVEventPublisher(name, port=0, replay_port=0)
+        pub = KVEventPublisher(name, port=0, replay_port=0, plain=True)
         port, replay_port = pub.port, pub.replay_port
         pub.publish([AllBlocksCleared()])
         pub.publish([BlockStored([1, 2], None, [0, 0], 1)])
@@ -135,7 +143,7 @@ def test_a_follower_tracks_a_publisher_through_its_restart_and_a_cut_stream():
             pub.close()  # the stream is cut: the index stays as it was, the follower keeps trying
             await asyncio.sleep(0.5)
             assert cache.hashes == {2, 3} and not task.done()
-            pub = KVEventPublisher(name, port=port, replay_port=replay_port)  # restarted, empty cache
+            pub = KVEventPublisher(name, port=port, replay_port=replay_port, plain=True)  # restarted, empty
             pub.publish([AllBlocksCleared()])
             await _until(lambda: cache.hashes == set() and cache.num_resyncs == 1)
             pub.publish([BlockStored([5], None, [0], 1)])
@@ -145,6 +153,73 @@ def test_a_follower_tracks_a_publisher_through_its_restart_and_a_cut_stream():
             pub.close()
 
     asyncio.run(main())
+
+
+def test_an_authenticated_stream_is_read_by_registered_readers_only():
+    """By default the publisher speaks CURVE: a plain reader, and a CURVE reader whose key was not
+    registered, get nothing from either socket while a registered reader follows every batch; a reader
+    that cannot get through is told so after each failed replay (`on_lost`)."""
+    import zmq
+
+    async def main():
+        name = topic("127.0.0.1:1", "m")
+        pub = KVEventPublisher(name, port=0, replay_port=0)
+        stream, replays = f"tcp://127.0.0.1:{pub.port}", f"tcp://127.0.0.1:{pub.replay_port}"
+        registered, stranger = CurveKeys.generate(), CurveKeys.generate()
+        pub.allow(parse_reader_key(registered.public.decode()))
+        context = zmq.Context()
+        intruders = []
+        for keys in (None, stranger):
+            sub = context.socket(zmq.SUB)
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            if keys is not None:
+                ReaderCredentials(keys, pub.public_key).secure(sub)
+            sub.connect(stream)
+            intruders.append(sub)
+        cache, lost = ReplicaCache("registered"), asyncio.Event()
+        strangers_cache = ReplicaCache("stranger")
+        tasks = [
+            asyncio.create_task(
+                follow(cache, stream, replays, name, 0.2, ReaderCredentials(registered, pub.public_key))
+            ),
+            asyncio.create_task(
+                follow(
+                    strangers_cache,
+                    stream,
+                    replays,
+                    name,
+                    0.2,
+                    ReaderCredentials(stranger, pub.public_key),
+                    lost.set,
+                )
+            ),
+        ]
+        try:
+            pub.publish([AllBlocksCleared()])
+            for i in range(20):
+                pub.publish([BlockStored([i], None, [i], 1)])
+                await asyncio.sleep(0.05)
+            await _until(lambda: cache.hashes == set(range(20)))  # the registered reader has them all
+            async with asyncio.timeout(10):
+                await lost.wait()
+            for keys in (None, stranger):  # nor does the replay socket answer the others
+                with pytest.raises(TimeoutError):
+                    await replay(
+                        replays, 0, 0.5, None if keys is None else ReaderCredentials(keys, pub.public_key)
+                    )
+            assert [s.poll(0) for s in intruders] == [0, 0] and strangers_cache.num_batches == 0
+            assert pub.num_refused > 0
+            assert len(await replay(replays, 0, 5, ReaderCredentials(registered, pub.public_key))) == 21
+        finally:
+            for task in tasks:
+                task.cancel()
+            pub.close()
+            context.destroy(linger=0)
+
+    asyncio.run(main())
+    for key in ("", "x" * 39 + " ", "#" * 40, "é" * 40, CurveKeys.generate().public.decode()[:-1]):
+        with pytest.raises(ValueError):
+            parse_reader_key(key)
 
 
 def test_routing_prefers_the_replica_holding_the_prefix_unless_its_queue_costs_more():
@@ -270,7 +345,7 @@ def test_a_replay_flood_and_slow_readers_do_not_hold_up_live_batches():
     from pdserve.services.kv_events_zmq import MAX_REPLAYS
 
     name = topic("127.0.0.1:1", "m")
-    pub = KVEventPublisher(name, port=0, replay_port=0, buffer_batches=5000)
+    pub = KVEventPublisher(name, port=0, replay_port=0, buffer_batches=5000, plain=True)  # (anyone reads)
     context = zmq.Context()
     try:
         for i in range(5000):  # a full replay buffer: a large payload each, so readers fill up fast

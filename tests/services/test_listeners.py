@@ -46,7 +46,6 @@ def listening(pid: int) -> set[tuple[str, int]]:
 
 
 def expected(daemon, *names: str) -> set[tuple[str, int]]:
-    names = ("kv-events", "kv-events-replay", *names)
     ports = {int(daemon.address.rsplit(":", 1)[1])} | {
         int(daemon.addresses[n].rsplit(":", 1)[1]) for n in names
     }
@@ -54,7 +53,8 @@ def expected(daemon, *names: str) -> set[tuple[str, int]]:
 
 
 def test_each_role_listens_on_its_table_only(prefill, decode):
-    """prefill-server: its gRPC port, /metrics (asked for here), KV events and their replay. decode-server:
-    the same and the OpenAI HTTP port. Nothing else (no JAX or gRPC side port), nothing off loopback."""
-    assert listening(prefill.proc.pid) == expected(prefill, "metrics")
+    """prefill-server: its gRPC port, /metrics (asked for here), KV events and their replay (on by default,
+    for its decode servers). decode-server: its gRPC port, /metrics and the OpenAI HTTP port (its KV events
+    are opt-in). Nothing else (no JAX or gRPC side port), nothing off loopback."""
+    assert listening(prefill.proc.pid) == expected(prefill, "metrics", "kv-events", "kv-events-replay")
     assert listening(decode.proc.pid) == expected(decode, "metrics", "http")
