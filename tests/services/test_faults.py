@@ -257,6 +257,11 @@ def test_damaged_kv_frames_are_never_decoded(faulty, daemons, reference, loaded_
     other = make_prompts(1, seed=25)[0]
     result = client.generate(other, max_tokens=4, ignore_eos=True, request_id="otherprompt")
     assert result.token_ids == reference(other, 4)
+    # none of that KV entered the decode server's prefix cache: asked again, the prompts hit it (whole
+    # blocks of the KV computed again in their place) and still give the colocated engine's tokens
+    for prompt in (make_prompts(2, seed=8)[0], other):
+        again = client.generate(prompt, max_tokens=4, ignore_eos=True)
+        assert again.token_ids == reference(prompt, 4) and again.cached_prompt_tokens > 0
     assert client.stats().num_transfer_failures_total >= 7
     s = wait_all_free(decode.address)
     assert s.num_free_blocks + s.num_cached_blocks == s.num_blocks
