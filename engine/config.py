@@ -381,6 +381,7 @@ def _refuse_unsupported_features(config: Mapping[str, Any]) -> None:
 
 
 DTYPES = ("auto", "float32", "bfloat16")
+QUANTIZATIONS = ("none", "int8")  # EngineConfig.quantization (engine.model.quantized)
 
 
 def _powers_of_two(start: int, stop: int) -> tuple[int, ...]:
@@ -434,6 +435,12 @@ class EngineConfig:
     dtype: str = flag(
         "auto", "weights and KV cache (auto: bfloat16 on TPUs and GPUs, float32 on CPUs)", choices=DTYPES
     )
+    quantization: str = flag(
+        "none",
+        "weight-only quantization of the attention and MLP projections (int8: one scale per output channel, "
+        "half of bfloat16's bytes; not for mixture-of-experts or MLA models)",
+        choices=QUANTIZATIONS,
+    )
     max_logprobs: int = 20
     max_loras: int = flag(
         0, "LoRA adapter slots in device memory (0: LoRA off; default 4 with --lora)", group="lora"
@@ -461,6 +468,8 @@ class EngineConfig:
             )
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r}: one of {DTYPES}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization {self.quantization!r}: one of {QUANTIZATIONS}")
 
     def on_platform(self, platform: str) -> EngineConfig:
         """This config with "auto" dtype resolved for devices of `platform` (jax.Device.platform):

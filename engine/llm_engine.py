@@ -34,7 +34,7 @@ from pdserve.engine.boundary import (
     Utility,
 )
 from pdserve.engine.compile_cache import cache_state
-from pdserve.engine.config import EngineConfig
+from pdserve.engine.config import EngineConfig, UnsupportedModelError
 from pdserve.engine.constraints import ConstraintCompiler
 from pdserve.engine.core.kv_connector import KVConnector, TransferReady
 from pdserve.engine.core.kv_groups import KVGroups
@@ -130,9 +130,14 @@ class LLMEngine:
             elif platform == "tpu":
                 attention = kernel_attention(model.config, mesh)
         dtype = jax.numpy.dtype(config.dtype)
+        if config.quantization != "none" and (model.config.num_experts or model.config.is_mla):
+            raise UnsupportedModelError(
+                f"--quantization {config.quantization}: mixture-of-experts and MLA models are served "
+                "unquantized (--quantization none)"
+            )
         memory.model_len(model.config, config)  # refused before the weights load: a length past the model's,
         memory.check_weights_fit(model.config, config, mesh, model.checkpoint.num_params)  # weights too large
-        weights = build_weights(model.config, model.checkpoint, mesh, dtype, progress)
+        weights = build_weights(model.config, model.checkpoint, mesh, dtype, progress, config.quantization)
         lora_slots = None
         if config.max_loras and (model.config.num_experts or model.config.is_mla):
             raise ValueError(
@@ -181,6 +186,7 @@ class LLMEngine:
             "model": self.model.config.name,
             **(plan.summary() if plan is not None else {}),
             "tp": str(self.config.tp),
+            "quantization": self.config.quantization,
             "compile_cache": cache_state(),
         }
 

@@ -172,7 +172,12 @@ def check_weights_fit(model: ModelConfig, config: EngineConfig, mesh, num_params
         return
     platform = _platform(mesh)
     fraction = memory_fraction(config, platform)
-    weights = num_params * jax.numpy.dtype(config.dtype).itemsize
+    itemsize = jax.numpy.dtype(config.dtype).itemsize
+    weights = num_params * itemsize
+    int8 = config.quantization == "int8"
+    if int8:  # every parameter but the embeddings and head is (about) one byte
+        outside = model.vocab_size * model.hidden_size * (1 if model.tie_word_embeddings else 2)
+        weights = outside * itemsize + (num_params - outside)
     if platform != "cpu":
         weights //= config.tp
     budget = _budget(mesh, fraction, 0)
@@ -180,7 +185,8 @@ def check_weights_fit(model: ModelConfig, config: EngineConfig, mesh, num_params
         where = "the available RAM" if platform == "cpu" else "device memory"
         raise SizingError(
             f"the weights need {weights / GIB:.2f} GiB {'in all' if platform == 'cpu' else 'per device'} "
-            f"({num_params / 1e9:.2f}B parameters in {config.dtype} over TP {config.tp}), more than "
+            f"({num_params / 1e9:.2f}B parameters in {config.dtype}{', projections int8' if int8 else ''} "
+            f"over TP {config.tp}), more than "
             f"{fraction:g} of {where} leaves ({max(budget, 0) / GIB:.2f} GiB). Shard over more devices "
             "(--tp) or raise --gpu-memory-utilization"
         )

@@ -28,6 +28,7 @@ from pdserve.engine.model.attention import (
 )
 from pdserve.engine.model.layers import ACTIVATION_FNS, apply_rope, rms_norm, rope_inverse_frequencies
 from pdserve.engine.model.lora import LoraWeights
+from pdserve.engine.model.quantized import project
 from pdserve.engine.model.weights import Weights
 
 
@@ -101,7 +102,7 @@ def forward_step(
             q, k = mla.queries_and_latent(h, w, positions, inv_freq, cfg)
             v, new_kv = k[..., : cfg.kv_lora_rank], k
         else:
-            qkv = jnp.einsum("td,dkx->tkx", h, w.w_qkv) + w.b_qkv  # [T, kv_heads, (group + 2) * head_dim]
+            qkv = project("td,dkx->tkx", h, w.w_qkv) + w.b_qkv  # [T, kv_heads, (group + 2) * head_dim]
             qkv = plus_lora(qkv, lora_ops.qkv_delta, h, lo)
             q = qkv[..., : -2 * head_dim].reshape(t, kv_heads, -1, head_dim)
             k, v = qkv[..., -2 * head_dim : -head_dim], qkv[..., -head_dim:]
@@ -130,7 +131,7 @@ def forward_step(
             latent=cfg.is_mla,
         )
         attn = mla.heads_output(attn, w) if cfg.is_mla else attn.reshape(t, -1)
-        out = plus_lora(attn @ w.wo, lora_ops.linear_delta, attn, *_pair(lo, "o"))
+        out = plus_lora(project("ti,id->td", attn, w.wo), lora_ops.linear_delta, attn, *_pair(lo, "o"))
         x = x + (out if w.post_attn_norm is None else rms_norm(out, w.post_attn_norm, cfg.rms_norm_eps))
         h = rms_norm(x, w.mlp_norm, cfg.rms_norm_eps)
         if w.experts_gate_up is not None:  # LoRA is refused with experts (engine.llm_engine)
@@ -139,10 +140,11 @@ def forward_step(
             if w.shared_gate_up is not None:
                 out = out + moe.gated_mlp(h, w.shared_gate_up, w.shared_down, act_fn)
         else:
-            gate_up = jnp.einsum("td,dci->tci", h, w.w_gate_up)
+            gate_up = project("td,dci->tci", h, w.w_gate_up)
             gate_up = plus_lora(gate_up, lora_ops.gate_up_delta, h, lo)
             act = act_fn(gate_up[:, 0]) * gate_up[:, 1]
-            out = plus_lora(act @ w.w_down, lora_ops.linear_delta, act, *_pair(lo, "down"))
+            down = project("ti,id->td", act, w.w_down)
+            out = plus_lora(down, lora_ops.linear_delta, act, *_pair(lo, "down"))
         x = x + (out if w.post_mlp_norm is None else rms_norm(out, w.post_mlp_norm, cfg.rms_norm_eps))
         return ((x, cache_now), None) if first else (x, new_kv)
 

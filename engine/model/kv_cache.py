@@ -23,6 +23,7 @@ def kv_layout(model: ModelConfig, config: EngineConfig) -> KVLayout:
     """The cache of an engine of `model` and `config` (its dtype resolved) as kvtransfer sees it: each layer
     full or sliding-window attention (only the window's blocks are transferred), heads padded for TP. Its
     model names the weights too (name@digest): KV of other weights under the same name does not fit it.
+    Weights quantized at load (EngineConfig.quantization) are named too (`+int8`): their KV differs.
     Its shardings (kvtransfer.cache_sharding, chunk_sharding) are the cache's and the chunks'."""
     if model.is_mla:  # one latent a token, the same on every chip
         specs = (LayerSpec(SpecKind.MLA),) * model.num_layers
@@ -32,8 +33,9 @@ def kv_layout(model: ModelConfig, config: EngineConfig) -> KVLayout:
         windows = [model.window(i) for i in range(model.num_layers)]
         specs = tuple(LayerSpec(SpecKind.SLIDING, w) if w else LayerSpec(SpecKind.FULL) for w in windows)
         heads, head_dim, mla = model.num_kv_heads, model.head_dim, {}
+    name = f"{model.name}@{model.weights_digest}" if model.weights_digest else model.name
     return KVLayout(
-        model=f"{model.name}@{model.weights_digest}" if model.weights_digest else model.name,
+        model=name if config.quantization == "none" else f"{name}+{config.quantization}",
         layer_specs=specs,
         num_kv_heads=heads,
         head_dim=head_dim,

@@ -19,6 +19,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.loading.checkpoints import GLOBAL_TENSORS, Checkpoint
+from pdserve.engine.model.quantized import QUANTIZED, Int8Weight, quantize, scale_axes
 from pdserve.engine.model.sharding import named
 
 log = logging.getLogger(__name__)
@@ -32,6 +33,7 @@ class LayerWeights:
     attn_norm: jax.Array  # [L, hidden]
     # Q, K and V fused per KV head: the last axis is (group * head_dim | head_dim | head_dim), so one
     # matmul computes all three and a TP shard holds whole groups with their KV head.
+    # With --quantization int8 the projections of engine.model.quantized.QUANTIZED are Int8Weights.
     wo: jax.Array  # [L, heads * head_dim, hidden]  (MLA: heads * v_head_dim)
     mlp_norm: jax.Array  # [L, hidden]
     w_qkv: jax.Array | None = None  # [L, hidden, kv_heads, (group + 2) * head_dim]; None with MLA
@@ -251,11 +253,13 @@ def build_weights(
     mesh: Mesh,
     dtype: jnp.dtype = jnp.float32,
     progress: bool = False,
+    quantization: str = "none",
 ) -> Weights:
     """Streams `checkpoint`'s weights onto `mesh`, a layer at a time: each layer's arrays are read, fused
-    and padded for the mesh's TP size, cast to `dtype` and written into their layer of the stacked device
-    arrays (created zeroed in their sharding). The host holds one layer at a time; each device receives only
-    its own shard. `progress`: a bar of the stored bytes read."""
+    and padded for the mesh's TP size, cast to `dtype` (`quantization` "int8": the projections quantized,
+    engine.model.quantized) and written into their layer of the stacked device arrays (created zeroed in
+    their sharding). The host holds one layer at a time; each device receives only its own shard.
+    `progress`: a bar of the stored bytes read."""
     from tqdm import tqdm
 
     tp = mesh.shape["model"]
@@ -267,18 +271,28 @@ def build_weights(
     ):
         segments = []
         for start, end in cfg.layer_segments():
-            stacked: dict[str, jax.Array] = {}
+            stacked: dict[str, jax.Array] = {}  # name (and "name/scale" of a quantized one) -> stacked
             for i in range(start, end):
                 for name, w in _layer_arrays(cfg, reader.layer(i), tp).items():
                     if w is None:
                         continue
-                    sharding = named(mesh, *_LAYER_AXES[name])
-                    if name not in stacked:
-                        stacked[name] = _zeros((end - start, *w.shape[1:]), dtype, sharding)
-                    layer = _put(w.astype(dtype, copy=False), sharding)
-                    stacked[name] = _write_at(stacked[name], layer, i - start)
+                    axes = _LAYER_AXES[name]
+                    if quantization == "int8" and name in QUANTIZED:
+                        values, scale = quantize(w)
+                        scale_part = (f"{name}/scale", scale.astype(dtype), scale_axes(axes))
+                        parts = [(name, values, axes), scale_part]
+                    else:
+                        parts = [(name, w.astype(dtype, copy=False), axes)]
+                    for key, array, part_axes in parts:
+                        sharding = named(mesh, *part_axes)
+                        if key not in stacked:
+                            stacked[key] = _zeros((end - start, *array.shape[1:]), array.dtype, sharding)
+                        stacked[key] = _write_at(stacked[key], _put(array, sharding), i - start)
                 bar.update(reader.bytes_read - bar.n)
                 _return_freed_memory()
+            for name in QUANTIZED:
+                if f"{name}/scale" in stacked:
+                    stacked[name] = Int8Weight(stacked[name], stacked.pop(f"{name}/scale"))
             segments.append(LayerWeights(**{name: stacked.get(name) for name in _LAYER_AXES}))
         outside = {name: _read_outside(cfg, reader, name, mesh, dtype, bar) for name in GLOBAL_TENSORS}
         weights = Weights(layers=tuple(segments), **outside)
