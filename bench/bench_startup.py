@@ -20,13 +20,13 @@ import time
 from pathlib import Path
 
 from pdserve.engine.loading.sources import DEFAULT_MODEL, fetch
-from pdserve.testing.launch import EPHEMERAL_KV_EVENTS, Daemon
+from pdserve.testing.launch import EPHEMERAL_HTTP, EPHEMERAL_KV_EVENTS, Daemon
 
 
 def start(role: str, gguf: Path, logs: Path, name: str) -> float:
     argv = [f"{role}-server", "--model", str(gguf), "--port", "0", *EPHEMERAL_KV_EVENTS]
     if role == "decode":
-        argv += ["--prefill", "local"]
+        argv += ["--prefill", "local", *EPHEMERAL_HTTP]
     t0 = time.perf_counter()
     daemon = Daemon(argv, name, logs, timeout=1800)
     ready = time.perf_counter() - t0

@@ -270,13 +270,26 @@ class Tokenizer:
         return env.from_string(self.chat_template)
 
     def apply_chat_template(
-        self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        **kwargs: Any,
     ) -> str:
-        """Render `messages` with the chat template; `kwargs` (e.g. `tools`) go to the template too."""
+        """Render `messages` with the chat template; `kwargs` (e.g. `tools`) go to the template too.
+        `continue_final_message`: the rendering ends with the last message's text, left open for the model
+        to continue (no end-of-turn after it; ValueError when the template does not write that text)."""
         variables = {"tools": None, "documents": None, **self.special_tokens, **kwargs}
-        return self._template.render(
+        text = self._template.render(
             messages=messages, add_generation_prompt=add_generation_prompt, **variables
         )
+        if not continue_final_message:
+            return text
+        final = (messages[-1].get("content") or "").strip()
+        at = text.rfind(final) if final else -1
+        if at < 0:
+            raise ValueError("continue_final_message: the last message's text is not in the rendered chat")
+        return text[: at + len(final)]
 
     def encode_chat(
         self,

@@ -16,6 +16,7 @@ from pdserve.services.decode.tool_formats import PARSERS
 from pdserve.services.sampling import add_limit_flags, limits_from_flags
 
 EXIT_ENGINE_FAILED = 4  # the engine could not serve any more (services.engine_loop): restart the process
+HTTP_PORT = 8000  # decode-server's OpenAI API, on by default (--no-http: off)
 KV_EVENTS_MODES = ("authenticated", "plain", "off")  # --kv-events: who may read them (kv_events_config)
 
 
@@ -73,6 +74,13 @@ def common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cpu-devices", type=int, default=0, help="fake CPU devices (CPU-only hosts)")
     parser.add_argument("--no-warmup", action="store_true", help="compile shapes lazily (tests, laptops)")
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument(
+        "--served-model-name",
+        nargs="+",
+        metavar="NAME",
+        help="what clients call the model (the OpenAI API's `model`, the KV events' topic); the first is "
+        "the one responses carry (default: --model as given)",
+    )
     parser.add_argument(
         "--log-format", choices=["text", "json"], default="text", help="json: one object a line"
     )
@@ -247,6 +255,7 @@ def serve_options(args: argparse.Namespace, security, role: str) -> dict:
         lora_root=args.lora_root,
         kv_events=kv_events_config(args, role),
         step_timeout_s=args.engine_step_timeout,
+        served_model_names=tuple(args.served_model_name or [args.model]),
     )
 
 
@@ -280,8 +289,12 @@ def decode_args(parser: argparse.ArgumentParser) -> None:
     add_config_flags(parser, DecodeConfig)
     add_config_flags(parser, Routing)
     parser.add_argument(
-        "--http-port", type=int, default=None, help="OpenAI-compatible HTTP API port (0: any)"
+        "--http-port",
+        type=int,
+        default=HTTP_PORT,
+        help=f"the OpenAI-compatible HTTP API's port (default {HTTP_PORT}, vLLM's; 0: any free port)",
     )
+    parser.add_argument("--no-http", action="store_true", help="serve no HTTP API (gRPC only)")
     parser.add_argument(
         "--http-plaintext",
         action="store_true",
@@ -377,7 +390,7 @@ def run_decode_server(core, args: argparse.Namespace, security, leader=None) -> 
 
     options = serve_options(args, security, "decode")
     http = dict(
-        http_port=args.http_port,
+        http_port=None if args.no_http else args.http_port,
         http_plaintext=args.http_plaintext,
         tool_call_parser=args.tool_call_parser,
         http_timeout_s=args.http_timeout,

@@ -410,13 +410,13 @@ class KVEventsConfig:
 
 
 def start_publishing(
-    loop: EngineLoop, config: KVEventsConfig, host: str, serving_port: int
+    loop: EngineLoop, config: KVEventsConfig, host: str, serving_port: int, model: str | None = None
 ) -> KVEventPublisher:
-    """Binds the sockets and routes the engine's events to them; prints where (operators, launchers)."""
+    """Binds the sockets and routes the engine's events to them; prints where (operators, launchers).
+    `model`: the served model name of the topic (default: the model's own)."""
     pod = config.pod or f"{os.environ.get('POD_IP') or host}:{serving_port}"
-    publisher = KVEventPublisher(
-        topic(pod, loop.engine.model.config.name), host, config.port, config.replay_port, plain=config.plain
-    )
+    name = model or loop.engine.model.config.name
+    publisher = KVEventPublisher(topic(pod, name), host, config.port, config.replay_port, plain=config.plain)
     loop.publish_kv_events(publisher.publish)
     readers = "plain: any reader" if config.plain else "CURVE: registered readers"
     print(f"kv-events on {host}:{publisher.port} (replay {publisher.replay_port}; {readers})", flush=True)

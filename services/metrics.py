@@ -254,13 +254,8 @@ class Metrics:
         """Starts the HTTP endpoint on the running event loop (no thread per connection): PICKER_PATH
         serves the picker's series, any other path all of them (/metrics). Returns the bound port."""
 
-        async def scrape(request: web.BaseRequest) -> web.Response:
-            registry = self.picker_registry if request.path == PICKER_PATH else self.registry
-            body = await asyncio.to_thread(generate_latest, registry)  # (collectors read snapshots)
-            return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
-
         server = _BoundedServer(
-            scrape,
+            lambda request: self.scrape(request.path),
             max_connections,
             max_connection_s,
             self.refused_connections.inc,
@@ -272,6 +267,12 @@ class Metrics:
         site = web.TCPSite(self._runner, host, port)
         await site.start()
         return site._server.sockets[0].getsockname()[1]
+
+    async def scrape(self, path: str) -> web.Response:
+        """The exposition of PICKER_PATH's series, or (any other path) all of them."""
+        registry = self.picker_registry if path == PICKER_PATH else self.registry
+        body = await asyncio.to_thread(generate_latest, registry)  # (collectors read snapshots)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def stop(self) -> None:
         if self._runner is not None:

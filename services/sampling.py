@@ -92,6 +92,7 @@ class Limits:
     max_request_id_chars: int = 256  # printable ASCII without spaces (it goes into logs and KV frames)
     max_tools: int = 128
     max_chat_messages: int = 4096
+    max_prompts_per_call: int = 256  # prompts of one /v1/completions call (a choice each)
 
     def check(self, params: SamplingParams) -> None:
         """The sizes of a request's stop conditions (InvalidRequestError naming the field)."""

@@ -24,6 +24,7 @@ ENGINE_ARGS = config_argv(TEST_ENGINE)
 # KV cache events on any free ports: daemons of a test or benchmark share one host (the defaults are
 # fixed ports, one daemon a pod)
 EPHEMERAL_KV_EVENTS = ["--kv-events-port", "0", "--kv-events-replay-port", "0"]
+EPHEMERAL_HTTP = ["--http-port", "0"]  # decode-server's OpenAI API (on by default) on any free port
 _READY = re.compile(r"ready on ([0-9.]+):(\d+)")
 _EXTRA_PORT = re.compile(r"^(metrics|http|kv-events) on ([0-9.]+):(\d+)")  # printed before "ready on"
 _REPLAY_PORT = re.compile(r"\(replay (\d+)")  # of the kv-events line
@@ -167,7 +168,7 @@ def decode_server(
 ) -> Daemon:
     argv = ["decode-server", "--model", str(gguf), "--port", "0", "--no-warmup", "--prefill", prefill]
     return Daemon(
-        [*argv, *EPHEMERAL_KV_EVENTS, *engine_args, *extra],
+        [*argv, *EPHEMERAL_KV_EVENTS, *EPHEMERAL_HTTP, *engine_args, *extra],
         name,
         log_dir,
         cpus=cpus,
@@ -183,7 +184,14 @@ def serve_daemon(
     for both."""
     cpu_devices = max(int(d) for d in decode_devices.split(",")) + 1
     argv = ["serve", "--model", str(gguf), "--port", "0", "--no-warmup", "--cpu-devices", str(cpu_devices)]
-    argv += ["--prefill-devices", "0", "--decode-devices", decode_devices, *EPHEMERAL_KV_EVENTS]
+    argv += [
+        "--prefill-devices",
+        "0",
+        "--decode-devices",
+        decode_devices,
+        *EPHEMERAL_KV_EVENTS,
+        *EPHEMERAL_HTTP,
+    ]
     return Daemon([*argv, *engine_args, *extra], name, log_dir)
 
 

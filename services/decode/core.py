@@ -1,5 +1,5 @@
 """The decode server's core, shared by its gRPC front (server.py) and its OpenAI HTTP front
-(openai_api.py): admission, remote or local prefill with retries and fallback, registration, and the
+(openai/): admission, remote or local prefill with retries and fallback, registration, and the
 stream of a request's outputs. Neither front end imports the other; both call down into this module.
 
 A request's life here: make_request (validate, tokenize) -> stream: AddRequest (queued in the engine's

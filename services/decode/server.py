@@ -32,7 +32,7 @@ from pdserve.services import sampling, wire
 from pdserve.services.admin import SERVICE_NAME as ADMIN_SERVICE
 from pdserve.services.admin import AdminService
 from pdserve.services.decode.core import PREFILL_HINT_HEADER, GenerationCore, ServiceError
-from pdserve.services.decode.openai_api import OpenAIFrontend
+from pdserve.services.decode.openai.server import OpenAIFrontend
 from pdserve.services.engine_loop import FAILED_GRACE_S, STEP_TIMEOUT_S, EngineStopped, until_stopped
 from pdserve.services.grpc_server import RunningServer, service_handler
 from pdserve.services.kv_events_zmq import KVEventsConfig, start_publishing
@@ -118,6 +118,7 @@ async def serve(
     tool_call_parser: str = "auto",
     http_timeout_s: float = 600.0,
     step_timeout_s: float = STEP_TIMEOUT_S,
+    served_model_names: tuple[str, ...] = (),
 ) -> None:
     """Serves Generate (and Admin, and optionally /metrics and the OpenAI HTTP API) over `core` until
     `stop` is set; then refuses new requests and lets running ones finish.
@@ -128,9 +129,10 @@ async def serve(
     cache events (None: do not); their topic names the HTTP port when there is one (the port an
     InferencePool targets), else the gRPC port. `tool_call_parser`: the HTTP API's format of the model's own
     tool calls (services.decode.tool_formats; "auto": the one its chat template writes); `http_timeout_s`:
-    an HTTP request's deadline. When an engine fails (services.engine_loop: a step failing twice running,
-    one running past `step_timeout_s`), health turns NOT_SERVING, waiting calls get UNAVAILABLE and this
-    raises EngineStopped (the daemon exits non-zero)."""
+    an HTTP request's deadline. `served_model_names`: what clients call the model (the HTTP API's `model`,
+    the KV events' topic; default: the model's name). When an engine fails (services.engine_loop: a step
+    failing twice running, one running past `step_timeout_s`), health turns NOT_SERVING, waiting calls get
+    UNAVAILABLE and this raises EngineStopped (the daemon exits non-zero)."""
     await core.start()
     if metrics_port is not None:
         print(f"metrics on {host}:{await core.metrics.start(metrics_port, host)}", flush=True)
@@ -139,7 +141,7 @@ async def serve(
         http_security = security
         if http_plaintext and security is not None:
             http_security = ServerSecurity(tokens=security.tokens)
-        http = OpenAIFrontend(core, http_security, tool_call_parser, http_timeout_s)
+        http = OpenAIFrontend(core, http_security, tool_call_parser, http_timeout_s, served_model_names)
         http_bound = await http.start(host, http_port)
         print(f"http on {host}:{http_bound}", flush=True)
     # `pdserve serve`: adapters loaded at run time go into the local prefill engine too
@@ -153,7 +155,8 @@ async def serve(
     bound = running.port
     publisher = None
     if kv_events is not None:
-        publisher = start_publishing(core.loop, kv_events, host, http_bound or bound)
+        model = served_model_names[0] if served_model_names else None
+        publisher = start_publishing(core.loop, kv_events, host, http_bound or bound, model)
     print(f"decode-server ready on {host}:{bound} (prefill: {core.prefill_mode})", flush=True)
     if on_ready is not None:
         on_ready(f"{host}:{bound}")

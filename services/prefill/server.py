@@ -289,13 +289,15 @@ async def serve(
     lora_root: str | None = None,
     kv_events: KVEventsConfig | None = None,
     step_timeout_s: float = STEP_TIMEOUT_S,
+    served_model_names: tuple[str, ...] = (),
 ):
     """Serves `service` (and Admin, and optionally /metrics) until `stop` is set, then drains: refuses
     new prefills, finishes running ones. When its engine fails (services.engine_loop), health turns
     NOT_SERVING, waiting calls get UNAVAILABLE and this raises EngineStopped (the daemon exits non-zero).
 
     `security`: TLS / mutual TLS of the port and the client names allowed (default: plaintext, open).
-    `kv_events`: publish the KV cache events (None: do not); Handshake tells decode servers where."""
+    `kv_events`: publish the KV cache events (None: do not); Handshake tells decode servers where. Their
+    topic names the first of `served_model_names` (default: the model's name)."""
     loop, counters = service.loop, service.counters
     loop.start()
     if metrics_port is not None:
@@ -309,7 +311,8 @@ async def serve(
     running = await RunningServer.start([SERVICE_NAME, ADMIN_SERVICE], register, host, port, security)
     bound = running.port
     if kv_events is not None:
-        service.kv_events = start_publishing(loop, kv_events, host, bound)
+        model = served_model_names[0] if served_model_names else None
+        service.kv_events = start_publishing(loop, kv_events, host, bound, model)
     service.kv_events_settled.set()
     log.info("prefill-server listening on %s:%d", host, bound)
     print(f"prefill-server ready on {host}:{bound}", flush=True)

@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 
 from pdserve.engine.core.request import Request, TokenLogprobs
 from pdserve.engine.sampling_params import BOUNDS, INT32_MAX, InvalidRequestError, SamplingParams
-from pdserve.services.decode.openai_api import _BODY_TYPES, _check_types
+from pdserve.services.decode.openai.protocol import BODY_TYPES as _BODY_TYPES
+from pdserve.services.decode.openai.protocol import check_types as _check_types
 from pdserve.services.decode.prefill_pool import FirstToken, PrefillError, check_first_token
 from pdserve.services.decode.tools import tool_choice
 from pdserve.services.logs import TextFormatter

@@ -210,13 +210,18 @@ def test_pdserve_adapters_command(lora_decode, adapter_dir):
 def test_openai_api_model_names_an_adapter(lora_decode, colocated_lora, loaded_model):
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=f"http://{lora_decode.addresses['http']}/v1", api_key="unused")
-    models = {m.id: m for m in client.models.list().data}
-    assert "alpha" in models and models["alpha"].parent == loaded_model.config.name
+    base, *cards = client.models.list().data  # the served name first, then the adapters
+    models = {m.id: m for m in cards}
+    assert "alpha" in models and models["alpha"].parent == base.id
     reply = client.completions.create(model="alpha", prompt=TEXTS[1], max_tokens=12, temperature=0)
     expected = colocated_lora(TEXTS[1], "text", lora_adapter="alpha", max_tokens=12, temperature=0.0)
     assert reply.model == "alpha" and reply.choices[0].text == expected
     with pytest.raises(openai.NotFoundError, match="not loaded"):
-        client.completions.create(model="x", prompt="hi", max_tokens=2, extra_body={"lora_adapter": "nope"})
+        client.completions.create(
+            model=base.id, prompt="hi", max_tokens=2, extra_body={"lora_adapter": "nope"}
+        )
+    with pytest.raises(openai.NotFoundError, match="The model `x` does not exist"):
+        client.completions.create(model="x", prompt="hi", max_tokens=2)
 
 
 def test_prefill_ignoring_the_adapter_is_never_used(make_engine, colocated_lora):

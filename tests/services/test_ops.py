@@ -72,10 +72,10 @@ def test_metrics_move_under_load(decode, prefill):
     )
 
 
-def test_openai_client_completions_and_chat(decode, make_engine, loaded_model, colocated, openai):
+def test_openai_client_completions_and_chat(decode, make_engine, loaded_model, colocated, openai, model_path):
     client = openai.OpenAI(base_url=f"http://{decode.addresses['http']}/v1", api_key="unused")
     models = client.models.list()
-    assert [m.id for m in models.data] == [loaded_model.config.name]
+    assert [m.id for m in models.data] == [str(model_path)]  # --model as given (vLLM's default name)
     model = models.data[0].id
 
     question = [{"role": "user", "content": "What is the capital of France?"}]

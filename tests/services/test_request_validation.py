@@ -92,7 +92,7 @@ def frontend(make_engine):
     """The decode server's OpenAI front over the default engine, not started: its parsing and validation
     (GenerationCore's make_request included) are what the fuzzer below drives."""
     from pdserve.services.decode.core import GenerationCore
-    from pdserve.services.decode.openai_api import OpenAIFrontend
+    from pdserve.services.decode.openai.server import OpenAIFrontend
     from pdserve.services.engine_loop import EngineLoop
 
     return OpenAIFrontend(GenerationCore(EngineLoop(make_engine())))
@@ -113,12 +113,10 @@ JSON = st.recursive(
 
 
 def _openai_keys():
-    from pdserve.services.decode.openai_api import _BODY_TYPES, _GUIDED
+    from pdserve.services.decode.openai.protocol import BODY_TYPES, GUIDED, UNSUPPORTED
     from pdserve.services.sampling import FIELD_NAMES
 
-    return sorted(
-        FIELD_NAMES | _BODY_TYPES.keys() | _GUIDED.keys() | {"max_completion_tokens", "top_logprobs"}
-    )
+    return sorted(FIELD_NAMES | BODY_TYPES.keys() | GUIDED.keys() | UNSUPPORTED.keys())
 
 
 @settings(
@@ -135,12 +133,13 @@ def _openai_keys():
 def test_fuzzed_openai_bodies_are_refused_naming_a_key_or_answered(frontend, make_engine, chat, text, extra):
     """Every key an OpenAI body may carry, with values of any JSON type and at every width's edge: a 400
     naming one of the body's keys (or the chat's / prompt's), or an engine request that runs."""
-    from pdserve.services.decode.openai_api import _check_types
+    from pdserve.services.decode.openai.protocol import check_fields, check_types
 
     base = {"messages": [{"role": "user", "content": text}]} if chat else {"prompt": text}
     body = {**base, **extra}
     try:
-        _check_types(body)
+        check_types(body)
+        check_fields(body)
         engine_request, _ = frontend.engine_request(body, chat)
     except InvalidRequestError as e:
         assert e.field in set(body) | {"messages", "prompt", "prompt_token_ids"}, (e, body)

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from pdserve.cli import build_parser, generate_request
 from pdserve.engine.sampling_params import Constraint, InvalidRequestError, SamplingParams
 from pdserve.services.client import build_request
-from pdserve.services.decode.openai_api import _params as openai_params
+from pdserve.services.decode.openai.protocol import sampling_params as openai_params
 from pdserve.services.sampling import FIELDS, params_from_request, params_to_request
 from pdserve.v1 import generation_pb2 as pb
 from pdserve.v1 import prefill_pb2
@@ -115,14 +115,14 @@ def test_openai_body_round_trip(params):
     del body["constraint"]  # OpenAI's response_format and tools (test_openai_constraints)
     body["stop"] = list(params.stop)
     body["stop_token_ids"] = list(params.stop_token_ids)
-    assert openai_params(body, default_max_tokens=16) == params
+    assert openai_params(body, chat=False) == params
 
 
 def test_unset_fields_take_each_apis_defaults():
     grpc_default = params_from_request(build_request("hi"))
     assert grpc_default.greedy and grpc_default.max_tokens == 256 and grpc_default.top_p == 1.0
     assert grpc_default.seed is None and grpc_default.logprobs is None
-    openai_default = openai_params({"prompt": "hi"}, default_max_tokens=16)
+    openai_default = openai_params({"prompt": "hi"}, chat=False)
     assert openai_default == SamplingParams(max_tokens=16)  # OpenAI: temperature 1
 
 
@@ -135,21 +135,20 @@ def test_unset_fields_take_each_apis_defaults():
         ({"stop_token_ids": "1"}, "stop_token_ids"),
         ({"ignore_eos": 1}, "ignore_eos"),
         ({"top_k": True}, "top_k"),
-        ({"n": 2}, "n"),
     ],
 )
 def test_openai_type_errors_name_the_field(body, field):
     with pytest.raises(InvalidRequestError) as err:
-        openai_params(body, default_max_tokens=16)
+        openai_params(body, chat=False)
     assert err.value.field == field
 
 
 def test_openai_shapes():
-    assert openai_params({"stop": "x"}, 16).stop == ("x",)
-    assert openai_params({"logprobs": True, "top_logprobs": 3}, 16).logprobs == 3  # chat
-    assert openai_params({"logprobs": True}, 16).logprobs == 0
-    assert openai_params({"logprobs": False, "top_logprobs": 3}, 16).logprobs is None
-    assert openai_params({"max_completion_tokens": 7}, 16).max_tokens == 7
+    assert openai_params({"stop": "x"}, chat=False).stop == ("x",)
+    assert openai_params({"logprobs": True, "top_logprobs": 3}, chat=False).logprobs == 3  # chat
+    assert openai_params({"logprobs": True}, chat=False).logprobs == 0
+    assert openai_params({"logprobs": False, "top_logprobs": 3}, chat=False).logprobs is None
+    assert openai_params({"max_completion_tokens": 7}, chat=False).max_tokens == 7
 
 
 def test_unknown_client_keyword_is_a_type_error():
@@ -158,24 +157,37 @@ def test_unknown_client_keyword_is_a_type_error():
 
 
 def test_openai_constraints():
-    """response_format and vLLM's guided_* keys -> the constraint; shapes checked, naming the key."""
+    """response_format, vLLM's structured_outputs and its older guided_* keys -> the constraint; shapes
+    checked, naming the key; at most one of them."""
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     wrapped = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema, "strict": True}}
-    assert openai_params({"response_format": wrapped}, 16).constraint == Constraint(
+    assert openai_params({"response_format": wrapped}, chat=False).constraint == Constraint(
         "json_schema", json.dumps(schema)
     )
-    assert openai_params({"response_format": {"type": "json_object"}}, 16).constraint == Constraint(
+    assert openai_params({"response_format": {"type": "json_object"}}, chat=False).constraint == Constraint(
         "json_object"
     )
-    assert openai_params({"response_format": {"type": "text"}}, 16).constraint is None
-    assert openai_params({"guided_regex": "a+"}, 16).constraint == Constraint("regex", "a+")
-    assert openai_params({"guided_choice": ["x", "y"]}, 16).constraint == Constraint(
+    assert openai_params({"response_format": {"type": "text"}}, chat=False).constraint is None
+    assert openai_params({"guided_regex": "a+"}, chat=False).constraint == Constraint("regex", "a+")
+    assert openai_params({"guided_choice": ["x", "y"]}, chat=False).constraint == Constraint(
         "choice", choices=("x", "y")
     )
-    assert openai_params({"guided_json": schema}, 16).constraint == Constraint(
+    assert openai_params({"guided_json": schema}, chat=False).constraint == Constraint(
         "json_schema", json.dumps(schema)
     )
+    structured = {
+        "json": (schema, Constraint("json_schema", json.dumps(schema))),
+        "regex": ("a+", Constraint("regex", "a+")),
+        "grammar": ("start: x", Constraint("grammar", "start: x")),
+        "choice": (["x", "y"], Constraint("choice", choices=("x", "y"))),
+        "json_object": (True, Constraint("json_object")),
+    }
+    for key, (value, constraint) in structured.items():
+        assert openai_params({"structured_outputs": {key: value}}, chat=False).constraint == constraint
     for body, field in [
+        ({"structured_outputs": {"choice": "x"}}, "structured_outputs"),
+        ({"structured_outputs": {"json": schema, "regex": "a"}}, "structured_outputs"),
+        ({"structured_outputs": {"regex": "a"}, "guided_regex": "a"}, "guided_regex"),
         ({"response_format": {"type": "xml"}}, "response_format"),
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "a"}}}, "response_format"),
         ({"guided_choice": "x"}, "guided_choice"),
@@ -183,7 +195,7 @@ def test_openai_constraints():
         ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex"),
     ]:
         with pytest.raises(InvalidRequestError) as err:
-            openai_params(body, 16)
+            openai_params(body, chat=False)
         assert err.value.field == field
 
 

@@ -240,7 +240,8 @@ def test_cancelled_stream_through_the_token_check_frees_its_blocks(secure_decode
 
 def test_http_api_takes_the_public_ports_tls_and_tokens(secure_decode, pki):
     """The OpenAI HTTP API of a decode server with TLS and tokens: HTTPS with the same certificate, 401
-    without the right bearer token, answers with it; plaintext HTTP does not connect."""
+    without the right bearer token (/tokenize included), answers with it; /health and /metrics answer
+    without one (load balancers' checks, scrapes); plaintext HTTP does not connect."""
     import ssl
 
     openai = pytest.importorskip("openai")
@@ -250,11 +251,19 @@ def test_http_api_takes_the_public_ports_tls_and_tokens(secure_decode, pki):
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=base, api_key=WRONG_TOKEN, http_client=tls).models.list()
     client = openai.OpenAI(base_url=base, api_key=TOKEN, http_client=tls)
-    reply = client.completions.create(model="m", prompt="Hello", max_tokens=2, temperature=0)
+    model = client.models.list().data[0].id
+    reply = client.completions.create(model=model, prompt="Hello", max_tokens=2, temperature=0)
     assert reply.usage.completion_tokens == 2
     plaintext = openai.OpenAI(base_url=base.replace("https", "http"), api_key=TOKEN, max_retries=0)
     with pytest.raises(openai.APIConnectionError):
         plaintext.models.list()
+    root = base.removesuffix("/v1")
+    assert tls.get(f"{root}/health").status_code == 200
+    scrape = tls.get(f"{root}/metrics")
+    assert scrape.status_code == 200 and "pdserve_engine_info" in scrape.text
+    assert tls.post(f"{root}/tokenize", json={"prompt": "x"}).status_code == 401
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    assert tls.post(f"{root}/tokenize", json={"prompt": "x"}, headers=headers).status_code == 200
 
 
 def test_cli_generate_with_tls_ca_and_token_file(secure_decode, pki, tokens, capsys):

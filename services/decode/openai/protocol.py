@@ -1,0 +1,288 @@
+"""OpenAI request bodies (and vLLM's extensions to them) read into what the engine takes: the sampling
+knobs through services.sampling's one mapping, the constraint, the chat (content parts, template
+arguments), the completion prompts. Every refusal is an InvalidRequestError naming the body key.
+
+A field vLLM serves and pdserve does not yet is refused by name (UNSUPPORTED) rather than ignored: a
+client that sends it would otherwise get a different computation than it asked for, silently. Keys
+pdserve does not know at all are ignored, as vLLM ignores them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+from pdserve.engine.sampling_params import Constraint, InvalidRequestError, SamplingParams
+from pdserve.services.sampling import FIELD_NAMES, params_from_values
+
+DEFAULT_MAX_TOKENS = {False: 16, True: 256}  # completions, chat: OpenAI's defaults
+
+# The JSON types of the body keys read here, besides services.sampling's knobs (params_from_values checks
+# those): a key of another type is a 400 naming it before anything reads it.
+BODY_TYPES: dict[str, tuple[type, ...]] = {
+    "model": (str,),
+    "messages": (list,),
+    "prompt": (str, list),
+    "stream": (bool,),
+    "stream_options": (dict,),
+    "n": (int,),
+    "best_of": (int,),
+    "echo": (bool,),
+    "logprobs": (bool, int),
+    "top_logprobs": (int,),
+    "max_completion_tokens": (int,),
+    "response_format": (dict,),
+    "structured_outputs": (dict,),
+    "tools": (list,),
+    "tool_choice": (str, dict),
+    "parallel_tool_calls": (bool,),
+    "add_generation_prompt": (bool,),
+    "continue_final_message": (bool,),
+    "chat_template_kwargs": (dict,),
+    "lora_adapter": (str,),
+    "cache_salt": (str,),  # vLLM's: a tenant's prefix-cache salt
+    "user": (str,),
+    "guided_json": (str, dict),
+    "guided_regex": (str,),
+    "guided_grammar": (str,),
+    "guided_choice": (list,),
+}
+_JSON_NAMES = {str: "a string", list: "a list", dict: "an object", bool: "a boolean", int: "an integer"}
+
+# Fields of vLLM's API that pdserve does not serve yet: refused when set to anything but their default.
+UNSUPPORTED: dict[str, str] = {
+    "suffix": "is not supported",
+    "use_beam_search": "beam search is not supported",
+    "prompt_logprobs": "is not supported yet",
+    "logit_bias": "is not supported yet",
+    "min_tokens": "is not supported yet",
+    "allowed_token_ids": "is not supported yet",
+    "bad_words": "is not supported yet",
+    "chat_template": "a chat template in the request is not accepted: the model's own renders",
+}
+
+
+def check_types(body: dict) -> None:
+    """The types of the keys read here (InvalidRequestError naming the first of another type)."""
+    for key, kinds in BODY_TYPES.items():
+        value = body.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+            raise InvalidRequestError(key, "must be " + " or ".join(_JSON_NAMES[k] for k in kinds))
+
+
+def check_fields(body: dict) -> None:
+    """The fields refused by name: those not served (UNSUPPORTED), and combinations vLLM refuses too."""
+    for key, why in UNSUPPORTED.items():
+        if body.get(key) not in (None, False, 0, [], {}):
+            raise InvalidRequestError(key, why)
+    if body.get("n", 1) != 1:
+        raise InvalidRequestError("n", "only n=1 is supported")
+    if body.get("best_of", 1) != 1:  # (vLLM 0.12 dropped it; 0.11 refused it past 1)
+        raise InvalidRequestError("best_of", "only best_of=1 is supported")
+    if body.get("stream_options") is not None and not body.get("stream"):
+        raise InvalidRequestError("stream_options", "only with stream: true")
+    if body.get("echo") and body.get("logprobs") not in (None, False):
+        raise InvalidRequestError("echo", "with logprobs (the prompt's logprobs) is not supported yet")
+
+
+# ---- sampling ----------------------------------------------------------------------------------------
+def sampling_params(body: dict, chat: bool) -> SamplingParams:
+    """OpenAI fields (and vLLM's extensions: top_k, min_p, repetition_penalty, stop_token_ids, ignore_eos)
+    -> SamplingParams through services.sampling's one mapping; OpenAI's own shapes are normalised first.
+    Type errors become InvalidRequestError naming the field; the defaults are OpenAI's (temperature 1)."""
+    return dataclasses.replace(knobs(body, chat), constraint=constraint(body))
+
+
+def knobs(body: dict, chat: bool) -> SamplingParams:
+    """sampling_params without the constraint (whose text grows with the body: it is read off the event
+    loop)."""
+    values = {name: body[name] for name in FIELD_NAMES if name in body}
+    if isinstance(values.get("stop"), str):
+        values["stop"] = [values["stop"]]
+    logprobs = body.get("logprobs")
+    if body.get("top_logprobs") is not None:  # chat: logprobs is a bool, top_logprobs the count
+        values["logprobs"] = body["top_logprobs"] if logprobs else None
+    elif isinstance(logprobs, bool):
+        values["logprobs"] = 0 if logprobs else None
+    default = DEFAULT_MAX_TOKENS[chat]
+    values["max_tokens"] = body.get("max_completion_tokens") or values.get("max_tokens") or default
+    return params_from_values(values)
+
+
+# ---- structured output -------------------------------------------------------------------------------
+# vLLM's `structured_outputs` keys -> Constraint kinds; its older guided_* keys (removed in vLLM 0.12) are
+# read as deprecated aliases of the same
+STRUCTURED = {"json": "json_schema", "regex": "regex", "grammar": "grammar", "choice": "choice"}
+GUIDED = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_grammar": "grammar",
+    "guided_choice": "choice",
+}
+
+
+def constraint(body: dict) -> Constraint | None:
+    """OpenAI's `response_format` ({"type": "json_object"} or {"type": "json_schema", "json_schema":
+    {"schema": ...}}), vLLM's `structured_outputs` ({"json" | "regex" | "grammar" | "choice" |
+    "json_object": ...}) or one of its guided_* keys; at most one of them; None: free text."""
+    given = []
+    fmt = body.get("response_format")
+    if fmt is not None:
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind not in ("text", "json_object", "json_schema"):
+            raise InvalidRequestError("response_format", "type must be text, json_object or json_schema")
+        if kind == "json_object":
+            given.append(("response_format", Constraint("json_object")))
+        elif kind == "json_schema":
+            spec = fmt.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise InvalidRequestError("response_format", "json_schema.schema must be a JSON object")
+            given.append(("response_format", Constraint("json_schema", json.dumps(schema))))
+    outputs = body.get("structured_outputs") or {}
+    if outputs.get("json_object"):
+        given.append(("structured_outputs", Constraint("json_object")))
+    for key in STRUCTURED:
+        if outputs.get(key) is not None:
+            given.append(("structured_outputs", _structured("structured_outputs", key, outputs[key])))
+    for alias, key in GUIDED.items():
+        if body.get(alias) is not None:
+            given.append((alias, _structured(alias, key, body[alias])))
+    if len(given) > 1:
+        raise InvalidRequestError(
+            given[1][0], "at most one of response_format, structured_outputs and guided_*"
+        )
+    return given[0][1] if given else None
+
+
+def _structured(field: str, key: str, value: Any) -> Constraint:
+    if key == "choice":
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise InvalidRequestError(field, f"{key} must be a list of strings")
+        return Constraint("choice", choices=tuple(value))
+    if key == "json" and isinstance(value, dict):
+        value = json.dumps(value)
+    if not isinstance(value, str):
+        raise InvalidRequestError(
+            field, f"{key} must be a string" + (" or an object" if key == "json" else "")
+        )
+    return Constraint(STRUCTURED[key], value)
+
+
+def constraint_field(body: dict) -> str:
+    """The body key a request's constraint came from (for naming it in a refusal)."""
+    if body.get("response_format") is not None and body["response_format"].get("type") != "text":
+        return "response_format"
+    if body.get("structured_outputs"):
+        return "structured_outputs"
+    return next((k for k in GUIDED if body.get(k) is not None), "response_format")
+
+
+# ---- chat --------------------------------------------------------------------------------------------
+TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
+
+
+def content_text(content: Any, field: str = "messages") -> str:
+    """A message's content as the template's text: a string, or OpenAI's list of parts whose text parts
+    are joined with newlines (what vLLM gives templates that take strings). Parts of other types (images,
+    audio) are refused by name: pdserve serves text models."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if not isinstance(content, list):
+        raise InvalidRequestError(field, "content must be a string or a list of content parts")
+    texts = []
+    for part in content:
+        if isinstance(part, str):
+            texts.append(part)
+            continue
+        kind = part.get("type") if isinstance(part, dict) else None
+        key = TEXT_PARTS.get(kind)
+        if key is None:
+            raise InvalidRequestError(
+                field, f"content part of type {kind!r}: this model takes text parts only"
+            )
+        if not isinstance(part.get(key), str | None):
+            raise InvalidRequestError(field, f"a {kind} part's {key} must be a string")
+        if part.get(key) is not None:
+            texts.append(part[key])
+    return "\n".join(texts)
+
+
+def chat_messages(body: dict) -> list[dict]:
+    """The body's messages as the chat template takes them: role, text content, and the tool fields
+    templates read."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages or not all(_message_ok(m) for m in messages):
+        raise InvalidRequestError("messages", "must be a non-empty list of {role, content}")
+    out = []
+    for m in messages:
+        message = {"role": m.get("role", "user"), "content": content_text(m.get("content"))}
+        message.update({k: m[k] for k in ("tool_calls", "tool_call_id", "name") if k in m})
+        out.append(message)
+    return out
+
+
+def _message_ok(m) -> bool:
+    """A chat message: content (text or parts), or an assistant's tool calls (content null)."""
+    if not isinstance(m, dict):
+        return False
+    content = m.get("content")
+    return isinstance(content, str | list) or (content is None and isinstance(m.get("tool_calls"), list))
+
+
+def message_size(m: dict) -> str:
+    """What a template message gives the template to render, as text (its size is what rendering costs)."""
+    calls = m.get("tool_calls")
+    return str(m.get("role", "")) + (m.get("content") or "") + (json.dumps(calls) if calls else "")
+
+
+_RESERVED_TEMPLATE_KEYS = ("messages", "tools", "documents", "tokenize", "chat_template")
+
+
+def chat_template_args(body: dict) -> dict[str, Any]:
+    """The template's arguments beside the messages: `add_generation_prompt` (default true),
+    `continue_final_message` (the last message left open for the model to continue; default false; not
+    both), and `chat_template_kwargs` (variables such as `enable_thinking`; they may also set the two)."""
+    extra = dict(body.get("chat_template_kwargs") or {})
+    for key in _RESERVED_TEMPLATE_KEYS:
+        if key in extra:
+            raise InvalidRequestError("chat_template_kwargs", f"{key!r} cannot be set there")
+    add = extra.pop("add_generation_prompt", body.get("add_generation_prompt", True))
+    cont = extra.pop("continue_final_message", body.get("continue_final_message", False))
+    if not isinstance(add, bool) or not isinstance(cont, bool):
+        raise InvalidRequestError(
+            "chat_template_kwargs", "add_generation_prompt and continue_final_message are booleans"
+        )
+    if add and cont:
+        raise InvalidRequestError(
+            "continue_final_message", "cannot be true with add_generation_prompt (set it to false)"
+        )
+    return {"add_generation_prompt": add, "continue_final_message": cont, **extra}
+
+
+# ---- completions -------------------------------------------------------------------------------------
+def completion_prompts(body: dict, max_prompts: int) -> list[str | list[int]]:
+    """The completions body's `prompt`: a string, a list of token ids, or a list of either (one choice per
+    prompt, in order); at most `max_prompts` of them."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and token_ids(prompt)):
+        return [prompt]
+    if (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(p, str) or (token_ids(p) and p) for p in prompt)
+    ):
+        if len(prompt) > max_prompts:
+            raise InvalidRequestError("prompt", f"{len(prompt)} prompts: the limit is {max_prompts}")
+        return list(prompt)
+    raise InvalidRequestError(
+        "prompt", "must be a string, a list of token ids, or a non-empty list of strings or of token id lists"
+    )
+
+
+def token_ids(value: Any) -> bool:
+    """Whether `value` is a list of token ids (integers, not booleans)."""
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)

@@ -1,0 +1,111 @@
+"""The shapes of the OpenAI API's answers as vLLM writes them: errors, usage, logprobs, tool calls, and the
+choices of responses and of streamed chunks."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import grpc
+from aiohttp import web
+
+from pdserve.engine.core.output import RequestOutput
+from pdserve.engine.core.request import TokenLogprobs
+from pdserve.engine.sampling_params import InvalidRequestError
+from pdserve.services.decode.core import ServiceError
+from pdserve.services.decode.tools import ToolChoice
+
+HTTP_STATUS = {
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+    grpc.StatusCode.INTERNAL: 500,
+}
+
+
+def error(
+    status: int, message: str, kind: str, param: str | None = None, retry_after_ms: int | None = None
+) -> web.Response:
+    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
+    headers = {}
+    if retry_after_ms is not None or status in (429, 503):  # seconds, as RFC 9110 has it
+        headers["Retry-After"] = str(max(1, -(-(retry_after_ms or 1000) // 1000)))
+    return web.json_response(body, status=status, headers=headers)
+
+
+def service_error(e: ServiceError) -> web.Response:
+    return error(HTTP_STATUS.get(e.code, 500), e.message, "server_error", retry_after_ms=e.retry_after_ms)
+
+
+def invalid(e: InvalidRequestError) -> web.Response:
+    """404 for an adapter not loaded here, else 400, naming the field."""
+    if e.status == "NOT_FOUND":
+        return error(404, str(e), "NotFoundError", e.field)
+    return error(400, str(e), "invalid_request_error", e.field)
+
+
+def model_not_found(name: str) -> web.Response:
+    """vLLM's answer to a `model` it does not serve."""
+    return error(404, f"The model `{name}` does not exist.", "NotFoundError", "model")
+
+
+def usage(outputs: Sequence[RequestOutput]) -> dict:
+    """OpenAI's usage object over the finished outputs of a call's choices (a completions call with several
+    prompts sums them); `prompt_tokens_details.cached_tokens` as OpenAI and vLLM report it."""
+    prompt = sum(o.num_prompt_tokens for o in outputs)
+    completion = sum(o.num_output_tokens for o in outputs)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outputs)},
+    }
+
+
+def running_usage(num_prompt_tokens: int, num_output_tokens: int) -> dict:
+    """The usage of one choice so far (stream_options.continuous_usage_stats)."""
+    return {
+        "prompt_tokens": num_prompt_tokens,
+        "completion_tokens": num_output_tokens,
+        "total_tokens": num_prompt_tokens + num_output_tokens,
+    }
+
+
+def logprobs(entries: Sequence[TokenLogprobs], chat: bool, decode: Callable[[list[int]], str]):
+    """A choice's logprobs: chat's `content` list, or completions' parallel lists (with text offsets)."""
+    if not entries:
+        return None
+    if chat:
+        return {
+            "content": [
+                {
+                    "token": decode([lp.token_id]),
+                    "logprob": lp.logprob,
+                    "top_logprobs": [{"token": decode([t]), "logprob": v} for t, v in lp.top],
+                }
+                for lp in entries
+            ]
+        }
+    tokens = [decode([lp.token_id]) for lp in entries]
+    offsets, at = [], 0
+    for token in tokens:
+        offsets.append(at)
+        at += len(token)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp.logprob for lp in entries],
+        "top_logprobs": [{decode([t]): v for t, v in lp.top} for lp in entries],
+        "text_offset": offsets,
+    }
+
+
+def tool_calls(tools: ToolChoice | None, message: dict, finish: str | None, parallel: bool) -> list[dict]:
+    """Parses the finished text of `message` (its content is replaced by what is left of it) into tool
+    calls; none when the output stopped short of a whole call (finish "length"); the first only when the
+    request said `parallel_tool_calls: false` (as vLLM filters)."""
+    if tools is None or tools.mode == "none" or finish != "stop":
+        return []
+    try:
+        message["content"], calls = tools.calls(message["content"])
+    except ValueError:  # a required call that stopped short of its JSON
+        return []
+    return calls if parallel else calls[:1]

@@ -1,0 +1,242 @@
+"""The OpenAI API as vLLM serves it, driven by the official openai client against the shared decode server
+(every prompt prefilled by the prefill server) and compared with the colocated engine where the request is
+deterministic: served names and 404s, content parts, the final usage chunk, several prompts in one call,
+echo, structured_outputs, the chat template's arguments, tokenize / detokenize, fields refused by name.
+Conformance written from the OpenAI API reference and vLLM's documented behaviour."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+import pytest
+
+pytestmark = pytest.mark.daemon
+
+GREEDY = dict(temperature=0, max_tokens=6)
+
+
+@pytest.fixture(scope="module")
+def http(decode, openai):
+    return openai.OpenAI(base_url=f"http://{decode.addresses['http']}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def model(http):
+    return http.models.list().data[0].id
+
+
+def call(decode, path: str, body: dict | None = None) -> tuple[int, dict]:
+    """(status, JSON body) of a GET (no body) or POST to the decode server's HTTP port."""
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(f"http://{decode.addresses['http']}{path}", data=data)
+    request.add_header("Content-Type", "application/json")
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_served_names_and_models_that_are_not(http, model, decode, model_path, openai):
+    """The served name (by default --model as given) is the first card and what responses carry; a model
+    not served is vLLM's 404; /v1/models/{id} answers for each card; /version and /health answer."""
+    assert model == str(model_path)
+    card = http.models.retrieve(model)
+    assert card.id == model and card.model_extra["max_model_len"] > 0
+    with pytest.raises(openai.NotFoundError):
+        http.models.retrieve("not-served")
+    with pytest.raises(openai.NotFoundError, match="The model `gpt-4o` does not exist"):
+        http.completions.create(model="gpt-4o", prompt="Hi", max_tokens=2)
+    assert http.completions.create(model=model, prompt="Hi", **GREEDY).model == model
+    assert call(decode, "/version")[1]["version"] and call(decode, "/health") == (200, {"status": "ok"})
+
+
+def test_content_parts_are_the_text_joined_by_newlines(http, model, colocated, loaded_model, openai):
+    """What `vllm bench serve --backend openai-chat` and guidellm send: content as a list of text parts,
+    answered as the same text joined with newlines would be, and as the colocated engine answers it;
+    an image part is refused naming messages."""
+    parts = [{"type": "text", "text": "What is the capital"}, {"type": "text", "text": "of France?"}]
+    joined = "What is the capital\nof France?"
+    ids = loaded_model.tokenizer.encode_chat([{"role": "user", "content": joined}])
+    expected = colocated(ids, max_tokens=6, field="text")
+    for content in (parts, joined):
+        reply = http.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": content}], **GREEDY
+        )
+        assert reply.choices[0].message.content == expected and reply.object == "chat.completion"
+    image = [*parts, {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]
+    with pytest.raises(openai.BadRequestError, match="image_url") as err:
+        http.chat.completions.create(model=model, messages=[{"role": "user", "content": image}], **GREEDY)
+    assert err.value.body["param"] == "messages"
+
+
+def test_streams_end_with_a_usage_chunk_of_no_choices(http, model, colocated, loaded_model, decode):
+    """stream_options.include_usage: the token chunks carry no usage and a last chunk of no choices
+    carries it (what vLLM's benchmark client reads); continuous_usage_stats: every chunk carries its
+    choice's so far; stream_options without stream is refused."""
+    messages = [{"role": "user", "content": "Name three colours."}]
+    ids = loaded_model.tokenizer.encode_chat(messages)
+    expected = colocated(ids, max_tokens=6, ignore_eos=True, field="text")
+    for create, kw in (
+        (http.chat.completions.create, dict(messages=messages)),
+        (http.completions.create, dict(prompt=ids)),
+    ):
+        chunks = list(
+            create(
+                model=model,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True},
+                **kw,
+                **GREEDY,
+            )
+        )
+        *tokens, last = chunks
+        assert (
+            last.choices == [] and last.usage.completion_tokens == 6 and last.usage.prompt_tokens == len(ids)
+        )
+        assert all(c.usage is None for c in tokens)
+        text = "".join(
+            (c.choices[0].delta.content or "") if "messages" in kw else c.choices[0].text for c in tokens
+        )
+        assert text == expected
+    running = list(
+        http.completions.create(
+            model=model,
+            prompt=ids,
+            stream=True,
+            extra_body={"ignore_eos": True},
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+            **GREEDY,
+        )
+    )
+    assert [c.usage.completion_tokens for c in running] == [1, 2, 3, 4, 5, 6, 6]
+    status, body = call(decode, "/v1/completions", {"model": model, "prompt": "Hi", "stream_options": {}})
+    assert status == 400 and body["error"]["param"] == "stream_options"
+
+
+def test_several_prompts_in_one_call_are_choices_in_order(http, model, colocated, loaded_model):
+    """A list of prompts (strings and token ids; what lm-evaluation-harness batches): a choice each,
+    indexed in the prompts' order, each the colocated engine's answer; usage summed; streamed too."""
+    texts = ["The sky is", "Once upon a time, in a land far away,", "1, 2, 3,"]
+    prompts = [texts[0], loaded_model.tokenizer.encode(texts[1]), texts[2]]
+    expected = [colocated(p, max_tokens=6, ignore_eos=True, field="text") for p in prompts]
+    reply = http.completions.create(model=model, prompt=prompts, extra_body={"ignore_eos": True}, **GREEDY)
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    assert [c.text for c in reply.choices] == expected and reply.usage.completion_tokens == 18
+    streamed = ["", "", ""]
+    for chunk in http.completions.create(
+        model=model, prompt=prompts, stream=True, extra_body={"ignore_eos": True}, **GREEDY
+    ):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.text
+    assert streamed == expected
+
+
+def test_echo_puts_the_prompt_before_the_completion(http, model, colocated, loaded_model, openai):
+    prompt = "The capital of France is"
+    completion = colocated(prompt, max_tokens=6, field="text")
+    assert (
+        http.completions.create(model=model, prompt=prompt, echo=True, **GREEDY).choices[0].text
+        == prompt + completion
+    )
+    ids = loaded_model.tokenizer.encode(prompt)
+    alone = http.completions.create(model=model, prompt=ids, echo=True, max_tokens=0)
+    assert alone.choices[0].text == loaded_model.tokenizer.decode(ids)
+    streamed = "".join(
+        c.choices[0].text
+        for c in http.completions.create(model=model, prompt=prompt, echo=True, stream=True, **GREEDY)
+    )
+    assert streamed == prompt + completion
+    with pytest.raises(openai.BadRequestError, match="echo"):
+        http.completions.create(model=model, prompt=prompt, echo=True, logprobs=1, max_tokens=1)
+
+
+def test_structured_outputs_and_their_deprecated_guided_aliases(http, model):
+    for extra in ({"structured_outputs": {"choice": ["yes", "no"]}}, {"guided_choice": ["yes", "no"]}):
+        reply = http.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "Is water wet?"}], extra_body=extra, **GREEDY
+        )
+        assert reply.choices[0].message.content in ("yes", "no")
+
+
+def test_the_chat_templates_arguments(decode, model, loaded_model):
+    """add_generation_prompt and continue_final_message render as the template renders them (an open last
+    message, to be continued); both at once are refused; chat_template_kwargs reach the template."""
+    tokenizer = loaded_model.tokenizer
+    messages = [
+        {"role": "user", "content": "Write a haiku."},
+        {"role": "assistant", "content": "Autumn moon"},
+    ]
+    status, rendered = call(
+        decode,
+        "/v1/chat/completions/render",
+        {
+            "model": model,
+            "messages": messages,
+            "add_generation_prompt": False,
+            "continue_final_message": True,
+        },
+    )
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=False)
+    assert status == 200 and rendered["token_ids"] == tokenizer.encode(
+        text[: text.rindex("Autumn moon") + 11]
+    )
+    status, rendered = call(
+        decode,
+        "/v1/chat/completions/render",
+        {"model": model, "messages": messages[:1], "add_generation_prompt": False},
+    )
+    assert rendered["token_ids"] == tokenizer.encode(
+        tokenizer.apply_chat_template(messages[:1], add_generation_prompt=False)
+    )
+    status, body = call(
+        decode, "/v1/chat/completions", {"model": model, "messages": messages, "continue_final_message": True}
+    )
+    assert status == 400 and body["error"]["param"] == "continue_final_message"
+    status, body = call(
+        decode,
+        "/v1/chat/completions/render",
+        {"model": model, "messages": messages[:1], "chat_template_kwargs": {"enable_thinking": False}},
+    )
+    assert status == 200
+    status, body = call(
+        decode,
+        "/v1/chat/completions",
+        {"model": model, "messages": messages[:1], "chat_template_kwargs": {"tokenize": True}},
+    )
+    assert status == 400 and body["error"]["param"] == "chat_template_kwargs"
+
+
+def test_tokenize_and_detokenize(decode, model, loaded_model):
+    tokenizer = loaded_model.tokenizer
+    status, body = call(
+        decode, "/tokenize", {"model": model, "prompt": "Hello world", "return_token_strs": True}
+    )
+    ids = tokenizer.encode("Hello world")
+    assert status == 200 and body["tokens"] == ids and body["count"] == len(ids) and body["max_model_len"] > 0
+    assert body["token_strs"] == [tokenizer.id_to_token(t) for t in ids]
+    messages = [{"role": "user", "content": "Hi"}]
+    assert call(decode, "/tokenize", {"messages": messages})[1]["tokens"] == tokenizer.encode_chat(messages)
+    assert call(decode, "/detokenize", {"tokens": ids}) == (200, {"prompt": "Hello world"})
+    status, body = call(decode, "/detokenize", {"tokens": [10**9]})
+    assert status == 400 and body["error"]["param"] == "tokens"
+    assert call(decode, "/tokenize", {"model": "other", "prompt": "x"})[0] == 404
+
+
+@pytest.mark.parametrize(
+    "extra, field",
+    [
+        ({"n": 2}, "n"),
+        ({"best_of": 3}, "best_of"),
+        ({"logit_bias": {"5": 10}}, "logit_bias"),
+        ({"min_tokens": 3}, "min_tokens"),
+        ({"prompt_logprobs": 1}, "prompt_logprobs"),
+        ({"suffix": "x"}, "suffix"),
+    ],
+)
+def test_fields_not_served_yet_are_refused_by_name(decode, model, extra, field):
+    status, body = call(decode, "/v1/completions", {"model": model, "prompt": "Hi", "max_tokens": 2, **extra})
+    assert status == 400 and body["error"]["param"] == field
