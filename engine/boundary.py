@@ -100,6 +100,7 @@ class RemoteKVDone:
     logprobs: TokenLogprobs | None = None
     num_cached_tokens: int = 0
     transfer: int = 0
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None  # one per prompt position after the first
 
 
 @dataclasses.dataclass(frozen=True)

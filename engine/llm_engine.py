@@ -34,7 +34,7 @@ from pdserve.engine.boundary import (
     Utility,
 )
 from pdserve.engine.compile_cache import cache_state
-from pdserve.engine.config import EngineConfig, UnsupportedModelError
+from pdserve.engine.config import EngineConfig, UnsupportedModelError, bucket_for
 from pdserve.engine.constraints import ConstraintCompiler
 from pdserve.engine.core.kv_connector import KVConnector, TransferReady
 from pdserve.engine.core.kv_groups import KVGroups
@@ -51,7 +51,7 @@ from pdserve.engine.model.tpu_attention import kernel_attention, kernel_unsuppor
 from pdserve.engine.model.weights import build_weights
 from pdserve.engine.model_runner import ModelRunner, SampleRow, step_temp_bytes
 from pdserve.engine.multihost import Publish
-from pdserve.engine.sampling_params import InvalidRequestError, SamplingParams
+from pdserve.engine.sampling_params import MAX_PROMPT_LOGPROB_ENTRIES, InvalidRequestError, SamplingParams
 from pdserve.kvtransfer import KVLayout
 
 log = logging.getLogger(__name__)
@@ -227,6 +227,14 @@ class LLMEngine:
                 raise InvalidRequestError("prompt_token_ids", f"token ids must be in [0, {vocab})")
         if not prompt_ids:
             raise InvalidRequestError("prompt", "must not be empty")
+        if params.prompt_logprobs is not None:
+            entries = len(prompt_ids) * (params.prompt_logprobs + 1)
+            if entries > MAX_PROMPT_LOGPROB_ENTRIES:
+                raise InvalidRequestError(
+                    "prompt_logprobs",
+                    f"{len(prompt_ids)} prompt tokens x {params.prompt_logprobs + 1} logprobs: the limit is "
+                    f"{MAX_PROMPT_LOGPROB_ENTRIES} entries",
+                )
         if len(prompt_ids) + params.max_tokens > self.config.max_model_len:
             raise InvalidRequestError(
                 "max_tokens",
@@ -247,6 +255,7 @@ class LLMEngine:
             matcher=None if params.constraint is None else self.constraints.matcher(params.constraint),
             stop_token_ids=stop_ids,
             cache_salt=cache_salt or None,
+            prompt_logprobs=None if params.prompt_logprobs is None else [None] * len(prompt_ids),
         )
         if self.config.enable_prefix_caching:  # off the engine thread: a Preparer's (services.prepare)
             request.extend_block_hashes(self.config.block_size)
@@ -404,8 +413,10 @@ class LLMEngine:
         return outputs
 
     def _execute(self, scheduled: SchedulerOutput) -> dict[str, SampledToken]:
-        """Runs the step's rows; samples the rows that end their request's uncomputed tokens."""
+        """Runs the step's rows; scores the prompt tokens of requests that ask for prompt logprobs; samples
+        the rows that end their request's uncomputed tokens."""
         logits = self.runner.forward(scheduled.rows)
+        self._score_prompts(scheduled)
         indices = [i for i, row in enumerate(scheduled.rows) if row.samples]
         if not indices:
             return {}
@@ -433,6 +444,30 @@ class LLMEngine:
                 continue
             out[request.request_id] = SampledToken(token, logprobs, finish)
         return out
+
+    def _score_prompts(self, scheduled: SchedulerOutput) -> None:
+        """The step's prompt positions of requests with prompt_logprobs: each position's logits score the
+        prompt's next token (Request.prompt_logprobs[p + 1]), with its rank and the top n."""
+        targets, places, start = None, [], 0
+        for row in scheduled.rows:
+            request = self.scheduler.requests[row.request_id]
+            prompt = request.prompt_ids
+            if request.prompt_logprobs is not None and row.num_past < len(prompt) - 1:
+                if targets is None:
+                    num_tokens = sum(len(r.tokens) for r in scheduled.rows)  # padded as the step was
+                    targets = np.full(bucket_for(num_tokens, self.config.token_buckets), -1, np.int32)
+                for j in range(min(len(row.tokens), len(prompt) - 1 - row.num_past)):
+                    targets[start + j] = prompt[row.num_past + j + 1]
+                    places.append((request, row.num_past + j + 1, start + j))
+            start += len(row.tokens)
+        if targets is None:
+            return
+        scores = self.runner.prompt_scores(targets)
+        for request, position, i in places:
+            n = request.params.prompt_logprobs
+            top = list(zip(scores.top_ids[i, :n].tolist(), scores.top_logprobs[i, :n].tolist(), strict=True))
+            logprob, rank = float(scores.logprob[i]), int(scores.rank[i])
+            request.prompt_logprobs[position] = TokenLogprobs(int(targets[i]), logprob, top, rank)
 
     def _allowed_tokens(self, samplers: list[Request]) -> np.ndarray | None:
         """The sampling rows' allowed-token bitmasks (all ones where unconstrained); None: none is."""
@@ -528,6 +563,8 @@ class LLMEngine:
             raise KVInsertError(f"inserting the KV failed here: {error}")
         request = self.scheduler.requests[done.request_id]
         request.num_cached_tokens = done.num_cached_tokens
+        if done.prompt_logprobs is not None and request.prompt_logprobs is not None:
+            request.prompt_logprobs = [None, *done.prompt_logprobs]
         finish = self._consume(request, done.token) if request.matcher is not None else None
         token = SampledToken(done.token, done.logprobs, finish)
         self.scheduler.remote_kv_arrived(done.request_id, token)
@@ -601,6 +638,8 @@ class LLMEngine:
                 completion.text += output.text
                 completion.logprobs += output.logprobs
                 completion.num_cached_tokens = output.num_cached_tokens
+                if output.prompt_logprobs is not None:
+                    completion.prompt_logprobs = output.prompt_logprobs
                 if output.finished:
                     completion.finish_reason = output.finish_reason.value
         return [done[rid] for rid in ids]
@@ -617,6 +656,7 @@ class FinishedSequence:
     finish_reason: str | None
     logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # with SamplingParams.prompt_logprobs
 
 
 def _failure(request: Request, what: str, error: Exception) -> str:

@@ -25,7 +25,7 @@ from pdserve.engine.lora_slots import LoraSlots
 from pdserve.engine.memory import MemoryPlan
 from pdserve.engine.model import kv_cache
 from pdserve.engine.model.attention import AttentionFn, block_table_width, ragged_paged_attention_reference
-from pdserve.engine.model.forward import forward_step
+from pdserve.engine.model.forward import forward_step, prompt_scores
 from pdserve.engine.model.kv_cache import allocate_cache
 from pdserve.engine.model.lora import LoraWeights
 from pdserve.engine.model.sampler import SampleResult, SamplingBatch, sample
@@ -41,6 +41,18 @@ log = logging.getLogger(__name__)
 # One jitted step shared by every runner of the process: runners of the same model and shapes (tests,
 # the colocated `serve` shape) reuse each other's compilations. The cache keeps its input sharding.
 _jitted_step = jax.jit(forward_step, static_argnames=("cfg", "attention"), donate_argnames=("cache",))
+_jitted_scores = jax.jit(prompt_scores, static_argnames=("cfg", "num_top"))
+
+
+@dataclasses.dataclass
+class PromptScores:
+    """prompt_scores' results on the host, one row per token of the step: the target's logprob and rank,
+    the top ids and logprobs (max_logprobs of them)."""
+
+    logprob: np.ndarray
+    rank: np.ndarray
+    top_ids: np.ndarray
+    top_logprobs: np.ndarray
 
 
 @dataclasses.dataclass
@@ -80,12 +92,18 @@ class ModelRunner:
         # (engine.multihost); None: single process, or a follower.
         self.publish: Publish | None = None
         self.memory: MemoryPlan | None = None  # how the cache was sized (engine.memory; set by its builder)
+        self.hidden: jax.Array | None = None  # the last step's final hidden states (prompt_scores reads)
+        self._scores = functools.partial(_jitted_scores, cfg=model, num_top=max(config.max_logprobs, 1))
 
     # ---- shapes ----------------------------------------------------------------------------------------
     def step_shapes(self) -> list[tuple[int, int]]:
         """Every (tokens, sequence slots) a step can have: one per token bucket."""
         c = self.config
         return [(t, c.seq_bucket(t)) for t in c.token_buckets]
+
+    def score_shapes(self) -> list[int]:
+        """Every step size prompt_scores is compiled for: one per token bucket."""
+        return list(self.config.token_buckets)
 
     def sampler_shapes(self) -> list[tuple[int, bool]]:
         """Every (rows, penalties) the sampler is compiled for (engine.model.sampler: one variant each)."""
@@ -133,10 +151,23 @@ class ModelRunner:
                 lora_slots=lora_slots,
             )
             self.publish(DeviceOp("step", arrays))
-        logits, self.cache = self._step(
+        logits, self.cache, self.hidden = self._step(
             self.weights, self.lora_weights, self.cache, tokens, cu_q_lens, kv_lens, block_tables, lora_slots
         )
         return logits
+
+    def prompt_scores(self, targets: np.ndarray) -> PromptScores:
+        """The last step's tokens scored against `targets` [the step's padded tokens] (the next prompt
+        token of each, -1: none): engine.model.forward.prompt_scores, on the host; published first
+        (engine.multihost)."""
+        if self.publish is not None:
+            self.publish(DeviceOp("prompt_scores", {"targets": targets}))
+        return PromptScores(*jax.device_get(self.run_prompt_scores(targets)))
+
+    def run_prompt_scores(self, targets: np.ndarray) -> tuple[jax.Array, ...]:
+        if self.hidden is None:
+            raise RuntimeError("prompt scores before any step")
+        return self._scores(self.weights, self.hidden, targets)
 
     @property
     def lora_weights(self) -> LoraWeights | None:
@@ -252,17 +283,28 @@ class ModelRunner:
 
     # ---- compilation ----------------------------------------------------------------------------------
     def warmup(self, progress: bool = True) -> int:
-        """Compiles every step and sampler shape (and, with LoRA on, the adapter slot write); returns the
-        number of step and sampler variants."""
+        """Compiles every step, prompt-scores and sampler shape (and, with LoRA on, the adapter slot write);
+        returns the number of those variants."""
         from tqdm import tqdm
 
         shapes = self.step_shapes()
         sampler_shapes = self.sampler_shapes()
-        bar = tqdm(
-            total=len(shapes) + len(sampler_shapes), desc="compiling", disable=not progress, unit="shape"
-        )
+        score_shapes = self.score_shapes()
+        total = len(shapes) + len(score_shapes) + len(sampler_shapes)
+        bar = tqdm(total=total, desc="compiling", disable=not progress, unit="shape")
         for shape in shapes:
             self._compile_step(shape[0])
+            bar.update()
+        hidden_sharding = named(self.mesh)
+        for num_tokens in score_shapes:  # ahead of time, as the steps
+            hidden = jax.ShapeDtypeStruct(
+                (num_tokens, self.model.hidden_size),
+                jax.numpy.dtype(self.config.dtype),
+                sharding=hidden_sharding,
+            )
+            self._scores.func.lower(
+                self.weights, hidden, np.zeros(num_tokens, np.int32), **self._scores.keywords
+            ).compile()
             bar.update()
         vocab = self.model.vocab_size
         for b, penalties in sampler_shapes:
@@ -273,7 +315,7 @@ class ModelRunner:
         if self.lora is not None:
             self.lora.warmup()  # the adapter slot write (a run-time load must not compile)
         bar.close()
-        return len(shapes) + len(sampler_shapes)
+        return total
 
     def _compile_step(self, num_tokens: int) -> None:
         """Compiles (or loads from the persistent cache) the step of this shape ahead of time: nothing

@@ -37,7 +37,7 @@ from pdserve.engine.model.sampler import SamplingBatch
 from pdserve.kvtransfer import MAX_FRAME_BYTES, HeadMap, KVChunk
 from pdserve.kvtransfer.plan import FramePlan
 
-OP_KINDS = ("step", "sample", "gather_kv", "insert_kv", "lora_write", "stop")
+OP_KINDS = ("step", "prompt_scores", "sample", "gather_kv", "insert_kv", "lora_write", "stop")
 
 
 @dataclasses.dataclass
@@ -176,6 +176,8 @@ class Follower:
             return False
         if op.kind == "step":
             result = self._logits = runner.run_step(**op.arrays)
+        elif op.kind == "prompt_scores":
+            result = runner.run_prompt_scores(op.arrays["targets"])
         elif op.kind == "sample":
             if self._logits is None:
                 raise RuntimeError("a sample operation before any step")

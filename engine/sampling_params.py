@@ -71,6 +71,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # top-n logprobs per token (0: only the sampled token's)
+    # top-n logprobs at each prompt position after the first (0: the prompt token's own), computed with the
+    # prompt (every position: the prefix cache is not read for it)
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True  # the text leaves out the model's special tokens (not its stop tokens)
     constraint: Constraint | None = None  # structured output (None: free text)
 
@@ -92,8 +95,11 @@ class SamplingParams:
         that need them are skipped."""
         for name, bound in BOUNDS.items():
             bound.check(name, getattr(self, name))
-        if self.logprobs is not None:
-            Bound(0, max_logprobs if max_logprobs is not None else INT32_MAX).check("logprobs", self.logprobs)
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                Bound(0, max_logprobs if max_logprobs is not None else INT32_MAX).check(
+                    name, getattr(self, name)
+                )
         token_bound = Bound(0, (vocab_size or 2**31) - 1, what="token id")
         for token in self.stop_token_ids:
             token_bound.check("stop_token_ids", token)
@@ -104,6 +110,9 @@ class SamplingParams:
 
 
 INT32_MAX = 2**31 - 1
+# Prompt logprobs of one request, prompt tokens x (prompt_logprobs + 1): they travel in one message (the
+# prefill server's trailer, the first response), about 15 bytes a position and 11 a top entry
+MAX_PROMPT_LOGPROB_ENTRIES = 262_144
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,7 +14,7 @@ from pdserve.engine.sampling_params import Constraint
 from pdserve.services.grpc_server import channel_options
 from pdserve.services.sampling import set_constraint, set_request_fields
 from pdserve.services.security import ChannelSecurity, bearer_metadata, channel_credentials, read_tokens
-from pdserve.services.wire import FINISH_NAMES
+from pdserve.services.wire import FINISH_NAMES, logprobs_from_proto
 from pdserve.v1 import admin_pb2, admin_pb2_grpc
 from pdserve.v1 import generation_pb2 as pb
 from pdserve.v1 import generation_pb2_grpc as pb_grpc
@@ -33,6 +33,10 @@ class Completion:
     cached_prompt_tokens: int = 0  # of prompt_tokens, found in a prefix cache (not computed again)
     completion_tokens: int = 0
     token_times_s: list[float] = dataclasses.field(default_factory=list)  # each token's arrival since start
+    logprobs: list = dataclasses.field(default_factory=list)  # TokenLogprobs per token, when asked for
+    prompt_logprobs: list = dataclasses.field(
+        default_factory=list
+    )  # per prompt token after the first, if asked
 
     @property
     def ttft_s(self) -> float:
@@ -52,6 +56,8 @@ class Completion:
         self.token_ids += response.token_ids
         self.token_times_s += [now_s] * len(response.token_ids)
         self.text += response.text
+        self.logprobs += [logprobs_from_proto(lp) for lp in response.logprobs]
+        self.prompt_logprobs += [logprobs_from_proto(lp) for lp in response.prompt_logprobs]
         if response.finish_reason:
             self.finish_reason = FINISH_NAMES[response.finish_reason]
             self.prompt_tokens = response.usage.prompt_tokens

@@ -55,6 +55,13 @@ FIELDS: tuple[Field, ...] = (
     Field("seed", int, "sampling", "seeded sampling; unset: a random seed per request", optional=True),
     Field("logprobs", int, "sampling", "top-n logprobs per token (0: the sampled one's only)", optional=True),
     Field(
+        "prompt_logprobs",
+        int,
+        "sampling",
+        "top-n logprobs at each prompt position (0: the prompt token's own); reads no prefix cache",
+        optional=True,
+    ),
+    Field(
         "skip_special_tokens",
         bool,
         "sampling",

@@ -199,8 +199,8 @@ FINISH_NAMES = {wire: reason.value for reason, wire in FINISH_REASONS.items() if
 def output_to_response(
     output: RequestOutput, request_id: str, prompt_ids: Sequence[int] = ()
 ) -> gen_pb.GenerateResponse:
-    """One engine output as a streamed GenerateResponse (usage on the last one; `prompt_ids` on the first
-    when the request asked for them)."""
+    """One engine output as a streamed GenerateResponse (usage on the last one; `prompt_ids` and the
+    prompt's logprobs on the first when the request asked for them)."""
     response = gen_pb.GenerateResponse(
         request_id=request_id,
         prompt_ids=prompt_ids,
@@ -209,6 +209,8 @@ def output_to_response(
         finish_reason=FINISH_REASONS[output.finish_reason],
         logprobs=[logprobs_to_proto(lp) for lp in output.logprobs],
     )
+    if output.prompt_logprobs is not None:  # (the first position has none)
+        response.prompt_logprobs.extend(logprobs_to_proto(lp) for lp in output.prompt_logprobs[1:])
     if output.finished:
         response.usage.prompt_tokens = output.num_prompt_tokens
         response.usage.completion_tokens = output.num_output_tokens
@@ -221,8 +223,9 @@ def logprobs_to_proto(lp: TokenLogprobs) -> gen_pb.TokenLogprobs:
         token_id=lp.token_id,
         logprob=lp.logprob,
         top=[gen_pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
+        rank=lp.rank,
     )
 
 
 def logprobs_from_proto(lp: gen_pb.TokenLogprobs) -> TokenLogprobs:
-    return TokenLogprobs(lp.token_id, lp.logprob, [(t.token_id, t.logprob) for t in lp.top])
+    return TokenLogprobs(lp.token_id, lp.logprob, [(t.token_id, t.logprob) for t in lp.top], lp.rank)

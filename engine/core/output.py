@@ -22,6 +22,9 @@ class RequestOutput:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (not computed for this request)
     error: str = ""  # with FinishReason.ERROR: what failed
+    # The request's first output, with SamplingParams.prompt_logprobs: an entry per prompt position (None
+    # at the first)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @classmethod
     def failed(cls, request: Request) -> RequestOutput:
@@ -70,4 +73,5 @@ class OutputStream:
             num_prompt_tokens=len(r.prompt_ids),
             num_output_tokens=len(r.output_ids),
             num_cached_tokens=r.num_cached_tokens,
+            prompt_logprobs=r.prompt_logprobs if len(r.output_ids) == 1 else None,
         )

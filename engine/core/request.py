@@ -40,6 +40,7 @@ class TokenLogprobs:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]
+    rank: int = 0  # of token_id among the vocabulary by logprob, from 1 (0: not computed)
 
 
 @dataclasses.dataclass
@@ -53,6 +54,9 @@ class Request:
     seed: int  # resolved seed (params.seed or a random one drawn at arrival)
     output_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)
+    # With params.prompt_logprobs: one entry per prompt position, None at the first (and where not yet
+    # computed); the first output carries them
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
     num_computed: int = 0
     num_cached_tokens: int = 0  # prompt tokens whose KV was found in the prefix cache at admission
     status: Status = Status.WAITING
@@ -96,7 +100,10 @@ class Request:
 
     def prefix_hashes(self, block_size: int) -> list[int]:
         """The hashes of the blocks a prefix cache may serve it: every full block before its last token
-        (whose logits must be computed to sample the next one)."""
+        (whose logits must be computed to sample the next one); none when it asks for prompt logprobs,
+        which every prompt position's logits give (vLLM reads no cache for them either)."""
+        if self.params.prompt_logprobs is not None:
+            return []
         return self.extend_block_hashes(block_size)[: (self.num_tokens - 1) // block_size]
 
     @property

@@ -57,7 +57,9 @@ def forward_step(
     *,
     cfg: ModelConfig,
     attention: AttentionFn = ragged_paged_attention_reference,  # the engine's (engine.model.attention)
-) -> tuple[jax.Array, jax.Array]:  # logits [S, vocab] at each sequence's last new token, updated cache
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(logits [S, vocab] at each sequence's last new token, the updated cache, every token's final hidden
+    state [T, hidden], normed: what prompt_scores reads)."""
     t = tokens.shape[0]
     num_blocks, block_size = cache.shape[1], cache.shape[2]
     kv_heads = cache.shape[3] // 2
@@ -164,10 +166,41 @@ def forward_step(
             cache = write(
                 cache, indices[0][:, None], indices[1], new_kv
             )  # rows [layers, 1], blocks [layers, T]
-    last = x[jnp.maximum(cu_q_lens[1:] - 1, 0)]  # [S, hidden]
-    last = rms_norm(last, weights.final_norm, cfg.rms_norm_eps)
+    hidden = rms_norm(
+        x, weights.final_norm, cfg.rms_norm_eps
+    )  # [T, hidden] (row by row: as if gathered first)
+    return output_logits(weights, hidden[jnp.maximum(cu_q_lens[1:] - 1, 0)], cfg), cache, hidden
+
+
+def output_logits(weights: Weights, hidden: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """float32 logits [rows, vocab] of final hidden states [rows, hidden] (normed)."""
     if weights.lm_head is None:
-        logits = jnp.einsum("sd,vd->sv", last, weights.embed)
+        logits = jnp.einsum("sd,vd->sv", hidden, weights.embed)
     else:
-        logits = last @ weights.lm_head
-    return soft_cap(logits.astype(jnp.float32), cfg.final_logit_softcap), cache
+        logits = hidden @ weights.lm_head
+    return soft_cap(logits.astype(jnp.float32), cfg.final_logit_softcap)
+
+
+SCORE_ROWS = 128  # prompt_scores' rows a pass: its vocabulary-wide temporaries are [SCORE_ROWS, vocab]
+
+
+def prompt_scores(
+    weights: Weights, hidden: jax.Array, targets: jax.Array, *, cfg: ModelConfig, num_top: int
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """For each of a step's tokens (hidden [T, hidden], forward_step's), the log probability of the token
+    `targets` names as the next one (-1: none; its row is computed and ignored), that token's rank (from
+    1), and the `num_top` likeliest tokens' ids and log probabilities: a prompt's logprobs, computed with
+    its KV. Rows go in passes of at most SCORE_ROWS."""
+    t = hidden.shape[0]
+    rows = np.gcd(t, SCORE_ROWS)
+
+    def score(args):
+        h, target = args
+        logprobs = jax.nn.log_softmax(output_logits(weights, h, cfg), axis=-1)
+        chosen = jnp.take_along_axis(logprobs, jnp.maximum(target, 0)[:, None], axis=-1)[:, 0]
+        rank = jnp.sum(logprobs > chosen[:, None], axis=-1, dtype=jnp.int32) + 1
+        top_logprobs, top_ids = jax.lax.top_k(logprobs, num_top)
+        return chosen, rank, top_ids.astype(jnp.int32), top_logprobs
+
+    out = jax.lax.map(score, (hidden.reshape(t // rows, rows, -1), targets.reshape(t // rows, rows)))
+    return tuple(a.reshape(t, *a.shape[2:]) for a in out)

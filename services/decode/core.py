@@ -325,7 +325,10 @@ class GenerationCore:
                 first, started, nbytes = await self._transfer(
                     route, request, time_remaining, hashes, held, attempt
                 )
-                done = RemoteKVDone(rid, first.token, first.logprobs, first.num_cached_tokens, attempt)
+                prompt_logprobs = None if first.prompt_logprobs is None else tuple(first.prompt_logprobs)
+                done = RemoteKVDone(
+                    rid, first.token, first.logprobs, first.num_cached_tokens, attempt, prompt_logprobs
+                )
                 try:
                     await self.loop.call(done)  # after every InsertKV of the attempt
                 except KVInsertError as e:  # the attempt is discarded, the blocks are written again

@@ -81,6 +81,7 @@ class FirstToken:
     token: int
     logprobs: TokenLogprobs | None
     num_cached_tokens: int = 0  # prompt tokens the replica found in its prefix cache
+    prompt_logprobs: list[TokenLogprobs] | None = None  # one per prompt position after the first, if asked
 
 
 class Prefiller(abc.ABC):
@@ -286,7 +287,13 @@ class RemotePrefiller(Prefiller):
                     logprobs = None
                     if trailer.HasField("first_logprobs"):
                         logprobs = wire.logprobs_from_proto(trailer.first_logprobs)
-                    yield FirstToken(trailer.first_token, logprobs, trailer.num_cached_tokens)
+                    prompt_logprobs = [wire.logprobs_from_proto(lp) for lp in trailer.prompt_logprobs]
+                    yield FirstToken(
+                        trailer.first_token,
+                        logprobs,
+                        trailer.num_cached_tokens,
+                        prompt_logprobs if request.params.prompt_logprobs is not None else None,
+                    )
                     return
             order.end()
         except wire.PrefillProtocolError as e:
@@ -355,14 +362,16 @@ class LocalPrefiller(Prefiller):
         finally:
             stream.close()
         logprobs = first.logprobs[0] if first.logprobs else None
-        yield FirstToken(first.new_token_ids[0], logprobs, first.num_cached_tokens)
+        prompt_logprobs = first.prompt_logprobs[1:] if first.prompt_logprobs is not None else None
+        yield FirstToken(first.new_token_ids[0], logprobs, first.num_cached_tokens, prompt_logprobs)
 
 
 def check_first_token(first: FirstToken, request: Request, vocab_size: int, replica: str) -> None:
     """A replica's trailer, range-checked like a client's request (PrefillError, the replica at fault):
     the first token in the vocabulary, the cached tokens within the prompt, the logprobs only as asked
     (the sampled token's first, at most the top-n asked for, each id in the vocabulary, each logprob a
-    finite number <= 0)."""
+    finite number <= 0), the prompt logprobs as asked (one per prompt token after the first, for that
+    token, its rank in the vocabulary)."""
 
     def refuse(what: str):
         raise PrefillError(f"{replica}: trailer {what}")
@@ -375,12 +384,27 @@ def check_first_token(first: FirstToken, request: Request, vocab_size: int, repl
     if lp is None:
         if asked is not None:
             refuse("lacks the first token's logprobs")
-        return
-    if asked is None or lp.token_id != first.token or len(lp.top) > asked:
+    elif asked is None or lp.token_id != first.token or len(lp.top) > asked:
         refuse(f"first_logprobs differ from what was asked ({asked} for token {first.token})")
+    else:
+        _check_entry(lp, vocab_size, refuse, "first_logprobs")
+    asked, prompt = request.params.prompt_logprobs, request.prompt_ids
+    if asked is None:
+        return
+    entries = first.prompt_logprobs or []
+    if [e.token_id for e in entries] != prompt[1:]:
+        refuse(f"prompt_logprobs are not those of the prompt's {len(prompt) - 1} tokens after the first")
+    for entry in entries:
+        if len(entry.top) > asked or not 1 <= entry.rank <= vocab_size:
+            refuse(f"prompt_logprobs entry of token {entry.token_id} differs from what was asked")
+        _check_entry(entry, vocab_size, refuse, "prompt_logprobs")
+
+
+def _check_entry(lp: TokenLogprobs, vocab_size: int, refuse, field: str) -> None:
+    """Each id of a logprobs entry in the vocabulary, each logprob a finite number <= 0."""
     for token, value in [(lp.token_id, lp.logprob), *lp.top]:
         if not 0 <= token < vocab_size or not math.isfinite(value) or value > 1e-3:
-            refuse(f"first_logprobs entry ({token}, {value}) out of range")
+            refuse(f"{field} entry ({token}, {value}) out of range")
 
 
 def _check_adapter(request: Request, name: str, fingerprint: str, replica: str) -> None:

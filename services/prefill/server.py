@@ -257,6 +257,8 @@ class PrefillService(pb_grpc.PrefillServicer):
         )
         if output.logprobs:
             trailer.first_logprobs.CopyFrom(wire.logprobs_to_proto(output.logprobs[0]))
+        if output.prompt_logprobs is not None:  # (the first position has none)
+            trailer.prompt_logprobs.extend(wire.logprobs_to_proto(lp) for lp in output.prompt_logprobs[1:])
         yield order.write(pb.PrefillMessage(trailer=trailer))
 
 

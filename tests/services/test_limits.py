@@ -160,6 +160,28 @@ def test_a_replica_s_trailer_out_of_range_is_a_failed_prefill(first, logprobs):
     assert e.value.replica_down
 
 
+def _prompt_entries(tokens=range(1, 40), rank=1, top=1, logprob=-0.5) -> list[TokenLogprobs]:
+    return [TokenLogprobs(t, logprob, [(t, logprob)] * top, rank) for t in tokens]
+
+
+@pytest.mark.parametrize(
+    "entries",
+    [
+        None,  # asked for, none sent
+        _prompt_entries(range(1, 39)),  # one short
+        _prompt_entries(range(2, 41)),  # another prompt's
+        _prompt_entries(rank=0),
+        _prompt_entries(top=3),  # more than asked
+        _prompt_entries(logprob=0.5),
+    ],
+)
+def test_a_replica_s_prompt_logprobs_out_of_range_are_a_failed_prefill(entries):
+    request = Request("r", list(range(40)), SamplingParams(prompt_logprobs=1), seed=0)
+    with pytest.raises(PrefillError, match="prompt_logprobs"):
+        check_first_token(FirstToken(5, None, 0, entries), request, 49152, "replica")
+    check_first_token(FirstToken(5, None, 0, _prompt_entries()), request, 49152, "replica")
+
+
 def test_a_replica_s_trailer_in_range_passes():
     check_first_token(FirstToken(5, None, 40), _request(), 49152, "r")
     check_first_token(FirstToken(5, TokenLogprobs(5, -0.5, [(5, -0.5), (9, -2.0)])), _request(2), 49152, "r")

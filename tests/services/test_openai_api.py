@@ -135,7 +135,7 @@ def test_several_prompts_in_one_call_are_choices_in_order(http, model, colocated
     assert streamed == expected
 
 
-def test_echo_puts_the_prompt_before_the_completion(http, model, colocated, loaded_model, openai):
+def test_echo_puts_the_prompt_before_the_completion(http, model, colocated, loaded_model):
     prompt = "The capital of France is"
     completion = colocated(prompt, max_tokens=6, field="text")
     assert (
@@ -150,8 +150,6 @@ def test_echo_puts_the_prompt_before_the_completion(http, model, colocated, load
         for c in http.completions.create(model=model, prompt=prompt, echo=True, stream=True, **GREEDY)
     )
     assert streamed == prompt + completion
-    with pytest.raises(openai.BadRequestError, match="echo"):
-        http.completions.create(model=model, prompt=prompt, echo=True, logprobs=1, max_tokens=1)
 
 
 def test_structured_outputs_and_their_deprecated_guided_aliases(http, model):
@@ -233,10 +231,61 @@ def test_tokenize_and_detokenize(decode, model, loaded_model):
         ({"best_of": 3}, "best_of"),
         ({"logit_bias": {"5": 10}}, "logit_bias"),
         ({"min_tokens": 3}, "min_tokens"),
-        ({"prompt_logprobs": 1}, "prompt_logprobs"),
         ({"suffix": "x"}, "suffix"),
     ],
 )
 def test_fields_not_served_yet_are_refused_by_name(decode, model, extra, field):
     status, body = call(decode, "/v1/completions", {"model": model, "prompt": "Hi", "max_tokens": 2, **extra})
     assert status == 400 and body["error"]["param"] == field
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_reads_it(
+    http, model, decode, prefill, make_engine, loaded_model, openai
+):
+    """lm-evaluation-harness's loglikelihood request (token-id prompts, echo, logprobs 1, max_tokens 1):
+    one Prefill call, whose trailer carries the prompt's logprobs; they equal the colocated engine's, the
+    first position null, each position's top_logprobs its own token first (lm-eval's is_greedy reads
+    them). vLLM's prompt_logprobs extension and gRPC's carry the same; not with stream."""
+    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.services.client import Client
+
+    tokenizer = loaded_model.tokenizer
+    contexts = [tokenizer.encode("The capital of France is Paris"), tokenizer.encode("One, two, three, four")]
+    (expected_a, expected_b) = make_engine().generate(
+        contexts, SamplingParams(temperature=0, max_tokens=1, logprobs=1, prompt_logprobs=1)
+    )
+    calls = Client(prefill.address).stats().num_requests_total
+    reply = http.completions.create(
+        model=model, prompt=contexts, echo=True, logprobs=1, max_tokens=1, temperature=0
+    )
+    assert Client(prefill.address).stats().num_requests_total == calls + 2  # one Prefill call a prompt
+    for choice, ids, expected in zip(reply.choices, contexts, (expected_a, expected_b), strict=True):
+        lp = choice.logprobs
+        assert len(lp.tokens) == len(ids) + 1 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        got = lp.token_logprobs[1 : len(ids)]
+        want = [e.logprob for e in expected.prompt_logprobs[1:]]
+        assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < 1e-4
+        for i in range(1, len(ids)):
+            token = tokenizer.decode([ids[i]])
+            assert (
+                next(iter(lp.top_logprobs[i])) == token and lp.top_logprobs[i][token] == lp.token_logprobs[i]
+            )
+        assert choice.text.startswith(tokenizer.decode(ids)) and lp.tokens[-1] == tokenizer.decode(
+            expected.token_ids
+        )
+    extension = http.completions.create(
+        model=model, prompt=contexts[0], max_tokens=1, temperature=0, extra_body={"prompt_logprobs": 2}
+    )
+    entries = extension.choices[0].model_extra["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == len(contexts[0])
+    for entry, want in zip(entries[1:], expected_a.prompt_logprobs[1:], strict=True):
+        own = entry[str(want.token_id)]
+        assert own["rank"] == want.rank and abs(own["logprob"] - want.logprob) < 1e-4 and len(entry) <= 3
+    streamed = Client(decode.address).generate(contexts[0], max_tokens=1, prompt_logprobs=1)
+    assert [(e.token_id, e.rank) for e in streamed.prompt_logprobs] == [
+        (e.token_id, e.rank) for e in expected_a.prompt_logprobs[1:]
+    ]
+    with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):
+        http.completions.create(
+            model=model, prompt="Hi", max_tokens=1, stream=True, extra_body={"prompt_logprobs": 1}
+        )

@@ -54,7 +54,6 @@ _JSON_NAMES = {str: "a string", list: "a list", dict: "an object", bool: "a bool
 UNSUPPORTED: dict[str, str] = {
     "suffix": "is not supported",
     "use_beam_search": "beam search is not supported",
-    "prompt_logprobs": "is not supported yet",
     "logit_bias": "is not supported yet",
     "min_tokens": "is not supported yet",
     "allowed_token_ids": "is not supported yet",
@@ -84,8 +83,8 @@ def check_fields(body: dict) -> None:
         raise InvalidRequestError("best_of", "only best_of=1 is supported")
     if body.get("stream_options") is not None and not body.get("stream"):
         raise InvalidRequestError("stream_options", "only with stream: true")
-    if body.get("echo") and body.get("logprobs") not in (None, False):
-        raise InvalidRequestError("echo", "with logprobs (the prompt's logprobs) is not supported yet")
+    if body.get("stream") and body.get("prompt_logprobs") is not None:
+        raise InvalidRequestError("prompt_logprobs", "not with stream: true (as vLLM)")
 
 
 # ---- sampling ----------------------------------------------------------------------------------------
@@ -107,6 +106,8 @@ def knobs(body: dict, chat: bool) -> SamplingParams:
         values["logprobs"] = body["top_logprobs"] if logprobs else None
     elif isinstance(logprobs, bool):
         values["logprobs"] = 0 if logprobs else None
+    if body.get("echo") and values.get("logprobs") is not None and values.get("prompt_logprobs") is None:
+        values["prompt_logprobs"] = values["logprobs"]  # the echoed prompt's logprobs, as vLLM computes them
     default = DEFAULT_MAX_TOKENS[chat]
     values["max_tokens"] = body.get("max_completion_tokens") or values.get("max_tokens") or default
     return params_from_values(values)

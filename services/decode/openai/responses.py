@@ -70,8 +70,16 @@ def running_usage(num_prompt_tokens: int, num_output_tokens: int) -> dict:
     }
 
 
-def logprobs(entries: Sequence[TokenLogprobs], chat: bool, decode: Callable[[list[int]], str]):
-    """A choice's logprobs: chat's `content` list, or completions' parallel lists (with text offsets)."""
+def logprobs(
+    entries: Sequence[TokenLogprobs | None],
+    chat: bool,
+    decode: Callable[[list[int]], str],
+    token_ids: Sequence[int] = (),
+):
+    """A choice's logprobs: chat's `content` list, or completions' parallel lists (with text offsets; each
+    position's top_logprobs its own token's first, as vLLM writes them). With `echo`, the entries start
+    with the prompt's, and a None entry (the first prompt token's: nothing before it) is null, its token
+    taken from `token_ids`."""
     if not entries:
         return None
     if chat:
@@ -85,17 +93,38 @@ def logprobs(entries: Sequence[TokenLogprobs], chat: bool, decode: Callable[[lis
                 for lp in entries
             ]
         }
-    tokens = [decode([lp.token_id]) for lp in entries]
+    tokens = [decode([lp.token_id if lp is not None else token_ids[i]]) for i, lp in enumerate(entries)]
     offsets, at = [], 0
     for token in tokens:
         offsets.append(at)
         at += len(token)
     return {
         "tokens": tokens,
-        "token_logprobs": [lp.logprob for lp in entries],
-        "top_logprobs": [{decode([t]): v for t, v in lp.top} for lp in entries],
+        "token_logprobs": [lp.logprob if lp is not None else None for lp in entries],
+        "top_logprobs": [
+            None if lp is None else {decode([t]): v for t, v in [(lp.token_id, lp.logprob), *lp.top]}
+            for lp in entries
+        ],
         "text_offset": offsets,
     }
+
+
+def prompt_logprobs(entries: Sequence[TokenLogprobs | None], decode: Callable[[list[int]], str]) -> list:
+    """vLLM's `prompt_logprobs`: per prompt position, null at the first, else {token id: {logprob, rank,
+    decoded_token}} with the prompt's own token first, then the top n by rank."""
+    out = []
+    for lp in entries:
+        if lp is None:
+            out.append(None)
+            continue
+        ranked = [(lp.token_id, lp.logprob, lp.rank), *((t, v, r + 1) for r, (t, v) in enumerate(lp.top))]
+        position = {}
+        for token, value, rank in ranked:
+            position.setdefault(
+                str(token), {"logprob": value, "rank": rank, "decoded_token": decode([token])}
+            )
+        out.append(position)
+    return out
 
 
 def tool_calls(tools: ToolChoice | None, message: dict, finish: str | None, parallel: bool) -> list[dict]:

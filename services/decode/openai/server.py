@@ -349,10 +349,13 @@ class OpenAIFrontend:
         finals: list[RequestOutput | None] = [None] * len(streams)
         texts: list[list[str]] = [[] for _ in streams]
         logprobs: list[list] = [[] for _ in streams]
+        prompt_lps: list[list | None] = [None] * len(streams)  # each request's prompt logprobs, if asked
         try:
             async for index, output in _merged(streams):
                 texts[index].append(output.text)
                 logprobs[index] += output.logprobs
+                if output.prompt_logprobs is not None:
+                    prompt_lps[index] = output.prompt_logprobs
                 if output.finished:
                     finals[index] = output
         except ServiceError as e:
@@ -362,11 +365,16 @@ class OpenAIFrontend:
         for index, final in enumerate(finals):
             finish = final.finish_reason.value if final is not None else None
             text = "".join(texts[index])
+            entries, ids = [] if call.echo_only else logprobs[index], call.requests[index].prompt_ids
+            if call.echo and prompt_lps[index] is not None:  # the prompt's first
+                entries = [*prompt_lps[index], *entries]
             choice = {
                 "index": index,
                 "finish_reason": finish,
-                "logprobs": responses.logprobs(logprobs[index], chat, decode),
+                "logprobs": responses.logprobs(entries, chat, decode, ids),
             }
+            if body.get("prompt_logprobs") is not None and not chat:
+                choice["prompt_logprobs"] = responses.prompt_logprobs(prompt_lps[index] or [], decode)
             if chat:
                 choice["message"] = message = {"role": "assistant", "content": text}
                 calls = responses.tool_calls(
@@ -376,20 +384,19 @@ class OpenAIFrontend:
                     choice["finish_reason"] = "tool_calls"
                     message["tool_calls"] = calls
             else:
-                if call.echo_only:
-                    text, choice["logprobs"] = "", None
-                choice["text"] = (call.echo[index] if call.echo else "") + text
+                choice["text"] = (call.echo[index] if call.echo else "") + ("" if call.echo_only else text)
             choices.append(choice)
-        return web.json_response(
-            {
-                "id": rid,
-                "object": "chat.completion" if chat else "text_completion",
-                "created": int(time.time()),
-                "model": call.model,
-                "choices": choices,
-                "usage": responses.usage([f for f in finals if f is not None]),
-            }
-        )
+        response = {
+            "id": rid,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": call.model,
+            "choices": choices,
+            "usage": responses.usage([f for f in finals if f is not None]),
+        }
+        if chat and body.get("prompt_logprobs") is not None:  # (vLLM: the response's, for chat)
+            response["prompt_logprobs"] = responses.prompt_logprobs(prompt_lps[0] or [], decode)
+        return web.json_response(response)
 
     async def _stream(
         self, request, streams, rid: str, chat: bool, body: dict, call: _Call
@@ -458,9 +465,12 @@ class OpenAIFrontend:
                         await send([choice], so_far)
                     continue
                 text = output.text
-                if not chat and call.echo and index not in started:
+                if not chat and call.echo and index not in started:  # the prompt (and its logprobs) first
                     started.add(index)
                     text = call.echo[index] + ("" if call.echo_only else text)
+                    if output.prompt_logprobs is not None:
+                        entries = [*output.prompt_logprobs, *([] if call.echo_only else output.logprobs)]
+                        lp = responses.logprobs(entries, chat, decode, call.requests[index].prompt_ids)
                 elif call.echo_only:
                     text, lp = "", None
                 choice = {"index": index, "logprobs": lp, "finish_reason": finish}
