@@ -470,12 +470,24 @@ class LLMEngine:
             request.prompt_logprobs[position] = TokenLogprobs(int(targets[i]), logprob, top, rank)
 
     def _allowed_tokens(self, samplers: list[Request]) -> np.ndarray | None:
-        """The sampling rows' allowed-token bitmasks (all ones where unconstrained); None: none is."""
+        """The sampling rows' allowed-token bitmasks (all ones where unconstrained and not held); None:
+        every token, every row. A row short of its min_tokens has its stop tokens held back, unless
+        that would leave nothing (a constraint that allows only EOS ends it as a dead end)."""
         rows = [i for i, r in enumerate(samplers) if r.matcher is not None]
-        if not rows:
+        held = [
+            i for i, r in enumerate(samplers) if len(r.output_ids) < r.params.min_tokens and r.stop_token_ids
+        ]
+        if not rows and not held:
             return None
         allowed = np.full((len(samplers), mask_words(self.model.config.vocab_size)), -1, np.int32)
-        allowed[rows] = self.constraints.fill([samplers[i].matcher for i in rows])
+        if rows:
+            allowed[rows] = self.constraints.fill([samplers[i].matcher for i in rows])
+        for i in held:
+            row = allowed[i].copy().view(np.uint32)
+            for token in samplers[i].stop_token_ids:
+                row[token // 32] &= np.uint32(0xFFFFFFFF ^ (1 << (token % 32)))
+            if row.any():
+                allowed[i] = row.view(np.int32)
         return allowed
 
     def _advance_constraint(

@@ -67,6 +67,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     seed: int | None = None
     max_tokens: int = 256
+    min_tokens: int = 0  # the stop tokens (EOS, stop_token_ids) are held back until this many are out
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
@@ -105,6 +106,8 @@ class SamplingParams:
             token_bound.check("stop_token_ids", token)
         if not all(isinstance(s, str) and s for s in self.stop):
             raise InvalidRequestError("stop", "stop strings must be non-empty strings")
+        if self.min_tokens > self.max_tokens:
+            raise InvalidRequestError("min_tokens", f"{self.min_tokens} exceeds max_tokens {self.max_tokens}")
         if self.constraint is not None:
             self.constraint.validate()
 
@@ -152,4 +155,5 @@ BOUNDS: dict[str, Bound] = {
     "frequency_penalty": Bound(-2.0, 2.0),
     "seed": Bound(0, 2**63 - 1, also=(None,)),
     "max_tokens": Bound(1, INT32_MAX),
+    "min_tokens": Bound(0, INT32_MAX),
 }

@@ -69,6 +69,9 @@ FIELDS: tuple[Field, ...] = (
         optional=True,
     ),
     Field("max_tokens", int, "request", f"tokens to generate; 0 or unset: {DEFAULT_MAX_TOKENS}"),
+    Field(
+        "min_tokens", int, "sampling", "tokens generated before a stop token may be (EOS held back); 0: off"
+    ),
     Field("stop", str, "stop", "stop string, not included in the output (repeatable)", repeated=True),
     Field("stop_token_ids", int, "stop", "stop token id (repeatable)", repeated=True, flag="--stop-token-id"),
     Field("ignore_eos", bool, "stop", "keep generating past EOS"),

@@ -65,7 +65,24 @@ def test_the_default_model_answers_through_both_roles(full_daemons, openai):
     chat = http.chat.completions.create(model=model.id, messages=question, temperature=0, max_tokens=32)
     assert chat.choices[0].message.content == "The capital of France is Paris."
     assert chat.choices[0].finish_reason == "stop" and chat.usage.completion_tokens == 8
-    assert Client(prefill.address).stats().num_requests_total >= 1
+    # the answer given as the assistant's open last message: the model's first token (the prefill
+    # server's: a salt the decode server's cache has no block of) is EOS; with min_tokens it is held back
+    # there and the answer goes on
+    answered = [*question, {"role": "assistant", "content": chat.choices[0].message.content}]
+    template = {"add_generation_prompt": False, "continue_final_message": True, "cache_salt": "ended"}
+    ended = http.chat.completions.create(
+        model=model.id, messages=answered, temperature=0, max_tokens=8, extra_body=template
+    )
+    assert ended.choices[0].finish_reason == "stop" and ended.usage.completion_tokens == 1
+    held = http.chat.completions.create(
+        model=model.id,
+        messages=answered,
+        temperature=0,
+        max_tokens=8,
+        extra_body={**template, "cache_salt": "held", "min_tokens": 3},
+    )
+    assert held.usage.completion_tokens == 8 and held.choices[0].message.content.strip()
+    assert Client(prefill.address).stats().num_requests_total >= 3
     assert_all_free(decode.address, prefill.address)
 
 

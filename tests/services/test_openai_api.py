@@ -230,7 +230,6 @@ def test_tokenize_and_detokenize(decode, model, loaded_model):
         ({"n": 2}, "n"),
         ({"best_of": 3}, "best_of"),
         ({"logit_bias": {"5": 10}}, "logit_bias"),
-        ({"min_tokens": 3}, "min_tokens"),
         ({"suffix": "x"}, "suffix"),
     ],
 )
