@@ -34,6 +34,7 @@ import numpy as np
 from pdserve.engine.core.kv_groups import BlockTables, KVGroups
 from pdserve.engine.model.attention import block_table_width
 from pdserve.engine.model.sampler import SamplingBatch
+from pdserve.engine.sampling_params import MAX_LOGIT_BIAS
 from pdserve.kvtransfer import MAX_FRAME_BYTES, HeadMap, KVChunk
 from pdserve.kvtransfer.plan import FramePlan
 
@@ -81,7 +82,7 @@ def max_op_bytes(engine) -> int:
     groups = KVGroups.of(model).num_groups
     step = 4 * (tokens + 3 * rows + 2 + groups * rows * block_table_width(config))
     vocab = model.vocab_size
-    sample = rows * (64 + 5 * vocab + 4 * -(-vocab // 32) + 4)
+    sample = rows * (64 + 5 * vocab + 4 * -(-vocab // 32) + 4 + 8 * MAX_LOGIT_BIAS)
     lora = 0
     if engine.lora_slots is not None:
         slots = engine.lora_slots

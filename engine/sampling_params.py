@@ -68,6 +68,8 @@ class SamplingParams:
     seed: int | None = None
     max_tokens: int = 256
     min_tokens: int = 0  # the stop tokens (EOS, stop_token_ids) are held back until this many are out
+    # (token id, bias) pairs: the bias, in [-100, 100], is added to the token's logit before sampling
+    logit_bias: tuple[tuple[int, float], ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
@@ -106,6 +108,13 @@ class SamplingParams:
             token_bound.check("stop_token_ids", token)
         if not all(isinstance(s, str) and s for s in self.stop):
             raise InvalidRequestError("stop", "stop strings must be non-empty strings")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise InvalidRequestError(
+                "logit_bias", f"{len(self.logit_bias)} tokens: the limit is {MAX_LOGIT_BIAS}"
+            )
+        for token, bias in self.logit_bias:
+            token_bound.check("logit_bias", token)
+            Bound(-100.0, 100.0).check("logit_bias", bias)
         if self.min_tokens > self.max_tokens:
             raise InvalidRequestError("min_tokens", f"{self.min_tokens} exceeds max_tokens {self.max_tokens}")
         if self.constraint is not None:
@@ -113,6 +122,7 @@ class SamplingParams:
 
 
 INT32_MAX = 2**31 - 1
+MAX_LOGIT_BIAS = 300  # tokens one request may bias (OpenAI's limit); the sampler's columns for them
 # Prompt logprobs of one request, prompt tokens x (prompt_logprobs + 1): they travel in one message (the
 # prefill server's trailer, the first response), about 15 bytes a position and 11 a top entry
 MAX_PROMPT_LOGPROB_ENTRIES = 262_144

@@ -36,6 +36,7 @@ class Field:
     repeated: bool = False
     optional: bool = False  # proto3 `optional`: unset means SamplingParams' default
     flag: str = ""  # the CLI flag when it is not --name-with-dashes (repeated flags are singular)
+    mapping: bool = False  # token id -> `kind` (a proto map; sorted (id, value) pairs in SamplingParams)
 
     @property
     def cli_flag(self) -> str:
@@ -71,6 +72,13 @@ FIELDS: tuple[Field, ...] = (
     Field("max_tokens", int, "request", f"tokens to generate; 0 or unset: {DEFAULT_MAX_TOKENS}"),
     Field(
         "min_tokens", int, "sampling", "tokens generated before a stop token may be (EOS held back); 0: off"
+    ),
+    Field(
+        "logit_bias",
+        float,
+        "sampling",
+        "TOKEN=BIAS: added to the token's logit, in [-100, 100] (repeatable)",
+        mapping=True,
     ),
     Field("stop", str, "stop", "stop string, not included in the output (repeatable)", repeated=True),
     Field("stop_token_ids", int, "stop", "stop token id (repeatable)", repeated=True, flag="--stop-token-id"),
@@ -163,7 +171,9 @@ def set_request_fields(request, values: Mapping[str, Any]):
         container = _container(request, field)
         if value is None or container is None:
             continue
-        if field.repeated:
+        if field.mapping:
+            getattr(container, field.name).update(dict(value))
+        elif field.repeated:
             getattr(container, field.name).extend(value)
         else:
             setattr(container, field.name, value)
@@ -209,6 +219,8 @@ def params_from_request(request) -> SamplingParams:
         container = _container(request, field)
         if container is None:
             values[field.name] = 0
+        elif field.mapping:
+            values[field.name] = tuple(sorted(getattr(container, field.name).items()))
         elif field.repeated:
             values[field.name] = tuple(getattr(container, field.name))
         elif field.optional and not container.HasField(field.name):
@@ -231,6 +243,10 @@ def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
                 action=argparse.BooleanOptionalAction,
                 default=None,
                 help=field.help,
+            )
+        elif field.mapping:
+            group.add_argument(
+                field.cli_flag, dest=field.name, type=_token_value, action="append", help=field.help
             )
         elif field.repeated:
             group.add_argument(
@@ -285,12 +301,35 @@ def params_from_values(values: Mapping[str, Any], defaults: SamplingParams | Non
         value = values.get(field.name)
         if value is None:
             continue
+        if field.mapping:
+            out[field.name] = _token_map(field, value)
+            continue
         items = value if field.repeated else (value,)
         if field.repeated and not isinstance(value, list | tuple):
             raise InvalidRequestError(field.name, f"must be a list of {field.kind.__name__}")
         checked = tuple(_checked(field, item) for item in items)
         out[field.name] = checked if field.repeated else checked[0]
     return dataclasses.replace(defaults or SamplingParams(), **out)
+
+
+def _token_map(field: Field, value: Any) -> tuple[tuple[int, Any], ...]:
+    """A token-id map from JSON (an object with token id keys, as OpenAI's logit_bias) or (id, value)
+    pairs: sorted pairs, each value of the field's kind."""
+    pairs = value.items() if isinstance(value, Mapping) else value
+    try:
+        out = {int(token): _checked(field, v) for token, v in pairs}
+    except (TypeError, ValueError) as e:
+        raise InvalidRequestError(field.name, "must map token ids to numbers") from e
+    return tuple(sorted(out.items()))
+
+
+def _token_value(text: str) -> tuple[int, float]:
+    """TOKEN=VALUE of a map flag (--logit-bias)."""
+    token, _, value = text.partition("=")
+    try:
+        return int(token), float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not TOKEN=VALUE") from None
 
 
 def _checked(field: Field, value: Any) -> Any:

@@ -1,5 +1,5 @@
-"""Token sampling on device: allowed-token masks, penalties, temperature, min-p, top-k, top-p, Gumbel-max,
-logprobs.
+"""Token sampling on device: logit biases, allowed-token masks, penalties, temperature, min-p, top-k, top-p,
+Gumbel-max, logprobs.
 
 Randomness of a row comes from (seed, position) only: key = fold_in(key(seed), position). A request's
 tokens therefore never depend on which other requests share its batch, or on which server sampled them.
@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling_params import MAX_LOGIT_BIAS, SamplingParams
 
 _NEG_INF = -jnp.inf
 
@@ -41,6 +41,9 @@ class SamplingBatch:
     # [B, ceil(V / 32)] int32: bit t % 32 of word t // 32 allows token t (a constraint's mask, as
     # llguidance fills it); all ones for rows without a constraint
     allowed: np.ndarray
+    # [B, MAX_LOGIT_BIAS] the tokens whose logits get a bias (V: none) and the biases (logit_bias)
+    bias_ids: np.ndarray
+    bias_values: np.ndarray
 
     @classmethod
     def build(
@@ -65,6 +68,12 @@ class SamplingBatch:
             return np.asarray(list(values) + [fill] * pad, dtype=dtype)
 
         seed_words = [(s & 0xFFFFFFFF, (s >> 32) & 0xFFFFFFFF) for s in seeds] + [(0, 0)] * pad
+        bias_ids = np.full((batch, MAX_LOGIT_BIAS), vocab_size, np.int32)
+        bias_values = np.zeros((batch, MAX_LOGIT_BIAS), np.float32)
+        for row, p in enumerate(params):
+            if p.logit_bias:
+                ids, values = zip(*p.logit_bias, strict=True)
+                bias_ids[row, : len(ids)], bias_values[row, : len(ids)] = ids, values
         prompt_mask = output_counts = None
         if token_history is not None:
             prompt_mask = np.zeros((batch, vocab_size), bool)
@@ -89,6 +98,8 @@ class SamplingBatch:
             prompt_mask=prompt_mask,
             output_counts=output_counts,
             allowed=mask,
+            bias_ids=bias_ids,
+            bias_values=bias_values,
         )
 
 
@@ -197,7 +208,9 @@ def sample(logits: jax.Array, s: SamplingBatch, *, num_logprobs: int) -> SampleR
     changes any row's token.
     """
     logits = logits[s.logits_row]
-    raw = logits  # logprobs are the model's own, before any mask or penalty
+    raw = logits  # logprobs are the model's own, before any bias, mask or penalty
+    rows = jnp.arange(logits.shape[0])[:, None]
+    logits = logits.at[rows, s.bias_ids].add(s.bias_values, mode="drop")  # (V: dropped)
     logits = jnp.where(_allowed_tokens(s.allowed, logits.shape[-1]), logits, _NEG_INF)
     if s.prompt_mask is not None:
         logits = _apply_penalties(logits, s)

@@ -229,7 +229,8 @@ def test_tokenize_and_detokenize(decode, model, loaded_model):
     [
         ({"n": 2}, "n"),
         ({"best_of": 3}, "best_of"),
-        ({"logit_bias": {"5": 10}}, "logit_bias"),
+        ({"logit_bias": {"5": 101}}, "logit_bias"),
+        ({"logit_bias": {"x": 1}}, "logit_bias"),
         ({"suffix": "x"}, "suffix"),
     ],
 )
@@ -288,3 +289,18 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_reads_it(
         http.completions.create(
             model=model, prompt="Hi", max_tokens=1, stream=True, extra_body={"prompt_logprobs": 1}
         )
+
+
+def test_logit_bias_forces_and_bans_the_first_token_too(http, model, colocated, loaded_model):
+    """The first token is the prefill server's: a bias forcing a token, and one banning the greedy first
+    token, give the colocated engine's tokens (OpenAI's string keys)."""
+    prompt = loaded_model.tokenizer.encode("The capital of France is")
+    forced = loaded_model.tokenizer.encode(" banana")[0]
+    reply = http.completions.create(model=model, prompt=prompt, logit_bias={str(forced): 100}, **GREEDY)
+    assert reply.choices[0].text == loaded_model.tokenizer.decode([forced] * 6)
+    first = colocated(prompt, max_tokens=6)[0]
+    banned = http.completions.create(model=model, prompt=prompt, logit_bias={str(first): -100}, **GREEDY)
+    expected = colocated(prompt, max_tokens=6, logit_bias=((first, -100.0),), field="text")
+    assert banned.choices[0].text == expected and not banned.choices[0].text.startswith(
+        loaded_model.tokenizer.decode([first])
+    )

@@ -43,6 +43,11 @@ sampling_params = st.builds(
     ignore_eos=st.booleans(),
     skip_special_tokens=st.booleans(),
     logprobs=st.one_of(st.none(), st.integers(0, 20)),
+    prompt_logprobs=st.one_of(st.none(), st.integers(0, 20)),
+    min_tokens=st.integers(0, 8),
+    logit_bias=st.dictionaries(st.integers(0, 49151), st.floats(-100, 100, width=32), max_size=3).map(
+        lambda d: tuple(sorted(d.items()))
+    ),
 )
 constraints = st.one_of(
     st.none(),
@@ -99,6 +104,8 @@ def test_cli_flags_round_trip(params):
         value = getattr(params, field.name)
         if field.kind is bool:
             argv.append(field.cli_flag if value else "--no-" + field.cli_flag.removeprefix("--"))
+        elif field.mapping:
+            argv += [f"{field.cli_flag}={token}={item!r}" for token, item in value]
         elif field.repeated:
             for item in value:
                 argv.append(f"{field.cli_flag}={item}")

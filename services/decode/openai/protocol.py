@@ -54,7 +54,6 @@ _JSON_NAMES = {str: "a string", list: "a list", dict: "an object", bool: "a bool
 UNSUPPORTED: dict[str, str] = {
     "suffix": "is not supported",
     "use_beam_search": "beam search is not supported",
-    "logit_bias": "is not supported yet",
     "allowed_token_ids": "is not supported yet",
     "bad_words": "is not supported yet",
     "chat_template": "a chat template in the request is not accepted: the model's own renders",

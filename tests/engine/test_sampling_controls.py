@@ -1,0 +1,52 @@
+"""min_tokens (the stop tokens held back until that many tokens are out, vLLM's meaning; on the whole
+default model, which ends its short answers with EOS) and logit_bias (added to the logits on device)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from pdserve.engine.sampling_params import InvalidRequestError, SamplingParams
+
+pytestmark = pytest.mark.model
+
+
+def test_min_tokens_holds_back_eos(full_engine):
+    tokenizer = full_engine.tokenizer
+    prompt = tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
+    (free,) = full_engine.generate([prompt], SamplingParams(temperature=0, max_tokens=32))
+    assert free.finish_reason == "stop" and len(free.token_ids) < 12  # answered, then EOS
+    (held,) = full_engine.generate([prompt], SamplingParams(temperature=0, max_tokens=32, min_tokens=12))
+    assert len(held.token_ids) >= 12 and not set(held.token_ids[:12]) & tokenizer.eos_token_ids
+    assert held.token_ids[: len(free.token_ids) - 1] == free.token_ids[:-1]  # the same answer before it
+    with pytest.raises(InvalidRequestError) as refusal:
+        full_engine.make_request(prompt, SamplingParams(max_tokens=4, min_tokens=5))
+    assert refusal.value.field == "min_tokens"
+
+
+def test_logit_bias_forces_and_bans_tokens(make_engine, loaded_model):
+    engine = make_engine()
+    prompt = loaded_model.tokenizer.encode("The capital of France is")
+    greedy = SamplingParams(temperature=0, max_tokens=4)
+    (free,) = engine.generate([prompt], greedy)
+    forced = loaded_model.tokenizer.encode(" banana")[0]
+    (pushed,) = engine.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=4, logit_bias=((forced, 100.0),))
+    )
+    assert pushed.token_ids == [forced] * 4
+    banned = SamplingParams(temperature=0, max_tokens=1, logit_bias=((free.token_ids[0], -100.0),))
+    (other,) = engine.generate([prompt], banned)
+    logits = engine.prompt_logits(prompt)
+    assert other.token_ids == [int(np.argsort(-logits)[1])]  # the runner-up
+    top = [int(t) for t in np.argsort(-logits)[:20]]
+    sampled = SamplingParams(
+        temperature=1.5, seed=7, max_tokens=1, logit_bias=tuple((t, -100.0) for t in sorted(top))
+    )
+    for seed in range(8):
+        (result,) = engine.generate([prompt], dataclasses.replace(sampled, seed=seed))
+        assert result.token_ids[0] not in top
+    with pytest.raises(InvalidRequestError) as refusal:
+        engine.make_request(prompt, SamplingParams(max_tokens=1, logit_bias=((5, 101.0),)))
+    assert refusal.value.field == "logit_bias"
