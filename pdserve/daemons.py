@@ -75,6 +75,13 @@ def common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-warmup", action="store_true", help="compile shapes lazily (tests, laptops)")
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument(
+        "--log-stats-interval",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="log a stats line (throughput, running, waiting, KV use, hit rate) every S s not idle; 0: off",
+    )
+    parser.add_argument(
         "--served-model-name",
         nargs="+",
         metavar="NAME",
@@ -256,6 +263,7 @@ def serve_options(args: argparse.Namespace, security, role: str) -> dict:
         kv_events=kv_events_config(args, role),
         step_timeout_s=args.engine_step_timeout,
         served_model_names=tuple(args.served_model_name or [args.model]),
+        stats_interval_s=args.log_stats_interval,
     )
 
 

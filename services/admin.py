@@ -22,6 +22,8 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Admin"].full_name
 class Counters:
     num_requests_total: int = 0
     num_waiting: int = 0
+    prompt_tokens_total: int = 0  # prompt tokens of requests that got their first token (vLLM's meaning)
+    generation_tokens_total: int = 0  # tokens generated
     num_transfers_total: int = 0
     kv_transfer_seconds_total: float = 0.0
     kv_transfer_bytes_total: int = 0

@@ -15,6 +15,8 @@ lists last changed). Why pdserve's own names and not vLLM's: docs/gateway.md.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import time
 
 from aiohttp import web
@@ -30,6 +32,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from pdserve.services.admin import Counters, read_load
 from pdserve.services.engine_loop import EngineLoop
+
+log = logging.getLogger(__name__)
+STATS_INTERVAL_S = 10.0  # --log-stats-interval's default (vLLM's)
 
 # The series an endpoint picker scores pods by, under the keys of llm-d's core-metrics-extractor
 # `engineConfigs` (deploy/components/inference-gateway/epp-config.yaml maps them; {role}: prefill or decode).
@@ -153,6 +158,7 @@ class _StateCollector:
             "cached KV blocks evicted for new ones",
             stats.prefix_cache_evictions,
         )
+        yield counter("pdserve_preemptions", "requests preempted to free blocks", stats.num_preemptions)
         yield gauge(
             "pdserve_lora_adapters_loaded", "LoRA adapters requests may name", stats.num_adapters_loaded
         )
@@ -174,6 +180,8 @@ class _StateCollector:
 
 # Counters of services.admin.Counters: (metric name, help, Counters field)
 _COUNTERS = (
+    ("pdserve_prompt_tokens", "prompt tokens of requests that got their first token", "prompt_tokens_total"),
+    ("pdserve_generation_tokens", "tokens generated", "generation_tokens_total"),
     ("pdserve_kv_transfer_bytes", "KV bytes received from prefill servers", "kv_transfer_bytes_total"),
     ("pdserve_kv_transfer_seconds", "seconds spent receiving KV", "kv_transfer_seconds_total"),
     ("pdserve_kv_transfers", "KV transfers completed", "num_transfers_total"),
@@ -210,6 +218,7 @@ class Metrics:
     """The registry of one daemon; `observe_*` are called from request handlers."""
 
     def __init__(self, role: str, loop: EngineLoop, counters: Counters):
+        self.loop, self.counters = loop, counters
         picker = _PickerCollector(role, loop, counters)
         self.picker_registry = CollectorRegistry()  # PICKER_PATH: what a picker polls at 20 Hz, no more
         self.picker_registry.register(picker)
@@ -226,12 +235,59 @@ class Metrics:
         self.itl = hist("pdserve_inter_token_latency_seconds", "every gap between consecutive tokens")
         self.e2e = hist("pdserve_request_duration_seconds", "request arrival to its last token")
         self.prefill = hist("pdserve_prefill_duration_seconds", "prefill server: arrival to KV gathered")
+        self.queue = hist("pdserve_request_queue_time_seconds", "request arrival to its admission (blocks)")
         self.refused_connections = Counter(
             "pdserve_metrics_connections_refused",
             "connections to the metrics port closed on arrival: as many as it serves at once were open",
             registry=self.registry,
         )
         self._runner: web.ServerRunner | None = None
+
+    async def log_stats(self, stop: asyncio.Event, interval_s: float = STATS_INTERVAL_S) -> None:
+        """Until `stop`: every `interval_s` in which the engine was not idle, one line as vLLM logs it:
+        prompt and generation throughput over the interval, running and waiting requests, KV cache use,
+        the prefix cache's hit rate over the interval."""
+        stats, c = self.loop.stats, self.counters
+        last = (
+            time.monotonic(),
+            c.prompt_tokens_total,
+            c.generation_tokens_total,
+            stats.prefix_cache_queries,
+            stats.prefix_cache_hits,
+        )
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), interval_s)
+            stats = self.loop.stats
+            now = (
+                time.monotonic(),
+                c.prompt_tokens_total,
+                c.generation_tokens_total,
+                stats.prefix_cache_queries,
+                stats.prefix_cache_hits,
+            )
+            seconds, prompt, generated, queries, hits = (a - b for a, b in zip(now, last, strict=True))
+            last = now
+            if not (prompt or generated or stats.num_running or stats.num_waiting):
+                continue  # idle
+            log.info(
+                "engine stats: prompt throughput %.1f tokens/s, generation throughput %.1f tokens/s, "
+                "running %d, waiting %d, KV cache use %.1f%%, prefix cache hit rate %.1f%%",
+                prompt / seconds,
+                generated / seconds,
+                stats.num_running,
+                stats.num_waiting,
+                100 * stats.kv_usage,
+                100 * hits / queries if queries else 0.0,
+            )
+
+    def observe_output(self, output) -> None:
+        """Counts a request's output (an engine.core.output.RequestOutput) as it streams: its tokens,
+        and with its first one the prompt's tokens and the queue time."""
+        self.counters.generation_tokens_total += len(output.new_token_ids)
+        if output.queue_s is not None:
+            self.counters.prompt_tokens_total += output.num_prompt_tokens
+            self.queue.observe(output.queue_s)
 
     def observe_request(self, token_times: list[float], start: float) -> None:
         """`token_times`: monotonic arrival time of each token of a finished request."""

@@ -25,6 +25,7 @@ class RequestOutput:
     # The request's first output, with SamplingParams.prompt_logprobs: an entry per prompt position (None
     # at the first)
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    queue_s: float | None = None  # the first output's: seconds from arrival to admission (vLLM's queue time)
 
     @classmethod
     def failed(cls, request: Request) -> RequestOutput:
@@ -74,4 +75,7 @@ class OutputStream:
             num_output_tokens=len(r.output_ids),
             num_cached_tokens=r.num_cached_tokens,
             prompt_logprobs=r.prompt_logprobs if len(r.output_ids) == 1 else None,
+            queue_s=r.scheduled_time - r.arrival_time
+            if len(r.output_ids) == 1 and r.scheduled_time is not None
+            else None,
         )

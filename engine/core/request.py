@@ -72,6 +72,7 @@ class Request:
     # The constraint's matcher (engine.constraints), where its language stands after the output so far
     matcher: Any = None
     arrival_time: float = dataclasses.field(default_factory=time.monotonic)
+    scheduled_time: float | None = None  # first admitted (blocks allocated): its queue time ends there
     first_token_time: float | None = None
     error: str = ""  # with FinishReason.ERROR: what failed
     # The tokens that end it: its params' stop_token_ids and, unless ignore_eos, the model's EOS tokens

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import time
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -335,6 +336,8 @@ class Scheduler:
                 passed.append(request)
                 continue
             self.kv.allocate(rid, num_tokens, cached, request.all_ids)
+            if request.scheduled_time is None:
+                request.scheduled_time = time.monotonic()
             request.num_computed = num_cached
             if request.status is Status.WAITING:
                 request.num_cached_tokens = num_cached

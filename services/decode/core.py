@@ -240,6 +240,8 @@ class GenerationCore:
                         grpc.StatusCode.INTERNAL, f"the engine failed on this request: {output.error}"
                     )
                 token_times += [time.monotonic()] * len(output.new_token_ids)
+                if self.metrics is not None:
+                    self.metrics.observe_output(output)
                 yield output
                 if output.finished:
                     outcome = output.finish_reason.value

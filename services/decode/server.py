@@ -119,6 +119,7 @@ async def serve(
     http_timeout_s: float = 600.0,
     step_timeout_s: float = STEP_TIMEOUT_S,
     served_model_names: tuple[str, ...] = (),
+    stats_interval_s: float = 0.0,
 ) -> None:
     """Serves Generate (and Admin, and optionally /metrics and the OpenAI HTTP API) over `core` until
     `stop` is set; then refuses new requests and lets running ones finish.
@@ -130,7 +131,8 @@ async def serve(
     InferencePool targets), else the gRPC port. `tool_call_parser`: the HTTP API's format of the model's own
     tool calls (services.decode.tool_formats; "auto": the one its chat template writes); `http_timeout_s`:
     an HTTP request's deadline. `served_model_names`: what clients call the model (the HTTP API's `model`,
-    the KV events' topic; default: the model's name). When an engine fails (services.engine_loop: a step
+    the KV events' topic; default: the model's name); `stats_interval_s`: the stats line's period
+    (services.metrics.Metrics.log_stats; 0: none). When an engine fails (services.engine_loop: a step
     failing twice running, one running past `step_timeout_s`), health turns NOT_SERVING, waiting calls get
     UNAVAILABLE and this raises EngineStopped (the daemon exits non-zero)."""
     await core.start()
@@ -161,8 +163,11 @@ async def serve(
     if on_ready is not None:
         on_ready(f"{host}:{bound}")
     refresher = asyncio.create_task(core.refresh_pool(stop))
+    stats = asyncio.create_task(core.metrics.log_stats(stop, stats_interval_s)) if stats_interval_s else None
     failure = await until_stopped(stop, [core.loop, *core.mirror_loops], step_timeout_s)
     refresher.cancel()
+    if stats is not None:
+        stats.cancel()
     core.draining = True
     await (running.stop(0, linger_s=FAILED_GRACE_S) if failure else running.stop(grace_s))
     if http is not None:

@@ -237,6 +237,7 @@ class PrefillService(pb_grpc.PrefillServicer):
         finally:
             stream.close()
         self.metrics.prefill.observe(time.perf_counter() - start)
+        self.metrics.observe_output(output)  # the prompt's tokens, the first token, the queue time
         self.counters.kv_frames_sent_total += order.num_frames
         self.counters.kv_frames_after_compute_total += stream.num_chunks_after_compute  # a frame a chunk
         log.info(
@@ -292,6 +293,7 @@ async def serve(
     kv_events: KVEventsConfig | None = None,
     step_timeout_s: float = STEP_TIMEOUT_S,
     served_model_names: tuple[str, ...] = (),
+    stats_interval_s: float = 0.0,
 ):
     """Serves `service` (and Admin, and optionally /metrics) until `stop` is set, then drains: refuses
     new prefills, finishes running ones. When its engine fails (services.engine_loop), health turns
@@ -299,7 +301,8 @@ async def serve(
 
     `security`: TLS / mutual TLS of the port and the client names allowed (default: plaintext, open).
     `kv_events`: publish the KV cache events (None: do not); Handshake tells decode servers where. Their
-    topic names the first of `served_model_names` (default: the model's name)."""
+    topic names the first of `served_model_names` (default: the model's name). `stats_interval_s`: the
+    stats line's period (services.metrics.Metrics.log_stats; 0: none)."""
     loop, counters = service.loop, service.counters
     loop.start()
     if metrics_port is not None:
@@ -320,7 +323,12 @@ async def serve(
     print(f"prefill-server ready on {host}:{bound}", flush=True)
     if on_ready is not None:
         on_ready(f"{host}:{bound}")
+    stats = (
+        asyncio.create_task(service.metrics.log_stats(stop, stats_interval_s)) if stats_interval_s else None
+    )
     failure = await until_stopped(stop, [loop], step_timeout_s)
+    if stats is not None:
+        stats.cancel()
     service.draining = True
     await (running.stop(0, linger_s=FAILED_GRACE_S) if failure else running.stop(grace_s))
     await service.metrics.stop()

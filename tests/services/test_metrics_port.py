@@ -44,3 +44,26 @@ async def _connections_are_bounded_and_expire(metrics: Metrics) -> None:
 def test_connections_are_bounded_and_expire(make_engine):
     metrics = Metrics("decode", EngineLoop(make_engine()), Counters())
     asyncio.run(_connections_are_bounded_and_expire(metrics))
+
+
+def test_a_stats_line_while_busy_none_while_idle(make_engine, caplog):
+    """Metrics.log_stats: a line with the interval's throughput, the requests and the cache's state after
+    an interval with tokens, nothing after an idle one (vLLM's log line, under pdserve's names)."""
+    counters = Counters()
+    metrics = Metrics("decode", EngineLoop(make_engine()), counters)
+
+    async def main():
+        stop = asyncio.Event()
+        task = asyncio.create_task(metrics.log_stats(stop, 0.2))
+        await asyncio.sleep(0.3)  # one idle interval
+        counters.prompt_tokens_total += 200
+        counters.generation_tokens_total += 40
+        await asyncio.sleep(0.2)
+        stop.set()
+        await task
+
+    with caplog.at_level("INFO", logger="pdserve.services.metrics"):
+        asyncio.run(main())
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("engine stats:")]
+    assert len(lines) == 1, lines
+    assert "prompt throughput" in lines[0] and "running 0, waiting 0" in lines[0]

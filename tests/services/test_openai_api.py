@@ -304,3 +304,20 @@ def test_logit_bias_forces_and_bans_the_first_token_too(http, model, colocated, 
     assert banned.choices[0].text == expected and not banned.choices[0].text.startswith(
         loaded_model.tokenizer.decode([first])
     )
+
+
+def test_metrics_on_the_http_port_count_tokens_and_queue_time(http, model, decode):
+    """/metrics on the API port (no token needed): vLLM's token counters and queue time, pdserve's names."""
+    reply = http.completions.create(
+        model=model, prompt="Count: one, two,", extra_body={"ignore_eos": True}, **GREEDY
+    )
+    with urllib.request.urlopen(f"http://{decode.addresses['http']}/metrics", timeout=30) as response:
+        text = response.read().decode()
+    values = {
+        line.split(" ")[0].split("{")[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
+    assert values["pdserve_generation_tokens_total"] >= reply.usage.completion_tokens == 6
+    assert values["pdserve_prompt_tokens_total"] >= reply.usage.prompt_tokens
+    assert values["pdserve_request_queue_time_seconds_count"] >= 1 and "pdserve_preemptions_total" in values
