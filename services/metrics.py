@@ -247,25 +247,23 @@ class Metrics:
         """Until `stop`: every `interval_s` in which the engine was not idle, one line as vLLM logs it:
         prompt and generation throughput over the interval, running and waiting requests, KV cache use,
         the prefix cache's hit rate over the interval."""
-        stats, c = self.loop.stats, self.counters
-        last = (
-            time.monotonic(),
-            c.prompt_tokens_total,
-            c.generation_tokens_total,
-            stats.prefix_cache_queries,
-            stats.prefix_cache_hits,
-        )
-        while not stop.is_set():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), interval_s)
+        c = self.counters
+
+        def totals():  # (now, prompt tokens, generated tokens, cache queries, cache hits)
             stats = self.loop.stats
-            now = (
+            return (
                 time.monotonic(),
                 c.prompt_tokens_total,
                 c.generation_tokens_total,
                 stats.prefix_cache_queries,
                 stats.prefix_cache_hits,
             )
+
+        last = totals()
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), interval_s)
+            now, stats = totals(), self.loop.stats
             seconds, prompt, generated, queries, hits = (a - b for a, b in zip(now, last, strict=True))
             last = now
             if not (prompt or generated or stats.num_running or stats.num_waiting):

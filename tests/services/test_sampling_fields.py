@@ -222,3 +222,14 @@ def test_cli_constraint_flags(tmp_path):
         assert params_from_request(generate_request(args)).constraint == constraint
     with pytest.raises(SystemExit):  # at most one
         build_parser().parse_args(["generate", "--regex", "a", "--json-object", "--", "p"])
+
+
+def test_openai_fields_at_their_defaults_or_null_pass():
+    """n and best_of null or 1 (what clients send when they mean the default) are served; 2 is refused."""
+    from pdserve.services.decode.openai.protocol import check_fields
+
+    check_fields({"n": None, "best_of": None})
+    check_fields({"n": 1, "best_of": 1})
+    with pytest.raises(InvalidRequestError) as err:
+        check_fields({"n": 2})
+    assert err.value.field == "n"

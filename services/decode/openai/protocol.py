@@ -75,9 +75,9 @@ def check_fields(body: dict) -> None:
     for key, why in UNSUPPORTED.items():
         if body.get(key) not in (None, False, 0, [], {}):
             raise InvalidRequestError(key, why)
-    if body.get("n", 1) != 1:
+    if body.get("n") not in (None, 1):
         raise InvalidRequestError("n", "only n=1 is supported")
-    if body.get("best_of", 1) != 1:  # (vLLM 0.12 dropped it; 0.11 refused it past 1)
+    if body.get("best_of") not in (None, 1):  # (vLLM 0.12 dropped it; 0.11 refused it past 1)
         raise InvalidRequestError("best_of", "only best_of=1 is supported")
     if body.get("stream_options") is not None and not body.get("stream"):
         raise InvalidRequestError("stream_options", "only with stream: true")
