@@ -101,6 +101,8 @@ class RemoteKVDone:
     num_cached_tokens: int = 0
     transfer: int = 0
     prompt_logprobs: tuple[TokenLogprobs, ...] | None = None  # one per prompt position after the first
+    # With n > 1: the first tokens of sequences 1..n-1 (sampled from the same logits, each with its seed)
+    forks: tuple[tuple[int, TokenLogprobs | None], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -45,7 +45,7 @@ from pdserve.engine.loading.sources import LoadedModel, load_model
 from pdserve.engine.lora import AdapterRegistry
 from pdserve.engine.lora_slots import LoraSlots
 from pdserve.engine.model.attention import AttentionFn, ragged_paged_attention_reference
-from pdserve.engine.model.sampler import mask_words
+from pdserve.engine.model.sampler import mask_words, token_mask
 from pdserve.engine.model.sharding import make_mesh
 from pdserve.engine.model.tpu_attention import kernel_attention, kernel_unsupported
 from pdserve.engine.model.weights import build_weights
@@ -235,6 +235,10 @@ class LLMEngine:
                     f"{len(prompt_ids)} prompt tokens x {params.prompt_logprobs + 1} logprobs: the limit is "
                     f"{MAX_PROMPT_LOGPROB_ENTRIES} entries",
                 )
+        if params.n > self.config.max_num_seqs:
+            raise InvalidRequestError(
+                "n", f"{params.n} sequences: max_num_seqs ({self.config.max_num_seqs}) decode together"
+            )
         if len(prompt_ids) + params.max_tokens > self.config.max_model_len:
             raise InvalidRequestError(
                 "max_tokens",
@@ -256,10 +260,19 @@ class LLMEngine:
             stop_token_ids=stop_ids,
             cache_salt=cache_salt or None,
             prompt_logprobs=None if params.prompt_logprobs is None else [None] * len(prompt_ids),
+            bad_word_ids=self._bad_word_ids(params.bad_words),
         )
         if self.config.enable_prefix_caching:  # off the engine thread: a Preparer's (services.prepare)
             request.extend_block_hashes(self.config.block_size)
         return request
+
+    def _bad_word_ids(self, words: Sequence[str]) -> tuple[tuple[int, ...], ...]:
+        """Each bad word's tokens, as given (its leading spaces dropped) and after a space (vLLM's two
+        spellings of a word at a text's start and inside it), without repeats."""
+        spellings = {
+            tuple(self.tokenizer.encode(text)) for w in words for text in (w.lstrip(), " " + w.lstrip())
+        }
+        return tuple(sorted(s for s in spellings if s))
 
     @functools.cached_property
     def constraints(self) -> ConstraintCompiler:
@@ -283,7 +296,8 @@ class LLMEngine:
 
         Idempotent; on the engine thread it runs after every command submitted before it, so a request
         added by a command still in flight when its caller was cancelled is removed too."""
-        self._streams.pop(request_id, None)
+        for key in [k for k in self._streams if k == request_id or k.startswith(f"{request_id}#")]:
+            del self._streams[key]  # (its forked sequences' too)
         self.kv_connector.forget(request_id)
         return self.scheduler.abort(request_id, reason, error) is not None
 
@@ -374,6 +388,7 @@ class LLMEngine:
             sampled = self._execute(scheduled)
             for request, token in self.scheduler.update_from_output(scheduled, sampled):
                 self._outputs.tokens.append(self._emit(request, token))
+            self._copy_blocks()
             # the connector's worker side: the KV of prompts computed in part, then of finished ones
             for row in scheduled.rows:
                 request = self.scheduler.requests.get(row.request_id)
@@ -421,6 +436,12 @@ class LLMEngine:
         if not indices:
             return {}
         samplers = [self.scheduler.requests[scheduled.rows[i].request_id] for i in indices]
+        forked: dict[str, list[Request]] = {}  # a first token with n > 1: n rows from the same logits
+        for i, request in list(zip(indices, samplers, strict=True)):
+            if request.forks_pending:
+                forked[request.request_id] = self._forks(request)
+                indices += [i] * len(forked[request.request_id])
+                samplers += forked[request.request_id]
         sample_rows = [
             SampleRow(r.params, r.seed, r.num_tokens, r.prompt_ids, r.output_ids) for r in samplers
         ]
@@ -443,7 +464,27 @@ class LLMEngine:
                 out[request.request_id] = SampledToken(token, None, FinishReason.ERROR, error)
                 continue
             out[request.request_id] = SampledToken(token, logprobs, finish)
+        for rid, children in forked.items():
+            forks = tuple((c, out.pop(c.request_id)) for c in children)
+            out[rid] = dataclasses.replace(out[rid], forks=forks)
         return out
+
+    def _forks(self, request: Request) -> list[Request]:
+        """Sequences 1..n-1 of a request about to sample its first token (each with its own detokenizer
+        and matcher); the scheduler adopts them with their first tokens."""
+        children = []
+        for index in range(1, request.params.n):
+            constraint = request.params.constraint
+            matcher = None if constraint is None else self.constraints.matcher(constraint)
+            children.append(request.fork(index, matcher))
+            self._streams[children[-1].request_id] = OutputStream(children[-1], self.tokenizer)
+        return children
+
+    def _copy_blocks(self) -> None:
+        """Makes the block copies forks asked for, before a step writes into them."""
+        copies = self.scheduler.take_block_copies()
+        if copies:
+            self.runner.copy_blocks(copies)
 
     def _score_prompts(self, scheduled: SchedulerOutput) -> None:
         """The step's prompt positions of requests with prompt_logprobs: each position's logits score the
@@ -471,17 +512,30 @@ class LLMEngine:
 
     def _allowed_tokens(self, samplers: list[Request]) -> np.ndarray | None:
         """The sampling rows' allowed-token bitmasks (all ones where unconstrained and not held); None:
-        every token, every row. A row short of its min_tokens has its stop tokens held back, unless
-        that would leave nothing (a constraint that allows only EOS ends it as a dead end)."""
+        every token, every row. A constraint's mask is narrowed to the request's allowed_token_ids, then
+        its bad words' next tokens are banned; a row short of its min_tokens has its stop tokens held back,
+        unless that would leave nothing (a constraint that allows only EOS ends it as a dead end)."""
         rows = [i for i, r in enumerate(samplers) if r.matcher is not None]
+        narrowed = [i for i, r in enumerate(samplers) if r.params.allowed_token_ids or r.bad_word_ids]
         held = [
             i for i, r in enumerate(samplers) if len(r.output_ids) < r.params.min_tokens and r.stop_token_ids
         ]
-        if not rows and not held:
+        if not rows and not held and not narrowed:
             return None
-        allowed = np.full((len(samplers), mask_words(self.model.config.vocab_size)), -1, np.int32)
+        vocab = self.model.config.vocab_size
+        allowed = np.full((len(samplers), mask_words(vocab)), -1, np.int32)
         if rows:
             allowed[rows] = self.constraints.fill([samplers[i].matcher for i in rows])
+        for i in narrowed:
+            request, row = samplers[i], allowed[i].view(np.uint32)
+            if request.params.allowed_token_ids:
+                row &= token_mask(request.params.allowed_token_ids, vocab).view(np.uint32)
+            output, banned = request.output_ids, row.copy()
+            for word in request.bad_word_ids:  # its last token, where the output ends with the rest
+                if len(word) <= len(output) + 1 and output[len(output) + 1 - len(word) :] == list(word[:-1]):
+                    banned[word[-1] // 32] &= np.uint32(0xFFFFFFFF ^ (1 << (word[-1] % 32)))
+            if banned.any():  # (bad words that would leave nothing are not banned)
+                row[:] = banned
         for i in held:
             row = allowed[i].copy().view(np.uint32)
             for token in samplers[i].stop_token_ids:
@@ -577,10 +631,17 @@ class LLMEngine:
         request.num_cached_tokens = done.num_cached_tokens
         if done.prompt_logprobs is not None and request.prompt_logprobs is not None:
             request.prompt_logprobs = [None, *done.prompt_logprobs]
+        if len(done.forks) != (request.params.n - 1 if request.forks_pending else 0):
+            raise ValueError(f"{len(done.forks)} forked first tokens for a request of n={request.params.n}")
+        forks = []
+        for child, (fork_token, fork_logprobs) in zip(self._forks(request), done.forks, strict=True):
+            child_finish = self._consume(child, fork_token) if child.matcher is not None else None
+            forks.append((child, SampledToken(fork_token, fork_logprobs, child_finish)))
         finish = self._consume(request, done.token) if request.matcher is not None else None
-        token = SampledToken(done.token, done.logprobs, finish)
-        self.scheduler.remote_kv_arrived(done.request_id, token)
-        self._outputs.tokens.append(self._emit(request, token))
+        token = SampledToken(done.token, done.logprobs, finish, forks=tuple(forks))
+        for started, first in self.scheduler.remote_kv_arrived(done.request_id, token):
+            self._outputs.tokens.append(self._emit(started, first))
+        self._copy_blocks()
 
     def _insert_kv(self, insert: InsertKV) -> bool:
         """Writes one arriving KV chunk into the request's blocks; False (nothing written) when the request
@@ -626,7 +687,8 @@ class LLMEngine:
         lora: str | Sequence[str | None] | None = None,
         cache_salt: str | None = None,
     ) -> list[FinishedSequence]:
-        """Runs prompts to completion together (continuous batching); results in prompt order.
+        """Runs prompts to completion together (continuous batching); results in prompt order, and a
+        prompt's n sequences (SamplingParams.n) in index order.
 
         `lora`: one adapter name for all prompts, or one per prompt (None: the base model). `cache_salt`:
         the tenant's prefix-cache salt for all of them (None: unsalted)."""
@@ -638,12 +700,14 @@ class LLMEngine:
             self.add_request(p, sp, lora=name, cache_salt=cache_salt)
             for p, sp, name in zip(prompts, params, lora, strict=True)
         ]
-        done: dict[str, FinishedSequence] = {
-            rid: FinishedSequence(rid, self.scheduler.requests[rid].prompt_ids, [], "", None) for rid in ids
-        }
+        done: dict[tuple[str, int], FinishedSequence] = {}
+        for rid, sp in zip(ids, params, strict=True):
+            for index in range(sp.n):
+                prompt_ids = self.scheduler.requests[rid].prompt_ids
+                done[rid, index] = FinishedSequence(rid, prompt_ids, [], "", None, index=index)
         while any(c.finish_reason is None for c in done.values()):
             for output in self.step().tokens:
-                completion = done.get(output.request_id)
+                completion = done.get((output.request_id, output.index))
                 if completion is None:
                     continue
                 completion.token_ids += output.new_token_ids
@@ -654,7 +718,7 @@ class LLMEngine:
                     completion.prompt_logprobs = output.prompt_logprobs
                 if output.finished:
                     completion.finish_reason = output.finish_reason.value
-        return [done[rid] for rid in ids]
+        return list(done.values())
 
 
 @dataclasses.dataclass
@@ -669,6 +733,7 @@ class FinishedSequence:
     logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # with SamplingParams.prompt_logprobs
+    index: int = 0  # which of the prompt's n sequences
 
 
 def _failure(request: Request, what: str, error: Exception) -> str:

@@ -42,6 +42,14 @@ log = logging.getLogger(__name__)
 # the colocated `serve` shape) reuse each other's compilations. The cache keeps its input sharding.
 _jitted_step = jax.jit(forward_step, static_argnames=("cfg", "attention"), donate_argnames=("cache",))
 _jitted_scores = jax.jit(prompt_scores, static_argnames=("cfg", "num_top"))
+# Block copies (a forked sequence's own copy of its parent's partial block) go in padded batches of these
+COPY_BUCKETS = (4, 16, 64)
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def _copy_blocks(cache: jax.Array, src: jax.Array, dst: jax.Array) -> jax.Array:
+    """Every row's block src[i] copied onto block dst[i] (padding repeats a pair: the same write twice)."""
+    return cache.at[:, dst].set(cache[:, src])
 
 
 @dataclasses.dataclass
@@ -109,6 +117,10 @@ class ModelRunner:
         """Every (rows, penalties) the sampler is compiled for (engine.model.sampler: one variant each)."""
         rows = sorted({s for _, s in self.step_shapes()})
         return list(itertools.product(rows, (False, True)))
+
+    def copy_shapes(self) -> tuple[int, ...]:
+        """Every number of block copies copy_blocks is compiled for (larger batches go in pieces)."""
+        return COPY_BUCKETS
 
     @functools.cached_property
     def block_table_width(self) -> int:
@@ -181,31 +193,54 @@ class ModelRunner:
         allowed: np.ndarray | None = None,
     ) -> SampleResult:
         """Samples `rows` from rows `logits_rows` (default 0..) of `logits`, each among the tokens its row of
-        `allowed` (engine.model.sampler's bitmasks; None: all) lets through; returns host numpy results."""
-        params = [r.params for r in rows]
-        penalties = any(p.needs_penalties for p in params)
-        history = [(r.prompt_ids, r.output_ids) for r in rows] if penalties else None
-        batch = SamplingBatch.build(
-            params,
-            logits_rows if logits_rows is not None else list(range(len(rows))),
-            [r.seed for r in rows],
-            [r.position for r in rows],
-            history,
-            logits.shape[0],
-            self.model.vocab_size,
-            allowed,
-        )
-        result = jax.device_get(self.run_sample(logits, batch))
-        n = len(rows)
-        return SampleResult(
-            result.tokens[:n], result.logprob[:n], result.top_ids[:n], result.top_logprobs[:n]
-        )
+        `allowed` (engine.model.sampler's bitmasks; None: all) lets through; returns host numpy results.
+        More rows than logits (n > 1 forks sample one row's logits n times) go in batches of the logits'
+        size: the sampler's compiled shapes are the steps'."""
+        logits_rows = logits_rows if logits_rows is not None else list(range(len(rows)))
+        size = logits.shape[0]
+        parts = []
+        for start in range(0, len(rows), size):
+            part = rows[start : start + size]
+            params = [r.params for r in part]
+            penalties = any(p.needs_penalties for p in params)
+            batch = SamplingBatch.build(
+                params,
+                logits_rows[start : start + size],
+                [r.seed for r in part],
+                [r.position for r in part],
+                [(r.prompt_ids, r.output_ids) for r in part] if penalties else None,
+                size,
+                self.model.vocab_size,
+                None if allowed is None else allowed[start : start + size],
+            )
+            result = jax.device_get(self.run_sample(logits, batch))
+            parts.append(
+                [
+                    field[: len(part)]
+                    for field in (result.tokens, result.logprob, result.top_ids, result.top_logprobs)
+                ]
+            )
+        return SampleResult(*(np.concatenate(column) for column in zip(*parts, strict=True)))
 
     def run_sample(self, logits: jax.Array, batch: SamplingBatch) -> SampleResult:
         """The compiled sampler (results on device, replicated); published first (engine.multihost)."""
         if self.publish is not None:
             self.publish(multihost.sample_op(batch))
         return sample(logits, batch, num_logprobs=self.config.max_logprobs)
+
+    def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
+        """Copies blocks (source, destination) in every cache row (Scheduler.take_block_copies)."""
+        for start in range(0, len(copies), COPY_BUCKETS[-1]):
+            part = list(copies[start : start + COPY_BUCKETS[-1]])
+            part += [part[0]] * (bucket_for(len(part), COPY_BUCKETS) - len(part))
+            src, dst = (np.asarray(column, np.int32) for column in zip(*part, strict=True))
+            self.run_copy_blocks(src, dst)
+
+    def run_copy_blocks(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """One padded batch of copy_blocks; published first (engine.multihost)."""
+        if self.publish is not None:
+            self.publish(DeviceOp("copy_blocks", {"src": src, "dst": dst}))
+        self.cache = _copy_blocks(self.cache, src, dst)
 
     # ---- KV in and out (engine.core.kv_connector) ----------------------------------------------------------
     def gather_kv(
@@ -290,7 +325,7 @@ class ModelRunner:
         shapes = self.step_shapes()
         sampler_shapes = self.sampler_shapes()
         score_shapes = self.score_shapes()
-        total = len(shapes) + len(score_shapes) + len(sampler_shapes)
+        total = len(shapes) + len(score_shapes) + len(sampler_shapes) + len(self.copy_shapes())
         bar = tqdm(total=total, desc="compiling", disable=not progress, unit="shape")
         for shape in shapes:
             self._compile_step(shape[0])
@@ -311,6 +346,10 @@ class ModelRunner:
             params = SamplingParams(temperature=1.0, repetition_penalty=1.1 if penalties else 1.0)
             logits = jax.device_put(np.zeros((b, vocab), np.float32), named(self.mesh))
             self.sample(logits, [SampleRow(params, 0, 0, [1], [])])
+            bar.update()
+        for size in self.copy_shapes():
+            index = np.zeros(size, np.int32)  # (host arrays, as at run time: the same executable)
+            _copy_blocks.lower(self.cache, index, index).compile()
             bar.update()
         if self.lora is not None:
             self.lora.warmup()  # the adapter slot write (a run-time load must not compile)

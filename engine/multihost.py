@@ -38,7 +38,7 @@ from pdserve.engine.sampling_params import MAX_LOGIT_BIAS
 from pdserve.kvtransfer import MAX_FRAME_BYTES, HeadMap, KVChunk
 from pdserve.kvtransfer.plan import FramePlan
 
-OP_KINDS = ("step", "prompt_scores", "sample", "gather_kv", "insert_kv", "lora_write", "stop")
+OP_KINDS = ("step", "prompt_scores", "sample", "gather_kv", "insert_kv", "copy_blocks", "lora_write", "stop")
 
 
 @dataclasses.dataclass
@@ -187,6 +187,9 @@ class Follower:
             result = [c.data for c in runner.gather_kv(self.layout, **gather_kwargs(op))]
         elif op.kind == "insert_kv":
             runner.insert_kv(*insert_args(op))
+            result = runner.cache
+        elif op.kind == "copy_blocks":
+            runner.run_copy_blocks(op.arrays["src"], op.arrays["dst"])
             result = runner.cache
         else:  # lora_write
             self.engine.lora_slots.write(op.arrays, op.args["slot"])

@@ -59,6 +59,9 @@ class SamplingParams:
     """How to pick tokens and when to stop. temperature == 0 is greedy."""
 
     temperature: float = 1.0
+    # Sequences generated from the prompt: one prefill, then its KV is forked (engine.core.scheduler);
+    # sequence i samples with seed child_seed(seed, i)
+    n: int = 1
     top_k: int = 0  # 0: off
     top_p: float = 1.0
     min_p: float = 0.0
@@ -71,6 +74,10 @@ class SamplingParams:
     # (token id, bias) pairs: the bias, in [-100, 100], is added to the token's logit before sampling
     logit_bias: tuple[tuple[int, float], ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    allowed_token_ids: tuple[int, ...] = ()  # only these may be sampled (empty: any)
+    # Never generated: a word's last token is banned where the output ends with the tokens before it (each
+    # word as it is and after a space, tokenized by the engine: Request.bad_word_ids), vLLM's bad_words
+    bad_words: tuple[str, ...] = ()
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # top-n logprobs per token (0: only the sampled token's)
@@ -106,6 +113,10 @@ class SamplingParams:
         token_bound = Bound(0, (vocab_size or 2**31) - 1, what="token id")
         for token in self.stop_token_ids:
             token_bound.check("stop_token_ids", token)
+        for token in self.allowed_token_ids:
+            token_bound.check("allowed_token_ids", token)
+        if not all(isinstance(w, str) and w.strip() for w in self.bad_words):
+            raise InvalidRequestError("bad_words", "bad words must be non-blank strings")
         if not all(isinstance(s, str) and s for s in self.stop):
             raise InvalidRequestError("stop", "stop strings must be non-empty strings")
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
@@ -166,4 +177,11 @@ BOUNDS: dict[str, Bound] = {
     "seed": Bound(0, 2**63 - 1, also=(None,)),
     "max_tokens": Bound(1, INT32_MAX),
     "min_tokens": Bound(0, INT32_MAX),
+    "n": Bound(1, 256),  # and at most the engine's max_num_seqs (make_request): they decode together
 }
+
+
+def child_seed(seed: int, index: int) -> int:
+    """The seed of sequence `index` of a request with n > 1 whose resolved seed is `seed` (vLLM's seed +
+    index: sequence 0 samples as the same request with n = 1 would)."""
+    return (seed + index) % 2**63

@@ -82,7 +82,9 @@ def cmd_adapters(args: argparse.Namespace) -> int:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     """`pdserve generate`: the colocated engine here, or a decode-server with --server; streams the text
-    or prints one JSON record (Completion.record: the same fields in both modes)."""
+    or prints one JSON record (Completion.record: the same fields in both modes). With --n N, the first
+    sequence streams and the others follow it, each under a `--- sequence i ---` line (--json: a record a
+    line, in index order)."""
     import grpc
 
     from pdserve.engine.sampling_params import InvalidRequestError
@@ -90,7 +92,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     request = generate_request(args)
 
     def show(response) -> None:
-        if not args.json:
+        if not args.json and response.index == 0:
             print(response.text, end="", flush=True)
 
     startup_s = None
@@ -99,20 +101,25 @@ def cmd_generate(args: argparse.Namespace) -> int:
             client = client_from_flags(args)
             if client is None:
                 return 2
-            completion = client.generate_request(request, on_response=show)
+            completions = client.generate_sequences(request, on_response=show)
         else:
             params_from_request(request).validate()  # bad flags fail before a model is loaded
             t0 = time.perf_counter()
             engine = local_engine(args)
             startup_s = time.perf_counter() - t0
-            completion = generate_locally(engine, request, on_response=show)
+            completions = generate_locally(engine, request, on_response=show)
     except InvalidRequestError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except grpc.RpcError as e:
         print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
         return 2
-    print(json.dumps(completion.record(startup_s)) if args.json else "")
+    if args.json:
+        print("\n".join(json.dumps(c.record(startup_s)) for c in completions))
+        return 0
+    for index, completion in enumerate(completions[1:], 1):
+        print(f"\n--- sequence {index} ---\n{completion.text}", end="")
+    print()
     return 0
 
 
@@ -130,7 +137,8 @@ def local_engine(args: argparse.Namespace):
 
 def generate_locally(engine, request, on_response=None):
     """Runs a GenerateRequest on a colocated engine exactly as a decode-server would (same prompt
-    rendering, same sampling mapping, same responses); returns its pdserve.services.client.Completion."""
+    rendering, same sampling mapping, same responses); returns a pdserve.services.client.Completion per
+    sequence (its n, in index order)."""
     from pdserve.services import wire
     from pdserve.services.client import Completion
 
@@ -140,15 +148,17 @@ def generate_locally(engine, request, on_response=None):
     )
     rid = engine.add_prepared_request(engine_request)
     prompt_ids = engine_request.prompt_ids if request.return_prompt_ids else ()
-    start, completion = time.perf_counter(), Completion()
-    while completion.finish_reason is None:
+    start = time.perf_counter()
+    completions = [Completion() for _ in range(engine_request.params.n)]
+    while any(c.finish_reason is None for c in completions):
         for output in engine.step().tokens:
-            response = wire.output_to_response(output, rid, prompt_ids)
-            prompt_ids = ()  # on the first response only
-            completion.add(response, time.perf_counter() - start)
+            response = wire.output_to_response(output, rid, prompt_ids if output.index == 0 else ())
+            if output.index == 0:
+                prompt_ids = ()  # on the first response only
+            completions[output.index].add(response, time.perf_counter() - start)
             if on_response is not None:
                 on_response(response)
-    return completion
+    return completions
 
 
 def cmd_models(args: argparse.Namespace) -> int:

@@ -12,6 +12,7 @@ import sys
 from pdserve.engine.compile_cache import configure_jax
 from pdserve.engine.distributed import ProcessGroup, add_distributed_args, join, process_group
 from pdserve.flags import add_config_flags, add_engine_args, config_from_flags, engine_config, load_adapters
+from pdserve.services.decode.openai.reasoning import PARSERS as REASONING_PARSERS
 from pdserve.services.decode.tool_formats import PARSERS
 from pdserve.services.sampling import add_limit_flags, limits_from_flags
 
@@ -315,6 +316,18 @@ def decode_args(parser: argparse.ArgumentParser) -> None:
         help="how the model writes tool calls, for tool_choice auto (auto: what its chat template asks for)",
     )
     parser.add_argument(
+        "--reasoning-parser",
+        choices=REASONING_PARSERS,
+        help="split a thinking model's reasoning into the chat message's `reasoning` (default: off)",
+    )
+    parser.add_argument(
+        "--generation-config",
+        default="auto",
+        metavar="auto|vllm|FOLDER",
+        help="the HTTP API's default sampling parameters: auto, the model folder's generation_config.json "
+        "(vLLM's default); vllm, none (OpenAI's defaults); or a folder's generation_config.json",
+    )
+    parser.add_argument(
         "--http-timeout",
         type=float,
         default=600.0,
@@ -398,12 +411,30 @@ def run_decode_server(core, args: argparse.Namespace, security, leader=None) -> 
 
     options = serve_options(args, security, "decode")
     http = dict(
+        sampling_defaults=sampling_defaults(args.generation_config, core.engine.model.path),
         http_port=None if args.no_http else args.http_port,
         http_plaintext=args.http_plaintext,
         tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
         http_timeout_s=args.http_timeout,
     )
     run_daemon(leader, lambda stop: serve(core, args.port, stop, **http, **options))
+
+
+def sampling_defaults(choice: str, model_path) -> dict:
+    """--generation-config: the HTTP API's default sampling parameters (engine.loading.sources.
+    generation_defaults), said on stdout when there are some."""
+    from pdserve.engine.loading.sources import generation_defaults
+
+    if choice == "vllm":
+        return {}
+    folder = model_path if choice == "auto" else choice
+    if choice != "auto" and not os.path.isfile(os.path.join(folder, "generation_config.json")):
+        raise SystemExit(f"--generation-config {choice}: no generation_config.json there")
+    defaults = generation_defaults(folder)
+    if defaults:
+        print(f"default sampling parameters from {folder}/generation_config.json: {defaults}", flush=True)
+    return defaults
 
 
 def serve_main(args: argparse.Namespace) -> int:

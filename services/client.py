@@ -185,14 +185,23 @@ class Client:
     def generate_request(
         self, request: pb.GenerateRequest, timeout: float | None = None, on_response=None
     ) -> Completion:
-        """Runs a built request to completion; `on_response(r)` sees each GenerateResponse as it arrives."""
+        """Runs a built request (of one sequence) to completion; `on_response(r)` sees each
+        GenerateResponse as it arrives."""
+        if request.sampling.n > 1:
+            raise ValueError("a request of n > 1 sequences: use generate_sequences")
+        return self.generate_sequences(request, timeout, on_response)[0]
+
+    def generate_sequences(
+        self, request: pb.GenerateRequest, timeout: float | None = None, on_response=None
+    ) -> list[Completion]:
+        """Runs a built request to completion: one Completion per sequence (its n, in index order)."""
         start = time.perf_counter()
-        completion = Completion()
+        completions: dict[int, Completion] = {}
         for response in self.stream(request, timeout=timeout):
-            completion.add(response, time.perf_counter() - start)
+            completions.setdefault(response.index, Completion()).add(response, time.perf_counter() - start)
             if on_response is not None:
                 on_response(response)
-        return completion
+        return [completions[i] for i in sorted(completions)]
 
     def stats(self, timeout: float | None = 30.0) -> admin_pb2.ServerStats:
         """The daemon's Admin.GetStats: blocks used and free, queues, requests and transfer totals."""

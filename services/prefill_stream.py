@@ -42,7 +42,7 @@ class PrefillStream:
     `request` comes from engine.make_request with the caller's seed and max_tokens=1 (the rest of its
     stop conditions are the decode side's business).
     Use: `await start()`; take the chunks (`chunks()` on a
-    thread, or `achunks()`), which arrive while later prompt chunks compute; `await first_token()`;
+    thread, or `achunks()`), which arrive while later prompt chunks compute; `await first_tokens()`;
     `close()` always (it aborts the request and frees its blocks when it has not finished). When the engine
     fails on the request, or stops, the chunks and the first token raise PrefillFailed / EngineStopped.
     """
@@ -61,7 +61,8 @@ class PrefillStream:
         self.send = SendKV(head_map, max_frame_bytes, first_block)
         self.num_tokens = len(request.prompt_ids) - first_block * loop.engine.config.block_size
         self._chunks: queue.Queue = queue.Queue()  # KVChunk ..., then None (all sent), _CLOSED or an error
-        self._first: asyncio.Future | None = None  # the first token's output (or the failure)
+        self._first: asyncio.Future | None = None  # the first tokens' outputs (or the failure)
+        self._firsts: dict[int, RequestOutput] = {}  # by sequence index, until all n are in
         self._watcher: asyncio.Task | None = None
         self._finished = False
         self.num_chunks_after_compute = 0  # handed over when the last prompt chunk was computed
@@ -75,8 +76,8 @@ class PrefillStream:
 
     async def _watch(self, outputs: asyncio.Queue) -> None:
         """Reads the request's stream: KV chunks go to the chunks' consumer as they come; the first
-        token's output resolves first_token(); a failure (the request's or the engine's) also wakes the
-        chunks' consumer with it."""
+        tokens' outputs (n of them) resolve first_tokens(); a failure (the request's or the engine's) also
+        wakes the chunks' consumer with it."""
         while True:
             output = await outputs.get()
             if isinstance(output, KVReady):
@@ -97,8 +98,9 @@ class PrefillStream:
                 if not self._first.done():
                     self._first.set_exception(error)
                 return
-            if not self._first.done():
-                self._first.set_result(output)
+            self._firsts[output.index] = output
+            if len(self._firsts) == self.request.params.n and not self._first.done():
+                self._first.set_result([self._firsts[i] for i in range(len(self._firsts))])
 
     def chunks(self) -> Iterator[KVChunk]:
         """The chunks in plan order, blocking until each is computed (a producer thread's source); ends
@@ -121,8 +123,9 @@ class PrefillStream:
                 return
             yield chunk
 
-    async def first_token(self) -> RequestOutput:
-        """The first token's output (after the last chunk: the request finished with it)."""
+    async def first_tokens(self) -> list[RequestOutput]:
+        """The first token's output of each of the request's n sequences, in index order (after the last
+        chunk: the request finished with them)."""
         output = await self._first
         self._finished = True
         return output

@@ -69,6 +69,9 @@ FIELDS: tuple[Field, ...] = (
         "leave special tokens out of the text (default)",
         optional=True,
     ),
+    Field(
+        "n", int, "sampling", "sequences from one prompt (one prefill, KV forked); unset: 1", optional=True
+    ),
     Field("max_tokens", int, "request", f"tokens to generate; 0 or unset: {DEFAULT_MAX_TOKENS}"),
     Field(
         "min_tokens", int, "sampling", "tokens generated before a stop token may be (EOS held back); 0: off"
@@ -82,6 +85,17 @@ FIELDS: tuple[Field, ...] = (
     ),
     Field("stop", str, "stop", "stop string, not included in the output (repeatable)", repeated=True),
     Field("stop_token_ids", int, "stop", "stop token id (repeatable)", repeated=True, flag="--stop-token-id"),
+    Field(
+        "allowed_token_ids",
+        int,
+        "sampling",
+        "only these token ids may be generated (repeatable)",
+        repeated=True,
+        flag="--allowed-token-id",
+    ),
+    Field(
+        "bad_words", str, "sampling", "a word never generated (repeatable)", repeated=True, flag="--bad-word"
+    ),
     Field("ignore_eos", bool, "stop", "keep generating past EOS"),
 )
 FIELD_NAMES = frozenset(f.name for f in FIELDS)
@@ -107,6 +121,8 @@ class Limits:
     max_stop_strings: int = 64
     max_stop_string_chars: int = 512
     max_stop_token_ids: int = 256
+    max_bad_words: int = 256
+    max_bad_word_chars: int = 256
     max_request_id_chars: int = 256  # printable ASCII without spaces (it goes into logs and KV frames)
     max_tools: int = 128
     max_chat_messages: int = 4096
@@ -118,6 +134,9 @@ class Limits:
         longest = max((len(s) for s in params.stop if isinstance(s, str)), default=0)
         _at_most("stop", longest, self.max_stop_string_chars, "characters in a stop string")
         _at_most("stop_token_ids", len(params.stop_token_ids), self.max_stop_token_ids, "stop token ids")
+        _at_most("bad_words", len(params.bad_words), self.max_bad_words, "bad words")
+        longest = max((len(w) for w in params.bad_words if isinstance(w, str)), default=0)
+        _at_most("bad_words", longest, self.max_bad_word_chars, "characters in a bad word")
 
     def check_request_id(self, request_id: str, field: str = "request_id") -> str:
         """A client's request id (a label in logs, responses and KV frames, never an engine key)."""

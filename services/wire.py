@@ -208,6 +208,7 @@ def output_to_response(
         text=output.text,
         finish_reason=FINISH_REASONS[output.finish_reason],
         logprobs=[logprobs_to_proto(lp) for lp in output.logprobs],
+        index=output.index,
     )
     if output.prompt_logprobs is not None:  # (the first position has none)
         response.prompt_logprobs.extend(logprobs_to_proto(lp) for lp in output.prompt_logprobs[1:])

@@ -255,11 +255,13 @@ def prefill(model_path, log_dir):
 
 @pytest.fixture(scope="session")
 def decode(model_path, prefill, log_dir):
-    """A decode-server on `prefill` with /metrics, the OpenAI HTTP API and JSON logs, shared by every
-    daemon test that only sends it requests."""
+    """A decode-server on `prefill` with /metrics, the OpenAI HTTP API (Qwen3's reasoning parser: an output
+    thinks only when it starts with <think>) and JSON logs, shared by every daemon test that only sends it
+    requests."""
     from pdserve.testing.launch import decode_server
 
     extra = ["--max-num-seqs", "32", "--metrics-port", "0", "--http-port", "0", "--log-format", "json"]
+    extra += ["--reasoning-parser", "qwen3"]
     daemon = decode_server(model_path, prefill.address, log_dir, extra=extra)
     yield daemon
     assert daemon.terminate() == 0

@@ -234,6 +234,34 @@ class KVCacheManager:
                 )
             )
 
+    def fork(self, parent_id: str, child_id: str, num_tokens: int) -> list[tuple[int, int]] | None:
+        """Gives `child_id` a table for the parent's first `num_tokens` tokens (its prompt): the blocks they
+        fill wholly are shared (a reference each), the partial last one and every ring block (hybrid
+        models; a ring is overwritten in place) are new blocks the caller fills by device copies. Returns
+        those copies, (source, destination) block ids; None (nothing changed) when the pool is short."""
+        table = self._tables[parent_id]
+        full = num_tokens // self.block_size
+        partial = blocks_for_tokens(num_tokens, self.block_size) - full
+        if partial + sum(len(r) for r in table.rings) > self.pool.num_available:
+            return None
+        child = _Table(
+            block_ids=table.block_ids[:full],
+            hashes=table.hashes[:full],
+            num_registered=min(table.num_registered, full),
+            num_released=min(table.num_released, full),
+        )
+        self.pool.touch(child.block_ids[child.num_released :])
+        copies = []
+        if partial:
+            (block,) = self.pool.allocate(1)
+            copies.append((table.block_ids[full], block))
+            child.block_ids.append(block)
+        for ring in table.rings:
+            child.rings.append(self.pool.allocate(len(ring)))
+            copies.extend(zip(ring, child.rings[-1], strict=True))
+        self._tables[child_id] = child
+        return copies
+
     def release_before(self, request_id: str, num_blocks: int) -> None:
         """Gives back the references of the request's first `num_blocks` blocks, which none of its queries
         reads any more (every layer attends within a sliding window). They keep their places in its table:

@@ -26,12 +26,13 @@ class RequestOutput:
     # at the first)
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     queue_s: float | None = None  # the first output's: seconds from arrival to admission (vLLM's queue time)
+    index: int = 0  # which of the request's n sequences (SamplingParams.n) this output continues
 
     @classmethod
     def failed(cls, request: Request) -> RequestOutput:
         """The last output of a request the engine failed on (FinishReason.ERROR, `request.error`)."""
         return cls(
-            request.request_id,
+            request.output_id,
             [],
             "",
             finished=True,
@@ -39,6 +40,7 @@ class RequestOutput:
             num_prompt_tokens=len(request.prompt_ids),
             num_output_tokens=len(request.output_ids),
             error=request.error,
+            index=request.index,
         )
 
 
@@ -65,7 +67,8 @@ class OutputStream:
         if finish_reason is not None and not self.matcher.stopped:
             text += self.matcher.feed(self.detokenizer.finish()) + self.matcher.flush()
         return RequestOutput(
-            request_id=r.request_id,
+            request_id=r.output_id,
+            index=r.index,
             new_token_ids=[token],
             text=text,
             finished=finish_reason is not None,

@@ -9,7 +9,7 @@ from typing import Any
 
 from pdserve.engine.core.kv_cache_manager import hash_blocks
 from pdserve.engine.lora.adapter import LoraAdapter
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling_params import SamplingParams, child_seed
 
 
 class Status(enum.Enum):
@@ -80,6 +80,40 @@ class Request:
     # Hashes of its full blocks so far, chained, with its adapter's key (extend_block_hashes): computed
     # once each, for the prefix cache's lookups and registrations, routing and a peer's held blocks
     block_hashes: list[int] = dataclasses.field(default_factory=list)
+    # params.bad_words in the model's tokens (each word as given and after a space), from make_request
+    bad_word_ids: tuple[tuple[int, ...], ...] = ()
+    # With params.n > 1: sequence `index` of the request `parent_id` (None: the request itself, sequence 0).
+    # Its outputs go out under the parent's id (RequestOutput.index says which sequence).
+    parent_id: str | None = None
+    index: int = 0
+
+    @property
+    def output_id(self) -> str:
+        """The id its outputs carry: its own, or its parent's for a forked sequence."""
+        return self.parent_id or self.request_id
+
+    @property
+    def forks_pending(self) -> bool:
+        """Its next token is its first and it asks for n > 1 sequences: that sampling forks it."""
+        return self.params.n > 1 and self.parent_id is None and not self.output_ids
+
+    def fork(self, index: int, matcher: Any = None) -> Request:
+        """Sequence `index` (1..n-1) of this request, before its first token: the same prompt, adapter,
+        salt and stop tokens, its own seed (child_seed) and `matcher` (a fresh one of the constraint).
+        Its blocks and its place in the queues are the scheduler's to give (Scheduler adopts it)."""
+        return dataclasses.replace(
+            self,
+            request_id=f"{self.request_id}#{index}",
+            seed=child_seed(self.seed, index),
+            output_ids=[],
+            logprobs=[],
+            status=Status.WAITING,
+            lora_slot=-1,
+            matcher=matcher,
+            block_hashes=list(self.block_hashes),
+            parent_id=self.request_id,
+            index=index,
+        )
 
     @property
     def all_ids(self) -> list[int]:

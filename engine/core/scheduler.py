@@ -49,12 +49,15 @@ class AdapterSlots(Protocol):
 class SampledToken:
     """A token for a request, sampled here (a step) or elsewhere (a prefill server's first token).
     `finish`: sampling itself ended the request (DEAD_END: its constraint allowed nothing more or refused
-    the token; STOP: its constraint is complete; ERROR: sampling failed on it, `error` says how)."""
+    the token; STOP: its constraint is complete; ERROR: sampling failed on it, `error` says how).
+    `forks`: for the first token of a request with n > 1, its other sequences (Request.fork) with their
+    first tokens, sampled from the same logits; the scheduler adopts them with this token."""
 
     token: int
     logprobs: TokenLogprobs | None = None
     finish: FinishReason | None = None
     error: str = ""
+    forks: tuple[tuple[Request, SampledToken], ...] = ()
 
 
 @dataclasses.dataclass
@@ -104,6 +107,9 @@ class Scheduler:
         self.remote: list[Request] = []  # WAITING_FOR_REMOTE_KV
         self.sending: list[Request] = []  # FINISHED_SENDING
         self.num_preemptions = 0
+        # (source, destination) blocks the device must copy before the next step: forked sequences' own
+        # copies of their parent's partial last block (take_block_copies)
+        self.block_copies: list[tuple[int, int]] = []
 
     # ---- counts ---------------------------------------------------------------------------------------
     @property
@@ -113,8 +119,10 @@ class Scheduler:
 
     @property
     def num_active(self) -> int:
-        """Requests holding blocks toward max_num_seqs."""
-        return len(self.running) + len(self.prefilling) + len(self.remote)
+        """Sequence slots taken toward max_num_seqs: requests holding blocks, and the sequences that a
+        request with n > 1 will fork into once its first tokens are out."""
+        pending = sum(_slots(r) - 1 for r in (*self.prefilling, *self.remote))
+        return len(self.running) + len(self.prefilling) + len(self.remote) + pending
 
     def block_ids(self, request_id: str) -> list[int]:
         return self.kv.block_ids(request_id)
@@ -137,6 +145,8 @@ class Scheduler:
         request = self.requests.get(request_id)
         if request is None:
             return None
+        for child in [r for r in self.requests.values() if r.parent_id == request_id]:  # its sequences
+            self.abort(child.request_id, reason, error)
         if request.finish_reason is None or reason is FinishReason.ERROR:
             request.finish_reason, request.error = reason, error or request.error
         self._finish(request, send=False)
@@ -159,9 +169,10 @@ class Scheduler:
             request.request_id, request.all_ids, request.num_computed, request.cache_key, lora_name, hashes
         )
 
-    def remote_kv_arrived(self, request_id: str, sampled: SampledToken) -> Request:
+    def remote_kv_arrived(self, request_id: str, sampled: SampledToken) -> list[tuple[Request, SampledToken]]:
         """Decode role: the prompt's KV is in the request's blocks and its first token was sampled
-        elsewhere: record the token and start decoding (the request may already be finished by it)."""
+        elsewhere: record the token and start decoding (the request may already be finished by it).
+        Returns the request and its token, then its forked sequences' (with n > 1)."""
         request = self.requests[request_id]
         if request.status is not Status.WAITING_FOR_REMOTE_KV:
             raise ValueError(f"request {request_id!r} is {request.status.value}, not waiting for KV")
@@ -171,8 +182,7 @@ class Scheduler:
         self._cache_blocks(request)
         request.status = Status.RUNNING
         self.running.append(request)
-        self._append_token(request, sampled)
-        return request
+        return self._append_token(request, sampled)
 
     def remote_kv_failed(self, request_id: str) -> None:
         """Decode role: no KV will arrive; the request is prefilled here, in the blocks it holds, after
@@ -242,22 +252,58 @@ class Scheduler:
                 first_read = max(0, request.num_computed - self.release_window) // bs
                 self.kv.release_before(request.request_id, first_read)
             if row.samples:
-                token = sampled[row.request_id]
-                self._append_token(request, token)
-                outputs.append((request, token))
+                outputs += self._append_token(request, sampled[row.request_id])
         return outputs
 
-    def _append_token(self, request: Request, sampled: SampledToken) -> None:
+    def take_block_copies(self) -> list[tuple[int, int]]:
+        """The block copies forks asked for since the last call (the engine makes them before the next
+        step, which may write into the copies)."""
+        copies, self.block_copies = self.block_copies, []
+        return copies
+
+    def _append_token(self, request: Request, sampled: SampledToken) -> list[tuple[Request, SampledToken]]:
+        """Appends the token (and adopts its forks, first); returns each request that got a token, with it."""
+        forks = [(self._adopt(request, child, token), token) for child, token in sampled.forks]
+        if self._record(request, sampled):
+            self._finish(request, send=True)
+        elif request in self.prefilling:
+            self.prefilling.remove(request)
+            self.running.append(request)
+        return [(request, sampled), *forks]
+
+    def _adopt(self, parent: Request, child: Request, sampled: SampledToken) -> Request:
+        """A sequence forked from `parent` (whose prompt is computed, its blocks full or arrived) with its
+        first token: it shares the parent's full prompt blocks and decodes on its own copy of the last
+        partial one. One that its first token ends holds nothing; when the pool is short of the copy it is
+        queued first as preempted (it recomputes its prompt, found in the prefix cache, and its token)."""
+        self.requests[child.request_id] = child
+        child.num_computed = len(child.prompt_ids)
+        child.num_cached_tokens, child.scheduled_time = parent.num_cached_tokens, parent.scheduled_time
+        if self._record(child, sampled):
+            self._release(child)
+            return child
+        copies = self.kv.fork(parent.request_id, child.request_id, len(child.prompt_ids))
+        if copies is None or not self.pin_adapter(child):  # (a parent's adapter is pinned: it gets a slot)
+            self.kv.free(child.request_id)
+            child.num_computed = 0
+            child.status = Status.PREEMPTED
+            self.waiting.appendleft(child)
+            return child
+        self.block_copies += copies
+        self._cache_blocks(child)
+        child.status = Status.RUNNING
+        self.running.append(child)
+        return child
+
+    def _record(self, request: Request, sampled: SampledToken) -> bool:
+        """Appends the token (and its logprobs); True when it ends the request (its reason recorded)."""
         request.output_ids.append(sampled.token)
         if sampled.logprobs is not None:
             request.logprobs.append(sampled.logprobs)
         reason = sampled.finish or self._stop_reason(request, sampled.token)
         if reason is not None:
             request.finish_reason, request.error = reason, sampled.error
-            self._finish(request, send=True)
-        elif request in self.prefilling:
-            self.prefilling.remove(request)
-            self.running.append(request)
+        return reason is not None
 
     def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
         """STOP for one of its stop tokens; LENGTH at max_tokens or the model's length."""
@@ -315,8 +361,10 @@ class Scheduler:
         prompts are being computed at once. Requests whose adapter has no free slot are passed over (later
         requests go first, these keep their place)."""
         passed = []
-        while self.waiting and self.num_active < self.config.max_num_seqs:
+        while self.waiting:
             request = self.waiting[0]
+            if self.num_active + _slots(request) > self.config.max_num_seqs:
+                break
             rid = request.request_id
             cached = []
             if self.kv.enable_caching:
@@ -377,3 +425,9 @@ class Scheduler:
         request.num_computed = 0
         request.status = Status.PREEMPTED
         self.waiting.appendleft(request)
+
+
+def _slots(request: Request) -> int:
+    """The sequence slots a request takes: n for one that forks into n sequences that decode (on a prefill
+    server, max_tokens 1, its forks end with their first tokens), else one."""
+    return request.params.n if request.forks_pending and request.params.max_tokens > 1 else 1

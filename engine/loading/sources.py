@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import logging
 import os
 import subprocess
@@ -149,3 +150,39 @@ def load_model(ref: str | os.PathLike | None = None) -> LoadedModel:
     else:
         tokenizer = Tokenizer.from_hf_folder(path)
     return LoadedModel(checkpoint.config, checkpoint, tokenizer, path)
+
+
+# generation_config.json's sampling keys that become a server's default sampling parameters, as vLLM takes
+# them (`--generation-config auto`), and the SamplingParams field each sets
+GENERATION_CONFIG_KEYS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+
+
+def generation_defaults(folder: str | os.PathLike) -> dict[str, float | int]:
+    """The sampling defaults a model's creator recommends: GENERATION_CONFIG_KEYS of `folder`'s
+    generation_config.json, keyed by SamplingParams field ({} when there is no such file, e.g. beside a GGUF
+    file). A file that is not a JSON object, or a value of the wrong type, is a CheckpointError naming it."""
+    path = Path(folder) / "generation_config.json"
+    if not Path(folder).is_dir() or not path.is_file():
+        return {}
+    try:
+        config = json.loads(path.read_text())
+    except ValueError as e:
+        raise CheckpointError(f"{path}: not JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path}: not a JSON object")
+    defaults = {}
+    for key, field in GENERATION_CONFIG_KEYS.items():
+        value = config.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise CheckpointError(f"{path}: {key} is {value!r}, not a number")
+        defaults[field] = int(value) if field in ("top_k", "max_tokens") else float(value)
+    return defaults

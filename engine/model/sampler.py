@@ -108,6 +108,19 @@ def mask_words(vocab_size: int) -> int:
     return -(-vocab_size // 32)
 
 
+def token_mask(token_ids, vocab_size: int) -> np.ndarray:
+    """The bitmask (int32 words) that allows exactly `token_ids`."""
+    bits = np.zeros(mask_words(vocab_size) * 32, bool)
+    bits[list(token_ids)] = True
+    return (
+        np.packbits(bits.reshape(-1, 32)[:, ::-1], axis=1)
+        .view(">u4")
+        .astype(np.uint32)
+        .view(np.int32)
+        .ravel()
+    )
+
+
 def _allowed_tokens(words: jax.Array, vocab: int) -> jax.Array:
     """[B, W] int32 bitmasks -> [B, vocab] bool."""
     bits = (words[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1

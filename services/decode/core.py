@@ -216,7 +216,8 @@ class GenerationCore:
         prefill_hint: str | None = None,
         label: str = "",
     ):
-        """Runs one request: prefill (remote or here), decode; yields its RequestOutputs. `prefill_hint`:
+        """Runs one request: prefill (remote or here), decode; yields its RequestOutputs (of its n
+        sequences, interleaved: RequestOutput.index; it ends when all have finished). `prefill_hint`:
         the replica an endpoint picker chose (`prefill_hint()`), preferred when it is one of the pool's;
         `label`: the client's id of it, for the log line (default: the engine's key).
 
@@ -226,6 +227,7 @@ class GenerationCore:
         rid = engine_request.request_id
         self.counters.num_requests_total += 1
         start, token_times, outcome = time.monotonic(), [], "abort"
+        unfinished = set(range(engine_request.params.n))
         outputs = self.loop.open_stream(rid)
         routed: dict = {}  # where it was prefilled, for the log line
         try:
@@ -244,8 +246,10 @@ class GenerationCore:
                     self.metrics.observe_output(output)
                 yield output
                 if output.finished:
-                    outcome = output.finish_reason.value
-                    return
+                    unfinished.discard(output.index)
+                    if not unfinished:
+                        outcome = output.finish_reason.value
+                        return
         except EngineStopped as e:
             outcome = "unavailable"
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"the decode engine stopped: {e}") from None
@@ -329,7 +333,13 @@ class GenerationCore:
                 )
                 prompt_logprobs = None if first.prompt_logprobs is None else tuple(first.prompt_logprobs)
                 done = RemoteKVDone(
-                    rid, first.token, first.logprobs, first.num_cached_tokens, attempt, prompt_logprobs
+                    rid,
+                    first.token,
+                    first.logprobs,
+                    first.num_cached_tokens,
+                    attempt,
+                    prompt_logprobs,
+                    first.forks,
                 )
                 try:
                     await self.loop.call(done)  # after every InsertKV of the attempt

@@ -82,6 +82,8 @@ class FirstToken:
     logprobs: TokenLogprobs | None
     num_cached_tokens: int = 0  # prompt tokens the replica found in its prefix cache
     prompt_logprobs: list[TokenLogprobs] | None = None  # one per prompt position after the first, if asked
+    # n > 1: the first tokens (and logprobs, if asked) of sequences 1..n-1
+    forks: tuple[tuple[int, TokenLogprobs | None], ...] = ()
 
 
 class Prefiller(abc.ABC):
@@ -288,11 +290,16 @@ class RemotePrefiller(Prefiller):
                     if trailer.HasField("first_logprobs"):
                         logprobs = wire.logprobs_from_proto(trailer.first_logprobs)
                     prompt_logprobs = [wire.logprobs_from_proto(lp) for lp in trailer.prompt_logprobs]
+                    forks = tuple(
+                        (f.token, wire.logprobs_from_proto(f.logprobs) if f.HasField("logprobs") else None)
+                        for f in trailer.forks
+                    )
                     yield FirstToken(
                         trailer.first_token,
                         logprobs,
                         trailer.num_cached_tokens,
                         prompt_logprobs if request.params.prompt_logprobs is not None else None,
+                        forks,
                     )
                     return
             order.end()
@@ -354,7 +361,7 @@ class LocalPrefiller(Prefiller):
             await stream.start()
             async for chunk in stream.achunks():  # each as its tokens are computed
                 yield kvtransfer.move_chunk(chunk, sharding)
-            first = await stream.first_token()
+            first, *others = await stream.first_tokens()
         except PrefillFailed as e:  # the prefill engine failed on this request and serves on
             raise PrefillError(f"{self.name}: {e}", replica_down=False) from e
         except EngineStopped as e:
@@ -363,31 +370,27 @@ class LocalPrefiller(Prefiller):
             stream.close()
         logprobs = first.logprobs[0] if first.logprobs else None
         prompt_logprobs = first.prompt_logprobs[1:] if first.prompt_logprobs is not None else None
-        yield FirstToken(first.new_token_ids[0], logprobs, first.num_cached_tokens, prompt_logprobs)
+        forks = tuple((o.new_token_ids[0], o.logprobs[0] if o.logprobs else None) for o in others)
+        yield FirstToken(first.new_token_ids[0], logprobs, first.num_cached_tokens, prompt_logprobs, forks)
 
 
 def check_first_token(first: FirstToken, request: Request, vocab_size: int, replica: str) -> None:
     """A replica's trailer, range-checked like a client's request (PrefillError, the replica at fault):
     the first token in the vocabulary, the cached tokens within the prompt, the logprobs only as asked
     (the sampled token's first, at most the top-n asked for, each id in the vocabulary, each logprob a
-    finite number <= 0), the prompt logprobs as asked (one per prompt token after the first, for that
-    token, its rank in the vocabulary)."""
+    finite number <= 0), one more first token for each sequence after the first (n > 1), checked alike,
+    the prompt logprobs as asked (one per prompt token after the first, for that token, its rank in the
+    vocabulary)."""
 
     def refuse(what: str):
         raise PrefillError(f"{replica}: trailer {what}")
 
-    if not 0 <= first.token < vocab_size:
-        refuse(f"first_token {first.token} outside the vocabulary [0, {vocab_size})")
     if not 0 <= first.num_cached_tokens <= len(request.prompt_ids):
         refuse(f"num_cached_tokens {first.num_cached_tokens} outside [0, {len(request.prompt_ids)}]")
-    asked, lp = request.params.logprobs, first.logprobs
-    if lp is None:
-        if asked is not None:
-            refuse("lacks the first token's logprobs")
-    elif asked is None or lp.token_id != first.token or len(lp.top) > asked:
-        refuse(f"first_logprobs differ from what was asked ({asked} for token {first.token})")
-    else:
-        _check_entry(lp, vocab_size, refuse, "first_logprobs")
+    if len(first.forks) != request.params.n - 1:
+        refuse(f"has {len(first.forks) + 1} first tokens for a request of n={request.params.n}")
+    for token, lp in [(first.token, first.logprobs), *first.forks]:
+        _check_sampled(token, lp, request.params.logprobs, vocab_size, refuse)
     asked, prompt = request.params.prompt_logprobs, request.prompt_ids
     if asked is None:
         return
@@ -398,6 +401,19 @@ def check_first_token(first: FirstToken, request: Request, vocab_size: int, repl
         if len(entry.top) > asked or not 1 <= entry.rank <= vocab_size:
             refuse(f"prompt_logprobs entry of token {entry.token_id} differs from what was asked")
         _check_entry(entry, vocab_size, refuse, "prompt_logprobs")
+
+
+def _check_sampled(token: int, lp: TokenLogprobs | None, asked: int | None, vocab_size: int, refuse) -> None:
+    """A sampled first token in the vocabulary, with its logprobs exactly as asked."""
+    if not 0 <= token < vocab_size:
+        refuse(f"first_token {token} outside the vocabulary [0, {vocab_size})")
+    if lp is None:
+        if asked is not None:
+            refuse("lacks the first token's logprobs")
+    elif asked is None or lp.token_id != token or len(lp.top) > asked:
+        refuse(f"first_logprobs differ from what was asked ({asked} for token {token})")
+    else:
+        _check_entry(lp, vocab_size, refuse, "first_logprobs")
 
 
 def _check_entry(lp: TokenLogprobs, vocab_size: int, refuse, field: str) -> None:

@@ -116,6 +116,8 @@ async def serve(
     kv_events: KVEventsConfig | None = None,
     http_plaintext: bool = False,
     tool_call_parser: str = "auto",
+    reasoning_parser: str | None = None,
+    sampling_defaults: dict | None = None,
     http_timeout_s: float = 600.0,
     step_timeout_s: float = STEP_TIMEOUT_S,
     served_model_names: tuple[str, ...] = (),
@@ -129,7 +131,9 @@ async def serve(
     reach pods over plain HTTP: the bearer tokens still apply). `kv_events`: publish this engine's KV
     cache events (None: do not); their topic names the HTTP port when there is one (the port an
     InferencePool targets), else the gRPC port. `tool_call_parser`: the HTTP API's format of the model's own
-    tool calls (services.decode.tool_formats; "auto": the one its chat template writes); `http_timeout_s`:
+    tool calls (services.decode.tool_formats; "auto": the one its chat template writes), `reasoning_parser`
+    how it splits out a thinking model's reasoning (services.decode.openai.reasoning), `sampling_defaults`
+    its default sampling parameters (the model's generation config); `http_timeout_s`:
     an HTTP request's deadline. `served_model_names`: what clients call the model (the HTTP API's `model`,
     the KV events' topic; default: the model's name); `stats_interval_s`: the stats line's period
     (services.metrics.Metrics.log_stats; 0: none). When an engine fails (services.engine_loop: a step
@@ -143,7 +147,15 @@ async def serve(
         http_security = security
         if http_plaintext and security is not None:
             http_security = ServerSecurity(tokens=security.tokens)
-        http = OpenAIFrontend(core, http_security, tool_call_parser, http_timeout_s, served_model_names)
+        http = OpenAIFrontend(
+            core,
+            http_security,
+            tool_call_parser,
+            http_timeout_s,
+            served_model_names,
+            reasoning_parser,
+            sampling_defaults,
+        )
         http_bound = await http.start(host, http_port)
         print(f"http on {host}:{http_bound}", flush=True)
     # `pdserve serve`: adapters loaded at run time go into the local prefill engine too

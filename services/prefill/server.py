@@ -233,7 +233,7 @@ class PrefillService(pb_grpc.PrefillServicer):
                         raise TimeoutError(
                             f"the KV was not taken within {self.lease_s:g} s of its computation"
                         )
-            output = await stream.first_token()
+            output, *forks = await stream.first_tokens()
         finally:
             stream.close()
         self.metrics.prefill.observe(time.perf_counter() - start)
@@ -258,6 +258,10 @@ class PrefillService(pb_grpc.PrefillServicer):
         )
         if output.logprobs:
             trailer.first_logprobs.CopyFrom(wire.logprobs_to_proto(output.logprobs[0]))
+        for fork in forks:  # (n > 1: the other sequences' first tokens)
+            start = trailer.forks.add(token=fork.new_token_ids[0])
+            if fork.logprobs:
+                start.logprobs.CopyFrom(wire.logprobs_to_proto(fork.logprobs[0]))
         if output.prompt_logprobs is not None:  # (the first position has none)
             trailer.prompt_logprobs.extend(wire.logprobs_to_proto(lp) for lp in output.prompt_logprobs[1:])
         yield order.write(pb.PrefillMessage(trailer=trailer))

@@ -50,3 +50,27 @@ def test_logit_bias_forces_and_bans_tokens(make_engine, loaded_model):
     with pytest.raises(InvalidRequestError) as refusal:
         engine.make_request(prompt, SamplingParams(max_tokens=1, logit_bias=((5, 101.0),)))
     assert refusal.value.field == "logit_bias"
+
+
+def test_allowed_token_ids_and_bad_words(make_engine, loaded_model):
+    """allowed_token_ids: every token among them; bad_words: a one-token word never appears, and a
+    two-token word's second token is banned right after its first (vLLM's meaning)."""
+    engine, tokenizer = make_engine(), loaded_model.tokenizer
+    prompt = tokenizer.encode("The capital of France is")
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    (free,) = engine.generate([prompt], greedy)
+    allowed = (free.token_ids[1], 11, 13)
+    (narrowed,) = engine.generate(
+        [prompt], dataclasses.replace(greedy, temperature=1.0, seed=2, allowed_token_ids=allowed)
+    )
+    assert set(narrowed.token_ids) <= set(allowed)
+    first = tokenizer.decode(free.token_ids[:1])
+    (other,) = engine.generate([prompt], dataclasses.replace(greedy, bad_words=(first,)))
+    assert free.token_ids[0] not in other.token_ids
+    pair = tokenizer.decode(free.token_ids[:2])
+    assert tuple(tokenizer.encode(pair)) == tuple(free.token_ids[:2])  # (a word of those two tokens)
+    (after,) = engine.generate([prompt], dataclasses.replace(greedy, bad_words=(pair,)))
+    assert after.token_ids[0] == free.token_ids[0] and after.token_ids[1] != free.token_ids[1]
+    with pytest.raises(InvalidRequestError) as refusal:
+        engine.make_request(prompt, SamplingParams(allowed_token_ids=(10**7,)))
+    assert refusal.value.field == "allowed_token_ids"

@@ -202,7 +202,7 @@ def test_remote_kv_states_arrival_and_fallback():
     assert all(len(blocks) == 2 for _, blocks in connector.allocated)  # 6 prompt tokens + the first token
     r1, r2 = sched.requests["remote-1"], sched.requests["remote-2"]
     assert r1.status is Status.WAITING_FOR_REMOTE_KV and sched.num_active == 2 and sched.num_unfinished == 0
-    out = sched.remote_kv_arrived("remote-1", SampledToken(7))
+    ((out, _),) = sched.remote_kv_arrived("remote-1", SampledToken(7))
     assert out is r1 and r1.output_ids == [7] and r1.status is Status.RUNNING and r1.num_computed == 6
     sched.remote_kv_failed("remote-2")  # no replica could send it: computed here, in its blocks
     assert r2.status is Status.RUNNING and r2.num_computed == 0
@@ -292,3 +292,67 @@ def test_blocks_out_of_every_sliding_window_are_given_back_as_a_request_advances
     assert prefill == [10, 10, 8, 6, 4]  # chunks end at 8, 16, ...: blocks before (computed - 8) / 4 go
     assert max(n for n, decode in held if decode) <= 8 // 4 + 1  # the window's blocks and the next token's
     assert sched.kv.pool.num_used == 0  # finishing gave back exactly the rest
+
+
+def _forking(rid: str, prompt: int, n: int, max_tokens: int = 16) -> tuple[Request, list[Request]]:
+    parent = Request(rid, list(range(prompt)), SamplingParams(n=n, max_tokens=max_tokens), 5)
+    return parent, [parent.fork(i) for i in range(1, n)]
+
+
+def test_a_first_token_of_n_sequences_forks_the_prompts_blocks():
+    """n = 3, a prompt of 6 tokens in blocks of 4: the sequences share the full block (a reference each)
+    and get their own copy of the partial one (a device copy each); each decodes on its own from there,
+    with its own seed; admission counted their slots; everything is freed at the end."""
+    sched = Scheduler(CONFIG)  # 3 sequence slots
+    parent, children = _forking("p", 6, 3)
+    assert [c.seed for c in children] == [6, 7] and parent.forks_pending
+    sched.add(parent)
+    sched.add(make("other", 3))
+    step = sched.schedule()
+    assert rows(step) == [("p", 0, 6, True)]  # n=3 takes every slot: "other" waits
+    forks = tuple((c, SampledToken(t)) for c, t in zip(children, (2, 3), strict=True))
+    got = sched.update_from_output(step, {"p": SampledToken(1, forks=forks)})
+    assert [(r.request_id, t.token) for r, t in got] == [("p", 1), ("p#1", 2), ("p#2", 3)]
+    (head, tail), (_, copy), (_, copy2) = (sched.block_ids(r) for r in ("p", "p#1", "p#2"))
+    assert sched.block_ids("p#1")[0] == sched.block_ids("p#2")[0] == head and len({tail, copy, copy2}) == 3
+    assert sched.take_block_copies() == [(tail, copy), (tail, copy2)] and sched.take_block_copies() == []
+    assert sched.kv.pool.ref_counts[head] == 3 and sched.kv.pool.ref_counts[copy] == 1
+    assert not parent.forks_pending and sched.requests["p#1"].output_ids == [2]
+    assert sched.requests["p#1"].num_computed == 6 and sched.requests["p#1"].status is Status.RUNNING
+    step = sched.schedule()  # the three decode; "other" still waits
+    assert sorted(rows(step)) == [("p", 6, 1, True), ("p#1", 6, 1, True), ("p#2", 6, 1, True)]
+    row = next(r for r in step.rows if r.request_id == "p#1")
+    assert row.tokens == [2] and row.block_tables.groups[0] == [head, copy]
+    sched.abort("p")  # and its sequences
+    assert not sched.requests.get("p#1") and sched.kv.pool.ref_counts[head] == 0
+    sched.abort("other")
+    sched.kv.pool.check()
+    assert sched.kv.pool.num_used == 0
+
+
+def test_forks_that_end_at_once_hold_nothing_and_a_short_pool_queues_them():
+    """A sequence its first token ends (max_tokens 1, as on a prefill server) takes no blocks; when the
+    pool has no block for a copy, the sequence is queued first as preempted, and recomputes its prompt
+    (found in the prefix cache) and its first token."""
+    sched = Scheduler(CONFIG)
+    parent, children = _forking("p", 6, 3, max_tokens=1)
+    sched.add(parent)
+    step = sched.schedule()
+    forks = tuple((c, SampledToken(3)) for c in children)
+    got = sched.update_from_output(step, {"p": SampledToken(1, forks=forks)})
+    assert [(r.request_id, r.finish_reason.value) for r, _ in got] == [("p", "length")] + [
+        (f"p#{i}", "length") for i in (1, 2)
+    ]
+    assert not sched.requests and sched.take_block_copies() == [] and sched.kv.pool.num_used == 0
+
+    config = EngineConfig(**{**CONFIG.__dict__, "num_blocks": 3})
+    sched = Scheduler(config)
+    parent, children = _forking("q", 6, 3)
+    sched.add(parent)
+    step = sched.schedule()  # q holds 2 of the 3 blocks: one copy fits, not two
+    forks = tuple((c, SampledToken(2)) for c in children)
+    sched.update_from_output(step, {"q": SampledToken(1, forks=forks)})
+    late = sched.requests["q#2"]
+    assert late.status is Status.PREEMPTED and late.num_computed == 0 and sched.waiting[0] is late
+    assert late.output_ids == [2] and sched.kv.pool.num_used == 3
+    assert len(sched.take_block_copies()) == 1

@@ -12,6 +12,8 @@ import urllib.request
 
 import pytest
 
+from tests.helpers import scrape
+
 pytestmark = pytest.mark.daemon
 
 GREEDY = dict(temperature=0, max_tokens=6)
@@ -227,7 +229,8 @@ def test_tokenize_and_detokenize(decode, model, loaded_model):
 @pytest.mark.parametrize(
     "extra, field",
     [
-        ({"n": 2}, "n"),
+        ({"n": 0}, "n"),
+        ({"n": 33}, "n"),  # more than the decode server's max_num_seqs decode together
         ({"best_of": 3}, "best_of"),
         ({"logit_bias": {"5": 101}}, "logit_bias"),
         ({"logit_bias": {"x": 1}}, "logit_bias"),
@@ -321,3 +324,96 @@ def test_metrics_on_the_http_port_count_tokens_and_queue_time(http, model, decod
     assert values["pdserve_generation_tokens_total"] >= reply.usage.completion_tokens == 6
     assert values["pdserve_prompt_tokens_total"] >= reply.usage.prompt_tokens
     assert values["pdserve_request_queue_time_seconds_count"] >= 1 and "pdserve_preemptions_total" in values
+
+
+def test_n_choices_cost_one_prefill_and_are_the_colocated_sequences(
+    http, model, colocated, loaded_model, prefill, decode
+):
+    """n = 4, seeded: one Prefill call and one KV transfer (the prefill server samples the four first
+    tokens, the decode server forks the KV); choice i is what the colocated engine samples with seed + i;
+    the prompt counts once in the usage. Streamed, the choices interleave under their indexes."""
+    prompt = loaded_model.tokenizer.encode("Once upon a time, in a land far away, there lived a king who had")
+    knobs = dict(temperature=1.0, max_tokens=8, ignore_eos=True)
+    expected = [colocated(prompt, seed=5 + i, field="text", **knobs) for i in range(4)]
+    prefills = scrape(prefill.addresses["metrics"])["pdserve_prefill_duration_seconds_count"]
+    transfers = scrape(decode.addresses["metrics"])['pdserve_kv_transfers_total{role="decode"}']
+    reply = http.completions.create(
+        model=model,
+        prompt=prompt,
+        n=4,
+        seed=5,
+        temperature=1.0,
+        max_tokens=8,
+        extra_body={"ignore_eos": True},
+    )
+    assert scrape(prefill.addresses["metrics"])["pdserve_prefill_duration_seconds_count"] == prefills + 1
+    assert scrape(decode.addresses["metrics"])['pdserve_kv_transfers_total{role="decode"}'] == transfers + 1
+    assert [c.index for c in reply.choices] == [0, 1, 2, 3] and [c.text for c in reply.choices] == expected
+    assert len(set(expected)) > 1
+    assert reply.usage.prompt_tokens == len(prompt) and reply.usage.completion_tokens == 32
+    streamed = [""] * 4
+    for chunk in http.completions.create(
+        model=model,
+        prompt=prompt,
+        n=4,
+        seed=5,
+        stream=True,
+        temperature=1.0,
+        max_tokens=8,
+        extra_body={"ignore_eos": True},
+    ):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.text
+    assert streamed == expected
+    chat = http.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Hi"}], n=2, temperature=0, max_tokens=4
+    )
+    assert [c.index for c in chat.choices] == [0, 1] and chat.choices[0].message == chat.choices[1].message
+
+
+def test_reasoning_is_split_out_of_the_content(http, model):
+    """--reasoning-parser qwen3 (the shared server's): an output that starts with <think> has its thinking
+    in `reasoning`, whole and streamed (the output is forced by a choice constraint: the test model does
+    not think); one that does not is all content."""
+    thought, answer = "The user greets me.", "Hello there!"
+    forced = {"structured_outputs": {"choice": [f"<think>{thought}</think>{answer}"]}}
+    messages = [{"role": "user", "content": "Hi"}]
+    reply = http.chat.completions.create(
+        model=model, messages=messages, max_tokens=40, temperature=0, extra_body=forced
+    )
+    message = reply.choices[0].message
+    assert (message.model_extra["reasoning"], message.content) == (thought, answer)
+    reasoning, content = "", ""
+    for chunk in http.chat.completions.create(
+        model=model, messages=messages, max_tokens=40, temperature=0, extra_body=forced, stream=True
+    ):
+        for choice in chunk.choices:
+            reasoning += (choice.delta.model_extra or {}).get("reasoning") or ""
+            content += choice.delta.content or ""
+    assert (reasoning, content) == (thought, answer)
+    plain = http.chat.completions.create(
+        model=model, messages=messages, max_tokens=40, temperature=0, extra_body={"guided_choice": [answer]}
+    )
+    assert (
+        plain.choices[0].message.content == answer
+        and plain.choices[0].message.model_extra["reasoning"] is None
+    )
+
+
+def test_allowed_token_ids_and_bad_words_hold_from_the_first_token(http, model, colocated, loaded_model):
+    """The first token is the prefill server's: allowed_token_ids without the greedy first token, and
+    bad_words naming it, give the colocated engine's tokens."""
+    tokenizer = loaded_model.tokenizer
+    prompt = tokenizer.encode("The capital of France is")
+    first = colocated(prompt, max_tokens=6)[0]
+    allowed = [first + 1, 13, 28]
+    reply = http.completions.create(
+        model=model, prompt=prompt, extra_body={"allowed_token_ids": allowed}, **GREEDY
+    )
+    expected = colocated(prompt, max_tokens=6, allowed_token_ids=tuple(allowed), field="text")
+    assert reply.choices[0].text == expected
+    assert set(colocated(prompt, max_tokens=6, allowed_token_ids=tuple(allowed))) <= set(allowed)
+    word = tokenizer.decode([first])
+    reply = http.completions.create(model=model, prompt=prompt, extra_body={"bad_words": [word]}, **GREEDY)
+    assert reply.choices[0].text == colocated(prompt, max_tokens=6, bad_words=(word,), field="text")
+    assert first not in colocated(prompt, max_tokens=6, bad_words=(word,))

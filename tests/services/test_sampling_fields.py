@@ -225,11 +225,36 @@ def test_cli_constraint_flags(tmp_path):
 
 
 def test_openai_fields_at_their_defaults_or_null_pass():
-    """n and best_of null or 1 (what clients send when they mean the default) are served; 2 is refused."""
-    from pdserve.services.decode.openai.protocol import check_fields
+    """n and best_of null or 1 (what clients send when they mean the default) are served; n null is 1;
+    best_of past 1 is refused (vLLM removed it)."""
+    from pdserve.services.decode.openai.protocol import check_fields, knobs
 
     check_fields({"n": None, "best_of": None})
     check_fields({"n": 1, "best_of": 1})
+    assert knobs({"n": None}, chat=False).n == 1 and knobs({"n": 3}, chat=True).n == 3
     with pytest.raises(InvalidRequestError) as err:
-        check_fields({"n": 2})
-    assert err.value.field == "n"
+        check_fields({"best_of": 2})
+    assert err.value.field == "best_of"
+
+
+def test_generation_config_gives_the_http_apis_defaults(tmp_path):
+    """generation_config.json's sampling keys (vLLM's --generation-config auto) are the defaults of an
+    OpenAI body that does not set them; a body's own value (null is unset) wins; a bad file is refused."""
+    from pdserve.engine.loading.checkpoints import CheckpointError
+    from pdserve.engine.loading.sources import generation_defaults
+    from pdserve.services.decode.openai.protocol import knobs
+
+    assert generation_defaults(tmp_path) == {}
+    (tmp_path / "generation_config.json").write_text(
+        json.dumps({"temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_new_tokens": 77, "do_sample": True})
+    )
+    defaults = generation_defaults(tmp_path)
+    assert defaults == {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_tokens": 77}
+    params = knobs({"prompt": "x", "top_p": None}, False, defaults)
+    assert (params.temperature, params.top_p, params.top_k, params.max_tokens) == (0.6, 0.95, 20, 77)
+    params = knobs({"prompt": "x", "temperature": 0, "max_tokens": 5}, True, defaults)
+    assert (params.temperature, params.top_k, params.max_tokens) == (0, 20, 5)
+    assert knobs({"prompt": "x"}, False).temperature == 1.0  # OpenAI's without a generation config
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": "hot"}))
+    with pytest.raises(CheckpointError, match="temperature"):
+        generation_defaults(tmp_path)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Mapping
 from typing import Any
 
 from pdserve.engine.sampling_params import Constraint, InvalidRequestError, SamplingParams
@@ -54,8 +55,6 @@ _JSON_NAMES = {str: "a string", list: "a list", dict: "an object", bool: "a bool
 UNSUPPORTED: dict[str, str] = {
     "suffix": "is not supported",
     "use_beam_search": "beam search is not supported",
-    "allowed_token_ids": "is not supported yet",
-    "bad_words": "is not supported yet",
     "chat_template": "a chat template in the request is not accepted: the model's own renders",
 }
 
@@ -75,8 +74,6 @@ def check_fields(body: dict) -> None:
     for key, why in UNSUPPORTED.items():
         if body.get(key) not in (None, False, 0, [], {}):
             raise InvalidRequestError(key, why)
-    if body.get("n") not in (None, 1):
-        raise InvalidRequestError("n", "only n=1 is supported")
     if body.get("best_of") not in (None, 1):  # (vLLM 0.12 dropped it; 0.11 refused it past 1)
         raise InvalidRequestError("best_of", "only best_of=1 is supported")
     if body.get("stream_options") is not None and not body.get("stream"):
@@ -86,17 +83,19 @@ def check_fields(body: dict) -> None:
 
 
 # ---- sampling ----------------------------------------------------------------------------------------
-def sampling_params(body: dict, chat: bool) -> SamplingParams:
+def sampling_params(body: dict, chat: bool, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
     """OpenAI fields (and vLLM's extensions: top_k, min_p, repetition_penalty, stop_token_ids, ignore_eos)
     -> SamplingParams through services.sampling's one mapping; OpenAI's own shapes are normalised first.
-    Type errors become InvalidRequestError naming the field; the defaults are OpenAI's (temperature 1)."""
-    return dataclasses.replace(knobs(body, chat), constraint=constraint(body))
+    Type errors become InvalidRequestError naming the field; the defaults are OpenAI's (temperature 1) but
+    for those of `defaults` (the model's generation config: engine.loading.generation_config)."""
+    return dataclasses.replace(knobs(body, chat, defaults), constraint=constraint(body))
 
 
-def knobs(body: dict, chat: bool) -> SamplingParams:
+def knobs(body: dict, chat: bool, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
     """sampling_params without the constraint (whose text grows with the body: it is read off the event
     loop)."""
-    values = {name: body[name] for name in FIELD_NAMES if name in body}
+    defaults = defaults or {}
+    values = {**defaults, **{name: body[name] for name in FIELD_NAMES if body.get(name) is not None}}
     if isinstance(values.get("stop"), str):
         values["stop"] = [values["stop"]]
     logprobs = body.get("logprobs")
@@ -107,7 +106,8 @@ def knobs(body: dict, chat: bool) -> SamplingParams:
     if body.get("echo") and values.get("logprobs") is not None and values.get("prompt_logprobs") is None:
         values["prompt_logprobs"] = values["logprobs"]  # the echoed prompt's logprobs, as vLLM computes them
     default = DEFAULT_MAX_TOKENS[chat]
-    values["max_tokens"] = body.get("max_completion_tokens") or values.get("max_tokens") or default
+    given = body.get("max_completion_tokens") or body.get("max_tokens")
+    values["max_tokens"] = given or defaults.get("max_tokens") or default
     return params_from_values(values)
 
 

@@ -50,14 +50,15 @@ def model_not_found(name: str) -> web.Response:
 
 def usage(outputs: Sequence[RequestOutput]) -> dict:
     """OpenAI's usage object over the finished outputs of a call's choices (a completions call with several
-    prompts sums them); `prompt_tokens_details.cached_tokens` as OpenAI and vLLM report it."""
-    prompt = sum(o.num_prompt_tokens for o in outputs)
+    prompts sums them; a prompt of n sequences counts once, as vLLM's); `prompt_tokens_details.cached_tokens`
+    as OpenAI and vLLM report it."""
+    prompt = sum(o.num_prompt_tokens for o in outputs if o.index == 0)
     completion = sum(o.num_output_tokens for o in outputs)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outputs)},
+        "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outputs if o.index == 0)},
     }
 
 

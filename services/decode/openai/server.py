@@ -30,7 +30,7 @@ from pdserve.engine.core.output import RequestOutput
 from pdserve.engine.core.request import Request
 from pdserve.engine.sampling_params import InvalidRequestError
 from pdserve.services.decode.core import PREFILL_HINT_HEADER, GenerationCore, ServiceError
-from pdserve.services.decode.openai import protocol, responses
+from pdserve.services.decode.openai import protocol, reasoning, responses
 from pdserve.services.decode.tool_formats import detect, marked_by_special_tokens
 from pdserve.services.decode.tools import ToolChoice, ToolStream, tool_choice
 from pdserve.services.security import ServerSecurity, token_ok
@@ -42,20 +42,29 @@ OPEN_PATHS = ("/health", "/metrics")  # served without a bearer token: liveness 
 
 @dataclasses.dataclass
 class _Call:
-    """One HTTP call's engine requests (a choice each) and what its response needs of the body."""
+    """One HTTP call's engine requests (one per prompt, of `n` choices each) and what its response needs
+    of the body."""
 
     requests: list[Request]
     model: str  # the name the response carries
     tools: ToolChoice | None = None
-    echo: list[str] = dataclasses.field(default_factory=list)  # each choice's prompt text, with `echo`
+    echo: list[str] = dataclasses.field(default_factory=list)  # each prompt's text, with `echo`
     echo_only: bool = False  # `echo` with max_tokens 0: the prompt alone (one token is generated)
+
+    @property
+    def n(self) -> int:
+        """Choices per prompt (the body's n)."""
+        return self.requests[0].params.n
 
 
 class OpenAIFrontend:
     """`security`: the public port's settings; its bearer tokens and TLS apply here too (not to
     OPEN_PATHS). `tool_call_parser`: the format of the model's own tool calls (services.decode.
     tool_formats; "auto": its chat template's). `served_model_names`: what clients call the model (the
-    first is the one responses carry; default: the model's name)."""
+    first is the one responses carry; default: the model's name). `reasoning_parser`: how a thinking model's
+    reasoning is split out of a chat's content (services.decode.openai.reasoning; None: it is not).
+    `sampling_defaults`: the sampling parameters a request that does not set them gets (the model's
+    generation config, engine.loading.sources.generation_defaults; OpenAI's otherwise)."""
 
     def __init__(
         self,
@@ -64,7 +73,13 @@ class OpenAIFrontend:
         tool_call_parser: str = "auto",
         timeout_s: float = 600.0,
         served_model_names: tuple[str, ...] = (),
+        reasoning_parser: str | None = None,
+        sampling_defaults: dict | None = None,
     ):
+        if reasoning_parser is not None and reasoning_parser not in reasoning.PARSERS:
+            raise ValueError(f"reasoning parser {reasoning_parser!r}: one of {reasoning.PARSERS}")
+        self.reasoning_parser = reasoning_parser
+        self.sampling_defaults = dict(sampling_defaults or {})
         self.service = service
         self.security = security
         self.timeout_s = timeout_s  # a request's deadline unless its TIMEOUT_HEADER asks for less
@@ -288,7 +303,7 @@ class OpenAIFrontend:
     def _precheck(self, body: dict, chat: bool) -> None:
         """The checks that cost next to nothing (the sampling knobs), on the event loop: a bad body is
         refused before it waits for a preparation thread."""
-        self.service.check_params(protocol.knobs(body, chat))
+        self.service.check_params(protocol.knobs(body, chat, self.sampling_defaults))
 
     def _chat_ids(self, body: dict, tools: ToolChoice | None) -> list[int]:
         """The chat's prompt: its messages rendered by the model's template with the body's template
@@ -302,7 +317,7 @@ class OpenAIFrontend:
         return tokenizer.encode_chat(messages, max_chars=max_chars, **template_args)
 
     def _chat_request(self, body: dict, tools: ToolChoice | None, label: str) -> Request:
-        params = protocol.sampling_params(body, chat=True)
+        params = protocol.sampling_params(body, True, self.sampling_defaults)
         forced = tools.constraint() if tools is not None else None
         if forced is not None:
             if params.constraint is not None:
@@ -313,7 +328,9 @@ class OpenAIFrontend:
         return self._engine_request(body, self._chat_ids(body, tools), params, label, forced is not None)
 
     def _completion_request(self, body: dict, prompt: str | list[int], label: str) -> Request:
-        return self._engine_request(body, prompt, protocol.sampling_params(body, chat=False), label, False)
+        return self._engine_request(
+            body, prompt, protocol.sampling_params(body, False, self.sampling_defaults), label, False
+        )
 
     def _engine_request(self, body: dict, prompt, params, label: str, forced: bool) -> Request:
         try:
@@ -346,12 +363,13 @@ class OpenAIFrontend:
 
     # ---- responses ---------------------------------------------------------------------------------
     async def _complete(self, streams, rid: str, chat: bool, body: dict, call: _Call) -> web.Response:
-        finals: list[RequestOutput | None] = [None] * len(streams)
-        texts: list[list[str]] = [[] for _ in streams]
-        logprobs: list[list] = [[] for _ in streams]
-        prompt_lps: list[list | None] = [None] * len(streams)  # each request's prompt logprobs, if asked
+        num_choices = len(streams) * call.n
+        finals: list[RequestOutput | None] = [None] * num_choices
+        texts: list[list[str]] = [[] for _ in range(num_choices)]
+        logprobs: list[list] = [[] for _ in range(num_choices)]
+        prompt_lps: list[list | None] = [None] * num_choices  # each choice's prompt logprobs, if asked
         try:
-            async for index, output in _merged(streams):
+            async for index, output in _merged(streams, call.n):
                 texts[index].append(output.text)
                 logprobs[index] += output.logprobs
                 if output.prompt_logprobs is not None:
@@ -363,9 +381,10 @@ class OpenAIFrontend:
         decode = self.service.engine.tokenizer.decode
         choices = []
         for index, final in enumerate(finals):
+            prompt = index // call.n  # (vLLM's choice order: prompt by prompt, its n sequences each)
             finish = final.finish_reason.value if final is not None else None
             text = "".join(texts[index])
-            entries, ids = [] if call.echo_only else logprobs[index], call.requests[index].prompt_ids
+            entries, ids = [] if call.echo_only else logprobs[index], call.requests[prompt].prompt_ids
             if call.echo and prompt_lps[index] is not None:  # the prompt's first
                 entries = [*prompt_lps[index], *entries]
             choice = {
@@ -377,6 +396,8 @@ class OpenAIFrontend:
                 choice["prompt_logprobs"] = responses.prompt_logprobs(prompt_lps[index] or [], decode)
             if chat:
                 choice["message"] = message = {"role": "assistant", "content": text}
+                if self.reasoning_parser is not None:  # (tool calls are read in the content only)
+                    message["reasoning"], message["content"] = reasoning.split(self.reasoning_parser, text)
                 calls = responses.tool_calls(
                     call.tools, message, finish, body.get("parallel_tool_calls", True)
                 )
@@ -384,7 +405,7 @@ class OpenAIFrontend:
                     choice["finish_reason"] = "tool_calls"
                     message["tool_calls"] = calls
             else:
-                choice["text"] = (call.echo[index] if call.echo else "") + ("" if call.echo_only else text)
+                choice["text"] = (call.echo[prompt] if call.echo else "") + ("" if call.echo_only else text)
             choices.append(choice)
         response = {
             "id": rid,
@@ -420,10 +441,11 @@ class OpenAIFrontend:
                 chunk["usage"] = usage
             await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
 
-        tool_stream = ToolStream(call.tools) if call.tools is not None else None
+        tool_streams: dict[int, ToolStream] = {}  # by choice, with tools
+        thinking: dict[int, reasoning.ReasoningSplit] = {}  # by choice, with a reasoning parser
         started, finals = set(), []
         try:
-            async for index, output in _merged(streams):
+            async for index, output in _merged(streams, call.n):
                 so_far = (
                     responses.running_usage(output.num_prompt_tokens, output.num_output_tokens)
                     if continuous
@@ -444,8 +466,22 @@ class OpenAIFrontend:
                     )
                 finish = output.finish_reason.value if output.finished else None
                 lp = responses.logprobs(output.logprobs, chat, decode)
-                if tool_stream is not None:  # one chunk per delta; the last carries the finish
-                    deltas = tool_stream.feed(output.text)
+                text = output.text
+                if chat and self.reasoning_parser is not None:  # reasoning first, in its own chunks
+                    parts = thinking.setdefault(index, reasoning.ReasoningSplit(self.reasoning_parser))
+                    thought, text = parts.feed(text)
+                    if output.finished:
+                        more = parts.finish()
+                        thought, text = thought + more[0], text + more[1]
+                    if thought:
+                        delta = {"index": index, "delta": {"reasoning": thought}, "logprobs": lp}
+                        await send([{**delta, "finish_reason": None}], so_far)
+                        lp = None
+                    if not text and finish is None:  # (nothing of the content yet)
+                        continue
+                if call.tools is not None:  # one chunk per delta; the last carries the finish
+                    tool_stream = tool_streams.setdefault(index, ToolStream(call.tools))
+                    deltas = tool_stream.feed(text)
                     if output.finished:
                         more, finish = tool_stream.finish(finish)
                         deltas += more
@@ -464,13 +500,13 @@ class OpenAIFrontend:
                         }
                         await send([choice], so_far)
                     continue
-                text = output.text
                 if not chat and call.echo and index not in started:  # the prompt (and its logprobs) first
                     started.add(index)
-                    text = call.echo[index] + ("" if call.echo_only else text)
+                    text = call.echo[index // call.n] + ("" if call.echo_only else text)
                     if output.prompt_logprobs is not None:
                         entries = [*output.prompt_logprobs, *([] if call.echo_only else output.logprobs)]
-                        lp = responses.logprobs(entries, chat, decode, call.requests[index].prompt_ids)
+                        ids = call.requests[index // call.n].prompt_ids
+                        lp = responses.logprobs(entries, chat, decode, ids)
                 elif call.echo_only:
                     text, lp = "", None
                 choice = {"index": index, "logprobs": lp, "finish_reason": finish}
@@ -527,12 +563,13 @@ async def _until(outputs, timeout_s: float):
         await outputs.aclose()
 
 
-async def _merged(streams: list) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(index, output) of every stream as outputs arrive. The first ServiceError is raised and every other
-    stream closed (its request aborted); so are all when the consumer stops early."""
+async def _merged(streams: list, n: int = 1) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(choice index, output) of every stream as outputs arrive: stream i's sequence j (of its `n`) is choice
+    i * n + j. The first ServiceError is raised and every other stream closed (its request aborted); so are
+    all when the consumer stops early."""
     if len(streams) == 1:  # (the usual call: no task)
         async for output in streams[0]:
-            yield 0, output
+            yield output.index, output
         return
     queue: asyncio.Queue = asyncio.Queue()
 
@@ -555,7 +592,7 @@ async def _merged(streams: list) -> AsyncIterator[tuple[int, RequestOutput]]:
             if output is None:
                 running -= 1
                 continue
-            yield index, output
+            yield index * n + output.index, output
     finally:
         for task in tasks:
             task.cancel()
