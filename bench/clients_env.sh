@@ -1,10 +1,20 @@
 #!/usr/bin/env bash
-# The outside clients' environment for bench/bench_lm_eval.py (not CI: heavy installs): .venv-clients,
-# pdserve (its pinned dependencies, constraints.txt) with lm-evaluation-harness, torch (CPU) and
-# transformers beside it: lm-eval's `hf` model runs the same weights in that process.
+# The outside clients' environments (not CI: heavy installs).
+#   bash bench/clients_env.sh          .venv-clients for bench/bench_lm_eval.py: pdserve (its pinned
+#                                      dependencies, constraints.txt) with lm-evaluation-harness, torch (CPU)
+#                                      and transformers beside it: lm-eval's `hf` model runs the same weights
+#   bash bench/clients_env.sh loadgen  .venv-loadgen for bench/bench_guidellm.py: guidellm alone (torch CPU
+#                                      first, so that nothing pulls a CUDA build)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python=${PYTHON:-python3}
+if [ "${1:-}" = loadgen ]; then
+  [ -x .venv-loadgen/bin/python ] || "$python" -m venv .venv-loadgen
+  .venv-loadgen/bin/python -m pip install -q --upgrade pip
+  .venv-loadgen/bin/python -m pip install -q torch==2.13.0
+  .venv-loadgen/bin/python -m pip install -q "guidellm==0.8.1"
+  exit 0
+fi
 if [ ! -x .venv-clients/bin/python ]; then
   "$python" -m venv .venv-clients
 fi
