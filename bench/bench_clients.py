@@ -1,15 +1,17 @@
-"""guidellm against pdserve's OpenAI API, as its users run it, beside `pdserve bench` at the same load.
+"""guidellm and aiperf against pdserve's OpenAI API, as their users run them, beside `pdserve bench` at the
+same load.
 
-    bash bench/clients_env.sh loadgen          # once: .venv-loadgen with guidellm (torch CPU beside it)
-    .venv/bin/python bench/bench_guidellm.py [--json OUT]
+    bash bench/clients_env.sh loadgen     # once: .venv-loadgen (guidellm), .venv-aiperf (aiperf)
+    .venv/bin/python bench/bench_clients.py [--json OUT]
 
 One prefill-server and one decode-server (disaggregated, pdserve.testing.launch, loopback) on the default
-model as a Hugging Face folder, float32. guidellm (`guidellm run`, the openai_http backend) sends synthetic
-prompts of 128 tokens for 32 output tokens, 4 streams at a time, to /v1/completions and then to
-/v1/chat/completions; `pdserve bench` sends the same load over gRPC. Printed for each: errors, the
-output tokens guidellm counted against what the server counted in the same interval
-(pdserve_generation_tokens_total), and TTFT / ITL medians and p99 in milliseconds, guidellm's beside
-pdserve bench's.
+model as a Hugging Face folder, float32. guidellm (`guidellm run`, the openai_http backend) and aiperf
+(`aiperf profile`, streaming, `ignore_eos`) send synthetic prompts of 128 tokens for 32 output tokens, 4
+streams at a time, to /v1/completions and then to /v1/chat/completions; `pdserve bench` sends the same
+load over gRPC. Printed for each: errors, the
+prompt and output tokens guidellm counted against what the server counted in the same interval
+(pdserve_prompt_tokens_total, pdserve_generation_tokens_total), and TTFT / ITL medians and p99 in
+milliseconds, guidellm's beside pdserve bench's.
 """
 
 from __future__ import annotations
@@ -24,13 +26,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 GUIDELLM = ROOT / ".venv-loadgen" / "bin" / "guidellm"
+AIPERF = ROOT / ".venv-aiperf" / "bin" / "aiperf"
 STREAMS, REQUESTS, PROMPT_TOKENS, OUTPUT_TOKENS = 4, 32, 128, 32
 
 
-def generation_tokens(address: str) -> float:
+def token_counters(address: str) -> tuple[float, float]:
+    """The server's (prompt, generated) token counters."""
     from tests.helpers import scrape
 
-    return sum(v for k, v in scrape(address).items() if k.startswith("pdserve_generation_tokens_total"))
+    values = scrape(address)
+    return tuple(
+        sum(v for k, v in values.items() if k.startswith(f"pdserve_{name}_tokens_total"))
+        for name in ("prompt", "generation")
+    )
 
 
 def run_guidellm(http: str, model: str, endpoint: str, out: Path) -> dict:
@@ -66,9 +74,57 @@ def guidellm_summary(benchmark: dict) -> dict:
     return {
         "errors": len(requests.get("errored", [])),
         "completed": len(requests.get("successful", [])),
+        "prompt_tokens": sum(r.get("prompt_tokens") or 0 for r in requests.get("successful", [])),
         "output_tokens": sum(r.get("output_tokens") or 0 for r in requests.get("successful", [])),
         "ttft_ms": dist("time_to_first_token_ms"),
         "itl_ms": dist("inter_token_latency_ms"),
+    }
+
+
+def run_aiperf(http: str, model: str, endpoint_type: str, out: Path) -> dict:
+    """One aiperf run: errors, tokens (its own count of the text, and the usage the server reported) and
+    latencies (ms) out of its JSON export."""
+    command = [
+        str(AIPERF),
+        "profile",
+        "--model",
+        model,
+        "--url",
+        f"http://{http}",
+        "--endpoint-type",
+        endpoint_type,
+        "--streaming",
+        "--isl",
+        str(PROMPT_TOKENS),
+        "--osl",
+        str(OUTPUT_TOKENS),
+        "--concurrency",
+        str(STREAMS),
+        "--request-count",
+        str(REQUESTS),
+        "--tokenizer",
+        model,
+        "--extra-inputs",
+        "ignore_eos:true",
+        "--artifact-dir",
+        str(out),
+        "--ui-type",
+        "none",
+    ]
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+    report = json.loads((out / "profile_export_aiperf.json").read_text())
+
+    def dist(name: str) -> dict:
+        return {"median": report[name]["p50"], "p99": report[name]["p99"]}
+
+    return {
+        "errors": len(report["error_summary"]),
+        "completed": int(report["request_count"]["avg"]),
+        "prompt_tokens": report["usage_prompt_tokens"]["sum"],
+        "output_tokens": report["usage_completion_tokens"]["sum"],
+        "output_tokens_retokenized": report["output_token_count"]["sum"],
+        "ttft_ms": dist("time_to_first_token"),
+        "itl_ms": dist("inter_token_latency"),
     }
 
 
@@ -99,8 +155,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    if not GUIDELLM.exists():
-        raise SystemExit(f"{GUIDELLM} is missing: bash bench/clients_env.sh loadgen")
+    for tool in (GUIDELLM, AIPERF):
+        if not tool.exists():
+            raise SystemExit(f"{tool} is missing: bash bench/clients_env.sh loadgen")
 
     from pdserve.engine.loading.sources import DEFAULT_MODEL, cache_dir, fetch
     from pdserve.testing.launch import ENGINE_ARGS, decode_server, prefill_server
@@ -116,13 +173,24 @@ def main() -> None:
     try:
         http, metrics = decode.addresses["http"], decode.addresses["metrics"]
         for endpoint in ("/v1/completions", "/v1/chat/completions"):
-            before = generation_tokens(metrics)
+            before = token_counters(metrics)
             report = run_guidellm(
                 http, str(folder), endpoint, work / f"guidellm{endpoint.replace('/', '_')}.json"
             )
             summary = guidellm_summary(report)
-            summary["server_output_tokens"] = generation_tokens(metrics) - before
+            after = token_counters(metrics)
+            summary["server_prompt_tokens"], summary["server_output_tokens"] = (
+                a - b for a, b in zip(after, before, strict=True)
+            )
             result[f"guidellm {endpoint}"] = summary
+        for endpoint_type in ("completions", "chat"):
+            before = token_counters(metrics)
+            summary = run_aiperf(http, str(folder), endpoint_type, work / f"aiperf-{endpoint_type}")
+            after = token_counters(metrics)
+            summary["server_prompt_tokens"], summary["server_output_tokens"] = (
+                a - b for a, b in zip(after, before, strict=True)
+            )
+            result[f"aiperf {endpoint_type}"] = summary
         bench = run_pdserve_bench(decode.address, work / "pdserve_bench.json")
         result["pdserve bench (gRPC)"] = bench
     finally:
