@@ -56,11 +56,13 @@ class OutputStream:
     def on_token(self, token: int, logprobs: TokenLogprobs | None) -> RequestOutput:
         """The client's view of a sampled token (already appended to the request, which may have finished
         with it). A stop token or a constraint's dead end shows nothing; a stop string cuts the text and
-        finishes the output with STOP (the caller tells the scheduler)."""
+        finishes the output with STOP (the caller tells the scheduler), once the output is past its
+        min_tokens (text before that is never matched)."""
         r = self.request
         text = ""
         if token not in r.stop_token_ids and r.finish_reason is not FinishReason.DEAD_END:
-            text = self.matcher.feed(self.detokenizer.add(token))
+            delta = self.detokenizer.add(token)  # stop strings count only past min_tokens (as vLLM's)
+            text = delta if len(r.output_ids) <= r.params.min_tokens else self.matcher.feed(delta)
         finish_reason = r.finish_reason
         if self.matcher.stopped and finish_reason in (None, FinishReason.LENGTH):  # the text ends here
             finish_reason = FinishReason.STOP

@@ -74,3 +74,17 @@ def test_allowed_token_ids_and_bad_words(make_engine, loaded_model):
     with pytest.raises(InvalidRequestError) as refusal:
         engine.make_request(prompt, SamplingParams(allowed_token_ids=(10**7,)))
     assert refusal.value.field == "allowed_token_ids"
+
+
+def test_min_tokens_holds_back_stop_strings_too(make_engine, loaded_model):
+    """A stop string is matched only in the text after the first min_tokens tokens (vLLM's meaning): the
+    first token's text stops the output at once, and not while min_tokens holds it back."""
+    engine = make_engine()
+    prompt = loaded_model.tokenizer.encode("The capital of France is")
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    (free,) = engine.generate([prompt], greedy)
+    stop = loaded_model.tokenizer.decode(free.token_ids[:1])
+    (stopped,) = engine.generate([prompt], dataclasses.replace(greedy, stop=(stop,)))
+    assert stopped.text == "" and stopped.finish_reason == "stop"
+    (held,) = engine.generate([prompt], dataclasses.replace(greedy, stop=(stop,), min_tokens=3))
+    assert held.token_ids[:3] == free.token_ids[:3] and held.text.startswith(stop)
