@@ -206,7 +206,9 @@ class LLMEngine:
         seed: int | None = None,
         cache_salt: str | None = None,
     ) -> Request:
-        """Validates and tokenizes; raises InvalidRequestError naming the bad field.
+        """Validates and tokenizes (a text prompt gets the model's special tokens, its BOS, as vLLM and
+        transformers add them; token ids are taken as they are); raises InvalidRequestError naming the bad
+        field.
 
         `lora`: the adapter's name (None: the base model); with `lora_fingerprint` (a peer's copy of the
         adapter) the adapter loaded here must have the same weights (AdapterMismatchError otherwise).
@@ -220,7 +222,7 @@ class LLMEngine:
         if isinstance(prompt, str):
             if len(prompt) > self.config.max_prompt_chars:  # refuse before spending CPU on tokenizing it
                 raise InvalidRequestError("prompt", f"longer than {self.config.max_prompt_chars} characters")
-            prompt_ids = self.tokenizer.encode(prompt)
+            prompt_ids = self.tokenizer.encode(prompt, add_special_tokens=True)  # its BOS, as vLLM's
         else:
             prompt_ids = [int(t) for t in prompt]
             if any(not 0 <= t < vocab for t in prompt_ids):

@@ -40,6 +40,7 @@ BODY_TYPES: dict[str, tuple[type, ...]] = {
     "parallel_tool_calls": (bool,),
     "add_generation_prompt": (bool,),
     "continue_final_message": (bool,),
+    "add_special_tokens": (bool,),
     "chat_template_kwargs": (dict,),
     "lora_adapter": (str,),
     "cache_salt": (str,),  # vLLM's: a tenant's prefix-cache salt

@@ -146,9 +146,8 @@ class OpenAIFrontend:
         return responses.model_not_found(name) if card is None else web.json_response(card)
 
     async def tokenize(self, request: web.Request) -> web.Response:
-        """vLLM's /tokenize: a `prompt` (as a completion's: `add_special_tokens` default false, as pdserve
-        feeds completions) or `messages` (rendered as a chat's); `return_token_strs` adds the vocabulary
-        spellings."""
+        """vLLM's /tokenize: a `prompt` (as a completion's: `add_special_tokens` default true) or `messages`
+        (rendered as a chat's); `return_token_strs` adds the vocabulary spellings."""
         body = await _json_body(request)
         if isinstance(body, web.Response):
             return body
@@ -168,7 +167,7 @@ class OpenAIFrontend:
         tokenizer, max_chars = self.service.engine.tokenizer, self.service.engine.config.max_prompt_chars
         if "messages" in body:
             return self._chat_ids(body, None)
-        prompt, special = body.get("prompt"), body.get("add_special_tokens", False)
+        prompt, special = body.get("prompt"), body.get("add_special_tokens", True)
         if not isinstance(prompt, str) or not isinstance(special, bool):
             raise InvalidRequestError(
                 "prompt", "must be a string (add_special_tokens a boolean), or send messages"
@@ -328,6 +327,13 @@ class OpenAIFrontend:
         return self._engine_request(body, self._chat_ids(body, tools), params, label, forced is not None)
 
     def _completion_request(self, body: dict, prompt: str | list[int], label: str) -> Request:
+        """A text prompt gets the model's special tokens (its BOS), as vLLM's completions do, unless
+        `add_special_tokens` is false."""
+        if isinstance(prompt, str) and body.get("add_special_tokens") is False:
+            max_chars = self.service.engine.config.max_prompt_chars
+            if len(prompt) > max_chars:
+                raise InvalidRequestError("prompt", f"longer than {max_chars} characters")
+            prompt = self.service.engine.tokenizer.encode(prompt) or prompt
         return self._engine_request(
             body, prompt, protocol.sampling_params(body, False, self.sampling_defaults), label, False
         )
