@@ -263,6 +263,7 @@ class LLMEngine:
             cache_salt=cache_salt or None,
             prompt_logprobs=None if params.prompt_logprobs is None else [None] * len(prompt_ids),
             bad_word_ids=self._bad_word_ids(params.bad_words),
+            reasoning=bool(params.reasoning_end) and params.constraint is not None,
         )
         if self.config.enable_prefix_caching:  # off the engine thread: a Preparer's (services.prepare)
             request.extend_block_hashes(self.config.block_size)
@@ -453,8 +454,7 @@ class LLMEngine:
         for i, request in enumerate(samplers):
             token, logprobs, finish = int(result.tokens[i]), None, None
             try:
-                if request.matcher is not None:
-                    token, finish = self._advance_constraint(request, token, allowed[i])
+                token, finish = self._constrain(request, token, None if allowed is None else allowed[i])
                 if request.params.logprobs is not None:
                     n = request.params.logprobs
                     top = list(
@@ -517,7 +517,7 @@ class LLMEngine:
         every token, every row. A constraint's mask is narrowed to the request's allowed_token_ids, then
         its bad words' next tokens are banned; a row short of its min_tokens has its stop tokens held back,
         unless that would leave nothing (a constraint that allows only EOS ends it as a dead end)."""
-        rows = [i for i, r in enumerate(samplers) if r.matcher is not None]
+        rows = [i for i, r in enumerate(samplers) if r.matcher is not None and not r.reasoning]
         narrowed = [i for i, r in enumerate(samplers) if r.params.allowed_token_ids or r.bad_word_ids]
         held = [
             i for i, r in enumerate(samplers) if len(r.output_ids) < r.params.min_tokens and r.stop_token_ids
@@ -545,6 +545,22 @@ class LLMEngine:
             if row.any():
                 allowed[i] = row.view(np.int32)
         return allowed
+
+    def _constrain(
+        self, request: Request, token: int, allowed: np.ndarray | None = None
+    ) -> tuple[int, FinishReason | None]:
+        """A sampled token (`allowed`: the mask it was sampled under; None: it was sampled elsewhere) through
+        the request's constraint, if it has one: see _advance_constraint. While the output is still the
+        model's reasoning, the token only ends it when it completes params.reasoning_end."""
+        if request.matcher is None:
+            return token, None
+        if request.reasoning:
+            end = request.params.reasoning_end
+            request.reasoning = [*request.output_ids, token][-len(end) :] != list(end)
+            return token, None
+        if allowed is None:
+            return token, self._consume(request, token)
+        return self._advance_constraint(request, token, allowed)
 
     def _advance_constraint(
         self, request: Request, token: int, allowed: np.ndarray
@@ -637,9 +653,9 @@ class LLMEngine:
             raise ValueError(f"{len(done.forks)} forked first tokens for a request of n={request.params.n}")
         forks = []
         for child, (fork_token, fork_logprobs) in zip(self._forks(request), done.forks, strict=True):
-            child_finish = self._consume(child, fork_token) if child.matcher is not None else None
+            _, child_finish = self._constrain(child, fork_token)
             forks.append((child, SampledToken(fork_token, fork_logprobs, child_finish)))
-        finish = self._consume(request, done.token) if request.matcher is not None else None
+        _, finish = self._constrain(request, done.token)
         token = SampledToken(done.token, done.logprobs, finish, forks=tuple(forks))
         for started, first in self.scheduler.remote_kv_arrived(done.request_id, token):
             self._outputs.tokens.append(self._emit(started, first))

@@ -86,6 +86,10 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True  # the text leaves out the model's special tokens (not its stop tokens)
     constraint: Constraint | None = None  # structured output (None: free text)
+    # With a constraint: the tokens that end the model's reasoning (its `</think>`): the output is free until
+    # it ends with them, then constrained (vLLM's structured outputs under a reasoning parser). Empty: the
+    # constraint applies from the first token.
+    reasoning_end: tuple[int, ...] = ()
 
     @property
     def greedy(self) -> bool:
@@ -115,6 +119,10 @@ class SamplingParams:
             token_bound.check("stop_token_ids", token)
         for token in self.allowed_token_ids:
             token_bound.check("allowed_token_ids", token)
+        if len(self.reasoning_end) > MAX_REASONING_END:
+            raise InvalidRequestError("reasoning_end", f"at most {MAX_REASONING_END} tokens")
+        for token in self.reasoning_end:
+            token_bound.check("reasoning_end", token)
         if not all(isinstance(w, str) and w.strip() for w in self.bad_words):
             raise InvalidRequestError("bad_words", "bad words must be non-blank strings")
         if not all(isinstance(s, str) and s for s in self.stop):
@@ -133,6 +141,7 @@ class SamplingParams:
 
 
 INT32_MAX = 2**31 - 1
+MAX_REASONING_END = 16  # tokens of the marker that ends a reasoning section
 MAX_LOGIT_BIAS = 300  # tokens one request may bias (OpenAI's limit); the sampler's columns for them
 # Prompt logprobs of one request, prompt tokens x (prompt_logprobs + 1): they travel in one message (the
 # prefill server's trailer, the first response), about 15 bytes a position and 11 a top entry

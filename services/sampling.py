@@ -96,6 +96,14 @@ FIELDS: tuple[Field, ...] = (
     Field(
         "bad_words", str, "sampling", "a word never generated (repeatable)", repeated=True, flag="--bad-word"
     ),
+    Field(
+        "reasoning_end",
+        int,
+        "sampling",
+        "with a constraint: the token ids that end the reasoning; the constraint applies after them",
+        repeated=True,
+        flag="--reasoning-end-token",
+    ),
     Field("ignore_eos", bool, "stop", "keep generating past EOS"),
 )
 FIELD_NAMES = frozenset(f.name for f in FIELDS)

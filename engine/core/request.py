@@ -71,6 +71,8 @@ class Request:
     cacheable: bool = True
     # The constraint's matcher (engine.constraints), where its language stands after the output so far
     matcher: Any = None
+    # The output is still the model's reasoning (params.reasoning_end not yet generated): the constraint waits
+    reasoning: bool = False
     arrival_time: float = dataclasses.field(default_factory=time.monotonic)
     scheduled_time: float | None = None  # first admitted (blocks allocated): its queue time ends there
     first_token_time: float | None = None

@@ -88,3 +88,25 @@ def test_min_tokens_holds_back_stop_strings_too(make_engine, loaded_model):
     assert stopped.text == "" and stopped.finish_reason == "stop"
     (held,) = engine.generate([prompt], dataclasses.replace(greedy, stop=(stop,), min_tokens=3))
     assert held.token_ids[:3] == free.token_ids[:3] and held.text.startswith(stop)
+
+
+def test_a_constraint_waits_for_the_end_of_the_reasoning(make_engine, loaded_model):
+    """reasoning_end (a reasoning parser's `</think>`): the output is free until it ends with those tokens,
+    then constrained; without it the constraint holds from the first token. Here the "marker" is the
+    greedy output's second token, so the first two tokens are the free ones."""
+    from pdserve.engine.sampling_params import Constraint
+
+    engine = make_engine()
+    prompt = loaded_model.tokenizer.encode("The capital of France is")
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    (free,) = engine.generate([prompt], greedy)
+    assert free.token_ids[1] != free.token_ids[0]
+    choice = dataclasses.replace(
+        greedy, ignore_eos=False, constraint=Constraint("choice", choices=("yes", "no"))
+    )
+    (constrained,) = engine.generate([prompt], choice)
+    assert constrained.text in ("yes", "no")
+    (thought,) = engine.generate([prompt], dataclasses.replace(choice, reasoning_end=(free.token_ids[1],)))
+    assert thought.token_ids[:2] == free.token_ids[:2]
+    answer = loaded_model.tokenizer.decode(thought.token_ids[2:], skip_special_tokens=True)
+    assert answer in ("yes", "no") and thought.finish_reason == "stop"

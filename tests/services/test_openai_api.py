@@ -417,3 +417,23 @@ def test_allowed_token_ids_and_bad_words_hold_from_the_first_token(http, model, 
     reply = http.completions.create(model=model, prompt=prompt, extra_body={"bad_words": [word]}, **GREEDY)
     assert reply.choices[0].text == colocated(prompt, max_tokens=6, bad_words=(word,), field="text")
     assert first not in colocated(prompt, max_tokens=6, bad_words=(word,))
+
+
+def test_a_constraint_after_the_reasoning_starts_on_the_decode_side(decode, colocated, loaded_model):
+    """reasoning_end over gRPC, disaggregated: the prefill server's first token is free when it is still
+    reasoning (here it is the marker itself), and the decode server constrains the rest: the colocated
+    engine's tokens."""
+    from pdserve.engine.sampling_params import Constraint
+    from pdserve.services.client import Client
+
+    prompt = loaded_model.tokenizer.encode("The capital of France is")
+    first = colocated(prompt, max_tokens=4, ignore_eos=True)[0]
+    kw = dict(max_tokens=12, constraint=Constraint("choice", choices=("yes", "no")), reasoning_end=(first,))
+    expected = colocated(prompt, **kw)
+    client = Client(decode.address)
+    try:
+        got = client.generate(prompt, **kw)
+    finally:
+        client.close()
+    assert got.token_ids == expected and expected[0] == first
+    assert loaded_model.tokenizer.decode(expected[1:], skip_special_tokens=True) in ("yes", "no")

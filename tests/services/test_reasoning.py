@@ -44,3 +44,24 @@ def test_streamed_in_any_pieces_equals_whole(parser, words, data):
     parts = [stream.feed(p) for p in pieces] + [stream.finish()]
     reasoning, content = ("".join(p[i] for p in parts) for i in (0, 1))
     assert (reasoning or None, content or None) == split(parser, text)
+
+
+def test_the_constraint_waits_for_the_reasoning_unless_the_prompt_closed_it():
+    from pdserve.services.decode.openai.reasoning import constraint_waits_for, marker_ids
+
+    start, end = 7, 8
+    assert constraint_waits_for([1, 2, 3], (start, end)) == (end,)  # Qwen3 thinking: the model opens it
+    assert constraint_waits_for([1, start, 9], (start, end)) == (end,)  # DeepSeek-R1: the template opened it
+    assert constraint_waits_for([1, start, 9, end, 5], (start, end)) == ()  # thinking off: closed
+    assert constraint_waits_for([start, end, 1, start], (start, end)) == (end,)  # an earlier turn's, closed
+    assert constraint_waits_for([1, 2], None) == ()  # a model without think tokens does not think
+
+    class Tokens:
+        def __init__(self, vocab):
+            self.vocab = vocab
+
+        def encode(self, text):
+            return [self.vocab[text]] if text in self.vocab else [1, 2, 3]
+
+    assert marker_ids(Tokens({"<think>": 7, "</think>": 8})) == (7, 8)
+    assert marker_ids(Tokens({})) is None

@@ -10,13 +10,17 @@ Two parsers, for the families pdserve serves that think:
     (`chat_template_kwargs: {"enable_thinking": false}`, the template writes an empty think block into the
     prompt) the output is all content.
 Tool calls are parsed in the content only (after the reasoning), as vLLM does. A constraint (structured
-output, tool_choice required) applies from the first token in pdserve: a constrained request does not
-think. vLLM starts the constraint after the reasoning; that is not built here.
+output, a required tool call) applies to the answer, after the reasoning, as in vLLM: when the model's
+vocabulary has `<think>` and `</think>` as tokens of their own (a thinking model's) and the prompt has not
+closed the reasoning already (Qwen3's template with thinking off writes an empty think block), the request
+carries `SamplingParams.reasoning_end` (the `</think>` token) and the engine leaves the output free until
+it. A model without those tokens does not think: its constraint applies from the first token.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 START, END = "<think>", "</think>"
 PARSERS = ("deepseek_r1", "qwen3")
@@ -74,6 +78,25 @@ def split(parser: str, text: str) -> tuple[str | None, str | None]:
     parts = [stream.feed(text), stream.finish()]
     reasoning, content = ("".join(p[i] for p in parts) for i in (0, 1))
     return reasoning or None, content or None
+
+
+def marker_ids(tokenizer) -> tuple[int, int] | None:
+    """The ids of `<think>` and `</think>` when each is one token of the vocabulary; None otherwise."""
+    ids = [tokenizer.encode(marker) for marker in (START, END)]
+    return (ids[0][0], ids[1][0]) if all(len(i) == 1 for i in ids) else None
+
+
+def constraint_waits_for(prompt_ids: Sequence[int], markers: tuple[int, int] | None) -> tuple[int, ...]:
+    """SamplingParams.reasoning_end of a constrained request with this prompt: the `</think>` token, unless
+    the prompt closed the reasoning already (its last `</think>` after its last `<think>`) or the model has
+    no such tokens (empty: the constraint applies from the first token)."""
+    if markers is None:
+        return ()
+    start, end = markers
+    last = {token: i for i, token in enumerate(prompt_ids) if token in markers}
+    if end in last and last[end] > last.get(start, -1):
+        return ()
+    return (end,)
 
 
 def _partial_suffix(text: str, marker: str) -> int:

@@ -79,6 +79,7 @@ class OpenAIFrontend:
         if reasoning_parser is not None and reasoning_parser not in reasoning.PARSERS:
             raise ValueError(f"reasoning parser {reasoning_parser!r}: one of {reasoning.PARSERS}")
         self.reasoning_parser = reasoning_parser
+        self.markers = reasoning.marker_ids(service.engine.tokenizer)  # (<think>, </think>) ids, if tokens
         self.sampling_defaults = dict(sampling_defaults or {})
         self.service = service
         self.security = security
@@ -324,7 +325,12 @@ class OpenAIFrontend:
             params = dataclasses.replace(params, constraint=forced)
         if tools is not None and tools.mode == "auto" and self.tool_markers_special:
             params = dataclasses.replace(params, skip_special_tokens=False)
-        return self._engine_request(body, self._chat_ids(body, tools), params, label, forced is not None)
+        ids = self._chat_ids(body, tools)
+        if self.reasoning_parser is not None and params.constraint is not None:  # constrain the answer only
+            params = dataclasses.replace(
+                params, reasoning_end=reasoning.constraint_waits_for(ids, self.markers)
+            )
+        return self._engine_request(body, ids, params, label, forced is not None)
 
     def _completion_request(self, body: dict, prompt: str | list[int], label: str) -> Request:
         """A text prompt gets the model's special tokens (its BOS), as vLLM's completions do, unless
