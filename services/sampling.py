@@ -277,10 +277,20 @@ def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
             )
         elif field.repeated:
             group.add_argument(
-                field.cli_flag, dest=field.name, type=field.kind, action="append", help=field.help
+                field.cli_flag, dest=field.name, type=field.kind, action=_AppendValue, help=field.help
             )
         else:
             group.add_argument(field.cli_flag, dest=field.name, type=field.kind, help=field.help)
+
+
+class _AppendValue(argparse._AppendAction):
+    """`append`, keeping a value of `--` (`--stop=--`): Python 3.11's argparse drops it as the end of the
+    options and hands the action nothing."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if values == []:
+            values = parser._get_value(self, "--")  # (the flag's type, or its usual error)
+        super().__call__(parser, namespace, values, option_string)
 
 
 def add_constraint_flags(parser: argparse.ArgumentParser) -> None:
