@@ -50,3 +50,22 @@ def test_each_sequence_keeps_its_own_constraint_and_an_abort_ends_them_all(make_
     with pytest.raises(InvalidRequestError) as refusal:
         engine.make_request(prompt, SamplingParams(n=engine.config.max_num_seqs + 1))
     assert refusal.value.field == "n"
+
+
+def test_a_hybrid_models_sequences_copy_their_rings(tmp_path, loaded_model):
+    """Gemma 3 (sliding layers in rings of blocks, engine.core.kv_groups): each forked sequence gets its
+    own copy of every ring block; past the window, the sequences are still the seeded single requests."""
+    from pdserve.engine.config import EngineConfig
+    from pdserve.testing.families import engine_of, write_family
+
+    write_family("gemma3", tmp_path, loaded_model.config.vocab_size)
+    config = EngineConfig(num_blocks=96, max_model_len=512, max_num_seqs=4, max_num_batched_tokens=64)
+    engine = engine_of(tmp_path, loaded_model.tokenizer, config)
+    assert engine.scheduler.kv.ring_blocks  # (the rings this test is about)
+    prompt = list(range(100, 160))  # past the 24-token window
+    params = SamplingParams(temperature=1.0, seed=7, max_tokens=40, n=3, ignore_eos=True)
+    forked = engine.generate([prompt], params)
+    singles = engine.generate([prompt] * 3, [dataclasses.replace(params, n=1, seed=7 + i) for i in range(3)])
+    assert [f.token_ids for f in forked] == [s.token_ids for s in singles]
+    engine.scheduler.kv.pool.check()
+    assert engine.scheduler.kv.pool.num_used == 0
