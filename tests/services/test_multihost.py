@@ -101,8 +101,9 @@ def test_prefill_group_to_decode_tp2(prefill_group, decode_tp2, colocated):
 
 
 def test_decode_over_two_processes(prefill_group, model_path, log_dir, colocated):
-    """A decode-server over 2 processes (TP 2) on the prefill group; then SIGTERM on its leader drains it
-    and stops its worker."""
+    """A decode-server over 2 processes (TP 2) on the prefill group (a request of n = 3 too: the worker
+    replays the forked sequences' block copies); then SIGTERM on its leader drains it and stops its
+    worker."""
 
     def start(suffix, extra, ready, env):
         prefill, name = prefill_group[0].address, f"mp-decode{suffix}"
@@ -112,6 +113,13 @@ def test_decode_over_two_processes(prefill_group, model_path, log_dir, colocated
     try:
         jobs = [*JOBS[:2], JOBS[3], JOBS[-1]]
         assert run_jobs(group[0].address, jobs) == [colocated(p, **kw) for p, kw in jobs]
+        prompt, kw = long_prompt(40, 15), dict(max_tokens=6, temperature=0.9, ignore_eos=True)
+        client = Client(group[0].address)
+        try:
+            forked = client.generate_sequences(build_request(prompt, n=3, seed=5, **kw), timeout=300)
+        finally:
+            client.close()
+        assert [c.token_ids for c in forked] == [colocated(prompt, seed=5 + i, **kw) for i in range(3)]
         assert_all_free(group[0].address)
     finally:
         # the leader: SIGTERM drains it, then it stops its worker, which exits by itself (a SIGTERM of
