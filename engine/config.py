@@ -381,6 +381,9 @@ def _refuse_unsupported_features(config: Mapping[str, Any]) -> None:
 
 
 DTYPES = ("auto", "float32", "bfloat16")
+# --kv-cache-dtype (vLLM's names) -> the cache's element type; "auto": the serving dtype. fp8 with a static
+# scale of 1.0 per tensor (as tpu-inference serves it): K/V are saturated to the type's range when written.
+KV_CACHE_DTYPES = {"auto": "", "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 QUANTIZATIONS = ("none", "int8")  # EngineConfig.quantization (engine.model.quantized)
 
 
@@ -435,6 +438,12 @@ class EngineConfig:
     dtype: str = flag(
         "auto", "weights and KV cache (auto: bfloat16 on TPUs and GPUs, float32 on CPUs)", choices=DTYPES
     )
+    kv_cache_dtype: str = flag(
+        "auto",
+        "the KV cache's element type (auto: --dtype's; fp8 = fp8_e4m3: a quarter of float32's bytes and half "
+        "of bfloat16's, on both roles and on the wire, with a static scale of 1.0)",
+        choices=tuple(KV_CACHE_DTYPES),
+    )
     quantization: str = flag(
         "none",
         "weight-only quantization of the attention and MLP projections (int8: one scale per output channel, "
@@ -468,6 +477,8 @@ class EngineConfig:
             )
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r}: one of {DTYPES}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r}: one of {tuple(KV_CACHE_DTYPES)}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization {self.quantization!r}: one of {QUANTIZATIONS}")
 
@@ -477,6 +488,12 @@ class EngineConfig:
         if self.dtype != "auto":
             return self
         return dataclasses.replace(self, dtype="float32" if platform == "cpu" else "bfloat16")
+
+    @property
+    def cache_dtype(self) -> str:
+        """The KV cache's element type (a kvtransfer.DTYPES name): --kv-cache-dtype's, else the serving
+        dtype's (resolved by on_platform)."""
+        return KV_CACHE_DTYPES[self.kv_cache_dtype] or self.dtype
 
     @property
     def max_prompt_chars(self) -> int:

@@ -124,7 +124,9 @@ class LLMEngine:
         config = config.on_platform(platform)  # "auto" dtype resolved
         if attention is None:
             attention = ragged_paged_attention_reference
-            unsupported = platform == "tpu" and kernel_unsupported(model.config, config.tp, config.dtype)
+            unsupported = platform == "tpu" and kernel_unsupported(
+                model.config, config.tp, config.dtype, config.cache_dtype
+            )
             if unsupported:
                 log.warning("TPU attention kernel not used (%s): the reference attends", unsupported)
             elif platform == "tpu":

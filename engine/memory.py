@@ -44,6 +44,7 @@ class MemoryPlan:
     device_kind: str
     num_devices: int  # of the engine's mesh
     dtype: str
+    kv_dtype: str  # the cache's element type (EngineConfig.cache_dtype)
     weight_bytes: int  # weights and LoRA slots
     num_blocks: int
     block_size: int
@@ -72,6 +73,7 @@ class MemoryPlan:
             "devices": str(self.num_devices),
             "device_kind": self.device_kind,
             "dtype": self.dtype,
+            "kv_dtype": self.kv_dtype,
             "weights_gib": f"{self.weight_bytes / GIB:.2f}",
             "kv_blocks": str(self.num_blocks),
             "kv_tokens": str(self.kv_tokens),
@@ -137,7 +139,7 @@ def block_bytes(model: ModelConfig, config: EngineConfig, mesh) -> int:
     """One KV block's bytes per device (on a CPU, every device's together): the cache is split over the
     mesh by heads, or replicated (MLA's latent)."""
     shape = cache_shape(model, dataclasses.replace(config, num_blocks=1))
-    total = jax.numpy.dtype(config.dtype).itemsize * math.prod(shape)
+    total = jax.numpy.dtype(config.cache_dtype).itemsize * math.prod(shape)
     tp = config.tp
     per_device = total if model.is_mla else total // tp
     return per_device * tp if _platform(mesh) == "cpu" else per_device
@@ -212,6 +214,7 @@ def plan(
         device_kind=device.device_kind,
         num_devices=mesh.devices.size,
         dtype=config.dtype,
+        kv_dtype=config.cache_dtype,
         weight_bytes=weight_bytes,
         block_size=bs,
         block_bytes=per_block,

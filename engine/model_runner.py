@@ -378,7 +378,7 @@ def step_temp_bytes(
     small = dataclasses.replace(config, num_blocks=block_table_width(config))
     sharding = kvtransfer.cache_sharding(mesh, kv_cache.kv_layout(model, config))
     cache = jax.ShapeDtypeStruct(
-        kv_cache.cache_shape(model, small), jax.numpy.dtype(config.dtype), sharding=sharding
+        kv_cache.cache_shape(model, small), jax.numpy.dtype(config.cache_dtype), sharding=sharding
     )
     compiled = lower_step(
         model, small, weights, lora_weights, cache, config.max_num_batched_tokens, attention

@@ -33,6 +33,8 @@ _DTYPE_TO_PB = {
     "float32": pb.KV_DTYPE_FLOAT32,
     "bfloat16": pb.KV_DTYPE_BFLOAT16,
     "float16": pb.KV_DTYPE_FLOAT16,
+    "float8_e4m3fn": pb.KV_DTYPE_FLOAT8_E4M3FN,
+    "float8_e5m2": pb.KV_DTYPE_FLOAT8_E5M2,
 }
 _PB_TO_DTYPE = {v: k for k, v in _DTYPE_TO_PB.items()}
 

@@ -29,6 +29,8 @@ DTYPES: dict[str, np.dtype] = {
     "float32": np.dtype(np.float32),
     "bfloat16": np.dtype(ml_dtypes.bfloat16),
     "float16": np.dtype(np.float16),
+    "float8_e4m3fn": np.dtype(ml_dtypes.float8_e4m3fn),  # an fp8 cache (EngineConfig.kv_cache_dtype)
+    "float8_e5m2": np.dtype(ml_dtypes.float8_e5m2),
 }
 HEAD_STRATEGIES = ("pad", "replicate")
 

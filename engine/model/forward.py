@@ -26,6 +26,7 @@ from pdserve.engine.model.attention import (
     soft_cap,
     token_sequences,
 )
+from pdserve.engine.model.kv_cache import to_cache_dtype
 from pdserve.engine.model.layers import ACTIVATION_FNS, apply_rope, rms_norm, rope_inverse_frequencies
 from pdserve.engine.model.lora import LoraWeights
 from pdserve.engine.model.quantized import project
@@ -86,7 +87,7 @@ def forward_step(
 
     def write(cache, rows, tables, new_kv):  # new_kv [(layers,) T, slots, dims] at the tokens' positions
         return cache.at[rows, write_blocks[tables], positions % block_size].set(
-            new_kv.astype(cache.dtype), mode="drop"
+            to_cache_dtype(new_kv, cache.dtype), mode="drop"
         )
 
     def layer(carry, lw):

@@ -39,7 +39,7 @@ def kv_layout(model: ModelConfig, config: EngineConfig) -> KVLayout:
         layer_specs=specs,
         num_kv_heads=heads,
         head_dim=head_dim,
-        dtype=config.dtype,
+        dtype=config.cache_dtype,
         block_size=config.block_size,
         tp_size=config.tp,
         head_strategy="pad",
@@ -54,6 +54,16 @@ def cache_shape(model: ModelConfig, engine: EngineConfig) -> tuple[int, ...]:
 
 def allocate_cache(model: ModelConfig, engine: EngineConfig, mesh: Mesh) -> jax.Array:
     """A zeroed cache, created directly in its sharding (no host copy)."""
-    shape, dtype = cache_shape(model, engine), jnp.dtype(engine.dtype)
+    shape, dtype = cache_shape(model, engine), jnp.dtype(engine.cache_dtype)
     sharding = kvtransfer.cache_sharding(mesh, kv_layout(model, engine))
     return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
+
+
+def to_cache_dtype(kv: jax.Array, dtype) -> jax.Array:
+    """New K/V as the cache stores them: cast, saturated to an fp8 type's finite range first (scale 1.0:
+    a value past it would otherwise become NaN)."""
+    dtype = jnp.dtype(dtype)
+    if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize == 1:
+        limit = float(jnp.finfo(dtype).max)
+        kv = jnp.clip(kv, -limit, limit)
+    return kv.astype(dtype)

@@ -39,13 +39,16 @@ from pdserve.engine.model.attention import AttentionFn, ragged_paged_attention_r
 from pdserve.engine.model.sharding import MODEL_AXIS
 
 
-def kernel_unsupported(cfg: ModelConfig, tp: int, dtype: str) -> str | None:
+def kernel_unsupported(cfg: ModelConfig, tp: int, dtype: str, cache_dtype: str | None = None) -> str | None:
     """Why jax's kernel cannot attend for this model on a mesh of TP `tp` (None: it can). Its rules, as
     found running it in TPU interpret mode (tests/engine/test_tpu_attention.py): head_dim a multiple of 128
     (the lanes; it asserts otherwise, e.g. SmolLM2's 64), and each chip's K and V heads tiled whole
-    (its own check, for the dtype's packing). MLA's latent cache is not its layout."""
+    (its own check, for the dtype's packing). MLA's latent cache is not its layout. An fp8 cache
+    (`cache_dtype` other than `dtype`) is not mapped onto the kernel's k_scale / v_scale yet."""
     from jax.experimental.pallas.ops.tpu.ragged_paged_attention.kernel import get_min_heads_per_blk
 
+    if cache_dtype is not None and cache_dtype != dtype:
+        return f"a {cache_dtype} KV cache is not mapped onto the kernel yet"
     if cfg.is_mla:
         return "MLA's latent cache is not the kernel's layout"
     if cfg.head_dim % 128:

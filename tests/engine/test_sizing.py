@@ -83,3 +83,21 @@ def test_max_model_len_defaults_to_the_model_context(loaded_model):
     assert LLMEngine(loaded_model, EngineConfig(num_blocks=64, **sizes)).config.max_model_len == 1024
     with pytest.raises(SizingError, match="exceeds the model's context"):
         LLMEngine(loaded_model, EngineConfig(num_blocks=64, max_model_len=2 * context, **sizes))
+
+
+def test_an_fp8_cache_holds_four_times_the_float32_blocks(loaded_model):
+    """--kv-cache-dtype fp8: a block is a quarter of float32's bytes, so the same memory budget holds four
+    times the blocks (the tokens the start-up line, Admin stats and the KV events report)."""
+    import dataclasses
+
+    engine = LLMEngine(loaded_model, EngineConfig(num_blocks=64, **SIZES))
+    mesh, cfg = engine.runner.mesh, loaded_model.config
+    config = EngineConfig(gpu_memory_utilization=0.05, **SIZES).on_platform("cpu")
+    fp8 = dataclasses.replace(config, kv_cache_dtype="fp8")
+    assert fp8.cache_dtype == "float8_e4m3fn" and config.cache_dtype == "float32"
+    assert memory.block_bytes(cfg, config, mesh) == 4 * memory.block_bytes(cfg, fp8, mesh)
+    no_temporaries = lambda _config: 0  # noqa: E731
+    _, full = memory.plan(cfg, config, mesh, engine.runner.weights, no_temporaries)
+    _, quarter = memory.plan(cfg, fp8, mesh, engine.runner.weights, no_temporaries)
+    assert quarter.num_blocks in range(4 * full.num_blocks, 4 * full.num_blocks + 4)
+    assert quarter.summary()["kv_dtype"] == "float8_e4m3fn" and full.summary()["kv_dtype"] == "float32"

@@ -10,7 +10,8 @@ from jax.sharding import Mesh
 from pdserve.kvtransfer import KVLayout, LayerSpec, SpecKind, cache_sharding
 from pdserve.testing.kv_cache import logical_layout, logical_values, make_cache, physical
 
-SENTINEL = 1000.0  # what a decode cache holds before insert; synthetic values lie in [-125, 125]
+SENTINEL = 256.0  # what a decode cache holds before insert (exact in every cache dtype, fp8 too);
+# synthetic values lie in [-125, 125]
 NUM_BLOCKS = 32
 
 SPECS = {

@@ -13,6 +13,7 @@ from pdserve.kvtransfer import (
     FrameAssembler,
     FrameEncoder,
     FrameError,
+    LayoutMismatchError,
     chunk_sharding,
     deserialize_frame,
     gather,
@@ -62,6 +63,31 @@ def test_round_trip_bfloat16_with_heads_padded_from_tp2_to_tp4():
     cache, error = receive(messages)
     assert error is None
     check_transferred(cache, SRC, DST, SRC_BLOCKS, DST_BLOCKS, NUM_TOKENS)
+
+
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2"])
+def test_an_fp8_cache_goes_as_stored_and_a_mismatched_one_is_refused(dtype):
+    """An fp8 cache's frames carry its bytes (a quarter of float32's), inserted exactly from TP 2 to TP 4;
+    a receiver of another cache dtype refuses the stream instead of converting it."""
+    src, dst = make_layout(dtype=dtype, tp=2), make_layout(dtype=dtype, tp=4)
+    blocks = [3, 4, 5]
+    encoder = FrameEncoder("req", src, 10, SMALL_FRAMES)
+    messages = [
+        serialize_frame(f) for f in encoder.frames([gather(src_cache(src, mesh(0, 2)), blocks, 10)], blocks)
+    ]
+    assert (
+        src.np_dtype.itemsize == 1 and src.block_bytes * 4 == make_layout(dtype="float32", tp=2).block_bytes
+    )
+    m = mesh(4, 4)
+    assembler = FrameAssembler("req", 10, src, dst, chunk_sharding(m, dst))
+    cache = dst_cache(dst, m)
+    for message in messages:
+        cache = insert(cache, assembler.add(deserialize_frame(message)), [7, 2, 30])
+    assembler.finish()
+    check_transferred(cache, src, dst, blocks, [7, 2, 30], 10)
+    other = make_layout(dtype="float32", tp=4)
+    with pytest.raises(LayoutMismatchError, match="dtype: 'float"):
+        FrameAssembler("req", 10, src, other, chunk_sharding(m, other))
 
 
 def test_header_records_ranges_blocks_shape_dtype_and_crc():

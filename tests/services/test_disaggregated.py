@@ -9,6 +9,7 @@ import concurrent.futures
 import pytest
 
 from pdserve.services.client import Client, build_request
+from pdserve.services.sampling import params_from_request
 from pdserve.testing.launch import serve_daemon
 from tests.helpers import assert_all_free, in_process
 
@@ -266,3 +267,37 @@ def test_cache_salts_keep_tenants_apart_on_both_roles(prefill, decode, loaded_mo
         ).usage
         assert (usage.prompt_tokens_details.cached_tokens > 0) == cached, salt
     assert_all_free(decode.address, prefill.address)
+
+
+def test_an_fp8_kv_cache_disaggregated_equals_colocated_and_refuses_other_replicas(
+    prefill, loaded_model, small_config
+):
+    """--kv-cache-dtype fp8_e4m3 on both roles (in-process servers): the KV crosses as stored (fp8 frames)
+    and decoding reads what a colocated fp8 engine wrote, so the tokens are the colocated fp8 engine's, greedy
+    and seeded, a long prompt in several chunks too. An fp8 decode server whose replica (the shared one)
+    keeps a float32 cache refuses it at the handshake and prefills locally: the same tokens again."""
+    import dataclasses
+
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.services.decode.core import GenerationCore
+    from pdserve.services.decode.server import serve as serve_decode
+    from pdserve.services.prefill.server import PrefillService
+    from pdserve.services.prefill.server import serve as serve_prefill
+
+    fp8 = dataclasses.replace(small_config, kv_cache_dtype="fp8_e4m3")
+    reference = LLMEngine(loaded_model, fp8)
+    assert reference.kv_layout.dtype == "float8_e4m3fn"
+    jobs = [(ids, kw) for ids in prompts(loaded_model.tokenizer)[1:] for kw in (GREEDY, SEEDED[0])]
+    params = [params_from_request(build_request(ids, **kw)) for ids, kw in jobs]
+    expected = [c.token_ids for c in reference.generate([ids for ids, _ in jobs], params)]
+    service = PrefillService.for_engine(LLMEngine(loaded_model, fp8))
+    with in_process(lambda stop, ready: serve_prefill(service, 0, stop, on_ready=ready)) as replica:
+        for target, transferred in ((replica, True), (prefill.address, False)):
+            core = GenerationCore.for_engine(LLMEngine(loaded_model, fp8), prefill_targets=[target])
+            with in_process(
+                lambda stop, ready, core=core: serve_decode(core, 0, stop, on_ready=ready)
+            ) as decode:
+                client = Client(decode)
+                assert [client.generate(ids, **kw).token_ids for ids, kw in jobs] == expected
+                assert (client.stats().num_transfers_total > 0) == transferred, target
+                assert_all_free(decode)

@@ -1,0 +1,121 @@
+"""An fp8 KV cache (`--kv-cache-dtype fp8_e4m3 | fp8_e5m2`, static scale 1.0) against the float32 cache
+(`auto` on this CPU), in one run, on the default model (its whole 30 layers, float32 weights).
+
+    .venv/bin/python bench/bench_kv_dtype.py [--json OUT]
+
+For each cache dtype:
+- KV bytes per token (every layer) and the transfer bytes of a 2,048-token prompt (the frames' payload);
+- greedy agreement with the float32 cache over 128 tokens on the parity prompts (tests/fixtures/
+  reference_smollm2.npz): the tokens equal before the first difference, and the share of equal positions;
+- |delta logprob| of the float32 cache's greedy tokens, scored teacher-forced (prompt logprobs over the
+  prompt and its float32 continuation): mean and max;
+- the perplexity of the model over about 4,000 tokens of English text (this repository's README and
+  docs/architecture.md, in windows of 1,024 tokens prefilled in chunks of 256, so later chunks read the
+  earlier ones' KV from the cache), against float32's;
+- decode tokens/s at batch 32 against float32's (the dequantize cost on this CPU).
+A disaggregated run reads exactly what the colocated engine wrote (tests/services/test_disaggregated.py
+checks it token for token), so these figures hold for both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+WINDOW, CHUNK, GREEDY_TOKENS = 1024, 256, 128
+
+
+def text_windows(tokenizer) -> list[list[int]]:
+    text = (ROOT / "README.md").read_text() + "\n" + (ROOT / "docs/architecture.md").read_text()
+    ids = tokenizer.encode(text)
+    return [ids[i : i + WINDOW] for i in range(0, len(ids) - WINDOW + 1, WINDOW)][:4]
+
+
+def scored(engine, prompts, params) -> list[list[float]]:
+    """Each prompt's logprob of every token after the first (prompt logprobs, teacher-forced)."""
+    results = engine.generate(prompts, params)
+    return [[lp.logprob for lp in r.prompt_logprobs[1:]] for r in results]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+
+    from bench_engine import decode_step_times  # bench/ is on the path when a script of it runs
+
+    from pdserve import kvtransfer
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.loading.sources import DEFAULT_MODEL, fetch, load_model
+    from pdserve.engine.sampling_params import SamplingParams
+
+    data = np.load(ROOT / "tests/fixtures/reference_smollm2.npz")
+    prompts = [data[k].tolist() for k in sorted(data.files) if k.startswith("prompt_")]
+    model = load_model(str(fetch(DEFAULT_MODEL, progress=False))).in_memory()
+    windows = text_windows(model.tokenizer)
+    base = EngineConfig(num_blocks=1024, max_model_len=2048, max_num_seqs=32, max_num_batched_tokens=CHUNK)
+    greedy = SamplingParams(temperature=0.0, max_tokens=GREEDY_TOKENS, ignore_eos=True)
+    score = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    out, reference = {}, None
+    for name in ("auto", "fp8_e4m3", "fp8_e5m2"):
+        engine = LLMEngine(model, dataclasses.replace(base, kv_cache_dtype=name))
+        layout = engine.kv_layout
+        layer_token_bytes = layout.block_bytes // layout.block_size  # one token of one layer
+        plan = kvtransfer.plan_frames(layout, 2048, kvtransfer.MAX_FRAME_BYTES)
+        tokens = [r.token_ids for r in engine.generate(prompts, greedy)]
+        window_lps = scored(engine, windows, score)
+        perplexity = math.exp(-np.mean(np.concatenate(window_lps)))
+        row = {
+            "cache_dtype": layout.dtype,
+            "kv_bytes_per_token": layer_token_bytes * layout.num_cache_layers,
+            "transfer_bytes_2048_tokens": layer_token_bytes * sum(p.num_tokens * p.num_layers for p in plan),
+            "perplexity": perplexity,
+        }
+        times = decode_step_times(engine, 32, 16)
+        row["decode_tokens_per_s_b32"] = 32 * len(times) / sum(times)
+        if reference is None:
+            reference = {"tokens": tokens, "perplexity": perplexity, "row": row}
+            continuations = [p + t for p, t in zip(prompts, tokens, strict=True)]
+            reference["scores"] = scored(engine, continuations, score)
+        else:
+            ref_tokens = reference["tokens"]
+            row["greedy_equal_before_first_difference"] = [
+                next((i for i, (a, b) in enumerate(zip(x, y, strict=True)) if a != b), len(x))
+                for x, y in zip(ref_tokens, tokens, strict=True)
+            ]
+            equal = sum(
+                a == b for x, y in zip(ref_tokens, tokens, strict=True) for a, b in zip(x, y, strict=True)
+            )
+            row["greedy_position_agreement"] = equal / sum(len(x) for x in ref_tokens)
+            continuations = [p + t for p, t in zip(prompts, ref_tokens, strict=True)]
+            mine = scored(engine, continuations, score)
+            deltas = np.concatenate(
+                [
+                    np.abs(np.asarray(a[len(p) - 1 :]) - np.asarray(b[len(p) - 1 :]))
+                    for a, b, p in zip(mine, reference["scores"], prompts, strict=True)
+                ]
+            )
+            row["chosen_logprob_delta_mean"] = float(deltas.mean())
+            row["chosen_logprob_delta_max"] = float(deltas.max())
+            row["perplexity_vs_auto"] = perplexity / reference["perplexity"]
+            for key in ("kv_bytes_per_token", "transfer_bytes_2048_tokens", "decode_tokens_per_s_b32"):
+                row[f"{key}_vs_auto"] = row[key] / reference["row"][key]
+        out[name] = row
+        del engine
+    out["text_tokens_scored"] = sum(len(w) - 1 for w in windows)
+    print(json.dumps(out, indent=2))
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()
