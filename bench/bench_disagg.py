@@ -1,6 +1,6 @@
 """Disaggregated vs colocated serving, measured in one run on this machine with real daemons.
 
-    .venv/bin/python bench/bench_disagg.py [--quick] [--json OUT]
+    .venv/bin/python bench/bench_disagg.py [--quick] [--json OUT] [--kv-cache-dtype fp8] [--lengths 2048]
 
 1. TTFT for prompts of 128, 512, 2048 and 4096 tokens: decode-server -> prefill-server (disaggregated)
    against a decode-server prefilling locally (colocated), both sharing the machine's cores; median of the
@@ -42,10 +42,13 @@ def prompt(length: int, salt: int) -> list[int]:
     return np.random.default_rng((length, salt)).integers(100, 40000, length).tolist()
 
 
-def ttft_study(gguf: Path, logs: Path, lengths: list[int], runs: int) -> dict:
-    pf = prefill_server(gguf, logs, engine_args=ENGINE_ARGS)
-    disagg = decode_server(gguf, pf.address, logs, name="decode-remote", engine_args=ENGINE_ARGS)
-    coloc = decode_server(gguf, "local", logs, name="decode-local", engine_args=ENGINE_ARGS)
+def ttft_study(gguf: Path, logs: Path, lengths: list[int], runs: int, kv_cache_dtype: str = "auto") -> dict:
+    """`kv_cache_dtype`: every daemon's --kv-cache-dtype (fp8: a frame holds four times the tokens)."""
+    engine_args = [*ENGINE_ARGS, "--kv-cache-dtype", kv_cache_dtype]
+    frame_tokens = FRAME_TOKENS * (4 if kv_cache_dtype.startswith("fp8") else 1)
+    pf = prefill_server(gguf, logs, engine_args=engine_args)
+    disagg = decode_server(gguf, pf.address, logs, name="decode-remote", engine_args=engine_args)
+    coloc = decode_server(gguf, "local", logs, name="decode-local", engine_args=engine_args)
     try:
         remote, local = Client(disagg.address), Client(coloc.address)
         for length in lengths:  # compile every shape once on both sides
@@ -70,7 +73,8 @@ def ttft_study(gguf: Path, logs: Path, lengths: list[int], runs: int) -> dict:
                 "kv_transfer_s": statistics.median(transfer),
                 "kv_transfer_fraction_of_ttft": statistics.median(transfer) / d,
                 "frames_after_last_chunk": max(tail),
-                "frames_of_one_chunk": -(-min(length, CHUNK_TOKENS) // FRAME_TOKENS),
+                "frames_of_one_chunk": -(-min(length, CHUNK_TOKENS) // frame_tokens),
+                "kv_transfer_bytes": after.kv_transfer_bytes_total - before.kv_transfer_bytes_total,
             }
             print(json.dumps({"prompt_tokens": length, **results[length]}), flush=True)
         return results
@@ -172,6 +176,8 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     parser.add_argument("--skip-ttft", action="store_true")
     parser.add_argument("--skip-interference", action="store_true")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="TTFT: every daemon's --kv-cache-dtype")
+    parser.add_argument("--lengths", default="128,512,2048,4096", help="TTFT: prompt lengths")
     parser.add_argument(
         "--budgets",
         default="512",
@@ -186,7 +192,8 @@ def main() -> None:
     logs = Path(tempfile.mkdtemp(prefix="bench-disagg-"))
     result = {}
     if not args.skip_ttft:
-        result["ttft"] = ttft_study(gguf, logs, [128, 512, 2048, 4096], 2 if args.quick else 5)
+        lengths = [int(n) for n in args.lengths.split(",")]
+        result["ttft"] = ttft_study(gguf, logs, lengths, 2 if args.quick else 5, args.kv_cache_dtype)
     if not args.skip_interference:
         budgets = [int(b) for b in args.budgets.split(",")]
         result["interference"] = interference_study(
