@@ -43,12 +43,11 @@ def kernel_unsupported(cfg: ModelConfig, tp: int, dtype: str, cache_dtype: str |
     """Why jax's kernel cannot attend for this model on a mesh of TP `tp` (None: it can). Its rules, as
     found running it in TPU interpret mode (tests/engine/test_tpu_attention.py): head_dim a multiple of 128
     (the lanes; it asserts otherwise, e.g. SmolLM2's 64), and each chip's K and V heads tiled whole
-    (its own check, for the dtype's packing). MLA's latent cache is not its layout. An fp8 cache
-    (`cache_dtype` other than `dtype`) is not mapped onto the kernel's k_scale / v_scale yet."""
+    (its own check, for the queries' and the cache's packing: `cache_dtype`, default `dtype`; an fp8 cache
+    is read with the kernel's default scale of 1.0, pdserve's static one). MLA's latent cache is not its
+    layout."""
     from jax.experimental.pallas.ops.tpu.ragged_paged_attention.kernel import get_min_heads_per_blk
 
-    if cache_dtype is not None and cache_dtype != dtype:
-        return f"a {cache_dtype} KV cache is not mapped onto the kernel yet"
     if cfg.is_mla:
         return "MLA's latent cache is not the kernel's layout"
     if cfg.head_dim % 128:
@@ -56,7 +55,7 @@ def kernel_unsupported(cfg: ModelConfig, tp: int, dtype: str, cache_dtype: str |
     kv_heads = cfg.padded_num_kv_heads(tp) // tp
     group = cfg.num_heads // cfg.num_kv_heads
     try:
-        get_min_heads_per_blk(kv_heads * group, 2 * kv_heads, dtype, dtype)
+        get_min_heads_per_blk(kv_heads * group, 2 * kv_heads, dtype, cache_dtype or dtype)
     except ValueError as e:
         return str(e)
     return None

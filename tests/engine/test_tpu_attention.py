@@ -52,9 +52,14 @@ def _case(head_dim: int, dtype, padded_head: bool = False):
     return (*cast, 1, kv_lens, tables, cu), start
 
 
-def _compare(kernel, head_dim, dtype, window, cap, atol, padded_head=False, **adapter):
-    """The adapter over `kernel` against pdserve's reference on one _case."""
+def _compare(kernel, head_dim, dtype, window, cap, atol, padded_head=False, cache_dtype=None, **adapter):
+    """The adapter over `kernel` against pdserve's reference on one _case. `cache_dtype`: the cache's
+    (fp8): the kernel reads the new tokens' K/V from it, so the reference gets them as stored too."""
     args, num_real = _case(head_dim, dtype, padded_head)
+    if cache_dtype is not None:
+        q, k_new, v_new, cache, *rest = args
+        stored = [x.astype(cache_dtype) for x in (k_new, v_new, cache)]
+        args = (q, *(x.astype(dtype) for x in stored[:2]), stored[2], *rest)
     kwargs = dict(sm_scale=head_dim**-0.5, sliding_window=window, soft_cap=cap)
     cfg = SimpleNamespace(layer_windows=(window, window) if window else ())
     got = kernel_attention(cfg, kernel=kernel, **adapter)(*args, **kwargs)
@@ -94,18 +99,34 @@ def tpu_interpreter():
 
 @pytest.mark.fast
 @pytest.mark.parametrize(
-    "dtype, window, cap, atol", [(np.float32, None, None, 1e-5), ("bfloat16", 20, 4.0, 0.04)]
+    "dtype, window, cap, atol, cache_dtype",
+    [
+        (np.float32, None, None, 1e-5, None),
+        ("bfloat16", 20, 4.0, 0.04, None),
+        (np.float32, None, None, 1e-5, "float8_e4m3fn"),  # --kv-cache-dtype fp8: scale 1.0
+    ],
 )
 def test_the_pallas_kernel_interpreted_on_cpu_attends_as_the_reference(
-    tpu_interpreter, dtype, window, cap, atol
+    tpu_interpreter, dtype, window, cap, atol, cache_dtype
 ):
     """jax's Pallas kernel itself (TPU interpret mode) through the adapter, on the shapes it tiles: head_dim
     128, one real and one padded KV head, three sequences with partial blocks, then padding rows; float32,
-    and bfloat16 with a window and a soft cap (bfloat16 rounding of the kernel's output)."""
+    bfloat16 with a window and a soft cap (bfloat16 rounding of the kernel's output), and float32 queries
+    over an fp8 cache."""
     from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
 
     blocks = dict(num_kv_pages_per_block=2, num_queries_per_block=16)
-    _compare(ragged_paged_attention, 128, dtype, window, cap, atol, padded_head=True, block_sizes=blocks)
+    _compare(
+        ragged_paged_attention,
+        128,
+        dtype,
+        window,
+        cap,
+        atol,
+        padded_head=True,
+        cache_dtype=cache_dtype,
+        block_sizes=blocks,
+    )
 
 
 @pytest.mark.model
@@ -156,6 +177,8 @@ def test_models_the_kernel_cannot_tile_keep_the_reference():
     assert kernel_unsupported(model(128, 3), 2, "bfloat16") is None  # padded to 4: 2 a chip
     assert "multiple of 128" in kernel_unsupported(model(64, 3), 1, "bfloat16")  # SmolLM2
     assert "tiled" in kernel_unsupported(model(128, 3), 1, "bfloat16")  # 6 K and V heads in 3 words
+    assert kernel_unsupported(model(128, 2), 1, "bfloat16", "float8_e4m3fn") is None  # an fp8 cache
+    assert "tiled" in kernel_unsupported(model(128, 1), 1, "bfloat16", "float8_e4m3fn")  # 2 heads, 4 a word
 
 
 @pytest.mark.model
