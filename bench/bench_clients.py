@@ -17,6 +17,7 @@ milliseconds, guidellm's beside pdserve bench's.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import subprocess
 import sys
@@ -41,8 +42,19 @@ def token_counters(address: str) -> tuple[float, float]:
     )
 
 
+def with_server_tokens(metrics: str, run) -> dict:
+    """`run()`'s summary, with the prompt and output tokens the server counted while it ran."""
+    before = token_counters(metrics)
+    summary = run()
+    after = token_counters(metrics)
+    summary["server_prompt_tokens"], summary["server_output_tokens"] = (
+        a - b for a, b in zip(after, before, strict=True)
+    )
+    return summary
+
+
 def run_guidellm(http: str, model: str, endpoint: str, out: Path) -> dict:
-    """One guidellm run; its JSON report's first benchmark."""
+    """One guidellm run: guidellm_summary of its JSON report's first benchmark."""
     command = [
         str(GUIDELLM),
         "run",
@@ -59,7 +71,7 @@ def run_guidellm(http: str, model: str, endpoint: str, out: Path) -> dict:
         "--disable-console-interactive",
     ]
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
-    return json.loads(out.read_text())["benchmarks"][0]
+    return guidellm_summary(json.loads(out.read_text())["benchmarks"][0])
 
 
 def guidellm_summary(benchmark: dict) -> dict:
@@ -166,31 +178,20 @@ def main() -> None:
     folder = hf_folder(
         fetch(DEFAULT_MODEL, progress=False), cache_dir() / "bench-hf" / "SmolLM2-135M-Instruct"
     )
-    work = Path(tempfile.mkdtemp(prefix="bench-guidellm-"))
+    work = Path(tempfile.mkdtemp(prefix="bench-clients-"))
     prefill = prefill_server(folder, work, engine_args=ENGINE_ARGS)
     decode = decode_server(folder, prefill.address, work, extra=["--metrics-port", "0"])
     result = {}
     try:
         http, metrics = decode.addresses["http"], decode.addresses["metrics"]
         for endpoint in ("/v1/completions", "/v1/chat/completions"):
-            before = token_counters(metrics)
-            report = run_guidellm(
-                http, str(folder), endpoint, work / f"guidellm{endpoint.replace('/', '_')}.json"
-            )
-            summary = guidellm_summary(report)
-            after = token_counters(metrics)
-            summary["server_prompt_tokens"], summary["server_output_tokens"] = (
-                a - b for a, b in zip(after, before, strict=True)
-            )
-            result[f"guidellm {endpoint}"] = summary
+            out = work / f"guidellm{endpoint.replace('/', '_')}.json"
+            run = functools.partial(run_guidellm, http, str(folder), endpoint, out)
+            result[f"guidellm {endpoint}"] = with_server_tokens(metrics, run)
         for endpoint_type in ("completions", "chat"):
-            before = token_counters(metrics)
-            summary = run_aiperf(http, str(folder), endpoint_type, work / f"aiperf-{endpoint_type}")
-            after = token_counters(metrics)
-            summary["server_prompt_tokens"], summary["server_output_tokens"] = (
-                a - b for a, b in zip(after, before, strict=True)
-            )
-            result[f"aiperf {endpoint_type}"] = summary
+            out = work / f"aiperf-{endpoint_type}"
+            run = functools.partial(run_aiperf, http, str(folder), endpoint_type, out)
+            result[f"aiperf {endpoint_type}"] = with_server_tokens(metrics, run)
         bench = run_pdserve_bench(decode.address, work / "pdserve_bench.json")
         result["pdserve bench (gRPC)"] = bench
     finally:

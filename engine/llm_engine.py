@@ -476,9 +476,8 @@ class LLMEngine:
     def _forks(self, request: Request) -> list[Request]:
         """Sequences 1..n-1 of a request about to sample its first token (each with its own detokenizer
         and matcher); the scheduler adopts them with their first tokens."""
-        children = []
+        children, constraint = [], request.params.constraint
         for index in range(1, request.params.n):
-            constraint = request.params.constraint
             matcher = None if constraint is None else self.constraints.matcher(constraint)
             children.append(request.fork(index, matcher))
             self._streams[children[-1].request_id] = OutputStream(children[-1], self.tokenizer)
@@ -534,18 +533,15 @@ class LLMEngine:
             request, row = samplers[i], allowed[i].view(np.uint32)
             if request.params.allowed_token_ids:
                 row &= token_mask(request.params.allowed_token_ids, vocab).view(np.uint32)
-            output, banned = request.output_ids, row.copy()
-            for word in request.bad_word_ids:  # its last token, where the output ends with the rest
-                if len(word) <= len(output) + 1 and output[len(output) + 1 - len(word) :] == list(word[:-1]):
-                    banned[word[-1] // 32] &= np.uint32(0xFFFFFFFF ^ (1 << (word[-1] % 32)))
-            if banned.any():  # (bad words that would leave nothing are not banned)
-                row[:] = banned
+            output = request.output_ids
+            banned = [  # each bad word's last token, where the output ends with the rest of the word
+                word[-1]
+                for word in request.bad_word_ids
+                if len(word) <= len(output) + 1 and output[len(output) + 1 - len(word) :] == list(word[:-1])
+            ]
+            row[:] = _without(row, banned)
         for i in held:
-            row = allowed[i].copy().view(np.uint32)
-            for token in samplers[i].stop_token_ids:
-                row[token // 32] &= np.uint32(0xFFFFFFFF ^ (1 << (token % 32)))
-            if row.any():
-                allowed[i] = row.view(np.int32)
+            allowed[i] = _without(allowed[i].view(np.uint32), samplers[i].stop_token_ids).view(np.int32)
         return allowed
 
     def _constrain(
@@ -754,6 +750,15 @@ class FinishedSequence:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # with SamplingParams.prompt_logprobs
     index: int = 0  # which of the prompt's n sequences
+
+
+def _without(row: np.ndarray, tokens) -> np.ndarray:
+    """A copy of the bitmask `row` (uint32 words) with `tokens` cleared; `row` itself when that would
+    leave no token at all (what a ban or a hold-back must not do)."""
+    out = row.copy()
+    for token in tokens:
+        out[token // 32] &= np.uint32(0xFFFFFFFF ^ (1 << (token % 32)))
+    return out if out.any() else row
 
 
 def _failure(request: Request, what: str, error: Exception) -> str:

@@ -110,15 +110,10 @@ def mask_words(vocab_size: int) -> int:
 
 def token_mask(token_ids, vocab_size: int) -> np.ndarray:
     """The bitmask (int32 words) that allows exactly `token_ids`."""
-    bits = np.zeros(mask_words(vocab_size) * 32, bool)
-    bits[list(token_ids)] = True
-    return (
-        np.packbits(bits.reshape(-1, 32)[:, ::-1], axis=1)
-        .view(">u4")
-        .astype(np.uint32)
-        .view(np.int32)
-        .ravel()
-    )
+    ids = np.asarray(list(token_ids), np.int64)
+    words = np.zeros(mask_words(vocab_size), np.uint32)
+    np.bitwise_or.at(words, ids // 32, np.left_shift(1, ids % 32).astype(np.uint32))
+    return words.view(np.int32)
 
 
 def _allowed_tokens(words: jax.Array, vocab: int) -> jax.Array:

@@ -165,7 +165,6 @@ class OpenAIFrontend:
         )
 
     def _tokenize(self, body: dict) -> list[int]:
-        tokenizer, max_chars = self.service.engine.tokenizer, self.service.engine.config.max_prompt_chars
         if "messages" in body:
             return self._chat_ids(body, None)
         prompt, special = body.get("prompt"), body.get("add_special_tokens", True)
@@ -173,9 +172,14 @@ class OpenAIFrontend:
             raise InvalidRequestError(
                 "prompt", "must be a string (add_special_tokens a boolean), or send messages"
             )
+        return self._encode(prompt, special)
+
+    def _encode(self, prompt: str, add_special_tokens: bool) -> list[int]:
+        """A text prompt's token ids, refused past the engine's max_prompt_chars before any tokenizing."""
+        max_chars = self.service.engine.config.max_prompt_chars
         if len(prompt) > max_chars:
             raise InvalidRequestError("prompt", f"longer than {max_chars} characters")
-        return tokenizer.encode(prompt, add_special_tokens=special)
+        return self.service.engine.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
 
     async def detokenize(self, request: web.Request) -> web.Response:
         body = await _json_body(request)
@@ -336,10 +340,7 @@ class OpenAIFrontend:
         """A text prompt gets the model's special tokens (its BOS), as vLLM's completions do, unless
         `add_special_tokens` is false."""
         if isinstance(prompt, str) and body.get("add_special_tokens") is False:
-            max_chars = self.service.engine.config.max_prompt_chars
-            if len(prompt) > max_chars:
-                raise InvalidRequestError("prompt", f"longer than {max_chars} characters")
-            prompt = self.service.engine.tokenizer.encode(prompt) or prompt
+            prompt = self._encode(prompt, False) or prompt  # ("" stays text: the engine refuses it by name)
         return self._engine_request(
             body, prompt, protocol.sampling_params(body, False, self.sampling_defaults), label, False
         )
