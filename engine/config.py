@@ -383,7 +383,10 @@ def _refuse_unsupported_features(config: Mapping[str, Any]) -> None:
 DTYPES = ("auto", "float32", "bfloat16")
 # --kv-cache-dtype (vLLM's names) -> the cache's element type; "auto": the serving dtype. fp8 with a static
 # scale of 1.0 per tensor (as tpu-inference serves it): K/V are saturated to the type's range when written.
-KV_CACHE_DTYPES = {"auto": "", "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+# int8 with a scale per token and head, stored beside the values (kvtransfer.layout.SCALE_SCHEMES).
+KV_CACHE_DTYPES = {
+    "auto": "", "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2", "int8": "int8"
+}  # fmt: skip
 QUANTIZATIONS = ("none", "int8")  # EngineConfig.quantization (engine.model.quantized)
 
 
@@ -440,8 +443,9 @@ class EngineConfig:
     )
     kv_cache_dtype: str = flag(
         "auto",
-        "the KV cache's element type (auto: --dtype's; fp8 = fp8_e4m3: a quarter of float32's bytes and half "
-        "of bfloat16's, on both roles and on the wire, with a static scale of 1.0)",
+        "the KV cache's element type, on both roles and on the wire (auto: --dtype's; fp8 = fp8_e4m3, "
+        "fp8_e5m2: a quarter of float32's bytes and half of bfloat16's, with a static scale of 1.0; int8: "
+        "the same plus a bfloat16 scale per token and KV head, the most accurate of the three)",
         choices=tuple(KV_CACHE_DTYPES),
     )
     quantization: str = flag(

@@ -8,6 +8,7 @@ The API (everything else is internal):
 
     layout = KVLayout(model, layer_specs, num_kv_heads, head_dim, dtype, block_size, tp_size=..., ...)
     layout.fingerprint() -> str;  layout.check_compatible(peer_layout)  # raises LayoutMismatchError
+    layout.scale_scheme, layout.scale_bytes, layout.scales(host_array)   # an int8 cache's per-row scales
     head_map(src_layout, dst_layout) -> HeadMap       # heads "pad"/"replicate" + head_dim conversion
 
     gather(cache, block_ids, num_tokens, *, layer_start=0, num_layers=None, token_start=0, head_map=None)
@@ -44,7 +45,16 @@ from pdserve.kvtransfer.codec import (
 )
 from pdserve.kvtransfer.gather import gather, gather_request
 from pdserve.kvtransfer.insert import insert, insert_stream
-from pdserve.kvtransfer.layout import HeadMap, KVLayout, LayerSpec, LayoutMismatchError, SpecKind, head_map
+from pdserve.kvtransfer.layout import (
+    SCALE_BYTES,
+    SCALE_DTYPE,
+    HeadMap,
+    KVLayout,
+    LayerSpec,
+    LayoutMismatchError,
+    SpecKind,
+    head_map,
+)
 from pdserve.kvtransfer.pipeline import aprefetch
 from pdserve.kvtransfer.plan import MAX_FRAME_BYTES, KVChunk, plan_frames
 from pdserve.kvtransfer.reshard import cache_sharding, chunk_sharding, on_pathways, reshard
@@ -53,6 +63,8 @@ from pdserve.kvtransfer.transport import LOCAL_CHUNK_BYTES, encode_request, move
 __all__ = [
     "LOCAL_CHUNK_BYTES",
     "MAX_FRAME_BYTES",
+    "SCALE_BYTES",
+    "SCALE_DTYPE",
     "Frame",
     "FrameAssembler",
     "FrameEncoder",

@@ -35,6 +35,7 @@ _DTYPE_TO_PB = {
     "float16": pb.KV_DTYPE_FLOAT16,
     "float8_e4m3fn": pb.KV_DTYPE_FLOAT8_E4M3FN,
     "float8_e5m2": pb.KV_DTYPE_FLOAT8_E5M2,
+    "int8": pb.KV_DTYPE_INT8,
 }
 _PB_TO_DTYPE = {v: k for k, v in _DTYPE_TO_PB.items()}
 
@@ -149,6 +150,12 @@ class FrameEncoder:
             yield Frame(header, parts)
 
 
+def _valid_scales(scales: np.ndarray) -> bool:
+    """Whether a quantized frame's scales can be read: a peer whose crc32c holds may still send NaN,
+    infinite or negative ones, which would turn a request's attention into NaNs."""
+    return bool(np.isfinite(scales).all() and (scales >= 0).all())
+
+
 def _contains(chunk: KVChunk, plan) -> bool:
     return (
         chunk.layer_start <= plan.layer_start
@@ -237,6 +244,8 @@ class FrameAssembler:
         nl, nt = h.shape[0], h.shape[1]
         buf = payload[0] if len(payload) == 1 else b"".join(payload)
         src = np.frombuffer(buf, self.src.np_dtype).reshape(tuple(h.shape))
+        if self.src.scale_bytes and not _valid_scales(self.src.scales(src)):
+            self._fail("corrupt", f"frame {h.seq} carries scales that are not finite and >= 0")
         padded = (h.bucket_blocks or bucket_blocks(cdiv(nt, self.dst.block_size))) * self.dst.block_size
         if padded == nt and self.map.is_identity:
             data = src  # read-only view of the message; device_put copies it

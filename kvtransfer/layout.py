@@ -31,7 +31,16 @@ DTYPES: dict[str, np.dtype] = {
     "float16": np.dtype(np.float16),
     "float8_e4m3fn": np.dtype(ml_dtypes.float8_e4m3fn),  # an fp8 cache (EngineConfig.kv_cache_dtype)
     "float8_e5m2": np.dtype(ml_dtypes.float8_e5m2),
+    "int8": np.dtype(np.int8),  # an int8 cache: always with its scales (SCALE_SCHEMES)
 }
+# How a cache's values relate to the K/V they hold (KVLayout.scale_scheme, derived from the dtype):
+# - "none": as they are (the serving dtype; fp8 at a static scale of 1.0, saturated to its range);
+# - "token_head": int8, each head row of each token followed by its own scale, SCALE_DTYPE in the row's
+#   last SCALE_BYTES bytes: value = int8 x scale (symmetric, scale = the row's max |x| / 127). The scales
+#   travel with their values: gathered, sent, resharded and inserted as the row's bytes.
+SCALE_SCHEMES = {"int8": "token_head"}  # dtype -> scheme; every other dtype: "none"
+SCALE_DTYPE = np.dtype(ml_dtypes.bfloat16)
+SCALE_BYTES = SCALE_DTYPE.itemsize
 HEAD_STRATEGIES = ("pad", "replicate")
 
 
@@ -98,7 +107,9 @@ class KVLayout:
     head_dim_multiple: int = 1  # 128 on TPU
     dp_size: int = 1  # num_blocks must be a multiple of this
 
-    LOGICAL_FIELDS = ("model", "num_layers", "num_kv_heads", "head_dim", "dtype", "block_size", "spec_kinds")
+    LOGICAL_FIELDS = (
+        "model", "num_layers", "num_kv_heads", "head_dim", "dtype", "scale_scheme", "block_size", "spec_kinds"
+    )  # fmt: skip
 
     def __post_init__(self):
         object.__setattr__(self, "layer_specs", tuple(self.layer_specs))
@@ -142,6 +153,24 @@ class KVLayout:
     @property
     def is_mla(self) -> bool:
         return bool(self.cache_layers) and self.layer_specs[self.cache_layers[0]].kind == SpecKind.MLA
+
+    @property
+    def scale_scheme(self) -> str:
+        """ "none", or how the values carry their scales (SCALE_SCHEMES)."""
+        return SCALE_SCHEMES.get(self.dtype, "none")
+
+    @property
+    def scale_bytes(self) -> int:
+        """Bytes at the end of each head row that hold its scale (0: no scales)."""
+        return SCALE_BYTES if self.scale_scheme == "token_head" else 0
+
+    def scales(self, data: np.ndarray) -> np.ndarray:
+        """The scales of a host chunk or cache in this layout ([..., slots, padded_head_dim] ->
+        [..., slots] float32); a layout without scales has none to give (ValueError)."""
+        if not self.scale_bytes:
+            raise ValueError(f"a {self.dtype} cache has no scales")
+        raw = np.ascontiguousarray(data[..., -self.scale_bytes :]).view(SCALE_DTYPE)
+        return raw[..., 0].astype(np.float32)
 
     def logical(self) -> dict:
         return {name: getattr(self, name) for name in self.LOGICAL_FIELDS}
@@ -195,20 +224,25 @@ class KVLayout:
 
     @property
     def head_dim_segments(self) -> tuple[tuple[int, int], ...]:
-        """(offset in the padded head_dim, length) of each real part: the head, or MLA's latent and rope."""
+        """(offset in the padded head_dim, length) of each real part: the head, or MLA's latent and rope, then
+        the scale's bytes (scale_bytes) at the row's end."""
+        m = self.head_dim_multiple
         if not self.is_mla:
-            return ((0, self.head_dim),)
-        return (
-            (0, self.kv_lora_rank),
-            (round_up(self.kv_lora_rank, self.head_dim_multiple), self.qk_rope_head_dim),
-        )
+            parts = ((0, self.head_dim),)
+        else:
+            parts = ((0, self.kv_lora_rank), (round_up(self.kv_lora_rank, m), self.qk_rope_head_dim))
+        values = self.padded_head_dim - self.scale_bytes
+        return parts + (((values, self.scale_bytes),) if self.scale_bytes else ())
 
     @property
     def padded_head_dim(self) -> int:
-        if not self.is_mla:
-            return round_up(self.head_dim, self.head_dim_multiple)
+        """A head row's width: its values, padded to head_dim_multiple, then the scale's bytes."""
         m = self.head_dim_multiple
-        return round_up(self.kv_lora_rank, m) + round_up(self.qk_rope_head_dim, m)
+        if not self.is_mla:
+            values = round_up(self.head_dim, m)
+        else:
+            values = round_up(self.kv_lora_rank, m) + round_up(self.qk_rope_head_dim, m)
+        return values + self.scale_bytes
 
     @property
     def token_shape(self) -> tuple[int, int]:

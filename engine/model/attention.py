@@ -40,6 +40,8 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from pdserve.engine.model.kv_cache import from_cache
+
 _NEG_INF = -1e30  # finite: a fully masked row stays finite (padding tokens), exp(-1e30 - m) == 0
 _NO_WINDOW = 1 << 30  # the reach of full attention: past any context
 # Cache blocks read per iteration of the past loops. Measured on CPU: an iteration costs about 14 us
@@ -104,13 +106,13 @@ def _past_tile(cache, layer, block_tables, j, tile_blocks, value_dim=None):
     """Tile j of each listed sequence's past: K, V [..., kv_heads, tile tokens, head_dim] (a latent cache:
     K is the one latent head, V its first value_dim dims)."""
     blocks = jax.lax.dynamic_slice_in_dim(block_tables, j * tile_blocks, tile_blocks, axis=-1)
-    kv = cache[layer, blocks]  # [..., tile blocks, block_size, 2 * kv_heads (latent: 1), head_dim]
+    kv = from_cache(cache[layer, blocks])  # [..., tile blocks, block_size, 2 kv_heads (latent: 1), head_dim]
     *lead, nb, bs, h2, d = kv.shape
     if value_dim is not None:
-        k = jnp.moveaxis(kv.reshape(*lead, nb * bs, 1, d), -2, -3).astype(jnp.float32)
+        k = jnp.moveaxis(kv.reshape(*lead, nb * bs, 1, d), -2, -3)
         return k, k[..., :value_dim]
     kv = kv.reshape(*lead, nb * bs, h2 // 2, 2, d)
-    kv = jnp.moveaxis(kv, -4, -2).astype(jnp.float32)  # [..., kv_heads, 2, tile tokens, head_dim]
+    kv = jnp.moveaxis(kv, -4, -2)  # [..., kv_heads, 2, tile tokens, head_dim]
     return kv[..., 0, :, :], kv[..., 1, :, :]
 
 

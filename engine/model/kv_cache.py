@@ -1,7 +1,9 @@
 """The device-side paged KV cache: one stacked array for all layers.
 
 Layout: [rows, num_blocks, block_size, 2 * kv_heads, head_dim], K and V interleaved on the heads
-axis (2h is K of KV head h, 2h+1 its V), sharded on that axis over the mesh axis `model`. A row per
+axis (2h is K of KV head h, 2h+1 its V), sharded on that axis over the mesh axis `model`. An int8 cache's
+rows are head_dim + SCALE_BYTES wide: each K or V row of a token ends with its own scale (to_cache_dtype
+writes them, from_cache reads them; kvtransfer moves them as the row's bytes). A row per
 layer, except in hybrid models, whose layer groups share rows (engine.core.kv_groups). Per layer this
 is the `[num_blocks, block_size, 2 * kv_heads, head_dim]` layout kvtransfer moves. With multi-head latent
 attention the heads axis holds one latent [kv_lora_rank | rope dims] a token, replicated over the mesh.
@@ -16,7 +18,7 @@ from jax.sharding import Mesh
 from pdserve import kvtransfer
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.core.kv_groups import KVGroups
-from pdserve.kvtransfer import KVLayout, LayerSpec, SpecKind
+from pdserve.kvtransfer import SCALE_BYTES, SCALE_DTYPE, KVLayout, LayerSpec, SpecKind
 
 
 def kv_layout(model: ModelConfig, config: EngineConfig) -> KVLayout:
@@ -49,7 +51,7 @@ def kv_layout(model: ModelConfig, config: EngineConfig) -> KVLayout:
 
 def cache_shape(model: ModelConfig, engine: EngineConfig) -> tuple[int, ...]:
     rows = KVGroups.of(model).num_rows
-    return (rows, engine.num_blocks, engine.block_size, *model.cache_token_shape(engine.tp))
+    return (rows, engine.num_blocks, engine.block_size, *kv_layout(model, engine).token_shape)
 
 
 def allocate_cache(model: ModelConfig, engine: EngineConfig, mesh: Mesh) -> jax.Array:
@@ -59,11 +61,37 @@ def allocate_cache(model: ModelConfig, engine: EngineConfig, mesh: Mesh) -> jax.
     return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
 
 
+INT8_MAX = 127  # symmetric: int8 values in [-127, 127]
+
+
 def to_cache_dtype(kv: jax.Array, dtype) -> jax.Array:
-    """New K/V as the cache stores them: cast, saturated to an fp8 type's finite range first (scale 1.0:
-    a value past it would otherwise become NaN)."""
+    """New K/V [..., head rows, head_dim] as the cache stores them: cast, saturated to an fp8 type's finite
+    range first (scale 1.0: a value past it would otherwise become NaN); int8: quantized per row, each
+    row followed by its scale's bytes (kvtransfer.layout.SCALE_SCHEMES: [..., head_dim + SCALE_BYTES])."""
     dtype = jnp.dtype(dtype)
+    if dtype == jnp.int8:
+        return _quantize_rows(kv)
     if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize == 1:
         limit = float(jnp.finfo(dtype).max)
         kv = jnp.clip(kv, -limit, limit)
     return kv.astype(dtype)
+
+
+def _quantize_rows(kv: jax.Array) -> jax.Array:
+    """Symmetric int8 with one scale a row: the row's max |x| / 127, rounded to SCALE_DTYPE first so that
+    value = int8 x stored scale exactly as dequantize reads it (a row of zeros: scale 0)."""
+    kv = kv.astype(jnp.float32)
+    scale = (jnp.max(jnp.abs(kv), axis=-1) / INT8_MAX).astype(SCALE_DTYPE)
+    divisor = jnp.where(scale > 0, scale.astype(jnp.float32), 1.0)[..., None]
+    values = jnp.clip(jnp.round(kv / divisor), -INT8_MAX, INT8_MAX).astype(jnp.int8)
+    scale_bytes = jax.lax.bitcast_convert_type(scale, jnp.int8)  # [..., SCALE_BYTES]
+    return jnp.concatenate([values, scale_bytes], axis=-1)
+
+
+def from_cache(kv: jax.Array) -> jax.Array:
+    """Rows read from the cache [..., row width] as float32 K/V [..., head_dim]: cast, or an int8 row's
+    values times its scale."""
+    if kv.dtype != jnp.int8:
+        return kv.astype(jnp.float32)
+    scale = jax.lax.bitcast_convert_type(kv[..., -SCALE_BYTES:], SCALE_DTYPE).astype(jnp.float32)
+    return kv[..., :-SCALE_BYTES].astype(jnp.float32) * scale[..., None]

@@ -45,11 +45,13 @@ def kernel_unsupported(cfg: ModelConfig, tp: int, dtype: str, cache_dtype: str |
     (the lanes; it asserts otherwise, e.g. SmolLM2's 64), and each chip's K and V heads tiled whole
     (its own check, for the queries' and the cache's packing: `cache_dtype`, default `dtype`; an fp8 cache
     is read with the kernel's default scale of 1.0, pdserve's static one). MLA's latent cache is not its
-    layout."""
+    layout, nor an int8 cache with its scales in each row (the kernel's k_scale and v_scale are scalars)."""
     from jax.experimental.pallas.ops.tpu.ragged_paged_attention.kernel import get_min_heads_per_blk
 
     if cfg.is_mla:
         return "MLA's latent cache is not the kernel's layout"
+    if cache_dtype == "int8":
+        return "an int8 cache's scales are per token and head; the kernel takes one per tensor"
     if cfg.head_dim % 128:
         return f"head_dim {cfg.head_dim} is not a multiple of 128"
     kv_heads = cfg.padded_num_kv_heads(tp) // tp

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pdserve.kvtransfer.layout import KVLayout, head_map
+from pdserve.kvtransfer.layout import SCALE_DTYPE, KVLayout, head_map
 
 
 def logical_layout(layout: KVLayout) -> KVLayout:
@@ -14,13 +14,18 @@ def logical_layout(layout: KVLayout) -> KVLayout:
 
 def logical_values(layout: KVLayout, layers: int, blocks: np.ndarray) -> np.ndarray:
     """[layers, len(blocks), block_size, slots, head_dim] of the logical layout, cast to layout's dtype:
-    a value that differs for every (layer, block, token, slot, dim) within a block's range."""
+    a value that differs for every (layer, block, token, slot, dim) within a block's range. A layout
+    with scales (int8) gets a valid one in each row, positive and differing by row."""
     logical = logical_layout(layout)
     slots, dim = logical.token_shape
     idx = np.indices((layers, len(blocks), layout.block_size, slots, dim), dtype=np.int64)
     idx[1] = np.asarray(blocks)[idx[1]]
     code = ((idx[0] * 131 + idx[1] * 31 + idx[2] * 7 + idx[3] * 3 + idx[4]) % 251) - 125
-    return code.astype(layout.np_dtype)
+    values = code.astype(layout.np_dtype)
+    if layout.scale_bytes:
+        scales = (np.abs(code[..., 0]) + 1).astype(SCALE_DTYPE) / SCALE_DTYPE.type(64)
+        values[..., -layout.scale_bytes :] = scales[..., None].view(layout.np_dtype)
+    return values
 
 
 def physical(layout: KVLayout, values: np.ndarray) -> np.ndarray:

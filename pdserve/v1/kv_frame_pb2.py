@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pdserve/v1/kv_frame.proto\x12\npdserve.v1\"\xe7\x02\n\rKVFrameHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\r\x12\x12\n\nnum_frames\x18\x03 \x01(\r\x12\x1a\n\x12request_num_tokens\x18\x04 \x01(\r\x12\x1a\n\x12layout_fingerprint\x18\x05 \x01(\t\x12\x13\n\x0blayer_start\x18\x06 \x01(\r\x12\x11\n\tlayer_end\x18\x07 \x01(\r\x12\x13\n\x0btoken_start\x18\x08 \x01(\r\x12\x11\n\ttoken_end\x18\t \x01(\r\x12\x11\n\tblock_ids\x18\n \x03(\r\x12\r\n\x05shape\x18\x0b \x03(\r\x12\"\n\x05\x64type\x18\x0c \x01(\x0e\x32\x13.pdserve.v1.KVDType\x12\x15\n\rpayload_bytes\x18\r \x01(\x04\x12\x16\n\x0epayload_crc32c\x18\x0e \x01(\x07\x12\x15\n\rbucket_blocks\x18\x0f \x01(\rR\x07payloadR\x04\x64\x61ta*\x9c\x01\n\x07KVDType\x12\x18\n\x14KV_DTYPE_UNSPECIFIED\x10\x00\x12\x14\n\x10KV_DTYPE_FLOAT32\x10\x01\x12\x15\n\x11KV_DTYPE_BFLOAT16\x10\x02\x12\x14\n\x10KV_DTYPE_FLOAT16\x10\x03\x12\x1a\n\x16KV_DTYPE_FLOAT8_E4M3FN\x10\x04\x12\x18\n\x14KV_DTYPE_FLOAT8_E5M2\x10\x05\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pdserve/v1/kv_frame.proto\x12\npdserve.v1\"\xe7\x02\n\rKVFrameHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\r\x12\x12\n\nnum_frames\x18\x03 \x01(\r\x12\x1a\n\x12request_num_tokens\x18\x04 \x01(\r\x12\x1a\n\x12layout_fingerprint\x18\x05 \x01(\t\x12\x13\n\x0blayer_start\x18\x06 \x01(\r\x12\x11\n\tlayer_end\x18\x07 \x01(\r\x12\x13\n\x0btoken_start\x18\x08 \x01(\r\x12\x11\n\ttoken_end\x18\t \x01(\r\x12\x11\n\tblock_ids\x18\n \x03(\r\x12\r\n\x05shape\x18\x0b \x03(\r\x12\"\n\x05\x64type\x18\x0c \x01(\x0e\x32\x13.pdserve.v1.KVDType\x12\x15\n\rpayload_bytes\x18\r \x01(\x04\x12\x16\n\x0epayload_crc32c\x18\x0e \x01(\x07\x12\x15\n\rbucket_blocks\x18\x0f \x01(\rR\x07payloadR\x04\x64\x61ta*\xaf\x01\n\x07KVDType\x12\x18\n\x14KV_DTYPE_UNSPECIFIED\x10\x00\x12\x14\n\x10KV_DTYPE_FLOAT32\x10\x01\x12\x15\n\x11KV_DTYPE_BFLOAT16\x10\x02\x12\x14\n\x10KV_DTYPE_FLOAT16\x10\x03\x12\x1a\n\x16KV_DTYPE_FLOAT8_E4M3FN\x10\x04\x12\x18\n\x14KV_DTYPE_FLOAT8_E5M2\x10\x05\x12\x11\n\rKV_DTYPE_INT8\x10\x06\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,7 +32,7 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.kv_frame_pb2', _
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_KVDTYPE']._serialized_start=404
-  _globals['_KVDTYPE']._serialized_end=560
+  _globals['_KVDTYPE']._serialized_end=579
   _globals['_KVFRAMEHEADER']._serialized_start=42
   _globals['_KVFRAMEHEADER']._serialized_end=401
 # @@protoc_insertion_point(module_scope)

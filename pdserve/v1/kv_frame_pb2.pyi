@@ -15,12 +15,14 @@ class KVDType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     KV_DTYPE_FLOAT16: _ClassVar[KVDType]
     KV_DTYPE_FLOAT8_E4M3FN: _ClassVar[KVDType]
     KV_DTYPE_FLOAT8_E5M2: _ClassVar[KVDType]
+    KV_DTYPE_INT8: _ClassVar[KVDType]
 KV_DTYPE_UNSPECIFIED: KVDType
 KV_DTYPE_FLOAT32: KVDType
 KV_DTYPE_BFLOAT16: KVDType
 KV_DTYPE_FLOAT16: KVDType
 KV_DTYPE_FLOAT8_E4M3FN: KVDType
 KV_DTYPE_FLOAT8_E5M2: KVDType
+KV_DTYPE_INT8: KVDType
 
 class KVFrameHeader(_message.Message):
     __slots__ = ("request_id", "seq", "num_frames", "request_num_tokens", "layout_fingerprint", "layer_start", "layer_end", "token_start", "token_end", "block_ids", "shape", "dtype", "payload_bytes", "payload_crc32c", "bucket_blocks")

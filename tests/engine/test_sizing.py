@@ -85,9 +85,10 @@ def test_max_model_len_defaults_to_the_model_context(loaded_model):
         LLMEngine(loaded_model, EngineConfig(num_blocks=64, max_model_len=2 * context, **sizes))
 
 
-def test_an_fp8_cache_holds_four_times_the_float32_blocks(loaded_model):
+def test_a_quantized_cache_holds_about_four_times_the_float32_blocks(loaded_model):
     """--kv-cache-dtype fp8: a block is a quarter of float32's bytes, so the same memory budget holds four
-    times the blocks (the tokens the start-up line, Admin stats and the KV events report)."""
+    times the blocks (the tokens the start-up line, Admin stats and the KV events report); int8: a quarter
+    plus each head row's 2-byte scale (66 bytes a row of 64 values: 3.88 times the blocks)."""
     import dataclasses
 
     engine = LLMEngine(loaded_model, EngineConfig(num_blocks=64, **SIZES))
@@ -101,3 +102,8 @@ def test_an_fp8_cache_holds_four_times_the_float32_blocks(loaded_model):
     _, quarter = memory.plan(cfg, fp8, mesh, engine.runner.weights, no_temporaries)
     assert quarter.num_blocks in range(4 * full.num_blocks, 4 * full.num_blocks + 4)
     assert quarter.summary()["kv_dtype"] == "float8_e4m3fn" and full.summary()["kv_dtype"] == "float32"
+    int8 = dataclasses.replace(config, kv_cache_dtype="int8")
+    assert memory.block_bytes(cfg, int8, mesh) * 4 * 64 == memory.block_bytes(cfg, config, mesh) * 66
+    _, scaled = memory.plan(cfg, int8, mesh, engine.runner.weights, no_temporaries)
+    assert scaled.num_blocks in range(full.num_blocks * 256 // 66, full.num_blocks * 256 // 66 + 4)
+    assert scaled.summary()["kv_dtype"] == "int8"

@@ -179,6 +179,7 @@ def test_models_the_kernel_cannot_tile_keep_the_reference():
     assert "tiled" in kernel_unsupported(model(128, 3), 1, "bfloat16")  # 6 K and V heads in 3 words
     assert kernel_unsupported(model(128, 2), 1, "bfloat16", "float8_e4m3fn") is None  # an fp8 cache
     assert "tiled" in kernel_unsupported(model(128, 1), 1, "bfloat16", "float8_e4m3fn")  # 2 heads, 4 a word
+    assert "per token and head" in kernel_unsupported(model(128, 2), 1, "bfloat16", "int8")  # the reference
 
 
 @pytest.mark.model

@@ -10,8 +10,15 @@ from jax.sharding import Mesh
 from pdserve.kvtransfer import KVLayout, LayerSpec, SpecKind, cache_sharding
 from pdserve.testing.kv_cache import logical_layout, logical_values, make_cache, physical
 
-SENTINEL = 256.0  # what a decode cache holds before insert (exact in every cache dtype, fp8 too);
+SENTINEL = 256.0  # what a decode cache holds before insert (exact in every float cache dtype, fp8 too);
 # synthetic values lie in [-125, 125]
+INT8_SENTINEL = 127  # an int8 cache's (its scale bytes may hold any byte)
+
+
+def sentinel(layout: KVLayout) -> float:
+    return INT8_SENTINEL if layout.dtype == "int8" else SENTINEL
+
+
 NUM_BLOCKS = 32
 
 SPECS = {
@@ -54,7 +61,7 @@ def src_cache(layout: KVLayout, m: Mesh, stacked=True, num_blocks=NUM_BLOCKS):
 
 
 def dst_cache(layout: KVLayout, m: Mesh, stacked=True, num_blocks=NUM_BLOCKS):
-    host = as_tree(np.full(layout.cache_shape(num_blocks), SENTINEL, layout.np_dtype), stacked)
+    host = as_tree(np.full(layout.cache_shape(num_blocks), sentinel(layout), layout.np_dtype), stacked)
     return jax.device_put(host, cache_sharding(m, layout, stacked=stacked))
 
 
@@ -66,18 +73,18 @@ def to_host(cache) -> np.ndarray:
 
 def check_transferred(cache, src: KVLayout, dst: KVLayout, src_blocks, dst_blocks, num_tokens) -> None:
     """Every needed token of every cache layer arrived in dst's layout; unneeded blocks (sliding windows)
-    and every block outside dst_blocks still hold SENTINEL."""
+    and every block outside dst_blocks still hold the sentinel."""
     host = to_host(cache)
     layers, bs = src.num_cache_layers, src.block_size
     values = logical_values(src, layers, np.asarray(src_blocks, np.int64))
     values = values.reshape(layers, -1, *logical_layout(src).token_shape)
     expected = physical(dst, values).astype(np.float32)  # [layers, tokens, slots, dim]
     others = np.setdiff1d(np.arange(host.shape[1]), dst_blocks)
-    assert (host[:, others] == SENTINEL).all(), "a block outside the request was written"
+    assert (host[:, others] == sentinel(dst)).all(), "a block outside the request was written"
     got = host[:, list(dst_blocks)].reshape(layers, -1, *dst.token_shape)
     for layer in range(layers):
         first = src.first_needed_block(layer, num_tokens) * bs
         np.testing.assert_array_equal(got[layer, first:num_tokens], expected[layer, first:num_tokens])
-        assert (got[layer, :first] == SENTINEL).all(), (
+        assert (got[layer, :first] == sentinel(dst)).all(), (
             f"layer {layer}: a block outside the window was written"
         )

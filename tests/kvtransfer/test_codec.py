@@ -6,10 +6,21 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kvtransfer_testlib import SENTINEL, check_transferred, dst_cache, make_layout, mesh, src_cache, to_host
+from kvtransfer_testlib import (
+    SENTINEL,
+    check_transferred,
+    dst_cache,
+    make_layout,
+    mesh,
+    sentinel,
+    src_cache,
+    to_host,
+)
 
 from pdserve.kvtransfer import (
     MAX_FRAME_BYTES,
+    SCALE_DTYPE,
+    Frame,
     FrameAssembler,
     FrameEncoder,
     FrameError,
@@ -21,6 +32,7 @@ from pdserve.kvtransfer import (
     insert,
     serialize_frame,
 )
+from pdserve.kvtransfer.codec import crc32c
 from pdserve.kvtransfer.plan import HEADER_RESERVE_BYTES
 
 pytestmark = pytest.mark.fast
@@ -65,29 +77,73 @@ def test_round_trip_bfloat16_with_heads_padded_from_tp2_to_tp4():
     check_transferred(cache, SRC, DST, SRC_BLOCKS, DST_BLOCKS, NUM_TOKENS)
 
 
-@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2"])
-def test_an_fp8_cache_goes_as_stored_and_a_mismatched_one_is_refused(dtype):
-    """An fp8 cache's frames carry its bytes (a quarter of float32's), inserted exactly from TP 2 to TP 4;
-    a receiver of another cache dtype refuses the stream instead of converting it."""
-    src, dst = make_layout(dtype=dtype, tp=2), make_layout(dtype=dtype, tp=4)
-    blocks = [3, 4, 5]
-    encoder = FrameEncoder("req", src, 10, SMALL_FRAMES)
-    messages = [
-        serialize_frame(f) for f in encoder.frames([gather(src_cache(src, mesh(0, 2)), blocks, 10)], blocks)
-    ]
-    assert (
-        src.np_dtype.itemsize == 1 and src.block_bytes * 4 == make_layout(dtype="float32", tp=2).block_bytes
-    )
-    m = mesh(4, 4)
-    assembler = FrameAssembler("req", 10, src, dst, chunk_sharding(m, dst))
+def _quantized_frames(src, blocks, num_tokens) -> list[bytes]:
+    encoder = FrameEncoder("req", src, num_tokens, SMALL_FRAMES)
+    cache = src_cache(src, mesh(0, src.tp_size))
+    return [serialize_frame(f) for f in encoder.frames([gather(cache, blocks, num_tokens)], blocks)]
+
+
+def _receive_into(src, dst, messages, num_tokens, dst_blocks):
+    m = mesh(4, dst.tp_size)
+    assembler = FrameAssembler("req", num_tokens, src, dst, chunk_sharding(m, dst))
     cache = dst_cache(dst, m)
     for message in messages:
-        cache = insert(cache, assembler.add(deserialize_frame(message)), [7, 2, 30])
+        cache = insert(cache, assembler.add(deserialize_frame(message)), dst_blocks)
     assembler.finish()
+    return cache
+
+
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2", "int8"])
+def test_a_quantized_cache_goes_as_stored_and_a_mismatched_one_is_refused(dtype):
+    """A quantized cache's frames carry its bytes (fp8: a quarter of float32's; int8: the same plus each
+    head row's bfloat16 scale), inserted exactly, values and scales, from TP 2 to TP 4; a receiver of
+    another cache dtype refuses the stream instead of converting it."""
+    src, dst = make_layout(dtype=dtype, tp=2), make_layout(dtype=dtype, tp=4)
+    scale_bytes = 2 if dtype == "int8" else 0
+    assert (src.scale_bytes, src.scale_scheme) == (scale_bytes, "token_head" if scale_bytes else "none")
+    head_dim, quarter = src.head_dim, make_layout(dtype="float32", tp=2).block_bytes // 4
+    assert src.block_bytes == quarter * (head_dim + scale_bytes) // head_dim
+    blocks = [3, 4, 5]
+    messages = _quantized_frames(src, blocks, 10)
+    assert sum(deserialize_frame(m).header.payload_bytes for m in messages) == 10 * 4 * src.block_bytes // 4
+    cache = _receive_into(src, dst, messages, 10, [7, 2, 30])
     check_transferred(cache, src, dst, blocks, [7, 2, 30], 10)
-    other = make_layout(dtype="float32", tp=4)
-    with pytest.raises(LayoutMismatchError, match="dtype: 'float"):
-        FrameAssembler("req", 10, src, other, chunk_sharding(m, other))
+    others = [make_layout(dtype=d, tp=4) for d in ("float32", "int8" if dtype != "int8" else "float8_e4m3fn")]
+    for other in others:
+        with pytest.raises(LayoutMismatchError, match="dtype: '") as refused:
+            FrameAssembler("req", 10, src, other, chunk_sharding(mesh(4, 4), other))
+        assert ("scale_scheme" in str(refused.value)) == (src.scale_scheme != other.scale_scheme)
+
+
+def test_int8_frames_with_damaged_scales_are_refused_and_never_inserted():
+    """A scale byte flipped in transit fails the frame's crc32c; a peer that sends NaN, infinite or negative
+    scales under a valid crc32c is refused too (they would turn the request's attention into NaNs). Either
+    way the frame's blocks are never written."""
+    src = dst = make_layout(dtype="int8", tp=2)
+    blocks, dst_blocks, num_tokens = [3, 4, 5], [7, 2, 30], 10
+    messages = _quantized_frames(src, blocks, num_tokens)
+    frame = deserialize_frame(messages[1])
+    row = src.padded_head_dim  # bytes of one head row; its last two are the scale
+    scale_at = len(messages[1]) - frame.header.payload_bytes + 3 * row - 1  # the 3rd row's scale, high byte
+    damaged = _flip(messages[1], scale_at)
+    hostile = []
+    for bad_scale in (np.nan, np.inf, -1.0):
+        payload = np.frombuffer(frame.payload[0], np.int8).reshape(tuple(frame.header.shape)).copy()
+        payload[0, 0, 1, -2:] = np.asarray([bad_scale], SCALE_DTYPE).view(np.int8)
+        header = type(frame.header)()
+        header.CopyFrom(frame.header)
+        header.payload_crc32c = crc32c([payload])
+        hostile.append(serialize_frame(Frame(header, (payload,))))
+    m = mesh(4, 2)
+    for bad, why in [(damaged, "payload crc32c"), *((h, "scales") for h in hostile)]:
+        assembler = FrameAssembler("req", num_tokens, src, dst, chunk_sharding(m, dst))
+        cache = insert(dst_cache(dst, m), assembler.add(deserialize_frame(messages[0])), dst_blocks)
+        with pytest.raises(FrameError, match=why) as refused:
+            assembler.add(deserialize_frame(bad))
+        assert refused.value.kind == "corrupt"
+        h = frame.header
+        written = dst_blocks[h.token_start // 4 : -(-h.token_end // 4)]
+        assert (to_host(cache)[h.layer_start : h.layer_end, written] == sentinel(dst)).all()
 
 
 def test_header_records_ranges_blocks_shape_dtype_and_crc():

@@ -76,7 +76,7 @@ def _pointers(cache):
     ]
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float8_e4m3fn"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float8_e4m3fn", "int8"])
 @pytest.mark.parametrize("stacked", [True, False])
 @pytest.mark.parametrize("dst_blocks", [[3, 4, 5, 6], [3, 9, 1, 20], [40, 41, 42, 7]])  # run, lone, mixed
 def test_insert_donates_the_cache_and_updates_it_in_place(dtype, stacked, dst_blocks):

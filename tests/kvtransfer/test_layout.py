@@ -47,6 +47,9 @@ def test_head_dim_padding_and_mla_segments():
     mla = make_layout("mla", head_dim_multiple=128, tp=4)
     assert mla.token_shape == (1, 256) and mla.head_dim_segments == ((0, 12), (128, 4))
     assert mla.heads_mesh_axis is None  # one latent head: replicated, not sharded
+    int8 = make_layout(dtype="int8", head_dim_multiple=128)  # each row's scale after its padded values
+    assert int8.token_shape == (6, 130) and int8.head_dim_segments == ((0, 8), (128, 2))
+    assert make_layout("mla", dtype="int8").head_dim_segments == ((0, 12), (12, 4), (16, 2))
 
 
 def test_specs_shared_layers_own_no_cache_and_sliding_windows_skip_old_blocks():
@@ -75,7 +78,7 @@ def test_invalid_layouts_are_rejected():
             qk_rope_head_dim=4,
         )
     with pytest.raises(ValueError, match="dtype"):
-        make_layout(dtype="int8")
+        make_layout(dtype="int4")
 
 
 def test_json_round_trip():

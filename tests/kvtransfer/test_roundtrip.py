@@ -53,7 +53,7 @@ def block_sets(draw):
 
 layouts = st.tuples(
     st.sampled_from(["full", "sliding", "mla"]),
-    st.sampled_from(["float32", "bfloat16"]),
+    st.sampled_from(["float32", "bfloat16", "int8"]),  # int8: values and their scales
     st.sampled_from(MESH_PAIRS),
     st.sampled_from(["pad", "replicate"]),
     st.sampled_from([1, 16]),  # destination head_dim padding

@@ -269,13 +269,15 @@ def test_cache_salts_keep_tenants_apart_on_both_roles(prefill, decode, loaded_mo
     assert_all_free(decode.address, prefill.address)
 
 
-def test_an_fp8_kv_cache_disaggregated_equals_colocated_and_refuses_other_replicas(
-    prefill, loaded_model, small_config
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "int8"])
+def test_a_quantized_kv_cache_disaggregated_equals_colocated_and_refuses_other_replicas(
+    prefill, loaded_model, small_config, kv_cache_dtype
 ):
-    """--kv-cache-dtype fp8_e4m3 on both roles (in-process servers): the KV crosses as stored (fp8 frames)
-    and decoding reads what a colocated fp8 engine wrote, so the tokens are the colocated fp8 engine's, greedy
-    and seeded, a long prompt in several chunks too. An fp8 decode server whose replica (the shared one)
-    keeps a float32 cache refuses it at the handshake and prefills locally: the same tokens again."""
+    """--kv-cache-dtype fp8_e4m3 or int8 on both roles (in-process servers): the KV crosses as stored (fp8
+    frames; int8 values with their scales) and decoding reads what a colocated engine of that dtype wrote,
+    so the tokens are the colocated engine's, greedy and seeded, a long prompt in several chunks too. A
+    decode server whose replica (the shared one) keeps a float32 cache refuses it at the handshake and
+    prefills locally: the same tokens again."""
     import dataclasses
 
     from pdserve.engine.llm_engine import LLMEngine
@@ -284,16 +286,16 @@ def test_an_fp8_kv_cache_disaggregated_equals_colocated_and_refuses_other_replic
     from pdserve.services.prefill.server import PrefillService
     from pdserve.services.prefill.server import serve as serve_prefill
 
-    fp8 = dataclasses.replace(small_config, kv_cache_dtype="fp8_e4m3")
-    reference = LLMEngine(loaded_model, fp8)
-    assert reference.kv_layout.dtype == "float8_e4m3fn"
+    quantized = dataclasses.replace(small_config, kv_cache_dtype=kv_cache_dtype)
+    reference = LLMEngine(loaded_model, quantized)
+    assert reference.kv_layout.dtype == {"fp8_e4m3": "float8_e4m3fn", "int8": "int8"}[kv_cache_dtype]
     jobs = [(ids, kw) for ids in prompts(loaded_model.tokenizer)[1:] for kw in (GREEDY, SEEDED[0])]
     params = [params_from_request(build_request(ids, **kw)) for ids, kw in jobs]
     expected = [c.token_ids for c in reference.generate([ids for ids, _ in jobs], params)]
-    service = PrefillService.for_engine(LLMEngine(loaded_model, fp8))
+    service = PrefillService.for_engine(LLMEngine(loaded_model, quantized))
     with in_process(lambda stop, ready: serve_prefill(service, 0, stop, on_ready=ready)) as replica:
         for target, transferred in ((replica, True), (prefill.address, False)):
-            core = GenerationCore.for_engine(LLMEngine(loaded_model, fp8), prefill_targets=[target])
+            core = GenerationCore.for_engine(LLMEngine(loaded_model, quantized), prefill_targets=[target])
             with in_process(
                 lambda stop, ready, core=core: serve_decode(core, 0, stop, on_ready=ready)
             ) as decode:
