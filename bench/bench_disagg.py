@@ -1,6 +1,6 @@
 """Disaggregated vs colocated serving, measured in one run on this machine with real daemons.
 
-    .venv/bin/python bench/bench_disagg.py [--quick] [--json OUT] [--kv-cache-dtype fp8] [--lengths 2048]
+    .venv/bin/python bench/bench_disagg.py [--quick] [--json OUT] [--kv-cache-dtype fp8|int8] [--lengths 2048]
 
 1. TTFT for prompts of 128, 512, 2048 and 4096 tokens: decode-server -> prefill-server (disaggregated)
    against a decode-server prefilling locally (colocated), both sharing the machine's cores; median of the
@@ -28,13 +28,15 @@ from pathlib import Path
 
 import numpy as np
 
-from pdserve.engine.loading.sources import DEFAULT_MODEL, fetch
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.loading.sources import DEFAULT_MODEL, fetch, load_model
+from pdserve.engine.model.kv_cache import kv_layout
+from pdserve.kvtransfer import plan_frames
 from pdserve.services.client import Client
 from pdserve.testing.launch import decode_server, prefill_server
 
 ENGINE_ARGS = ["--max-model-len", "4352", "--num-blocks", "640", "--max-num-seqs", "16"]
 CHUNK_TOKENS = 512  # --max-num-batched-tokens (the default): the prefill server's chunk
-FRAME_TOKENS = 80  # a frame of the default model in float32: 30 layers x 5 blocks
 
 
 def prompt(length: int, salt: int) -> list[int]:
@@ -43,9 +45,12 @@ def prompt(length: int, salt: int) -> list[int]:
 
 
 def ttft_study(gguf: Path, logs: Path, lengths: list[int], runs: int, kv_cache_dtype: str = "auto") -> dict:
-    """`kv_cache_dtype`: every daemon's --kv-cache-dtype (fp8: a frame holds four times the tokens)."""
+    """`kv_cache_dtype`: every daemon's --kv-cache-dtype (fp8, int8: a frame holds about four times the
+    tokens)."""
     engine_args = [*ENGINE_ARGS, "--kv-cache-dtype", kv_cache_dtype]
-    frame_tokens = FRAME_TOKENS * (4 if kv_cache_dtype.startswith("fp8") else 1)
+    layout = kv_layout(
+        load_model(gguf).config, EngineConfig(kv_cache_dtype=kv_cache_dtype).on_platform("cpu")
+    )
     pf = prefill_server(gguf, logs, engine_args=engine_args)
     disagg = decode_server(gguf, pf.address, logs, name="decode-remote", engine_args=engine_args)
     coloc = decode_server(gguf, "local", logs, name="decode-local", engine_args=engine_args)
@@ -73,7 +78,7 @@ def ttft_study(gguf: Path, logs: Path, lengths: list[int], runs: int, kv_cache_d
                 "kv_transfer_s": statistics.median(transfer),
                 "kv_transfer_fraction_of_ttft": statistics.median(transfer) / d,
                 "frames_after_last_chunk": max(tail),
-                "frames_of_one_chunk": -(-min(length, CHUNK_TOKENS) // frame_tokens),
+                "frames_of_one_chunk": len(plan_frames(layout, min(length, CHUNK_TOKENS))),
                 "kv_transfer_bytes": after.kv_transfer_bytes_total - before.kv_transfer_bytes_total,
             }
             print(json.dumps({"prompt_tokens": length, **results[length]}), flush=True)

@@ -1,12 +1,16 @@
-"""An fp8 KV cache (`--kv-cache-dtype fp8_e4m3 | fp8_e5m2`, static scale 1.0) against the float32 cache
-(`auto` on this CPU), in one run, on the default model (its whole 30 layers, float32 weights).
+"""A quantized KV cache (`--kv-cache-dtype fp8_e4m3 | fp8_e5m2`, static scale 1.0; `int8`, a bfloat16
+scale per token and head) against the float32 cache (`auto` on this CPU), in one run, on the default model
+(its whole 30 layers, float32 weights).
 
     .venv/bin/python bench/bench_kv_dtype.py [--json OUT]
 
 For each cache dtype:
-- KV bytes per token (every layer) and the transfer bytes of a 2,048-token prompt (the frames' payload);
+- KV bytes per token (every layer, scales included) and the transfer bytes of a 2,048-token prompt (the
+  frames' payload);
 - greedy agreement with the float32 cache over 128 tokens on the parity prompts (tests/fixtures/
-  reference_smollm2.npz): the tokens equal before the first difference, and the share of equal positions;
+  reference_smollm2.npz): free-running, the tokens equal before the first difference and the share of
+  equal positions (one flipped near-tie sends the rest down another path); teacher-forced, the share of
+  float32's greedy tokens that are also this cache's greedy choice given the same prefix;
 - |delta logprob| of the float32 cache's greedy tokens, scored teacher-forced (prompt logprobs over the
   prompt and its float32 continuation): mean and max;
 - the perplexity of the model over about 4,000 tokens of English text (this repository's README and
@@ -39,9 +43,12 @@ def text_windows(tokenizer) -> list[list[int]]:
     return [ids[i : i + WINDOW] for i in range(0, len(ids) - WINDOW + 1, WINDOW)][:4]
 
 
-def scored(engine, prompts, params) -> list[list[float]]:
-    """Each prompt's logprob of every token after the first (prompt logprobs, teacher-forced)."""
+def scored(engine, prompts, params, ranks=None) -> list[list[float]]:
+    """Each prompt's logprob of every token after the first (prompt logprobs, teacher-forced); `ranks`, a
+    list, gets each prompt's ranks of those tokens (1: the model's greedy choice there)."""
     results = engine.generate(prompts, params)
+    if ranks is not None:
+        ranks.extend([lp.rank for lp in r.prompt_logprobs[1:]] for r in results)
     return [[lp.logprob for lp in r.prompt_logprobs[1:]] for r in results]
 
 
@@ -66,7 +73,7 @@ def main() -> None:
     greedy = SamplingParams(temperature=0.0, max_tokens=GREEDY_TOKENS, ignore_eos=True)
     score = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
     out, reference = {}, None
-    for name in ("auto", "fp8_e4m3", "fp8_e5m2"):
+    for name in ("auto", "fp8_e4m3", "fp8_e5m2", "int8"):
         engine = LLMEngine(model, dataclasses.replace(base, kv_cache_dtype=name))
         layout = engine.kv_layout
         layer_token_bytes = layout.block_bytes // layout.block_size  # one token of one layer
@@ -97,7 +104,10 @@ def main() -> None:
             )
             row["greedy_position_agreement"] = equal / sum(len(x) for x in ref_tokens)
             continuations = [p + t for p, t in zip(prompts, ref_tokens, strict=True)]
-            mine = scored(engine, continuations, score)
+            ranks = []
+            mine = scored(engine, continuations, score, ranks)
+            chosen_ranks = np.concatenate([r[len(p) - 1 :] for r, p in zip(ranks, prompts, strict=True)])
+            row["teacher_forced_greedy_agreement"] = float(np.mean(chosen_ranks == 1))
             deltas = np.concatenate(
                 [
                     np.abs(np.asarray(a[len(p) - 1 :]) - np.asarray(b[len(p) - 1 :]))

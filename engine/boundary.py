@@ -162,6 +162,7 @@ class EngineStats:
     num_free_blocks: int = 0
     num_cached_blocks: int = 0
     block_size: int = 0
+    cache_dtype: str = ""  # the KV cache's element type (kvtransfer.layout.DTYPES: int8 with its scales)
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     prefix_cache_evictions: int = 0

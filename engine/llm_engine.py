@@ -347,6 +347,7 @@ class LLMEngine:
             num_free_blocks=kv.pool.num_free,
             num_cached_blocks=kv.pool.num_cached,
             block_size=self.config.block_size,
+            cache_dtype=self.kv_layout.dtype,
             prefix_cache_queries=kv.stats.queries,
             prefix_cache_hits=kv.stats.hits,
             prefix_cache_evictions=kv.pool.num_evictions,

@@ -96,9 +96,9 @@ class _PickerCollector:
         info = GaugeMetricFamily(
             PICKER_SERIES["cacheInfoSpec"],
             "KV cache layout",
-            labels=["role", "block_size", CACHE_NUM_BLOCKS_LABEL],
+            labels=["role", "block_size", CACHE_NUM_BLOCKS_LABEL, "cache_dtype"],  # vLLM's label names
         )
-        info.add_metric([role, str(load.block_size), str(load.num_blocks)], 1)
+        info.add_metric([role, str(load.block_size), str(load.num_blocks), load.cache_dtype], 1)
         yield info
         adapters = (load.running_adapters, load.waiting_adapters)
         if adapters != self._adapters:

@@ -273,12 +273,15 @@ def test_cache_salts_keep_tenants_apart_on_both_roles(prefill, decode, loaded_mo
 def test_a_quantized_kv_cache_disaggregated_equals_colocated_and_refuses_other_replicas(
     prefill, loaded_model, small_config, kv_cache_dtype
 ):
-    """--kv-cache-dtype fp8_e4m3 or int8 on both roles (in-process servers): the KV crosses as stored (fp8
-    frames; int8 values with their scales) and decoding reads what a colocated engine of that dtype wrote,
-    so the tokens are the colocated engine's, greedy and seeded, a long prompt in several chunks too. A
-    decode server whose replica (the shared one) keeps a float32 cache refuses it at the handshake and
-    prefills locally: the same tokens again."""
+    """--kv-cache-dtype fp8_e4m3 or int8 on both roles (in-process servers; int8: prefill TP 1, decode TP
+    2): the KV crosses as stored (fp8 frames; int8 values with their scales, heads converted) and decoding
+    reads what a colocated engine of that dtype wrote, so the tokens are the colocated engine's, greedy
+    and seeded, a long prompt in several chunks too, and a second turn of a conversation that moves only
+    the blocks the decode side does not hold. A decode server whose replica (the shared one) keeps a
+    float32 cache refuses it at the handshake and prefills locally: the same tokens again."""
     import dataclasses
+
+    import jax
 
     from pdserve.engine.llm_engine import LLMEngine
     from pdserve.services.decode.core import GenerationCore
@@ -292,14 +295,24 @@ def test_a_quantized_kv_cache_disaggregated_equals_colocated_and_refuses_other_r
     jobs = [(ids, kw) for ids in prompts(loaded_model.tokenizer)[1:] for kw in (GREEDY, SEEDED[0])]
     params = [params_from_request(build_request(ids, **kw)) for ids, kw in jobs]
     expected = [c.token_ids for c in reference.generate([ids for ids, _ in jobs], params)]
+    turn1 = jobs[-2][0]  # the longest prompt, greedy
+    turn2 = turn1 + expected[-2] + loaded_model.tokenizer.encode(" And then? " + LONG[:300])
+    (expected_turn2,) = reference.generate([turn2], params[-2])
     service = PrefillService.for_engine(LLMEngine(loaded_model, quantized))
+    decode_tp = 2 if kv_cache_dtype == "int8" else 1  # heterogeneous TP: one dtype is enough
     with in_process(lambda stop, ready: serve_prefill(service, 0, stop, on_ready=ready)) as replica:
         for target, transferred in ((replica, True), (prefill.address, False)):
-            core = GenerationCore.for_engine(LLMEngine(loaded_model, quantized), prefill_targets=[target])
+            engine = LLMEngine(
+                loaded_model, dataclasses.replace(quantized, tp=decode_tp), jax.devices()[2 : 2 + decode_tp]
+            )
+            core = GenerationCore.for_engine(engine, prefill_targets=[target])
             with in_process(
                 lambda stop, ready, core=core: serve_decode(core, 0, stop, on_ready=ready)
             ) as decode:
                 client = Client(decode)
                 assert [client.generate(ids, **kw).token_ids for ids, kw in jobs] == expected
+                second = client.generate(turn2, **GREEDY)
+                assert second.token_ids == expected_turn2.token_ids
+                assert second.cached_prompt_tokens >= len(turn1) // 16 * 16  # the rest moved (or computed)
                 assert (client.stats().num_transfers_total > 0) == transferred, target
                 assert_all_free(decode)

@@ -194,7 +194,8 @@ def test_the_pickers_series_follow_the_load_as_admin_reports_it(gateway):
     everything = scrape(address)  # /metrics holds them too, and the rest
     assert metrics.items() <= everything.items() and len(everything) > 3 * len(metrics)
     info = PICKER_SERIES["cacheInfoSpec"]
-    assert metrics[f'{info}{{block_size="16",{CACHE_NUM_BLOCKS_LABEL}="192",role="decode"}}'] == 1
+    labels = f'block_size="16",cache_dtype="float32",{CACHE_NUM_BLOCKS_LABEL}="192",role="decode"'
+    assert metrics[f"{info}{{{labels}}}"] == 1  # the capacity in tokens: blocks x block_size
     (lora,) = [k for k in metrics if k.startswith(PICKER_SERIES["loraSpec"] + "{")]
     assert 'max_lora="0"' in lora and 'running_lora_adapters=""' in lora
     # what the engine runs on (its start-up line) is on /metrics and in Admin stats alike
