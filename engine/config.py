@@ -134,13 +134,6 @@ class ModelConfig:
         """Dims of a head that rope rotates: all of them, or MLA's decoupled rope part."""
         return self.qk_rope_head_dim if self.is_mla else self.head_dim
 
-    def cache_token_shape(self, tp: int) -> tuple[int, int]:
-        """(head slots, dims) of one token of one layer in the paged cache: K and V of each padded KV head,
-        or MLA's one latent (replicated over the mesh)."""
-        if self.is_mla:
-            return 1, self.kv_lora_rank + self.qk_rope_head_dim
-        return 2 * self.padded_num_kv_heads(tp), self.head_dim
-
     @property
     def widest_window(self) -> int:
         """The largest sliding window when every layer has one (Mistral), else 0: tokens before a query's

@@ -54,6 +54,7 @@ from pdserve.kvtransfer.layout import (
     LayoutMismatchError,
     SpecKind,
     head_map,
+    scale_scheme,
 )
 from pdserve.kvtransfer.pipeline import aprefetch
 from pdserve.kvtransfer.plan import MAX_FRAME_BYTES, KVChunk, plan_frames
@@ -89,5 +90,6 @@ __all__ = [
     "on_pathways",
     "plan_frames",
     "reshard",
+    "scale_scheme",
     "serialize_frame",
 ]

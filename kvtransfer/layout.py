@@ -41,6 +41,13 @@ DTYPES: dict[str, np.dtype] = {
 SCALE_SCHEMES = {"int8": "token_head"}  # dtype -> scheme; every other dtype: "none"
 SCALE_DTYPE = np.dtype(ml_dtypes.bfloat16)
 SCALE_BYTES = SCALE_DTYPE.itemsize
+
+
+def scale_scheme(dtype: str) -> str:
+    """The scale scheme of a cache of `dtype` (a DTYPES name): "none", or SCALE_SCHEMES' entry."""
+    return SCALE_SCHEMES.get(dtype, "none")
+
+
 HEAD_STRATEGIES = ("pad", "replicate")
 
 
@@ -157,7 +164,7 @@ class KVLayout:
     @property
     def scale_scheme(self) -> str:
         """ "none", or how the values carry their scales (SCALE_SCHEMES)."""
-        return SCALE_SCHEMES.get(self.dtype, "none")
+        return scale_scheme(self.dtype)
 
     @property
     def scale_bytes(self) -> int:

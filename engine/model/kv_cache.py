@@ -18,7 +18,7 @@ from jax.sharding import Mesh
 from pdserve import kvtransfer
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.core.kv_groups import KVGroups
-from pdserve.kvtransfer import SCALE_BYTES, SCALE_DTYPE, KVLayout, LayerSpec, SpecKind
+from pdserve.kvtransfer import SCALE_BYTES, SCALE_DTYPE, KVLayout, LayerSpec, SpecKind, scale_scheme
 
 
 def kv_layout(model: ModelConfig, config: EngineConfig) -> KVLayout:
@@ -29,7 +29,7 @@ def kv_layout(model: ModelConfig, config: EngineConfig) -> KVLayout:
     Its shardings (kvtransfer.cache_sharding, chunk_sharding) are the cache's and the chunks'."""
     if model.is_mla:  # one latent a token, the same on every chip
         specs = (LayerSpec(SpecKind.MLA),) * model.num_layers
-        heads, head_dim = model.cache_token_shape(config.tp)
+        heads, head_dim = 1, model.kv_lora_rank + model.qk_rope_head_dim
         mla = dict(kv_lora_rank=model.kv_lora_rank, qk_rope_head_dim=model.qk_rope_head_dim)
     else:
         windows = [model.window(i) for i in range(model.num_layers)]
@@ -69,7 +69,7 @@ def to_cache_dtype(kv: jax.Array, dtype) -> jax.Array:
     range first (scale 1.0: a value past it would otherwise become NaN); int8: quantized per row, each
     row followed by its scale's bytes (kvtransfer.layout.SCALE_SCHEMES: [..., head_dim + SCALE_BYTES])."""
     dtype = jnp.dtype(dtype)
-    if dtype == jnp.int8:
+    if scale_scheme(dtype.name) == "token_head":
         return _quantize_rows(kv)
     if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize == 1:
         limit = float(jnp.finfo(dtype).max)
@@ -91,7 +91,7 @@ def _quantize_rows(kv: jax.Array) -> jax.Array:
 def from_cache(kv: jax.Array) -> jax.Array:
     """Rows read from the cache [..., row width] as float32 K/V [..., head_dim]: cast, or an int8 row's
     values times its scale."""
-    if kv.dtype != jnp.int8:
+    if scale_scheme(kv.dtype.name) != "token_head":
         return kv.astype(jnp.float32)
     scale = jax.lax.bitcast_convert_type(kv[..., -SCALE_BYTES:], SCALE_DTYPE).astype(jnp.float32)
     return kv[..., :-SCALE_BYTES].astype(jnp.float32) * scale[..., None]

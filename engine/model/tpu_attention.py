@@ -37,6 +37,7 @@ from jax.sharding import PartitionSpec as P
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.model.attention import AttentionFn, ragged_paged_attention_reference
 from pdserve.engine.model.sharding import MODEL_AXIS
+from pdserve.kvtransfer import scale_scheme
 
 
 def kernel_unsupported(cfg: ModelConfig, tp: int, dtype: str, cache_dtype: str | None = None) -> str | None:
@@ -50,8 +51,8 @@ def kernel_unsupported(cfg: ModelConfig, tp: int, dtype: str, cache_dtype: str |
 
     if cfg.is_mla:
         return "MLA's latent cache is not the kernel's layout"
-    if cache_dtype == "int8":
-        return "an int8 cache's scales are per token and head; the kernel takes one per tensor"
+    if scale_scheme(cache_dtype or dtype) != "none":
+        return f"a {cache_dtype} cache's scales are per token and head; the kernel takes one per tensor"
     if cfg.head_dim % 128:
         return f"head_dim {cfg.head_dim} is not a multiple of 128"
     kv_heads = cfg.padded_num_kv_heads(tp) // tp
