@@ -33,6 +33,7 @@ from pdserve.engine.core.kv_connector import KVReady, ReceiveKV, SendKV, Transfe
 from pdserve.engine.core.kv_events import KVEvent
 from pdserve.engine.core.output import RequestOutput
 from pdserve.engine.core.request import Request, TokenLogprobs
+from pdserve.engine.core.speculation import SpeculationStats
 from pdserve.kvtransfer import KVChunk
 
 __all__ = [
@@ -173,6 +174,7 @@ class EngineStats:
     num_adapters_loaded: int = 0
     num_lora_slots_used: int = 0
     num_lora_slot_loads: int = 0
+    speculation: SpeculationStats | None = None  # its counters (a copy); None: speculation off
 
     @property
     def kv_usage(self) -> float:

@@ -381,6 +381,59 @@ KV_CACHE_DTYPES = {
     "auto": "", "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2", "int8": "int8"
 }  # fmt: skip
 QUANTIZATIONS = ("none", "int8")  # EngineConfig.quantization (engine.model.quantized)
+SPECULATIVE_METHODS = ("ngram",)  # SpeculativeConfig.method (engine.core.speculation)
+MAX_SPECULATIVE_TOKENS = 16  # num_speculative_tokens at most (each costs a query token of every step)
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (engine.core.speculation), from --speculative-config's JSON with vLLM's keys:
+    `method` ("ngram": prompt lookup, no weights), `num_speculative_tokens` (k, drafts a step verifies per
+    sequence), `prompt_lookup_min` / `prompt_lookup_max` (the n-gram sizes; one given sets both, neither:
+    5 and 5, as vLLM's). `k == 0`: speculation off."""
+
+    method: str = ""
+    num_speculative_tokens: int = 0
+    prompt_lookup_min: int = 0
+    prompt_lookup_max: int = 0
+
+    @classmethod
+    def parse(cls, text: str) -> SpeculativeConfig:
+        """The config of a JSON object (empty text: off); ValueError naming the bad key."""
+        if not text.strip():
+            return cls()
+        try:
+            given = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"speculative_config: not JSON ({e})") from None
+        if not isinstance(given, dict):
+            raise ValueError("speculative_config: a JSON object with vLLM's keys")
+        method = given.get("method")
+        if method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config: method {method!r}: one of {SPECULATIVE_METHODS}")
+        unknown = sorted(set(given) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key {unknown[0]!r}")
+        sizes = {}
+        for key in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+            value = given.get(key)
+            if value is not None and (type(value) is not int or value < 1):
+                raise ValueError(f"speculative_config: {key} must be a positive integer")
+            sizes[key] = value
+        k = sizes["num_speculative_tokens"]
+        if k is None or k > MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"speculative_config: num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}]"
+            )
+        low, high = sizes["prompt_lookup_min"], sizes["prompt_lookup_max"]
+        low, high = low or high or 5, high or low or 5
+        if low > high:
+            raise ValueError("speculative_config: prompt_lookup_min must be <= prompt_lookup_max")
+        return cls(method, k, low, high)
+
+    def to_json(self) -> str:
+        """The flag's text of this config ("" when off): parse's inverse."""
+        return json.dumps(dataclasses.asdict(self)) if self.num_speculative_tokens else ""
 
 
 def _powers_of_two(start: int, stop: int) -> tuple[int, ...]:
@@ -460,6 +513,12 @@ class EngineConfig:
         "reuse the KV of cached prompt prefixes (--no-prefix-caching: compute every prompt in full)",
         flag="--prefix-caching",
     )
+    speculative_config: str = flag(
+        "",
+        "speculative decoding, a JSON object with vLLM's keys: method (ngram), num_speculative_tokens, "
+        "prompt_lookup_min, prompt_lookup_max (empty: off)",
+        metavar="JSON",
+    )
 
     def __post_init__(self):
         if self.max_model_len % self.block_size or self.max_model_len < 0:
@@ -478,6 +537,12 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r}: one of {tuple(KV_CACHE_DTYPES)}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization {self.quantization!r}: one of {QUANTIZATIONS}")
+        SpeculativeConfig.parse(self.speculative_config)  # refused here, naming the key
+
+    @property
+    def speculation(self) -> SpeculativeConfig:
+        """--speculative-config, parsed (num_speculative_tokens 0: off)."""
+        return SpeculativeConfig.parse(self.speculative_config)
 
     def on_platform(self, platform: str) -> EngineConfig:
         """This config with "auto" dtype resolved for devices of `platform` (jax.Device.platform):
@@ -510,6 +575,11 @@ class EngineConfig:
     def seq_bucket(self, num_tokens: int) -> int:
         """Sequence slots of the step of `num_tokens` tokens (a sequence has at least one token)."""
         return min(num_tokens, self.max_num_seqs)
+
+    def logits_bucket(self, num_tokens: int) -> int:
+        """Rows of logits the step of `num_tokens` tokens returns: one per sequence slot, and with
+        speculation one more per draft a sequence verifies (never more than the step's tokens)."""
+        return min(num_tokens, self.seq_bucket(num_tokens) * (1 + self.speculation.num_speculative_tokens))
 
 
 def bucket_for(value: int, buckets: tuple[int, ...]) -> int:

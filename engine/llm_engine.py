@@ -41,11 +41,12 @@ from pdserve.engine.core.kv_groups import KVGroups
 from pdserve.engine.core.output import OutputStream, RequestOutput
 from pdserve.engine.core.request import FinishReason, Request, Status, TokenLogprobs
 from pdserve.engine.core.scheduler import Row, SampledToken, Scheduler, SchedulerOutput
+from pdserve.engine.core.speculation import accept
 from pdserve.engine.loading.sources import LoadedModel, load_model
 from pdserve.engine.lora import AdapterRegistry
 from pdserve.engine.lora_slots import LoraSlots
 from pdserve.engine.model.attention import AttentionFn, ragged_paged_attention_reference
-from pdserve.engine.model.sampler import mask_words, token_mask
+from pdserve.engine.model.sampler import SampleResult, mask_words, token_mask
 from pdserve.engine.model.sharding import make_mesh
 from pdserve.engine.model.tpu_attention import kernel_attention, kernel_unsupported
 from pdserve.engine.model.weights import build_weights
@@ -358,6 +359,7 @@ class LLMEngine:
             num_adapters_loaded=len(self.loras.adapters),
             num_lora_slots_used=len(slots.resident) if slots else 0,
             num_lora_slot_loads=slots.num_loads if slots else 0,
+            speculation=s.speculation.snapshot() if s.proposer is not None else None,
         )
 
     def adapter_states(self) -> list[AdapterState]:
@@ -392,8 +394,8 @@ class LLMEngine:
         """step()'s second half: runs the rows, applies the results, hands the KV to the connector."""
         if scheduled is not None:
             sampled = self._execute(scheduled)
-            for request, token in self.scheduler.update_from_output(scheduled, sampled):
-                self._outputs.tokens.append(self._emit(request, token))
+            for request, run in self.scheduler.update_from_output(scheduled, sampled):
+                self._outputs.tokens.append(self._emit(request, run))
             self._copy_blocks()
             # the connector's worker side: the KV of prompts computed in part, then of finished ones
             for row in scheduled.rows:
@@ -433,29 +435,59 @@ class LLMEngine:
         outputs.kv_events = self.scheduler.kv.take_events()
         return outputs
 
-    def _execute(self, scheduled: SchedulerOutput) -> dict[str, SampledToken]:
+    def _execute(self, scheduled: SchedulerOutput) -> dict[str, list[SampledToken]]:
         """Runs the step's rows; scores the prompt tokens of requests that ask for prompt logprobs; samples
-        the rows that end their request's uncomputed tokens."""
+        the rows that end their request's uncomputed tokens (a row with drafts: after its last token and
+        after each draft, then engine.core.speculation.accept). Returns each sampling row's run of tokens."""
         logits = self.runner.forward(scheduled.rows)
         self._score_prompts(scheduled)
-        indices = [i for i, row in enumerate(scheduled.rows) if row.samples]
-        if not indices:
-            return {}
-        samplers = [self.scheduler.requests[scheduled.rows[i].request_id] for i in indices]
-        forked: dict[str, list[Request]] = {}  # a first token with n > 1: n rows from the same logits
-        for i, request in list(zip(indices, samplers, strict=True)):
+        starts = scheduled.logits_starts()
+        # one sample per logits row of a sampling row: (request, the drafts before it, its logits row)
+        samples: list[tuple[Request, list[int], int]] = []
+        runs: dict[str, list[int]] = {}  # request id -> indices of its samples, by position
+        forked: dict[str, list[Request]] = {}  # a first token with n > 1: n samples of the same logits
+        for row, start in zip(scheduled.rows, starts, strict=True):
+            if not row.samples:
+                continue
+            request = self.scheduler.requests[row.request_id]
+            runs[request.request_id] = list(range(len(samples), len(samples) + row.num_logits))
+            samples += [(request, row.drafts[:j], start + j) for j in range(row.num_logits)]
             if request.forks_pending:
                 forked[request.request_id] = self._forks(request)
-                indices += [i] * len(forked[request.request_id])
-                samplers += forked[request.request_id]
+                for child in forked[request.request_id]:
+                    runs[child.request_id] = [len(samples)]
+                    samples.append((child, [], start))
+        if not samples:
+            return {}
         sample_rows = [
-            SampleRow(r.params, r.seed, r.num_tokens, r.prompt_ids, r.output_ids) for r in samplers
+            SampleRow(r.params, r.seed, r.num_tokens + len(d), r.prompt_ids, r.output_ids + d)
+            for r, d, _ in samples
         ]
-        allowed = self._allowed_tokens(samplers)  # on the host while the device runs the step
-        result = self.runner.sample(logits, sample_rows, indices, allowed)
+        allowed = self._allowed_tokens([(r, d) for r, d, _ in samples])  # on the host while the device runs
+        result = self.runner.sample(logits, sample_rows, [i for _, _, i in samples], allowed)
         out = {}
-        for i, request in enumerate(samplers):
-            token, logprobs, finish = int(result.tokens[i]), None, None
+        for rid, indices in runs.items():
+            request, drafts = samples[indices[0]][0], samples[indices[-1]][1]
+            emitted = accept(drafts, result.tokens[indices].tolist())
+            out[rid] = self._sampled_run(request, emitted, result, indices, allowed)
+        for rid, children in forked.items():
+            forks = tuple((c, out.pop(c.request_id)[0]) for c in children)
+            out[rid][0] = dataclasses.replace(out[rid][0], forks=forks)
+        return out
+
+    def _sampled_run(
+        self,
+        request: Request,
+        emitted: list[int],
+        result: SampleResult,
+        indices: list[int],
+        allowed: np.ndarray | None,
+    ) -> list[SampledToken]:
+        """The tokens a sampling row emits (`emitted`: its i-th from sample indices[i]) through the
+        request's constraint, with their logprobs: up to one the constraint ends the request at."""
+        run = []
+        for token, i in zip(emitted, indices, strict=False):
+            logprobs, finish = None, None
             try:
                 token, finish = self._constrain(request, token, None if allowed is None else allowed[i])
                 if request.params.logprobs is not None:
@@ -465,14 +497,12 @@ class LLMEngine:
                     )
                     logprobs = TokenLogprobs(token, float(result.logprob[i]), top)
             except Exception as e:  # noqa: BLE001 - pinned to this request
-                error = _failure(request, "sampling", e)
-                out[request.request_id] = SampledToken(token, None, FinishReason.ERROR, error)
-                continue
-            out[request.request_id] = SampledToken(token, logprobs, finish)
-        for rid, children in forked.items():
-            forks = tuple((c, out.pop(c.request_id)) for c in children)
-            out[rid] = dataclasses.replace(out[rid], forks=forks)
-        return out
+                run.append(SampledToken(token, None, FinishReason.ERROR, _failure(request, "sampling", e)))
+                return run
+            run.append(SampledToken(token, logprobs, finish))
+            if finish is not None:
+                return run
+        return run
 
     def _forks(self, request: Request) -> list[Request]:
         """Sequences 1..n-1 of a request about to sample its first token (each with its own detokenizer
@@ -514,27 +544,35 @@ class LLMEngine:
             logprob, rank = float(scores.logprob[i]), int(scores.rank[i])
             request.prompt_logprobs[position] = TokenLogprobs(int(targets[i]), logprob, top, rank)
 
-    def _allowed_tokens(self, samplers: list[Request]) -> np.ndarray | None:
-        """The sampling rows' allowed-token bitmasks (all ones where unconstrained and not held); None:
-        every token, every row. A constraint's mask is narrowed to the request's allowed_token_ids, then
-        its bad words' next tokens are banned; a row short of its min_tokens has its stop tokens held back,
-        unless that would leave nothing (a constraint that allows only EOS ends it as a dead end)."""
-        rows = [i for i, r in enumerate(samplers) if r.matcher is not None and not r.reasoning]
-        narrowed = [i for i, r in enumerate(samplers) if r.params.allowed_token_ids or r.bad_word_ids]
+    def _allowed_tokens(self, samples: list[tuple[Request, list[int]]]) -> np.ndarray | None:
+        """The samples' allowed-token bitmasks (all ones where unconstrained and not held); None: every
+        token, every sample. A sample is a request's next token after `drafted` (its drafts before that
+        position; none without speculation). A constraint's mask is narrowed to the request's
+        allowed_token_ids, then its bad words' next tokens are banned; a sample short of its min_tokens has
+        its stop tokens held back, unless that would leave nothing (a constraint that allows only EOS ends
+        it as a dead end)."""
+        outputs = [r.output_ids + drafted for r, drafted in samples]
+        rows = [i for i, (r, _) in enumerate(samples) if r.matcher is not None and not r.reasoning]
+        narrowed = [i for i, (r, _) in enumerate(samples) if r.params.allowed_token_ids or r.bad_word_ids]
         held = [
-            i for i, r in enumerate(samplers) if len(r.output_ids) < r.params.min_tokens and r.stop_token_ids
+            i
+            for i, (r, _) in enumerate(samples)
+            if len(outputs[i]) < r.params.min_tokens and r.stop_token_ids
         ]
         if not rows and not held and not narrowed:
             return None
         vocab = self.model.config.vocab_size
-        allowed = np.full((len(samplers), mask_words(vocab)), -1, np.int32)
-        if rows:
-            allowed[rows] = self.constraints.fill([samplers[i].matcher for i in rows])
+        allowed = np.full((len(samples), mask_words(vocab)), -1, np.int32)
+        first = [i for i in rows if not samples[i][1]]  # at the matcher's own position: filled together
+        allowed[first] = self.constraints.fill([samples[i][0].matcher for i in first])
+        for i in rows:
+            if samples[i][1]:
+                allowed[i] = self._drafted_mask(samples[i][0], samples[i][1], allowed[i - 1])
         for i in narrowed:
-            request, row = samplers[i], allowed[i].view(np.uint32)
+            request, row = samples[i][0], allowed[i].view(np.uint32)
             if request.params.allowed_token_ids:
                 row &= token_mask(request.params.allowed_token_ids, vocab).view(np.uint32)
-            output = request.output_ids
+            output = outputs[i]
             banned = [  # each bad word's last token, where the output ends with the rest of the word
                 word[-1]
                 for word in request.bad_word_ids
@@ -542,8 +580,23 @@ class LLMEngine:
             ]
             row[:] = _without(row, banned)
         for i in held:
-            allowed[i] = _without(allowed[i].view(np.uint32), samplers[i].stop_token_ids).view(np.int32)
+            allowed[i] = _without(allowed[i].view(np.uint32), samples[i][0].stop_token_ids).view(np.int32)
         return allowed
+
+    def _drafted_mask(self, request: Request, drafted: list[int], previous: np.ndarray) -> np.ndarray:
+        """The constraint's mask after the request's output and `drafted`, its drafts before this position
+        (the mask before, `previous`, is the one after drafted[:-1]): the matcher advanced through the
+        drafts, then rolled back. Where a draft is refused, `previous`: the sample there is then never
+        accepted (it would have to equal the refused draft), so no later position's mask is used."""
+        matcher = request.matcher
+        consumed = matcher.try_consume_tokens(drafted)
+        if consumed < len(drafted):
+            matcher.rollback(consumed)
+            return previous
+        try:
+            return self.constraints.fill([matcher])[0]
+        finally:
+            matcher.rollback(len(drafted))
 
     def _constrain(
         self, request: Request, token: int, allowed: np.ndarray | None = None
@@ -587,20 +640,24 @@ class LLMEngine:
             return FinishReason.STOP  # complete (a complete output allows only EOS next)
         return None
 
-    def _emit(self, request: Request, token: SampledToken) -> RequestOutput:
-        """The client's view of a token the scheduler appended: detokenized, stop strings checked (a match
-        is reported to the scheduler, which finishes the request); a finished request's stream ends."""
+    def _emit(self, request: Request, run: list[SampledToken]) -> RequestOutput:
+        """The client's view of the tokens the scheduler appended: detokenized, stop strings checked (a match
+        is reported to the scheduler, which finishes the request there: tokens of the run after it go); a
+        finished request's stream ends."""
         if request.first_token_time is None:
             request.first_token_time = time.monotonic()
         output = None
         if request.finish_reason is not FinishReason.ERROR:
             try:
-                output = self._streams[request.request_id].on_token(token.token, token.logprobs)
+                output = self._streams[request.request_id].on_tokens(
+                    [t.token for t in run], [t.logprobs for t in run]
+                )
             except Exception as e:  # noqa: BLE001 - pinned to this request
                 self.scheduler.finish(request, FinishReason.ERROR, _failure(request, "detokenizing", e))
             else:
-                if output.finish_reason is not request.finish_reason:  # a stop string matched
-                    self.scheduler.finish(request, output.finish_reason)
+                cut = output.num_output_tokens < len(request.output_ids)
+                if output.finish_reason is not request.finish_reason or cut:  # a stop string matched
+                    self.scheduler.finish(request, output.finish_reason, num_output=output.num_output_tokens)
         if request.finish_reason is FinishReason.ERROR:
             output = RequestOutput.failed(request)
         if output.finished:

@@ -114,8 +114,9 @@ class ModelRunner:
         return list(self.config.token_buckets)
 
     def sampler_shapes(self) -> list[tuple[int, bool]]:
-        """Every (rows, penalties) the sampler is compiled for (engine.model.sampler: one variant each)."""
-        rows = sorted({s for _, s in self.step_shapes()})
+        """Every (rows, penalties) the sampler is compiled for (engine.model.sampler: one variant each): a
+        step's logits rows (EngineConfig.logits_bucket)."""
+        rows = sorted({self.config.logits_bucket(t) for t, _ in self.step_shapes()})
         return list(itertools.product(rows, (False, True)))
 
     def copy_shapes(self) -> tuple[int, ...]:
@@ -128,8 +129,9 @@ class ModelRunner:
 
     # ---- execution ------------------------------------------------------------------------------------
     def forward(self, rows: list[Row]) -> jax.Array:
-        """Runs one ragged step over the rows' new tokens; returns the logits [sequence slots, vocab] at
-        each row's last token (on device), row i's in slot i."""
+        """Runs one ragged step over the rows' new tokens; returns the logits [logits rows, vocab] (on
+        device) at each row's last token and, with drafts, at the token before each draft: row by row,
+        Row.num_logits each (SchedulerOutput.logits_starts)."""
         c = self.config
         num_tokens = sum(len(r.tokens) for r in rows)
         t = bucket_for(num_tokens, c.token_buckets)
@@ -139,7 +141,8 @@ class ModelRunner:
         kv_lens = np.zeros(s, np.int32)
         block_tables = np.zeros((self.groups.num_groups, s, self.block_table_width), np.int32)
         lora_slots = np.full(s, -1, np.int32)
-        start = 0
+        logits_rows = np.zeros(c.logits_bucket(t), np.int32)
+        start = at = 0
         for i, row in enumerate(rows):
             n = len(row.tokens)
             tokens[start : start + n] = row.tokens
@@ -150,9 +153,11 @@ class ModelRunner:
                 block_tables[g, i, :num_blocks] = table[:num_blocks]
             lora_slots[i] = row.lora_slot
             start += n
-        return self.run_step(tokens, cu_q_lens, kv_lens, block_tables, lora_slots)
+            logits_rows[at : at + row.num_logits] = np.arange(start - row.num_logits, start)
+            at += row.num_logits
+        return self.run_step(tokens, cu_q_lens, kv_lens, block_tables, lora_slots, logits_rows)
 
-    def run_step(self, tokens, cu_q_lens, kv_lens, block_tables, lora_slots) -> jax.Array:
+    def run_step(self, tokens, cu_q_lens, kv_lens, block_tables, lora_slots, logits_rows) -> jax.Array:
         """The compiled step on padded host arrays (see forward); published first (engine.multihost)."""
         if self.publish is not None:
             arrays = dict(
@@ -161,10 +166,19 @@ class ModelRunner:
                 kv_lens=kv_lens,
                 block_tables=block_tables,
                 lora_slots=lora_slots,
+                logits_rows=logits_rows,
             )
             self.publish(DeviceOp("step", arrays))
         logits, self.cache, self.hidden = self._step(
-            self.weights, self.lora_weights, self.cache, tokens, cu_q_lens, kv_lens, block_tables, lora_slots
+            self.weights,
+            self.lora_weights,
+            self.cache,
+            tokens,
+            cu_q_lens,
+            kv_lens,
+            block_tables,
+            lora_slots,
+            logits_rows,
         )
         return logits
 
@@ -409,6 +423,7 @@ def lower_step(
         zeros(num_seqs, np.int32),
         zeros((KVGroups.of(model).num_groups, num_seqs, block_table_width(config)), np.int32),
         np.full(num_seqs, -1, np.int32),
+        zeros(config.logits_bucket(num_tokens), np.int32),
         cfg=model,
         attention=attention,
     )

@@ -8,7 +8,7 @@ identical engine (same model, configuration and warmup) whose `Follower` applies
 the same order. The operations (OP_KINDS):
 
   step        a ragged model step (ModelRunner.run_step): tokens, cu_q_lens, kv_lens, block_tables,
-              lora_slots
+              lora_slots, logits_rows
   sample      sampling from the last step's logits (ModelRunner.run_sample): the SamplingBatch's arrays
   gather_kv   a prompt's KV read for a sender (ModelRunner.gather_kv): block ids and frame plan; the
               chunks are replicated on every process, so the leader reads them from its own memory
@@ -79,10 +79,11 @@ def max_op_bytes(engine) -> int:
     group stream's receive limit (services/group.py)."""
     config, model = engine.config, engine.model.config
     tokens, rows = config.max_num_batched_tokens, config.seq_bucket(config.max_num_batched_tokens)
+    logits_rows = config.logits_bucket(tokens)  # (sampled rows: with speculation, more than sequences)
     groups = KVGroups.of(model).num_groups
-    step = 4 * (tokens + 3 * rows + 2 + groups * rows * block_table_width(config))
+    step = 4 * (tokens + 3 * rows + 2 + logits_rows + groups * rows * block_table_width(config))
     vocab = model.vocab_size
-    sample = rows * (64 + 5 * vocab + 4 * -(-vocab // 32) + 4 + 8 * MAX_LOGIT_BIAS)
+    sample = logits_rows * (64 + 5 * vocab + 4 * -(-vocab // 32) + 4 + 8 * MAX_LOGIT_BIAS)
     lora = 0
     if engine.lora_slots is not None:
         slots = engine.lora_slots

@@ -10,6 +10,7 @@ from pathlib import Path
 import grpc
 
 from pdserve.engine.boundary import AdapterState, EngineStats, Utility
+from pdserve.engine.core.speculation import SpeculationStats
 from pdserve.engine.lora import LoraLoadError
 from pdserve.services.engine_loop import EngineLoop
 from pdserve.v1 import admin_pb2 as pb
@@ -134,7 +135,20 @@ class AdminService(pb_grpc.AdminServicer):
             route_expected_hit_tokens_total=c.route_expected_hit_tokens_total,
             route_actual_hit_tokens_total=c.route_actual_hit_tokens_total,
             engine=self.loop.engine_info,
+            **speculation_fields(load.speculation),
         )
+
+
+def speculation_fields(stats: SpeculationStats | None) -> dict[str, int | list[int]]:
+    """ServerStats' spec_decode_* fields of the engine's speculation counters (none when off)."""
+    if stats is None:
+        return {}
+    return dict(
+        spec_decode_num_drafts_total=stats.num_drafts,
+        spec_decode_num_draft_tokens_total=stats.num_draft_tokens,
+        spec_decode_num_accepted_tokens_total=stats.num_accepted_tokens,
+        spec_decode_accepted_per_position_total=stats.accepted_per_position,
+    )
 
 
 def adapter_info(state: AdapterState) -> pb.LoraAdapterInfo:

@@ -30,6 +30,7 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from pdserve.engine.core.speculation import SpeculationStats
 from pdserve.services.admin import Counters, read_load
 from pdserve.services.engine_loop import EngineLoop
 
@@ -168,6 +169,8 @@ class _StateCollector:
         )
         for name, doc, field in _COUNTERS:
             yield counter(name, doc, getattr(c, field))
+        if stats.speculation is not None:
+            yield from _speculation_counters(role, stats.speculation)
         for name, doc, label, values in (
             ("pdserve_prefill_routes", "prefills routed to a replica, by reason", "reason", c.routes),
             ("pdserve_requests", "finished requests by outcome", "outcome", c.outcomes),
@@ -176,6 +179,49 @@ class _StateCollector:
             for value, count in sorted(values.items()):
                 family.add_metric([role, value], count)
             yield family
+
+
+def _log_speculation(now: SpeculationStats, before: SpeculationStats | None) -> None:
+    """The stats line of speculative decoding over an interval (as vLLM logs it), when rows verified drafts:
+    the mean accepted length, drafts accepted of those verified, each position's acceptance rate."""
+    before = before or SpeculationStats(now.k)
+    rows = now.num_drafts - before.num_drafts
+    if not rows:
+        return
+    drafted = now.num_draft_tokens - before.num_draft_tokens
+    accepted = now.num_accepted_tokens - before.num_accepted_tokens
+    per_position = [
+        (a - b) / rows for a, b in zip(now.accepted_per_position, before.accepted_per_position, strict=True)
+    ]
+    log.info(
+        "speculative decoding: mean accepted length %.2f, accepted %d of %d draft tokens (%.1f%%), "
+        "acceptance rate by position %s",
+        1 + accepted / rows,
+        accepted,
+        drafted,
+        100 * accepted / drafted if drafted else 0.0,
+        ", ".join(f"{rate:.2f}" for rate in per_position),
+    )
+
+
+def _speculation_counters(role: str, spec: SpeculationStats):
+    """vLLM's spec-decode counters under pdserve's names (engine.core.speculation.SpeculationStats)."""
+    for name, doc, value in (
+        ("pdserve_spec_decode_num_drafts", "decode rows that verified drafts", spec.num_drafts),
+        ("pdserve_spec_decode_num_draft_tokens", "draft tokens verified", spec.num_draft_tokens),
+        ("pdserve_spec_decode_num_accepted_tokens", "draft tokens accepted", spec.num_accepted_tokens),
+    ):
+        family = CounterMetricFamily(name, doc, labels=["role"])
+        family.add_metric([role], value)
+        yield family
+    family = CounterMetricFamily(
+        "pdserve_spec_decode_num_accepted_tokens_per_pos",
+        "rows whose draft at this position (from 0) was accepted, with every draft before it",
+        labels=["role", "position"],
+    )
+    for position, value in enumerate(spec.accepted_per_position):
+        family.add_metric([role, str(position)], value)
+    yield family
 
 
 # Counters of services.admin.Counters: (metric name, help, Counters field)
@@ -259,11 +305,14 @@ class Metrics:
                 stats.prefix_cache_hits,
             )
 
-        last = totals()
+        last, last_spec = totals(), self.loop.stats.speculation
         while not stop.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), interval_s)
             now, stats = totals(), self.loop.stats
+            if stats.speculation is not None:
+                _log_speculation(stats.speculation, last_spec)
+                last_spec = stats.speculation
             seconds, prompt, generated, queries, hits = (a - b for a, b in zip(now, last, strict=True))
             last = now
             if not (prompt or generated or stats.num_running or stats.num_waiting):

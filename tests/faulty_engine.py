@@ -24,10 +24,10 @@ BROKEN = "\x00inject:broken"
 
 
 class FailingStream(OutputStream):
-    def on_token(self, token, logprobs):
+    def on_tokens(self, tokens, logprobs):
         if len(self.request.output_ids) >= 2:
             raise RuntimeError("injected: this request's output stream failed")
-        return super().on_token(token, logprobs)
+        return super().on_tokens(tokens, logprobs)
 
 
 class FaultyEngine(LLMEngine):

@@ -53,17 +53,25 @@ class OutputStream:
         self.detokenizer = IncrementalDetokenizer(tokenizer, request.params.skip_special_tokens)
         self.matcher = StopStringMatcher(request.params.stop)
 
-    def on_token(self, token: int, logprobs: TokenLogprobs | None) -> RequestOutput:
-        """The client's view of a sampled token (already appended to the request, which may have finished
-        with it). A stop token or a constraint's dead end shows nothing; a stop string cuts the text and
-        finishes the output with STOP (the caller tells the scheduler), once the output is past its
-        min_tokens (text before that is never matched)."""
+    def on_tokens(self, tokens: list[int], logprobs: list[TokenLogprobs | None]) -> RequestOutput:
+        """The client's view of the tokens a step appended to the request (one, or a run of accepted
+        drafts and the next; the request may have finished with the last). A stop token or a constraint's
+        dead end shows nothing; a stop string cuts the text and finishes the output with STOP at the token
+        that completed it (num_output_tokens says where: the caller tells the scheduler), once the output
+        is past its min_tokens (text before that is never matched)."""
         r = self.request
-        text = ""
-        if token not in r.stop_token_ids and r.finish_reason is not FinishReason.DEAD_END:
+        first = len(r.output_ids) - len(tokens)  # index of tokens[0] in the output
+        text, shown = "", 0
+        for token in tokens:
+            shown += 1
+            last = shown == len(tokens)
+            if token in r.stop_token_ids or (last and r.finish_reason is FinishReason.DEAD_END):
+                continue
             delta = self.detokenizer.add(token)  # stop strings count only past min_tokens (as vLLM's)
-            text = delta if len(r.output_ids) <= r.params.min_tokens else self.matcher.feed(delta)
-        finish_reason = r.finish_reason
+            text += delta if first + shown <= r.params.min_tokens else self.matcher.feed(delta)
+            if self.matcher.stopped:
+                break
+        finish_reason = r.finish_reason if shown == len(tokens) else None
         if self.matcher.stopped and finish_reason in (None, FinishReason.LENGTH):  # the text ends here
             finish_reason = FinishReason.STOP
         if finish_reason is not None and not self.matcher.stopped:
@@ -71,16 +79,16 @@ class OutputStream:
         return RequestOutput(
             request_id=r.output_id,
             index=r.index,
-            new_token_ids=[token],
+            new_token_ids=tokens[:shown],
             text=text,
             finished=finish_reason is not None,
             finish_reason=finish_reason,
-            logprobs=[logprobs] if logprobs is not None else [],
+            logprobs=[lp for lp in logprobs[:shown] if lp is not None],
             num_prompt_tokens=len(r.prompt_ids),
-            num_output_tokens=len(r.output_ids),
+            num_output_tokens=first + shown,
             num_cached_tokens=r.num_cached_tokens,
-            prompt_logprobs=r.prompt_logprobs if len(r.output_ids) == 1 else None,
+            prompt_logprobs=r.prompt_logprobs if first == 0 else None,
             queue_s=r.scheduled_time - r.arrival_time
-            if len(r.output_ids) == 1 and r.scheduled_time is not None
+            if first == 0 and r.scheduled_time is not None
             else None,
         )

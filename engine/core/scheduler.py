@@ -17,6 +17,13 @@ A step is ragged and token-budgeted (Sarathi-Serve's stall-free batching, as in 
 request's decode token goes in first, then prefill chunks of the prompts being computed, oldest first,
 until `max_num_batched_tokens` is spent (at most `max_prefill_seqs` prompts are computed at once). A
 running request is in every step, so a long prompt delays it by one budget's compute per token at most.
+
+With speculative decoding (engine.core.speculation), a decode row also feeds the drafts proposed for the
+request (up to k, within the token budget that decode tokens and prefill chunks left, its max_tokens and
+the model length; none when blocks are short): the step samples after each, and the request appends the
+accepted run. The fed tokens' KV counts
+as computed up to the first rejected draft; the slots written past it are overwritten later (blocks stay
+with the request until it ends, as ever).
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from pdserve.engine.core.kv_cache_manager import KVCacheManager
 from pdserve.engine.core.kv_connector import KVConnector
 from pdserve.engine.core.kv_groups import BlockTables
 from pdserve.engine.core.request import FinishReason, Request, Status, TokenLogprobs
+from pdserve.engine.core.speculation import SpeculationStats, proposer_for
 from pdserve.engine.lora import LoraAdapter
 
 
@@ -70,11 +78,27 @@ class Row:
     lora_slot: int = -1  # adapter slot (engine.lora.LoraSlots); -1: the base model
     request_id: str = ""
     samples: bool = False  # the row ends the request's uncomputed tokens: its last logits give the next
+    # Speculation: the last `len(drafts)` of `tokens` are drafts; the row samples after its last
+    # uncomputed token and after each draft (1 + len(drafts) logits rows)
+    drafts: list[int] = dataclasses.field(default_factory=list)
+
+    @property
+    def num_logits(self) -> int:
+        """Rows of logits the step returns for this row: at its last token, before each draft too."""
+        return 1 + len(self.drafts)
 
 
 @dataclasses.dataclass
 class SchedulerOutput:
     rows: list[Row]  # decode rows first, then prefill chunks
+
+    def logits_starts(self) -> list[int]:
+        """Where each row's logits start in the step's (row by row, Row.num_logits each)."""
+        starts, at = [], 0
+        for row in self.rows:
+            starts.append(at)
+            at += row.num_logits
+        return starts
 
 
 class Scheduler:
@@ -110,6 +134,8 @@ class Scheduler:
         # (source, destination) blocks the device must copy before the next step: forked sequences' own
         # copies of their parent's partial last block (take_block_copies)
         self.block_copies: list[tuple[int, int]] = []
+        self.proposer = proposer_for(config.speculation)  # None: speculation off
+        self.speculation = SpeculationStats(config.speculation.num_speculative_tokens)
 
     # ---- counts ---------------------------------------------------------------------------------------
     @property
@@ -152,11 +178,16 @@ class Scheduler:
         self._finish(request, send=False)
         return request
 
-    def finish(self, request: Request, reason: FinishReason, error: str = "") -> None:
+    def finish(
+        self, request: Request, reason: FinishReason, error: str = "", num_output: int | None = None
+    ) -> None:
         """Ends a request after its last token was handed out: a stop string matched in its text (STOP) or
         turning it into text failed (ERROR). A request already finished keeps its state and takes the
-        reason (its output says ERROR); otherwise it finishes as by a stop token."""
+        reason (its output says ERROR); otherwise it finishes as by a stop token. `num_output`: the output
+        tokens it keeps (a stop string matched inside a run of accepted drafts: those after it go)."""
         request.finish_reason, request.error = reason, error or request.error
+        if num_output is not None:
+            del request.output_ids[num_output:], request.logprobs[num_output:]
         if request.status not in (Status.FINISHED, Status.FINISHED_SENDING):
             self._finish(request, send=True)
 
@@ -169,7 +200,9 @@ class Scheduler:
             request.request_id, request.all_ids, request.num_computed, request.cache_key, lora_name, hashes
         )
 
-    def remote_kv_arrived(self, request_id: str, sampled: SampledToken) -> list[tuple[Request, SampledToken]]:
+    def remote_kv_arrived(
+        self, request_id: str, sampled: SampledToken
+    ) -> list[tuple[Request, list[SampledToken]]]:
         """Decode role: the prompt's KV is in the request's blocks and its first token was sampled
         elsewhere: record the token and start decoding (the request may already be finished by it).
         Returns the request and its token, then its forked sequences' (with n > 1)."""
@@ -224,6 +257,7 @@ class Scheduler:
         and a victim must not come straight back."""
         num_preempted = self.num_preemptions
         rows = [self._decode_row(r) for r in self._reserve_decode_slots()]
+        decode_rows = list(rows)
         budget = self.config.max_num_batched_tokens - len(rows)
         if self.num_preemptions == num_preempted:
             self._admit()
@@ -232,27 +266,39 @@ class Scheduler:
                 break
             rows.append(self._chunk_row(request, budget))
             budget -= len(rows[-1].tokens)
+        self._add_drafts(decode_rows, budget)
         return SchedulerOutput(rows) if rows else None
 
     def update_from_output(
-        self, output: SchedulerOutput, sampled: dict[str, SampledToken]
-    ) -> list[tuple[Request, SampledToken]]:
-        """Applies a step: every row's tokens are now computed (full blocks enter the prefix cache); each
-        sampling row's token is appended, and ends its request when it is a stop token or reaches a
-        length (finished requests leave). Returns the requests that got a token, with it."""
+        self, output: SchedulerOutput, sampled: dict[str, list[SampledToken]]
+    ) -> list[tuple[Request, list[SampledToken]]]:
+        """Applies a step: every row's tokens are now computed (a decode row's drafts up to the first one
+        rejected; full blocks enter the prefix cache); each sampling row's run of tokens (one, or with
+        drafts the accepted ones and the target's next) is appended up to one that ends its request (a stop
+        token, a length; finished requests leave). Returns the requests that got tokens, with the tokens
+        appended."""
         outputs = []
         bs = self.config.block_size
         for row in output.rows:
             request = self.requests[row.request_id]
             before = request.num_computed
-            request.num_computed += len(row.tokens)
+            run = sampled[row.request_id] if row.samples else []
+            appended, ended = self._record_run(request, run)
+            if row.drafts:
+                self.speculation.observe(len(row.drafts), len(run) - 1)
+            # the fed tokens are computed up to the first rejected draft
+            request.num_computed += len(row.tokens) - len(row.drafts) + (len(run) - 1 if row.drafts else 0)
+            if ended:  # (a run its end cut short: the tokens after are not in the request)
+                request.num_computed = min(request.num_computed, request.num_tokens - 1)
             if request.num_computed // bs > before // bs:  # a block filled up (decode: 1 step in bs)
                 self._cache_blocks(request)
             if self.release_window:  # from the first block kvtransfer would send on (KVLayout)
                 first_read = max(0, request.num_computed - self.release_window) // bs
                 self.kv.release_before(request.request_id, first_read)
-            if row.samples:
-                outputs += self._append_token(request, sampled[row.request_id])
+            if appended:
+                forks = [(self._adopt(request, child, t), [t]) for child, t in appended[0].forks]
+                self._after_tokens(request, ended)
+                outputs += [(request, appended), *forks]
         return outputs
 
     def take_block_copies(self) -> list[tuple[int, int]]:
@@ -261,15 +307,29 @@ class Scheduler:
         copies, self.block_copies = self.block_copies, []
         return copies
 
-    def _append_token(self, request: Request, sampled: SampledToken) -> list[tuple[Request, SampledToken]]:
-        """Appends the token (and adopts its forks, first); returns each request that got a token, with it."""
-        forks = [(self._adopt(request, child, token), token) for child, token in sampled.forks]
-        if self._record(request, sampled):
+    def _append_token(
+        self, request: Request, sampled: SampledToken
+    ) -> list[tuple[Request, list[SampledToken]]]:
+        """Appends one token (and adopts its forks, first); returns each request that got a token, with it."""
+        forks = [(self._adopt(request, child, token), [token]) for child, token in sampled.forks]
+        self._after_tokens(request, self._record(request, sampled))
+        return [(request, [sampled]), *forks]
+
+    def _record_run(self, request: Request, run: list[SampledToken]) -> tuple[list[SampledToken], bool]:
+        """Appends the run's tokens up to one that ends the request; (those appended, whether it ended)."""
+        for i, sampled in enumerate(run):
+            if self._record(request, sampled):
+                return run[: i + 1], True
+        return run, False
+
+    def _after_tokens(self, request: Request, ended: bool) -> None:
+        """A request that got tokens: finished when they ended it, else decoding (its first token moves it
+        from prefilling to running)."""
+        if ended:
             self._finish(request, send=True)
         elif request in self.prefilling:
             self.prefilling.remove(request)
             self.running.append(request)
-        return [(request, sampled), *forks]
 
     def _adopt(self, parent: Request, child: Request, sampled: SampledToken) -> Request:
         """A sequence forked from `parent` (whose prompt is computed, its blocks full or arrived) with its
@@ -416,6 +476,35 @@ class Scheduler:
                 scheduled.append(request)
         # a request that got its slot may have been preempted since, as the newest, for a later one's
         return [r for r in scheduled if r.status is Status.RUNNING]
+
+    def _add_drafts(self, rows: list[Row], budget: int) -> None:
+        """Speculation: each decode row (oldest request first) also feeds its request's drafts, with the
+        slots for them, from the token budget that decode tokens and prefill chunks left (drafts may
+        be rejected: a prompt's chunk is not) and from the free blocks (drafts preempt nobody)."""
+        if self.proposer is None:
+            return
+        for row in rows:
+            request = self.requests[row.request_id]
+            drafts = self._propose(request, budget)
+            if drafts and self.kv.can_allocate(row.request_id, request.num_computed + 1 + len(drafts)):
+                self.kv.allocate(row.request_id, request.num_computed + 1 + len(drafts))
+                row.tokens += drafts
+                row.drafts = drafts
+                row.block_tables = self.kv.block_tables(row.request_id)
+                budget -= len(drafts)
+
+    def _propose(self, request: Request, budget: int) -> list[int]:
+        """The drafts to verify after the request's last token: at most k, `budget` and one fewer than the
+        tokens it may still produce (its max_tokens, the model length); none while a constraint waits for
+        the reasoning to end (the mask of a drafted position would depend on where it ends)."""
+        if request.reasoning:
+            return []
+        room = min(
+            request.params.max_tokens - len(request.output_ids),
+            self.config.max_model_len - request.num_tokens,
+        )
+        k = min(self.proposer.k, budget, room - 1)
+        return self.proposer.propose(request.all_ids, k) if k > 0 else []
 
     def _preempt(self, request: Request) -> None:
         """Gives a running request's blocks back (its full blocks stay cached); it is queued first."""

@@ -23,6 +23,8 @@ from collections.abc import Sequence
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
+from pdserve.engine.config import SpeculativeConfig
+
 
 @dataclasses.dataclass(frozen=True)
 class NgramProposer:
@@ -50,7 +52,8 @@ class NgramProposer:
             windows = sliding_window_view(ids[:-1], n)
             hits = np.flatnonzero((windows == ids[-n:]).all(axis=1))
             if len(hits):
-                start = int(hits[-1]) + n
+                whole = hits[hits + n + k <= len(ids)]  # occurrences followed by k tokens
+                start = int(whole[-1] if len(whole) else hits[0]) + n
                 return ids[start : start + k].tolist()
         return []
 
@@ -69,3 +72,44 @@ def accept(drafts: Sequence[int], sampled: Sequence[int]) -> list[int]:
             return emitted
     emitted.append(int(sampled[-1]))
     return emitted
+
+
+def proposer_for(config: SpeculativeConfig) -> NgramProposer | None:
+    """The proposer of --speculative-config (None: off)."""
+    if not config.num_speculative_tokens:
+        return None
+    return NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
+
+
+@dataclasses.dataclass
+class SpeculationStats:
+    """Counts of the verification steps so far (vLLM's spec-decode counters): `num_drafts` rows that
+    verified drafts, `num_draft_tokens` drafts verified, `num_accepted_tokens` accepted, and
+    `accepted_per_position[i]`: rows whose draft i was accepted (all before it too). The mean accepted
+    length is 1 + accepted / drafts rows: the tokens a verifying row emits."""
+
+    k: int
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self):
+        self.accepted_per_position = self.accepted_per_position or [0] * self.k
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a verifying row emitted on average: 1 + accepted drafts per row (1.0: none yet)."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+    def snapshot(self) -> SpeculationStats:
+        """A copy (EngineStats carries one out of the engine thread)."""
+        return dataclasses.replace(self, accepted_per_position=list(self.accepted_per_position))
+
+    def observe(self, num_drafts: int, num_accepted: int) -> None:
+        """One row verified `num_drafts` drafts and accepted the first `num_accepted`."""
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        for i in range(num_accepted):
+            self.accepted_per_position[i] += 1

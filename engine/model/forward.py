@@ -55,11 +55,12 @@ def forward_step(
     kv_lens: jax.Array,  # [S] context of each sequence once its new tokens are in (0: padding)
     block_tables: jax.Array,  # [groups, S, P] blocks of each sequence (P: a multiple of KV_TILE_BLOCKS)
     lora_slots: jax.Array,  # [S] adapter slot of each sequence, -1: the base model
+    logits_rows: jax.Array,  # [L] the tokens whose logits are returned (each sequence's last; drafts')
     *,
     cfg: ModelConfig,
     attention: AttentionFn = ragged_paged_attention_reference,  # the engine's (engine.model.attention)
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(logits [S, vocab] at each sequence's last new token, the updated cache, every token's final hidden
+    """(logits [L, vocab] at the tokens `logits_rows` names, the updated cache, every token's final hidden
     state [T, hidden], normed: what prompt_scores reads)."""
     t = tokens.shape[0]
     num_blocks, block_size = cache.shape[1], cache.shape[2]
@@ -170,7 +171,7 @@ def forward_step(
     hidden = rms_norm(
         x, weights.final_norm, cfg.rms_norm_eps
     )  # [T, hidden] (row by row: as if gathered first)
-    return output_logits(weights, hidden[jnp.maximum(cu_q_lens[1:] - 1, 0)], cfg), cache, hidden
+    return output_logits(weights, hidden[logits_rows], cfg), cache, hidden
 
 
 def output_logits(weights: Weights, hidden: jax.Array, cfg: ModelConfig) -> jax.Array:

@@ -40,3 +40,24 @@ def test_warmup_covers_a_mixed_workload(make_engine):
         assert engine.prompt_logits(chat).shape == (engine.model.config.vocab_size,)
     assert counted() == 0
     assert all(r.finish_reason in ("stop", "length") for r in results)
+
+
+def test_warmup_covers_speculative_decoding(make_engine):
+    """With n-gram speculation the steps return more logits rows (EngineConfig.logits_bucket) and the
+    sampler takes as many: warmup compiles those, and decoding with drafts (penalties, logprobs, n > 1,
+    a prompt in chunks beside drafting rows) compiles nothing new."""
+    ngram = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'
+    engine = make_engine(**WARMUP_CONFIG, speculative_config=ngram)
+    engine.runner.warmup(progress=False)
+    quote = "one two three four one two three four one two three four one two"
+    prompts = [quote, quote + " three", "x " * 40, quote + " four one"]
+    params = [
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+        SamplingParams(temperature=0.8, seed=5, max_tokens=20, logprobs=2, repetition_penalty=1.1),
+        SamplingParams(temperature=0, max_tokens=8),
+        SamplingParams(temperature=0.9, seed=6, max_tokens=12, n=2, ignore_eos=True),
+    ]
+    before = engine.scheduler.speculation.num_drafts
+    with count_compilations() as counted:
+        engine.generate(prompts, params)
+    assert counted() == 0 and engine.scheduler.speculation.num_drafts > before

@@ -32,8 +32,8 @@ def make(rid, prompt, t=0.0, max_tokens=16):
 
 def run(sched, out):
     """The fake runner: every row computed, sampling rows get token 1."""
-    sampled = {row.request_id: SampledToken(1) for row in out.rows if row.samples}
-    return [(request.request_id, token.token) for request, token in sched.update_from_output(out, sampled)]
+    sampled = {row.request_id: [SampledToken(1)] for row in out.rows if row.samples}
+    return [(request.request_id, run[0].token) for request, run in sched.update_from_output(out, sampled)]
 
 
 def rows(step):
@@ -311,8 +311,8 @@ def test_a_first_token_of_n_sequences_forks_the_prompts_blocks():
     step = sched.schedule()
     assert rows(step) == [("p", 0, 6, True)]  # n=3 takes every slot: "other" waits
     forks = tuple((c, SampledToken(t)) for c, t in zip(children, (2, 3), strict=True))
-    got = sched.update_from_output(step, {"p": SampledToken(1, forks=forks)})
-    assert [(r.request_id, t.token) for r, t in got] == [("p", 1), ("p#1", 2), ("p#2", 3)]
+    got = sched.update_from_output(step, {"p": [SampledToken(1, forks=forks)]})
+    assert [(r.request_id, t.token) for r, (t,) in got] == [("p", 1), ("p#1", 2), ("p#2", 3)]
     (head, tail), (_, copy), (_, copy2) = (sched.block_ids(r) for r in ("p", "p#1", "p#2"))
     assert sched.block_ids("p#1")[0] == sched.block_ids("p#2")[0] == head and len({tail, copy, copy2}) == 3
     assert sched.take_block_copies() == [(tail, copy), (tail, copy2)] and sched.take_block_copies() == []
@@ -339,7 +339,7 @@ def test_forks_that_end_at_once_hold_nothing_and_a_short_pool_queues_them():
     sched.add(parent)
     step = sched.schedule()
     forks = tuple((c, SampledToken(3)) for c in children)
-    got = sched.update_from_output(step, {"p": SampledToken(1, forks=forks)})
+    got = sched.update_from_output(step, {"p": [SampledToken(1, forks=forks)]})
     assert [(r.request_id, r.finish_reason.value) for r, _ in got] == [("p", "length")] + [
         (f"p#{i}", "length") for i in (1, 2)
     ]
@@ -351,7 +351,7 @@ def test_forks_that_end_at_once_hold_nothing_and_a_short_pool_queues_them():
     sched.add(parent)
     step = sched.schedule()  # q holds 2 of the 3 blocks: one copy fits, not two
     forks = tuple((c, SampledToken(2)) for c in children)
-    sched.update_from_output(step, {"q": SampledToken(1, forks=forks)})
+    sched.update_from_output(step, {"q": [SampledToken(1, forks=forks)]})
     late = sched.requests["q#2"]
     assert late.status is Status.PREEMPTED and late.num_computed == 0 and sched.waiting[0] is late
     assert late.output_ids == [2] and sched.kv.pool.num_used == 3

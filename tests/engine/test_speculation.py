@@ -42,7 +42,8 @@ def test_ngram_proposes_what_followed_the_latest_longest_match():
 )
 def test_ngram_drafts_are_a_continuation_of_an_earlier_match(context, k, n):
     """Whatever the context: the drafts are what followed an earlier occurrence of the context's last m
-    tokens (min_n <= m <= max_n), and no longer suffix occurs earlier."""
+    tokens (min_n <= m <= max_n; the latest followed by k tokens, else the earliest), and no longer
+    suffix occurs earlier."""
     min_n, max_n = n[0], n[0] + n[1]
     drafts = NgramProposer(k=k, min_n=min_n, max_n=max_n).propose(context)
     assert len(drafts) <= k
@@ -56,7 +57,8 @@ def test_ngram_drafts_are_a_continuation_of_an_earlier_match(context, k, n):
         assert drafts == []
         return
     m = max(matches)
-    start = earlier(m)[-1] + m
+    whole = [i for i in earlier(m) if i + m + k <= len(context)]
+    start = (whole[-1] if whole else earlier(m)[0]) + m
     assert drafts == context[start : start + k]
 
 
@@ -75,9 +77,14 @@ VOCAB = 8
 
 
 def _toy_logits(context: tuple[int, ...]) -> np.ndarray:
-    """A deterministic toy target: logits that depend on the whole context."""
+    """A deterministic toy target: logits that depend on the whole context, and favour copying (the token
+    that followed the last token's latest earlier occurrence), as text that quotes its prompt does."""
     rng = np.random.default_rng(abs(hash(context)) % (1 << 32))
-    return (rng.standard_normal(VOCAB) * 1.5).astype(np.float32)
+    logits = rng.standard_normal(VOCAB) * 1.5
+    earlier = [i for i in range(len(context) - 1) if context[i] == context[-1]] if context else []
+    if earlier:
+        logits[context[earlier[-1] + 1]] += 3.0
+    return logits.astype(np.float32)
 
 
 def _sample(logit_rows: np.ndarray, seeds: list[int], positions: list[int], temperature: float):
@@ -134,3 +141,141 @@ def test_a_verified_position_samples_the_targets_distribution():
     counts = np.bincount(first, minlength=VOCAB)
     assert 0 < counts[draft] < len(seeds)
     assert chisquare(counts, p * len(seeds)).pvalue > 1e-3
+
+
+# ---- the scheduler with drafts (model-free: a fake runner accepts what the test says) ------------------
+def _spec_config(**overrides):
+    from pdserve.engine.config import EngineConfig
+
+    base = dict(
+        block_size=4,
+        num_blocks=24,
+        max_num_seqs=3,
+        max_model_len=64,
+        max_num_batched_tokens=8,
+        max_prefill_seqs=2,
+        speculative_config='{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}',
+    )
+    return EngineConfig(**{**base, **overrides})
+
+
+def _request(rid, prompt, max_tokens=16, t=0.0):
+    from pdserve.engine.core.request import Request
+    from pdserve.engine.sampling_params import SamplingParams
+
+    return Request(rid, list(prompt), SamplingParams(max_tokens=max_tokens), 0, arrival_time=t)
+
+
+def _verify(sched, step, accepted, next_token=7):
+    """The fake runner: row r accepts its first accepted(r) drafts, then samples `next_token` (a miss
+    unless it equals the next draft)."""
+    from pdserve.engine.core.scheduler import SampledToken
+
+    sampled = {}
+    for row in step.rows:
+        if row.samples:
+            a = min(accepted(row), len(row.drafts))
+            sampled[row.request_id] = [SampledToken(t) for t in [*row.drafts[:a], next_token]]
+    return sched.update_from_output(step, sampled)
+
+
+def test_drafts_fit_the_budget_max_tokens_and_blocks_and_rejected_ones_roll_back():
+    from pdserve.engine.core.request import Status
+    from pdserve.engine.core.scheduler import Scheduler
+
+    sched = Scheduler(_spec_config())
+    a = _request("a", [1, 2, 3, 1, 2, 3, 1, 2], max_tokens=4)  # drafts 1, 2, 3 found: max_tokens leaves 2
+    sched.add(a)
+    _verify(sched, sched.schedule(), lambda row: 0, next_token=3)  # the prompt, then its first token 3
+    assert a.output_ids == [3] and a.num_computed == 8
+    step = sched.schedule()
+    (row,) = step.rows
+    assert row.tokens == [3, 1, 2] and row.drafts == [1, 2] and row.num_logits == 3  # 1 + 2 + 1 = 4 tokens
+    assert step.logits_starts() == [0]
+    got = _verify(sched, step, lambda row: 1, next_token=9)  # 1 accepted, 2 rejected: the target said 9
+    assert [t.token for t in got[0][1]] == [1, 9] and a.output_ids == [3, 1, 9] and a.num_computed == 10
+    assert sched.speculation.num_drafts == 1 and sched.speculation.num_draft_tokens == 2
+    assert sched.speculation.num_accepted_tokens == 1 and sched.speculation.accepted_per_position == [1, 0, 0]
+    step = sched.schedule()
+    assert step.rows[0].drafts == []  # one token left to max_tokens: nothing to verify
+    got = _verify(sched, step, lambda row: 0, next_token=5)
+    assert a.output_ids == [3, 1, 9, 5] and a.status is Status.FINISHED and sched.kv.pool.num_used == 0
+
+    b = _request("b", [5, 6, 5, 6, 5, 6, 5], max_tokens=20)
+    sched.add(b)
+    _verify(sched, sched.schedule(), lambda row: 0, next_token=6)
+    step = sched.schedule()
+    assert step.rows[0].drafts == [5, 6, 5]
+    _verify(sched, step, lambda row: 2, next_token=1)  # 5, 6 accepted; the 3rd draft (5) rejected for 1
+    assert b.output_ids == [6, 5, 6, 1] and b.num_computed == 10  # the fed 6, then 5 and 6: not the 5 after
+    assert b.num_computed == b.num_tokens - 1  # the last token is fed next, as without speculation
+    sched.abort("b")
+    sched.kv.pool.check()
+    assert sched.kv.pool.num_used == 0
+
+
+def test_drafts_give_way_to_decode_tokens_and_never_cause_a_preemption():
+    from pdserve.engine.core.scheduler import Scheduler
+
+    # 3 running requests, a budget of 5: 3 decode tokens leave room for 2 drafts (the oldest's)
+    sched = Scheduler(_spec_config(max_num_batched_tokens=5))
+    for i in range(3):
+        sched.add(_request(f"r{i}", [4, 4, 4, 4], t=i))
+    _verify(sched, sched.schedule(), lambda row: 0, next_token=4)  # one prompt a step (budget 5)
+    while len(sched.running) < 3:
+        _verify(sched, sched.schedule(), lambda row: 0, next_token=4)
+    step = sched.schedule()
+    assert sum(len(r.tokens) for r in step.rows) <= 5 and len(step.rows) == 3
+    assert [len(r.drafts) for r in step.rows] == [2, 0, 0]
+    _verify(sched, step, lambda row: 0, next_token=8)
+
+    # blocks for the decode token but not for its drafts: no drafts, nobody preempted
+    sched = Scheduler(_spec_config(num_blocks=2))
+    sched.add(_request("x", [1, 2, 1, 2, 1, 2, 1]))  # 7 tokens: the 8th fills the 2nd block
+    _verify(sched, sched.schedule(), lambda row: 0, next_token=2)
+    step = sched.schedule()
+    assert step.rows[0].tokens == [2] and step.rows[0].drafts == [] and sched.num_preemptions == 0
+    _verify(sched, step, lambda row: 0, next_token=2)
+    sched.abort("x")
+    assert sched.kv.pool.num_used == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    arrivals=st.lists(
+        st.tuples(st.lists(st.integers(1, 3), min_size=1, max_size=20), st.integers(1, 12)),
+        min_size=1,
+        max_size=8,
+    ),
+    acceptance=st.lists(st.integers(0, 3), min_size=1, max_size=50),
+    num_blocks=st.integers(9, 24),  # (one request of 20 + 12 tokens, and 3 drafts, always fits)
+)
+def test_rolling_back_rejected_drafts_never_leaks_or_double_frees_a_block(arrivals, acceptance, num_blocks):
+    """Requests over a 3-token vocabulary (drafts found often) under block pressure, each verification
+    accepting what the test draws: every step stays in the token budget, each decoding request's computed
+    tokens are all but its last, its blocks cover the slots it was given, and the pool's invariants hold
+    at every step; every block is free at the end."""
+    from pdserve.engine.core.request import Status
+    from pdserve.engine.core.scheduler import Scheduler
+
+    config = _spec_config(num_blocks=num_blocks, max_num_seqs=3)
+    sched = Scheduler(config)
+    for i, (prompt, max_tokens) in enumerate(arrivals):
+        sched.add(_request(f"r{i}", prompt, max_tokens=max_tokens, t=i))
+    draws = iter(acceptance * 200)
+    steps = 0
+    while sched.num_unfinished:
+        step = sched.schedule()
+        if step is None:
+            break
+        assert sum(len(r.tokens) for r in step.rows) <= config.max_num_batched_tokens
+        for row in step.rows:
+            held = len(sched.block_ids(row.request_id)) * config.block_size
+            assert row.num_past + len(row.tokens) <= held
+        _verify(sched, step, lambda row: next(draws), next_token=steps % 3 + 1)
+        for request in sched.running:
+            assert request.status is Status.RUNNING and request.num_computed == request.num_tokens - 1
+        sched.kv.pool.check()
+        steps += 1
+        assert steps < 2000
+    assert sched.kv.pool.num_used == 0 and not sched.requests

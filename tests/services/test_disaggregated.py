@@ -316,3 +316,34 @@ def test_a_quantized_kv_cache_disaggregated_equals_colocated_and_refuses_other_r
                 assert second.cached_prompt_tokens >= len(turn1) // 16 * 16  # the rest moved (or computed)
                 assert (client.stats().num_transfers_total > 0) == transferred, target
                 assert_all_free(decode)
+
+
+def test_speculative_decoding_on_the_decode_server_only_equals_colocated(prefill, loaded_model, colocated):
+    """A decode server with n-gram speculation behind the session's prefill server without it (the
+    mismatch that broke SGLang's P/D, sglang#17212): greedy and seeded outputs equal the colocated engine's
+    without speculation, drafts were accepted, and Admin stats count them."""
+    import dataclasses
+
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.services.decode.core import GenerationCore
+    from pdserve.services.decode.server import serve
+    from pdserve.testing.launch import TEST_ENGINE
+
+    ngram = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'
+    engine = LLMEngine(loaded_model, dataclasses.replace(TEST_ENGINE, speculative_config=ngram))
+    core = GenerationCore.for_engine(engine, prefill_targets=[prefill.address])
+    quote = loaded_model.tokenizer.encode("Say it twice: a lantern, four maps and a compass. " * 3)
+    cases = [
+        (ids, kw) for ids in (quote, *prompts(loaded_model.tokenizer)[2:4]) for kw in (GREEDY, SEEDED[0])
+    ]
+    colocated.prepare(cases)
+    with in_process(lambda stop, ready: serve(core, 0, stop, on_ready=ready)) as address:
+        client = Client(address)
+        for ids, kw in cases:
+            assert client.generate(ids, **kw).token_ids == colocated(ids, **kw), (len(ids), kw)
+        stats = client.stats()
+        assert stats.spec_decode_num_accepted_tokens_total > 0
+        assert stats.spec_decode_num_draft_tokens_total >= stats.spec_decode_num_accepted_tokens_total
+        assert len(stats.spec_decode_accepted_per_position_total) == 3
+        assert stats.num_transfers_total >= 3  # each prompt's KV came from the prefill server (once)
+        assert_all_free(address, prefill.address)

@@ -207,7 +207,7 @@ def test_special_token_markers_stay_in_the_text():
             request.output_ids.append(token)
             if i == len(ids) - 1:  # as the scheduler ends it at max_tokens
                 request.finish_reason = FinishReason.LENGTH
-            output = stream.on_token(token, None)
+            output = stream.on_tokens([token], [None])
             shown += output.text
         assert shown == text and output.finished
     auto = tool_choice({"tools": [TIME]}, format="mistral")
