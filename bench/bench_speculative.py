@@ -8,11 +8,14 @@ Four workloads, each a chat prompt to the instruct model, greedy:
 - code: a function with one variable renamed, printed whole (a code edit);
 - json: a table turned into a JSON list (repetitive structure);
 - story: a story from a one-line premise (little to look up: where speculation should not win).
-At batch 1 and batch 8 (8 variants of the prompt decoding together), for each workload: output tokens per
-second over the decode (first token to last), TPOT (the mean gap between a request's tokens), the ratio
-of each with speculation to without, the mean accepted length (tokens a verifying row emits) and the
-share of drafts accepted. Both engines warm up on the workload first (every shape compiled), and the
-outputs are checked equal token for token (greedy: speculation changes no token).
+Three engines: without speculation, with n-gram drafts under `draft_policy` "cost" (the default: drafts
+verified where the step's measured cost says they pay) and "all" (every draft). At batch 1 and batch 8
+(8 variants of the prompt decoding together), for each workload: output tokens per second over the
+decode (first token to last) and TPOT (the mean gap between a request's tokens), medians of `--rounds`
+interleaved runs, their ratios with speculation to without, the mean accepted length (tokens a
+verifying row emits) and the share of drafts accepted. Every engine is warmed up (every shape compiled)
+and runs the workload once before the rounds; the outputs are checked equal token for token (greedy:
+speculation changes no token).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -90,6 +94,7 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     parser.add_argument("--tokens", type=int, default=128, help="max_tokens of every request")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved runs of each engine (medians)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
 
@@ -105,36 +110,50 @@ def main() -> None:
         "prompt_lookup_min": 2,
         "prompt_lookup_max": 4,
     }
-    base = EngineConfig(num_blocks=512, max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=256)
-    engines = {
-        "off": LLMEngine(model, base),
-        "ngram": LLMEngine(model, dataclasses.replace(base, speculative_config=json.dumps(spec))),
-    }
+    base = EngineConfig(
+        num_blocks=512,
+        max_model_len=1024,
+        max_num_seqs=8,
+        max_num_batched_tokens=256,
+        enable_prefix_caching=False,  # (every round computes the same)
+    )
+    engines = {"off": LLMEngine(model, base)}
+    for policy in ("cost", "all"):
+        config = dataclasses.replace(base, speculative_config=json.dumps({**spec, "draft_policy": policy}))
+        engines[f"ngram_{policy}"] = LLMEngine(model, config)
+    for engine in engines.values():
+        engine.runner.warmup(progress=False)
     params = SamplingParams(temperature=0.0, max_tokens=args.tokens)
-    out = {"speculative_config": spec, "max_tokens": args.tokens, "runs": []}
+    out = {"speculative_config": spec, "max_tokens": args.tokens, "rounds": args.rounds, "runs": []}
     for batch in args.batches:
         for name, text in WORKLOADS.items():
             prompts = chat_prompts(model.tokenizer, text, batch)
             row = {"workload": name, "batch": batch}
-            results = {}
+            for engine in engines.values():
+                timed(engine, prompts, params)  # warm-up (the cost policy learns this workload's steps)
+            before = {label: e.scheduler.speculation.snapshot() for label, e in engines.items()}
+            results: dict[str, list[dict]] = {label: [] for label in engines}
+            for _ in range(args.rounds):  # interleaved: the machine's drift touches every engine alike
+                for label, engine in engines.items():
+                    results[label].append(timed(engine, prompts, params))
+            tokens = results["off"][0]["tokens"]
+            assert all(r["tokens"] == tokens for runs in results.values() for r in runs), (
+                f"{name}: outputs differ"
+            )
+            row["output_tokens"] = sum(len(t) for t in tokens)
             for label, engine in engines.items():
-                timed(engine, prompts, params)  # warm-up: every shape of this workload compiled
-                stats = engine.scheduler.speculation.snapshot()
-                results[label] = timed(engine, prompts, params)
-                now = engine.scheduler.speculation
-                if label == "ngram":
-                    rows = now.num_drafts - stats.num_drafts
-                    accepted = now.num_accepted_tokens - stats.num_accepted_tokens
-                    row["mean_accepted_length"] = 1 + accepted / rows if rows else 1.0
-                    drafted = now.num_draft_tokens - stats.num_draft_tokens
-                    row["draft_acceptance_rate"] = accepted / drafted if drafted else 0.0
-            assert results["ngram"]["tokens"] == results["off"]["tokens"], f"{name}: outputs differ"
-            row["output_tokens"] = sum(len(t) for t in results["off"]["tokens"])
-            for label in engines:
-                row[f"tokens_per_s_{label}"] = results[label]["tokens_per_s"]
-                row[f"tpot_ms_{label}"] = results[label]["tpot_ms"]
-            row["tokens_per_s_ratio"] = row["tokens_per_s_ngram"] / row["tokens_per_s_off"]
-            row["tpot_ratio"] = row["tpot_ms_ngram"] / row["tpot_ms_off"]
+                row[f"tokens_per_s_{label}"] = statistics.median(r["tokens_per_s"] for r in results[label])
+                row[f"tpot_ms_{label}"] = statistics.median(r["tpot_ms"] for r in results[label])
+                if label == "off":
+                    continue
+                now, then = engine.scheduler.speculation, before[label]
+                rows = now.num_drafts - then.num_drafts
+                accepted = now.num_accepted_tokens - then.num_accepted_tokens
+                drafted = now.num_draft_tokens - then.num_draft_tokens
+                row[f"mean_accepted_length_{label}"] = 1 + accepted / rows if rows else 1.0
+                row[f"draft_acceptance_rate_{label}"] = accepted / drafted if drafted else 0.0
+                row[f"tokens_per_s_ratio_{label}"] = row[f"tokens_per_s_{label}"] / row["tokens_per_s_off"]
+                row[f"tpot_ratio_{label}"] = row[f"tpot_ms_{label}"] / row["tpot_ms_off"]
             print(json.dumps(row), flush=True)
             out["runs"].append(row)
     if args.json:

@@ -382,6 +382,9 @@ KV_CACHE_DTYPES = {
 }  # fmt: skip
 QUANTIZATIONS = ("none", "int8")  # EngineConfig.quantization (engine.model.quantized)
 SPECULATIVE_METHODS = ("ngram",)  # SpeculativeConfig.method (engine.core.speculation)
+# SpeculativeConfig.draft_policy: "cost" verifies the drafts worth their step's measured cost
+# (engine.core.speculation.plan_drafts), "all" every draft the token budget and the blocks allow
+DRAFT_POLICIES = ("cost", "all")
 MAX_SPECULATIVE_TOKENS = 16  # num_speculative_tokens at most (each costs a query token of every step)
 
 
@@ -390,12 +393,14 @@ class SpeculativeConfig:
     """Speculative decoding (engine.core.speculation), from --speculative-config's JSON with vLLM's keys:
     `method` ("ngram": prompt lookup, no weights), `num_speculative_tokens` (k, drafts a step verifies per
     sequence), `prompt_lookup_min` / `prompt_lookup_max` (the n-gram sizes; one given sets both, neither:
-    5 and 5, as vLLM's). `k == 0`: speculation off."""
+    5 and 5, as vLLM's). `k == 0`: speculation off. pdserve's own key `draft_policy` (DRAFT_POLICIES):
+    "cost" (default) verifies the drafts worth their step's measured cost, "all" every draft."""
 
     method: str = ""
     num_speculative_tokens: int = 0
     prompt_lookup_min: int = 0
     prompt_lookup_max: int = 0
+    draft_policy: str = "cost"  # pdserve's: DRAFT_POLICIES
 
     @classmethod
     def parse(cls, text: str) -> SpeculativeConfig:
@@ -429,7 +434,10 @@ class SpeculativeConfig:
         low, high = low or high or 5, high or low or 5
         if low > high:
             raise ValueError("speculative_config: prompt_lookup_min must be <= prompt_lookup_max")
-        return cls(method, k, low, high)
+        policy = given.get("draft_policy", "cost")
+        if policy not in DRAFT_POLICIES:
+            raise ValueError(f"speculative_config: draft_policy {policy!r}: one of {DRAFT_POLICIES}")
+        return cls(method, k, low, high, policy)
 
     def to_json(self) -> str:
         """The flag's text of this config ("" when off): parse's inverse."""

@@ -393,7 +393,10 @@ class LLMEngine:
     def run_step(self, scheduled: SchedulerOutput | None) -> EngineOutputs:
         """step()'s second half: runs the rows, applies the results, hands the KV to the connector."""
         if scheduled is not None:
+            start = time.perf_counter()
             sampled = self._execute(scheduled)
+            if sampled:  # (sampling waited for the step's end: this is the step's time)
+                self.scheduler.observe_step_time(scheduled, time.perf_counter() - start)
             for request, run in self.scheduler.update_from_output(scheduled, sampled):
                 self._outputs.tokens.append(self._emit(request, run))
             self._copy_blocks()

@@ -88,6 +88,9 @@ class Request:
     # Its outputs go out under the parent's id (RequestOutput.index says which sequence).
     parent_id: str | None = None
     index: int = 0
+    # Speculation: its drafts verified so far and of those accepted (how much its next drafts are worth)
+    num_drafted: int = 0
+    num_draft_accepted: int = 0
 
     @property
     def output_id(self) -> str:
@@ -115,6 +118,8 @@ class Request:
             block_hashes=list(self.block_hashes),
             parent_id=self.request_id,
             index=index,
+            num_drafted=0,
+            num_draft_accepted=0,
         )
 
     @property

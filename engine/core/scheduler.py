@@ -34,13 +34,21 @@ import time
 from collections.abc import Sequence
 from typing import Protocol
 
-from pdserve.engine.config import EngineConfig
+from pdserve.engine.config import EngineConfig, bucket_for
 from pdserve.engine.core.kv_cache_manager import KVCacheManager
 from pdserve.engine.core.kv_connector import KVConnector
 from pdserve.engine.core.kv_groups import BlockTables
 from pdserve.engine.core.request import FinishReason, Request, Status, TokenLogprobs
-from pdserve.engine.core.speculation import SpeculationStats, proposer_for
+from pdserve.engine.core.speculation import (
+    SpeculationStats,
+    acceptance_estimate,
+    plan_drafts,
+    proposer_for,
+)
 from pdserve.engine.lora import LoraAdapter
+
+STEP_COST_WEIGHT = 0.2  # of a step's time in its bucket's moving average (speculation weighs drafts by it)
+EXPLORE_EVERY = 16  # speculation verifies every draft once in this many steps, whatever the costs say
 
 
 class AdapterSlots(Protocol):
@@ -136,6 +144,10 @@ class Scheduler:
         self.block_copies: list[tuple[int, int]] = []
         self.proposer = proposer_for(config.speculation)  # None: speculation off
         self.speculation = SpeculationStats(config.speculation.num_speculative_tokens)
+        # Seconds of a step by token bucket, a moving average of the steps run (observe_step_time): what
+        # drafts are weighed against (draft_policy "cost")
+        self.step_costs: dict[int, float] = {}
+        self._steps_planned = 0
 
     # ---- counts ---------------------------------------------------------------------------------------
     @property
@@ -266,7 +278,7 @@ class Scheduler:
                 break
             rows.append(self._chunk_row(request, budget))
             budget -= len(rows[-1].tokens)
-        self._add_drafts(decode_rows, budget)
+        self._add_drafts(decode_rows, self.config.max_num_batched_tokens - budget, budget)
         return SchedulerOutput(rows) if rows else None
 
     def update_from_output(
@@ -286,6 +298,8 @@ class Scheduler:
             appended, ended = self._record_run(request, run)
             if row.drafts:
                 self.speculation.observe(len(row.drafts), len(run) - 1)
+                request.num_drafted += len(row.drafts)
+                request.num_draft_accepted += len(run) - 1
             # the fed tokens are computed up to the first rejected draft
             request.num_computed += len(row.tokens) - len(row.drafts) + (len(run) - 1 if row.drafts else 0)
             if ended:  # (a run its end cut short: the tokens after are not in the request)
@@ -300,6 +314,15 @@ class Scheduler:
                 self._after_tokens(request, ended)
                 outputs += [(request, appended), *forks]
         return outputs
+
+    def observe_step_time(self, output: SchedulerOutput, seconds: float) -> None:
+        """A step's wall time (its rows computed and sampled): the moving average of its token bucket's
+        cost, which speculation weighs drafts against (speculation off: not kept)."""
+        if self.proposer is None:
+            return
+        bucket = bucket_for(sum(len(row.tokens) for row in output.rows), self.config.token_buckets)
+        cost = self.step_costs.get(bucket, seconds)
+        self.step_costs[bucket] = cost + STEP_COST_WEIGHT * (seconds - cost)
 
     def take_block_copies(self) -> list[tuple[int, int]]:
         """The block copies forks asked for since the last call (the engine makes them before the next
@@ -477,33 +500,50 @@ class Scheduler:
         # a request that got its slot may have been preempted since, as the newest, for a later one's
         return [r for r in scheduled if r.status is Status.RUNNING]
 
-    def _add_drafts(self, rows: list[Row], budget: int) -> None:
-        """Speculation: each decode row (oldest request first) also feeds its request's drafts, with the
-        slots for them, from the token budget that decode tokens and prefill chunks left (drafts may
-        be rejected: a prompt's chunk is not) and from the free blocks (drafts preempt nobody)."""
-        if self.proposer is None:
+    def _add_drafts(self, rows: list[Row], num_tokens: int, budget: int) -> None:
+        """Speculation: decode rows (of a step of `num_tokens` tokens) also feed their requests' drafts,
+        from the token budget that decode tokens and prefill chunks left (drafts may be rejected: a prompt's
+        chunk is not), as many as plan_drafts finds worth the step's cost (`step_costs`; every draft with
+        draft_policy "all", and every EXPLORE_EVERY steps), with the slots for them from the free blocks
+        (drafts preempt nobody)."""
+        if self.proposer is None or not rows:
             return
-        for row in rows:
-            request = self.requests[row.request_id]
-            drafts = self._propose(request, budget)
+        requests = [self.requests[row.request_id] for row in rows]
+        proposed = [self._propose(r) for r in requests]
+        estimates = [
+            acceptance_estimate(r.num_draft_accepted, r.num_drafted, self.speculation) for r in requests
+        ]
+        self._steps_planned += 1
+        costs = self.step_costs if self.config.speculation.draft_policy == "cost" else None
+        if self._steps_planned % EXPLORE_EVERY == 0:
+            costs = None  # every draft now and then: the costs of larger steps are measured again
+        counts = plan_drafts(
+            num_tokens,
+            len(rows),
+            list(zip(estimates, map(len, proposed), strict=True)),
+            budget,
+            self.config.token_buckets,
+            costs,
+        )
+        for row, request, drafts, count in zip(rows, requests, proposed, counts, strict=True):
+            drafts = drafts[:count]
             if drafts and self.kv.can_allocate(row.request_id, request.num_computed + 1 + len(drafts)):
                 self.kv.allocate(row.request_id, request.num_computed + 1 + len(drafts))
                 row.tokens += drafts
                 row.drafts = drafts
                 row.block_tables = self.kv.block_tables(row.request_id)
-                budget -= len(drafts)
 
-    def _propose(self, request: Request, budget: int) -> list[int]:
-        """The drafts to verify after the request's last token: at most k, `budget` and one fewer than the
-        tokens it may still produce (its max_tokens, the model length); none while a constraint waits for
-        the reasoning to end (the mask of a drafted position would depend on where it ends)."""
+    def _propose(self, request: Request) -> list[int]:
+        """The drafts the proposer finds after the request's tokens: at most k and one fewer than the tokens
+        it may still produce (its max_tokens, the model length); none while a constraint waits for the
+        reasoning to end (the mask of a drafted position would depend on where it ends)."""
         if request.reasoning:
             return []
         room = min(
             request.params.max_tokens - len(request.output_ids),
             self.config.max_model_len - request.num_tokens,
         )
-        k = min(self.proposer.k, budget, room - 1)
+        k = min(self.proposer.k, room - 1)
         return self.proposer.propose(request.all_ids, k) if k > 0 else []
 
     def _preempt(self, request: Request) -> None:

@@ -18,7 +18,7 @@ Both proposers here and EAGLE-style greedy drafting propose deterministic drafts
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
@@ -113,3 +113,68 @@ class SpeculationStats:
         self.num_accepted_tokens += num_accepted
         for i in range(num_accepted):
             self.accepted_per_position[i] += 1
+
+
+PRIOR_DRAFTS = 4  # a request's acceptance estimate starts as this many drafts at the engine's rate
+
+
+def acceptance_estimate(accepted: int, drafted: int, stats: SpeculationStats) -> float:
+    """The chance that a request's next draft is accepted (given those before it were): its own
+    accepted / drafted so far, pulled toward the engine's rate (0.5 before any) by PRIOR_DRAFTS drafts."""
+    rate = stats.num_accepted_tokens / stats.num_draft_tokens if stats.num_draft_tokens else 0.5
+    return (accepted + PRIOR_DRAFTS * rate) / (drafted + PRIOR_DRAFTS)
+
+
+def plan_drafts(
+    num_tokens: int,
+    num_decodes: int,
+    proposals: Sequence[tuple[float, int]],
+    budget: int,
+    buckets: Sequence[int],
+    step_costs: Mapping[int, float] | None,
+) -> list[int]:
+    """How many of its proposed drafts each decode row verifies in a step of `num_tokens` tokens (decode
+    tokens and prefill chunks) with `num_decodes` decode rows; proposals[i]: row i's acceptance estimate
+    and drafts proposed. At most `budget` drafts in all.
+
+    Draft j of a row (from 0) adds a token accepted with probability a^(j + 1): the drafts are taken in
+    the order of that worth, and the step's size chosen to maximize the expected tokens emitted per second
+    of step, a step costing its token bucket's measured time (`step_costs`, Scheduler.observe_step_time).
+    Drafts that fit the bucket the step has anyway are free; on hardware whose step costs grow with its
+    tokens (a CPU, or a batch past the accelerator's memory-bound regime) fewer or none are verified.
+    `step_costs` None: every proposed draft within the budget is."""
+    worth = sorted(
+        (
+            (accept_rate ** (j + 1), j, row)
+            for row, (accept_rate, n) in enumerate(proposals)
+            for j in range(n)
+        ),
+        key=lambda w: (-w[0], w[1]),
+    )[:budget]
+    if step_costs is None:
+        return _counts(proposals, worth)
+    if _bucket(buckets, num_tokens) not in step_costs:
+        return [0] * len(proposals)  # what a step without drafts costs is measured first
+    best, gain, take = -1.0, 0.0, 0
+    for m in range(len(worth) + 1):
+        gain += worth[m - 1][0] if m else 0.0
+        bucket = _bucket(buckets, num_tokens + m)
+        # a bucket not measured yet costs what the largest measured one below it does (optimism: it is
+        # tried, then measured)
+        cost = step_costs.get(bucket) or max(c for b, c in step_costs.items() if b < bucket)
+        rate = (num_decodes + gain) / cost
+        if rate >= best:  # (ties: more drafts, which cost nothing more)
+            best, take = rate, m
+    return _counts(proposals, worth[:take])
+
+
+def _bucket(buckets: Sequence[int], num_tokens: int) -> int:
+    return next(b for b in buckets if b >= num_tokens)
+
+
+def _counts(proposals: Sequence[tuple[float, int]], taken: Sequence[tuple[float, int, int]]) -> list[int]:
+    """Drafts taken per row."""
+    counts = [0] * len(proposals)
+    for _, _, row in taken:
+        counts[row] += 1
+    return counts

@@ -46,7 +46,7 @@ def test_warmup_covers_speculative_decoding(make_engine):
     """With n-gram speculation the steps return more logits rows (EngineConfig.logits_bucket) and the
     sampler takes as many: warmup compiles those, and decoding with drafts (penalties, logprobs, n > 1,
     a prompt in chunks beside drafting rows) compiles nothing new."""
-    ngram = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'
+    ngram = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "draft_policy": "all"}'
     engine = make_engine(**WARMUP_CONFIG, speculative_config=ngram)
     engine.runner.warmup(progress=False)
     quote = "one two three four one two three four one two three four one two"

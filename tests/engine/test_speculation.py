@@ -154,7 +154,8 @@ def _spec_config(**overrides):
         max_model_len=64,
         max_num_batched_tokens=8,
         max_prefill_seqs=2,
-        speculative_config='{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}',
+        speculative_config='{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, '
+        '"draft_policy": "all"}',
     )
     return EngineConfig(**{**base, **overrides})
 
@@ -217,7 +218,7 @@ def test_drafts_fit_the_budget_max_tokens_and_blocks_and_rejected_ones_roll_back
 def test_drafts_give_way_to_decode_tokens_and_never_cause_a_preemption():
     from pdserve.engine.core.scheduler import Scheduler
 
-    # 3 running requests, a budget of 5: 3 decode tokens leave room for 2 drafts (the oldest's)
+    # 3 running requests, a budget of 5: 3 decode tokens leave room for 2 drafts (equally worth: one each)
     sched = Scheduler(_spec_config(max_num_batched_tokens=5))
     for i in range(3):
         sched.add(_request(f"r{i}", [4, 4, 4, 4], t=i))
@@ -226,7 +227,7 @@ def test_drafts_give_way_to_decode_tokens_and_never_cause_a_preemption():
         _verify(sched, sched.schedule(), lambda row: 0, next_token=4)
     step = sched.schedule()
     assert sum(len(r.tokens) for r in step.rows) <= 5 and len(step.rows) == 3
-    assert [len(r.drafts) for r in step.rows] == [2, 0, 0]
+    assert [len(r.drafts) for r in step.rows] == [1, 1, 0]
     _verify(sched, step, lambda row: 0, next_token=8)
 
     # blocks for the decode token but not for its drafts: no drafts, nobody preempted
@@ -279,3 +280,58 @@ def test_rolling_back_rejected_drafts_never_leaks_or_double_frees_a_block(arriva
         steps += 1
         assert steps < 2000
     assert sched.kv.pool.num_used == 0 and not sched.requests
+
+
+def test_drafts_are_verified_where_they_are_worth_the_steps_cost():
+    """plan_drafts: the likeliest drafts first (a row's later drafts are worth less: all before must be
+    accepted), as many as maximize expected tokens per second of step given each bucket's cost."""
+    from pdserve.engine.core.speculation import SpeculationStats, acceptance_estimate, plan_drafts
+
+    buckets = (1, 2, 4, 8, 16)
+    proposals = [(0.9, 3), (0.2, 3)]  # two decode rows: one that quotes well, one that does not
+    assert plan_drafts(2, 2, proposals, 14, buckets, None) == [3, 3]  # costs not weighed: every draft
+    assert plan_drafts(2, 2, proposals, 4, buckets, None) == [3, 1]  # the budget: the worthiest first
+    assert plan_drafts(2, 2, proposals, 14, buckets, {}) == [0, 0]  # a step without drafts is timed first
+    flat = dict.fromkeys(buckets, 1.0)  # memory-bound: a bigger step costs nothing more
+    assert plan_drafts(2, 2, proposals, 14, buckets, flat) == [3, 3]
+    linear = {b: float(b) for b in buckets}  # compute-bound: every token costs the same
+    assert plan_drafts(2, 2, proposals, 14, buckets, linear) == [0, 0]
+    # a step of 6 tokens (a prefill chunk) pads to 8 anyway: two drafts ride free, the 0.9 row's
+    stepped = {1: 1.0, 2: 1.0, 4: 1.0, 8: 1.2, 16: 4.0}
+    assert plan_drafts(6, 2, proposals, 10, buckets, stepped) == [2, 0]
+
+    # a bucket not measured yet costs what the largest measured below it does: tried, then measured
+    assert plan_drafts(6, 2, proposals, 10, buckets, {8: 1.0}) == [3, 3]
+
+    stats = SpeculationStats(3)
+    assert acceptance_estimate(0, 0, stats) == 0.5  # nothing known yet
+    stats.observe(4, 1)  # the engine so far: 1 of 4 accepted
+    assert acceptance_estimate(0, 0, stats) == 0.25
+    assert acceptance_estimate(12, 12, stats) == (12 + 1) / 16  # its own record weighs more as it grows
+
+
+def test_the_cost_policy_learns_step_costs_and_still_verifies_every_draft_now_and_then():
+    """draft_policy "cost": the scheduler keeps each bucket's step time (a moving average); once larger
+    steps are seen to cost in proportion to their tokens, drafts stop, but for one step in EXPLORE_EVERY,
+    which measures them again."""
+    from pdserve.engine.core.scheduler import EXPLORE_EVERY, Scheduler
+
+    config = _spec_config(
+        speculative_config='{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}',
+        max_num_seqs=1,
+    )
+    assert config.speculation.draft_policy == "cost"
+    sched = Scheduler(config)
+    sched.add(_request("q", [1, 2] * 3, max_tokens=60))
+    _verify(sched, sched.schedule(), lambda row: 0, next_token=1)
+    drafted = []
+    for _ in range(2 * EXPLORE_EVERY):
+        step = sched.schedule()
+        drafted.append(len(step.rows[0].drafts))
+        sched.observe_step_time(step, float(len(step.rows[0].tokens)))  # seconds: one per token (a CPU)
+        _verify(sched, step, lambda row: 0, next_token=step.rows[0].tokens[-1] % 2 + 1)  # all rejected
+    assert drafted[:2] == [0, 3]  # a step without drafts is timed, then one with all (not yet timed)
+    assert sched.step_costs[1] == 1.0 and sched.step_costs[4] > 1.0
+    assert drafted.count(0) >= 2 * EXPLORE_EVERY - 4  # not worth it: drafts only when exploring
+    assert drafted[EXPLORE_EVERY - 2] == 3 or drafted[EXPLORE_EVERY - 1] == 3  # explored
+    sched.abort("q")

@@ -329,7 +329,10 @@ def test_speculative_decoding_on_the_decode_server_only_equals_colocated(prefill
     from pdserve.services.decode.server import serve
     from pdserve.testing.launch import TEST_ENGINE
 
-    ngram = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'
+    ngram = (  # every draft verified ("cost" would weigh them by this machine's speed)
+        '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3, '
+        '"draft_policy": "all"}'
+    )
     engine = LLMEngine(loaded_model, dataclasses.replace(TEST_ENGINE, speculative_config=ngram))
     core = GenerationCore.for_engine(engine, prefill_targets=[prefill.address])
     quote = loaded_model.tokenizer.encode("Say it twice: a lantern, four maps and a compass. " * 3)
