@@ -196,10 +196,26 @@ def devices_per_process(args: argparse.Namespace, group: ProcessGroup | None) ->
     return args.cpu_devices or -(-tp // group.num_processes)
 
 
-def build_engine(args: argparse.Namespace, group: ProcessGroup | None = None, engine_class=None):
+def without_speculation(config):
+    """A prefill engine's config: --speculative-config dropped (a prefill server decodes nothing), with a
+    line in the log when it was given."""
+    import dataclasses
+
+    if config.speculative_config:
+        logging.getLogger(__name__).info(
+            "prefill: --speculative-config has no effect here (drafts are verified where tokens decode)"
+        )
+    return dataclasses.replace(config, speculative_config="")
+
+
+def build_engine(
+    args: argparse.Namespace, group: ProcessGroup | None = None, engine_class=None, decodes: bool = True
+):
     """-> (engine, services.group.Leader or None): the daemon's engine, compiled (unless --no-warmup),
     with the --lora adapters loaded (`engine_class`: an LLMEngine subclass instead, e.g. the
-    fault-injecting one of the tests). In a multi-process group the processes join one JAX job first; a
+    fault-injecting one of the tests). `decodes` False (a prefill server): the engine samples first
+    tokens only, so it leaves --speculative-config out (nothing to draft; its steps keep the shapes of
+    speculation off). In a multi-process group the processes join one JAX job first; a
     worker then follows the leader's device operations here and exits when the leader stops; the leader
     returns once every worker follows."""
     from pdserve.engine.llm_engine import LLMEngine
@@ -207,6 +223,8 @@ def build_engine(args: argparse.Namespace, group: ProcessGroup | None = None, en
     join(group)
     configure_jax()
     config = engine_config(args)
+    if not decodes:
+        config = without_speculation(config)
     if group is not None:
         import jax
 
@@ -246,7 +264,7 @@ def prefill_main(argv: list[str] | None = None, service_class=None) -> int:
     prepare_process(args, devices_per_process(args, group))
     from pdserve.services.prefill.server import PrefillService, serve
 
-    engine, leader = build_engine(args, group)
+    engine, leader = build_engine(args, group, decodes=False)
     service = (service_class or PrefillService).for_engine(engine, limits=limits_from_flags(args))
     run_daemon(
         leader, lambda stop: serve(service, args.port, stop, **serve_options(args, security, "prefill"))
@@ -464,7 +482,9 @@ def serve_main(args: argparse.Namespace) -> int:
         model = load_model(args.model)
     base = engine_config(args)
     prefill_engine = LLMEngine(
-        model, dataclasses.replace(base, tp=len(prefill_devices)), [devices[i] for i in prefill_devices]
+        model,
+        dataclasses.replace(without_speculation(base), tp=len(prefill_devices)),
+        [devices[i] for i in prefill_devices],
     )
     decode_engine = LLMEngine(
         model, dataclasses.replace(base, tp=len(decode_devices)), [devices[i] for i in decode_devices]
