@@ -20,10 +20,10 @@ running request is in every step, so a long prompt delays it by one budget's com
 
 With speculative decoding (engine.core.speculation), a decode row also feeds the drafts proposed for the
 request (up to k, within the token budget that decode tokens and prefill chunks left, its max_tokens and
-the model length; none when blocks are short): the step samples after each, and the request appends the
-accepted run. The fed tokens' KV counts
-as computed up to the first rejected draft; the slots written past it are overwritten later (blocks stay
-with the request until it ends, as ever).
+the model length; none when blocks are short; under draft_policy "cost" only those worth the step's
+measured cost): the step samples after each, and the request appends the accepted run. The fed tokens'
+KV counts as computed up to the first rejected draft; the slots written past it are overwritten later
+(blocks stay with the request until it ends, as ever).
 """
 
 from __future__ import annotations
