@@ -1,5 +1,5 @@
-"""Speculative decoding's host side: proposing draft tokens without a model (n-gram prompt lookup) and
-deciding which drafts a verification step accepts.
+"""Speculative decoding's host side: proposing draft tokens without a model (n-gram prompt lookup),
+choosing how many a step verifies (`plan_drafts`), deciding which it accepts (`accept`), and counting.
 
 Verification (issue 36): a decoding sequence schedules its last token and k drafts in one ragged step,
 and the target samples every one of those k + 1 positions exactly as it would without speculation: the
@@ -12,7 +12,7 @@ the tokens before it:
   d), rejection sampling accepts d with probability min(1, p(d) / q(d)) = p(d) and otherwise samples
   from p without d; the target's sample equals d with probability p(d), and otherwise is a sample of p
   without d. Seeded outputs are the same with and without speculation, whatever was drafted.
-Both proposers here and EAGLE-style greedy drafting propose deterministic drafts.
+The n-gram proposer here, like EAGLE-style greedy drafting, proposes deterministic drafts.
 """
 
 from __future__ import annotations
