@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from collections.abc import Mapping
@@ -403,6 +404,7 @@ class SpeculativeConfig:
     draft_policy: str = "cost"  # pdserve's: DRAFT_POLICIES
 
     @classmethod
+    @functools.lru_cache(maxsize=16)  # (EngineConfig.speculation is read every step: parsed once)
     def parse(cls, text: str) -> SpeculativeConfig:
         """The config of a JSON object (empty text: off); ValueError naming the bad key."""
         if not text.strip():
@@ -438,10 +440,6 @@ class SpeculativeConfig:
         if policy not in DRAFT_POLICIES:
             raise ValueError(f"speculative_config: draft_policy {policy!r}: one of {DRAFT_POLICIES}")
         return cls(method, k, low, high, policy)
-
-    def to_json(self) -> str:
-        """The flag's text of this config ("" when off): parse's inverse."""
-        return json.dumps(dataclasses.asdict(self)) if self.num_speculative_tokens else ""
 
 
 def _powers_of_two(start: int, stop: int) -> tuple[int, ...]:

@@ -66,6 +66,12 @@ def _gauge(name: str, doc: str, role: str, value: float) -> GaugeMetricFamily:
     return family
 
 
+def _counter(name: str, doc: str, role: str, value: float) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, doc, labels=["role"])
+    family.add_metric([role], value)
+    return family
+
+
 class _PickerCollector:
     """PICKER_SERIES, read at scrape time from the stats snapshot (services.admin.read_load)."""
 
@@ -133,9 +139,7 @@ class _StateCollector:
             return _gauge(name, doc, role, value)
 
         def counter(name, doc, value):
-            family = CounterMetricFamily(name, doc, labels=["role"])
-            family.add_metric([role], value)
-            return family
+            return _counter(name, doc, role, value)
 
         yield gauge("pdserve_kv_blocks_used", "KV cache blocks held by requests", stats.num_used_blocks)
         yield gauge(
@@ -206,14 +210,15 @@ def _log_speculation(now: SpeculationStats, before: SpeculationStats | None) -> 
 
 def _speculation_counters(role: str, spec: SpeculationStats):
     """vLLM's spec-decode counters under pdserve's names (engine.core.speculation.SpeculationStats)."""
-    for name, doc, value in (
-        ("pdserve_spec_decode_num_drafts", "decode rows that verified drafts", spec.num_drafts),
-        ("pdserve_spec_decode_num_draft_tokens", "draft tokens verified", spec.num_draft_tokens),
-        ("pdserve_spec_decode_num_accepted_tokens", "draft tokens accepted", spec.num_accepted_tokens),
-    ):
-        family = CounterMetricFamily(name, doc, labels=["role"])
-        family.add_metric([role], value)
-        yield family
+    yield _counter(
+        "pdserve_spec_decode_num_drafts", "decode rows that verified drafts", role, spec.num_drafts
+    )
+    yield _counter(
+        "pdserve_spec_decode_num_draft_tokens", "draft tokens verified", role, spec.num_draft_tokens
+    )
+    yield _counter(
+        "pdserve_spec_decode_num_accepted_tokens", "draft tokens accepted", role, spec.num_accepted_tokens
+    )
     family = CounterMetricFamily(
         "pdserve_spec_decode_num_accepted_tokens_per_pos",
         "rows whose draft at this position (from 0) was accepted, with every draft before it",

@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from pdserve.engine.config import SpeculativeConfig
+from pdserve.engine.config import SpeculativeConfig, bucket_for
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,11 +97,6 @@ class SpeculationStats:
     def __post_init__(self):
         self.accepted_per_position = self.accepted_per_position or [0] * self.k
 
-    @property
-    def mean_accepted_length(self) -> float:
-        """Tokens a verifying row emitted on average: 1 + accepted drafts per row (1.0: none yet)."""
-        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
-
     def snapshot(self) -> SpeculationStats:
         """A copy (EngineStats carries one out of the engine thread)."""
         return dataclasses.replace(self, accepted_per_position=list(self.accepted_per_position))
@@ -130,7 +125,7 @@ def plan_drafts(
     num_decodes: int,
     proposals: Sequence[tuple[float, int]],
     budget: int,
-    buckets: Sequence[int],
+    buckets: tuple[int, ...],
     step_costs: Mapping[int, float] | None,
 ) -> list[int]:
     """How many of its proposed drafts each decode row verifies in a step of `num_tokens` tokens (decode
@@ -153,12 +148,12 @@ def plan_drafts(
     )[:budget]
     if step_costs is None:
         return _counts(proposals, worth)
-    if _bucket(buckets, num_tokens) not in step_costs:
+    if bucket_for(num_tokens, buckets) not in step_costs:
         return [0] * len(proposals)  # what a step without drafts costs is measured first
     best, gain, take = -1.0, 0.0, 0
     for m in range(len(worth) + 1):
         gain += worth[m - 1][0] if m else 0.0
-        bucket = _bucket(buckets, num_tokens + m)
+        bucket = bucket_for(num_tokens + m, buckets)
         # a bucket not measured yet costs what the largest measured one below it does (optimism: it is
         # tried, then measured)
         cost = step_costs.get(bucket) or max(c for b, c in step_costs.items() if b < bucket)
@@ -166,10 +161,6 @@ def plan_drafts(
         if rate >= best:  # (ties: more drafts, which cost nothing more)
             best, take = rate, m
     return _counts(proposals, worth[:take])
-
-
-def _bucket(buckets: Sequence[int], num_tokens: int) -> int:
-    return next(b for b in buckets if b >= num_tokens)
 
 
 def _counts(proposals: Sequence[tuple[float, int]], taken: Sequence[tuple[float, int, int]]) -> list[int]:

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdserve.engine.core.speculation import NgramProposer, accept
+from tests.engine.test_scheduler import CONFIG, make
 
 pytestmark = pytest.mark.fast
 
@@ -144,27 +145,14 @@ def test_a_verified_position_samples_the_targets_distribution():
 
 
 # ---- the scheduler with drafts (model-free: a fake runner accepts what the test says) ------------------
+
+
 def _spec_config(**overrides):
-    from pdserve.engine.config import EngineConfig
+    """test_scheduler's sizes, more blocks, n-gram drafts (k = 3), every draft verified."""
+    import dataclasses
 
-    base = dict(
-        block_size=4,
-        num_blocks=24,
-        max_num_seqs=3,
-        max_model_len=64,
-        max_num_batched_tokens=8,
-        max_prefill_seqs=2,
-        speculative_config='{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, '
-        '"draft_policy": "all"}',
-    )
-    return EngineConfig(**{**base, **overrides})
-
-
-def _request(rid, prompt, max_tokens=16, t=0.0):
-    from pdserve.engine.core.request import Request
-    from pdserve.engine.sampling_params import SamplingParams
-
-    return Request(rid, list(prompt), SamplingParams(max_tokens=max_tokens), 0, arrival_time=t)
+    ngram = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "draft_policy": "all"}'
+    return dataclasses.replace(CONFIG, **{"num_blocks": 24, "speculative_config": ngram, **overrides})
 
 
 def _verify(sched, step, accepted, next_token=7):
@@ -185,7 +173,7 @@ def test_drafts_fit_the_budget_max_tokens_and_blocks_and_rejected_ones_roll_back
     from pdserve.engine.core.scheduler import Scheduler
 
     sched = Scheduler(_spec_config())
-    a = _request("a", [1, 2, 3, 1, 2, 3, 1, 2], max_tokens=4)  # drafts 1, 2, 3 found: max_tokens leaves 2
+    a = make("a", [1, 2, 3, 1, 2, 3, 1, 2], max_tokens=4)  # drafts 1, 2, 3 found: max_tokens leaves 2
     sched.add(a)
     _verify(sched, sched.schedule(), lambda row: 0, next_token=3)  # the prompt, then its first token 3
     assert a.output_ids == [3] and a.num_computed == 8
@@ -202,7 +190,7 @@ def test_drafts_fit_the_budget_max_tokens_and_blocks_and_rejected_ones_roll_back
     got = _verify(sched, step, lambda row: 0, next_token=5)
     assert a.output_ids == [3, 1, 9, 5] and a.status is Status.FINISHED and sched.kv.pool.num_used == 0
 
-    b = _request("b", [5, 6, 5, 6, 5, 6, 5], max_tokens=20)
+    b = make("b", [5, 6, 5, 6, 5, 6, 5], max_tokens=20)
     sched.add(b)
     _verify(sched, sched.schedule(), lambda row: 0, next_token=6)
     step = sched.schedule()
@@ -221,7 +209,7 @@ def test_drafts_give_way_to_decode_tokens_and_never_cause_a_preemption():
     # 3 running requests, a budget of 5: 3 decode tokens leave room for 2 drafts (equally worth: one each)
     sched = Scheduler(_spec_config(max_num_batched_tokens=5))
     for i in range(3):
-        sched.add(_request(f"r{i}", [4, 4, 4, 4], t=i))
+        sched.add(make(f"r{i}", [4, 4, 4, 4], t=i))
     _verify(sched, sched.schedule(), lambda row: 0, next_token=4)  # one prompt a step (budget 5)
     while len(sched.running) < 3:
         _verify(sched, sched.schedule(), lambda row: 0, next_token=4)
@@ -232,7 +220,7 @@ def test_drafts_give_way_to_decode_tokens_and_never_cause_a_preemption():
 
     # blocks for the decode token but not for its drafts: no drafts, nobody preempted
     sched = Scheduler(_spec_config(num_blocks=2))
-    sched.add(_request("x", [1, 2, 1, 2, 1, 2, 1]))  # 7 tokens: the 8th fills the 2nd block
+    sched.add(make("x", [1, 2, 1, 2, 1, 2, 1]))  # 7 tokens: the 8th fills the 2nd block
     _verify(sched, sched.schedule(), lambda row: 0, next_token=2)
     step = sched.schedule()
     assert step.rows[0].tokens == [2] and step.rows[0].drafts == [] and sched.num_preemptions == 0
@@ -262,7 +250,7 @@ def test_rolling_back_rejected_drafts_never_leaks_or_double_frees_a_block(arriva
     config = _spec_config(num_blocks=num_blocks, max_num_seqs=3)
     sched = Scheduler(config)
     for i, (prompt, max_tokens) in enumerate(arrivals):
-        sched.add(_request(f"r{i}", prompt, max_tokens=max_tokens, t=i))
+        sched.add(make(f"r{i}", prompt, max_tokens=max_tokens, t=i))
     draws = iter(acceptance * 200)
     steps = 0
     while sched.num_unfinished:
@@ -322,7 +310,7 @@ def test_the_cost_policy_learns_step_costs_and_still_verifies_every_draft_now_an
     )
     assert config.speculation.draft_policy == "cost"
     sched = Scheduler(config)
-    sched.add(_request("q", [1, 2] * 3, max_tokens=60))
+    sched.add(make("q", [1, 2] * 3, max_tokens=60))
     _verify(sched, sched.schedule(), lambda row: 0, next_token=1)
     drafted = []
     for _ in range(2 * EXPLORE_EVERY):
