@@ -104,6 +104,8 @@ class RemoteKVDone:
     prompt_logprobs: tuple[TokenLogprobs, ...] | None = None  # one per prompt position after the first
     # With n > 1: the first tokens of sequences 1..n-1 (sampled from the same logits, each with its seed)
     forks: tuple[tuple[int, TokenLogprobs | None], ...] = ()
+    # An EAGLE-3 head's input at the last prompt position (engine.draft_runner), from the prefill server
+    draft_aux: Any = None
 
 
 @dataclasses.dataclass(frozen=True)

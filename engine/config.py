@@ -107,6 +107,10 @@ class ModelConfig:
     # A digest of the checkpoint's weights (engine.loading.checkpoints): part of the KV layout's model, so
     # that KV computed with other weights under the same name is never inserted. "": not known.
     weights_digest: str = ""
+    # An EAGLE-3 draft layer's name (engine.model.eagle3: "eagle3@<digest>"), "": none. Its KV is one more
+    # full-attention layer after the model's own (row num_layers of the cache, group 0's block table), part
+    # of the KV layout: KV of another draft, or of none, never fits.
+    draft_layer: str = ""
 
     def __post_init__(self):
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -382,7 +386,9 @@ KV_CACHE_DTYPES = {
     "auto": "", "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2", "int8": "int8"
 }  # fmt: skip
 QUANTIZATIONS = ("none", "int8")  # EngineConfig.quantization (engine.model.quantized)
-SPECULATIVE_METHODS = ("ngram",)  # SpeculativeConfig.method (engine.core.speculation)
+# SpeculativeConfig.method: "ngram" prompt lookup (engine.core.speculation), "eagle3" a draft head
+# (engine.model.eagle3) read from `model`
+SPECULATIVE_METHODS = ("ngram", "eagle3")
 # SpeculativeConfig.draft_policy: "cost" verifies the drafts worth their step's measured cost
 # (engine.core.speculation.plan_drafts), "all" every draft the token budget and the blocks allow
 DRAFT_POLICIES = ("cost", "all")
@@ -392,16 +398,19 @@ MAX_SPECULATIVE_TOKENS = 16  # num_speculative_tokens at most (each costs a quer
 @dataclasses.dataclass(frozen=True)
 class SpeculativeConfig:
     """Speculative decoding (engine.core.speculation), from --speculative-config's JSON with vLLM's keys:
-    `method` ("ngram": prompt lookup, no weights), `num_speculative_tokens` (k, drafts a step verifies per
-    sequence), `prompt_lookup_min` / `prompt_lookup_max` (the n-gram sizes; one given sets both, neither:
-    5 and 5, as vLLM's). `k == 0`: speculation off. pdserve's own key `draft_policy` (DRAFT_POLICIES):
-    "cost" (default) verifies the drafts worth their step's measured cost, "all" every draft."""
+    `method` ("ngram": prompt lookup, no weights; "eagle3": an EAGLE-3 draft head), `num_speculative_tokens`
+    (k, drafts a step verifies per sequence), `prompt_lookup_min` / `prompt_lookup_max` (ngram's sizes; one
+    given sets both, neither: 5 and 5, as vLLM's), `model` (eagle3's head: a folder of config.json and
+    safetensors, engine.loading.eagle3). `k == 0`: speculation off. pdserve's own key `draft_policy`
+    (DRAFT_POLICIES): "cost" (default) verifies the drafts worth their step's measured cost, "all" every
+    draft."""
 
     method: str = ""
     num_speculative_tokens: int = 0
     prompt_lookup_min: int = 0
     prompt_lookup_max: int = 0
     draft_policy: str = "cost"  # pdserve's: DRAFT_POLICIES
+    model: str = ""  # eagle3: the head's folder
 
     @classmethod
     @functools.lru_cache(maxsize=16)  # (EngineConfig.speculation is read every step: parsed once)
@@ -433,13 +442,24 @@ class SpeculativeConfig:
                 f"speculative_config: num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}]"
             )
         low, high = sizes["prompt_lookup_min"], sizes["prompt_lookup_max"]
-        low, high = low or high or 5, high or low or 5
-        if low > high:
+        model = given.get("model") or ""
+        if method == "eagle3":
+            if low or high:
+                raise ValueError("speculative_config: prompt_lookup_min/max apply to method 'ngram' only")
+            if not isinstance(model, str) or not model:
+                raise ValueError(
+                    "speculative_config: model (the EAGLE-3 head's folder) is required by eagle3"
+                )
+        elif model:
+            raise ValueError("speculative_config: model applies to method 'eagle3' only")
+        else:
+            low, high = low or high or 5, high or low or 5
+        if low and high and low > high:
             raise ValueError("speculative_config: prompt_lookup_min must be <= prompt_lookup_max")
         policy = given.get("draft_policy", "cost")
         if policy not in DRAFT_POLICIES:
             raise ValueError(f"speculative_config: draft_policy {policy!r}: one of {DRAFT_POLICIES}")
-        return cls(method, k, low, high, policy)
+        return cls(method, k, low or 0, high or 0, policy, model)
 
 
 def _powers_of_two(start: int, stop: int) -> tuple[int, ...]:
@@ -521,8 +541,9 @@ class EngineConfig:
     )
     speculative_config: str = flag(
         "",
-        "speculative decoding, a JSON object with vLLM's keys: method (ngram), num_speculative_tokens, "
-        "prompt_lookup_min, prompt_lookup_max (empty: off)",
+        "speculative decoding, a JSON object with vLLM's keys: method (ngram or eagle3), "
+        "num_speculative_tokens, prompt_lookup_min, prompt_lookup_max (ngram), model (eagle3: the head's "
+        "folder) (empty: off)",
         metavar="JSON",
     )
 

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from pdserve.engine import memory
+from pdserve.engine import memory, multihost
 from pdserve.engine.boundary import (
     Abort,
     AdapterState,
@@ -42,10 +42,13 @@ from pdserve.engine.core.output import OutputStream, RequestOutput
 from pdserve.engine.core.request import FinishReason, Request, Status, TokenLogprobs
 from pdserve.engine.core.scheduler import Row, SampledToken, Scheduler, SchedulerOutput
 from pdserve.engine.core.speculation import accept
+from pdserve.engine.draft_runner import DraftRunner
+from pdserve.engine.loading.eagle3 import Eagle3Head, load_eagle3_head
 from pdserve.engine.loading.sources import LoadedModel, load_model
 from pdserve.engine.lora import AdapterRegistry
 from pdserve.engine.lora_slots import LoraSlots
 from pdserve.engine.model.attention import AttentionFn, ragged_paged_attention_reference
+from pdserve.engine.model.eagle3 import DraftModel
 from pdserve.engine.model.sampler import SampleResult, mask_words, token_mask
 from pdserve.engine.model.sharding import make_mesh
 from pdserve.engine.model.tpu_attention import kernel_attention, kernel_unsupported
@@ -78,10 +81,16 @@ class LLMEngine:
         """`runner`: the device side, built here by default (on `devices`, attending with `attention`);
         a given one brings its own mesh and adapter slots (tests drive the host side with a scripted one).
         `progress`: a progress bar while the weights load."""
+        head = None
+        if runner is None and config.speculation.method == "eagle3":  # its KV: one more layer of the cache
+            head = load_eagle3_head(config.speculation.model, model.config)
+            model = dataclasses.replace(
+                model, config=dataclasses.replace(model.config, draft_layer=head.name)
+            )
         self.model = model
         self.tokenizer = model.tokenizer
         if runner is None:
-            runner = self._build_runner(model, config, devices, attention, progress)
+            runner = self._build_runner(model, config, devices, attention, progress, head)
         self.runner, self.mesh, self.lora_slots = runner, runner.mesh, runner.lora
         self.config = config = runner.config
         self.loras = AdapterRegistry(
@@ -95,6 +104,9 @@ class LLMEngine:
             release_window=model.config.widest_window,
             ring_blocks=ring_blocks,
         )
+        # an EAGLE-3 head's passes between steps; None: no head
+        draft = getattr(runner, "draft", None)  # (a scripted runner has none)
+        self.drafter = None if draft is None else DraftRunner(runner, self.scheduler)
         self._streams: dict[str, OutputStream] = {}
         self._ids = itertools.count()
         # The last step found nothing to run: queued requests wait for blocks or slots, and only a command
@@ -117,9 +129,11 @@ class LLMEngine:
         devices: Sequence[jax.Device] | None,
         attention: AttentionFn | None,
         progress: bool,
+        head: Eagle3Head | None = None,
     ) -> ModelRunner:
         """The device side: the mesh, the weights on it, the adapter slots, the cache and the attention (on
-        a TPU jax's Pallas kernel over this mesh where it applies, else the reference)."""
+        a TPU jax's Pallas kernel over this mesh where it applies, else the reference), and a draft head's
+        weights."""
         mesh = make_mesh(config.tp, devices)
         platform = mesh.devices.flat[0].platform
         config = config.on_platform(platform)  # "auto" dtype resolved
@@ -149,6 +163,11 @@ class LLMEngine:
         if config.max_loras:
             lora_slots = LoraSlots(model.config, config.max_loras, config.max_lora_rank, mesh, dtype)
         lora_weights = None if lora_slots is None else lora_slots.weights
+        draft = None
+        if head is not None:
+            if multihost.is_multi_process():
+                raise UnsupportedModelError("an EAGLE-3 head in a multi-host group is not supported")
+            draft = DraftModel.build(head, mesh, dtype)
         temp_bytes = functools.partial(
             step_temp_bytes,
             model.config,
@@ -157,8 +176,9 @@ class LLMEngine:
             lora_weights=lora_weights,
             attention=attention,
         )
-        config, plan = memory.plan(model.config, config, mesh, (weights, lora_weights), temp_bytes)
-        runner = ModelRunner(model.config, config, weights, mesh, lora_slots, attention)
+        resident = (weights, lora_weights, None if draft is None else draft.weights)
+        config, plan = memory.plan(model.config, config, mesh, resident, temp_bytes)
+        runner = ModelRunner(model.config, config, weights, mesh, lora_slots, attention, draft)
         runner.memory = plan
         return runner
 
@@ -382,6 +402,8 @@ class LLMEngine:
         admission produced (a ReceiveKV request's TransferReady) is ready at once (take_outputs), so a
         driver starts the transfer while the step computes."""
         self._stepping = {}
+        if self.drafter is not None and self.drafter.arrivals:  # their first drafts, for this schedule
+            self.drafter.arrive()
         scheduled = self.scheduler.schedule()
         self.stalled = scheduled is None
         if scheduled is not None:
@@ -397,7 +419,10 @@ class LLMEngine:
             sampled = self._execute(scheduled)
             if sampled:  # (sampling waited for the step's end: this is the step's time)
                 self.scheduler.observe_step_time(scheduled, time.perf_counter() - start)
-            for request, run in self.scheduler.update_from_output(scheduled, sampled):
+            updated = self.scheduler.update_from_output(scheduled, sampled)
+            if self.drafter is not None:  # (before forks copy blocks and the connector reads the KV)
+                self.drafter.after_step(scheduled, self._stepping)
+            for request, run in updated:
                 self._outputs.tokens.append(self._emit(request, run))
             self._copy_blocks()
             # the connector's worker side: the KV of prompts computed in part, then of finished ones
@@ -665,6 +690,7 @@ class LLMEngine:
             output = RequestOutput.failed(request)
         if output.finished:
             self._streams.pop(request.request_id, None)
+            output.draft_aux = request.draft_aux  # (a prefill server's: engine.draft_runner)
         return output
 
     # ---- one engine over several processes (engine.multihost) -----------------------------------------
@@ -715,6 +741,9 @@ class LLMEngine:
             _, child_finish = self._constrain(child, fork_token)
             forks.append((child, SampledToken(fork_token, fork_logprobs, child_finish)))
         _, finish = self._constrain(request, done.token)
+        if self.drafter is not None and done.draft_aux is not None:  # drafted from before the next schedule
+            request.draft_aux = done.draft_aux
+            self.drafter.arrivals.append(request)
         token = SampledToken(done.token, done.logprobs, finish, forks=tuple(forks))
         for started, first in self.scheduler.remote_kv_arrived(done.request_id, token):
             self._outputs.tokens.append(self._emit(started, first))

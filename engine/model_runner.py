@@ -25,6 +25,7 @@ from pdserve.engine.lora_slots import LoraSlots
 from pdserve.engine.memory import MemoryPlan
 from pdserve.engine.model import kv_cache
 from pdserve.engine.model.attention import AttentionFn, block_table_width, ragged_paged_attention_reference
+from pdserve.engine.model.eagle3 import DraftModel, draft_step
 from pdserve.engine.model.forward import forward_step, prompt_scores
 from pdserve.engine.model.kv_cache import allocate_cache
 from pdserve.engine.model.lora import LoraWeights
@@ -40,7 +41,14 @@ log = logging.getLogger(__name__)
 
 # One jitted step shared by every runner of the process: runners of the same model and shapes (tests,
 # the colocated `serve` shape) reuse each other's compilations. The cache keeps its input sharding.
-_jitted_step = jax.jit(forward_step, static_argnames=("cfg", "attention"), donate_argnames=("cache",))
+_jitted_step = jax.jit(
+    forward_step, static_argnames=("cfg", "attention", "aux_layers"), donate_argnames=("cache",)
+)
+_jitted_draft = jax.jit(
+    draft_step,
+    static_argnames=("cfg", "row", "num_drafts", "attention", "norm_before_residual"),
+    donate_argnames=("cache",),
+)
 _jitted_scores = jax.jit(prompt_scores, static_argnames=("cfg", "num_top"))
 # Block copies (a forked sequence's own copy of its parent's partial block) go in padded batches of these
 COPY_BUCKETS = (4, 16, 64)
@@ -83,8 +91,10 @@ class ModelRunner:
         mesh: Mesh,
         lora: LoraSlots | None = None,
         attention: AttentionFn = ragged_paged_attention_reference,
+        draft: DraftModel | None = None,
     ):
-        """`attention`: this runner's implementation (engine.model.attention's seam)."""
+        """`attention`: this runner's implementation (engine.model.attention's seam); `draft`: an EAGLE-3
+        head (its KV the cache's last row: `model.draft_layer` names it)."""
         self.model = model
         self.config = config
         self.weights = weights
@@ -94,13 +104,18 @@ class ModelRunner:
         self.cache = allocate_cache(model, config, mesh)
         self.groups = KVGroups.of(model)
         self.attention = attention
-        self._step = functools.partial(_jitted_step, cfg=model, attention=attention)
+        self.draft = draft
+        self.aux_layers = () if draft is None else draft.aux_layers
+        self._step = functools.partial(
+            _jitted_step, cfg=model, attention=attention, aux_layers=self.aux_layers
+        )
         self._replicated = jax.jit(lambda x: x, out_shardings=named(mesh))
         # The leader of a multi-process engine hands each device operation here before running it
         # (engine.multihost); None: single process, or a follower.
         self.publish: Publish | None = None
         self.memory: MemoryPlan | None = None  # how the cache was sized (engine.memory; set by its builder)
         self.hidden: jax.Array | None = None  # the last step's final hidden states (prompt_scores reads)
+        self.aux: jax.Array | None = None  # the last step's aux states (with a draft head: run_draft reads)
         self._scores = functools.partial(_jitted_scores, cfg=model, num_top=max(config.max_logprobs, 1))
 
     # ---- shapes ----------------------------------------------------------------------------------------
@@ -169,7 +184,7 @@ class ModelRunner:
                 logits_rows=logits_rows,
             )
             self.publish(DeviceOp("step", arrays))
-        logits, self.cache, self.hidden = self._step(
+        logits, self.cache, self.hidden, self.aux = self._step(
             self.weights,
             self.lora_weights,
             self.cache,
@@ -194,6 +209,71 @@ class ModelRunner:
         if self.hidden is None:
             raise RuntimeError("prompt scores before any step")
         return self._scores(self.weights, self.hidden, targets)
+
+    def run_draft(
+        self,
+        tokens: np.ndarray,
+        aux_rows: np.ndarray,
+        cu_q_lens: np.ndarray,
+        kv_lens: np.ndarray,
+        block_tables: np.ndarray,
+        last_rows: np.ndarray,
+        lookahead: np.ndarray,
+        aux: np.ndarray | None = None,
+    ) -> np.ndarray:
+        """The draft head's pass (engine.model.eagle3.draft_step) on padded host arrays, reading the aux
+        states of the last step (or `aux`, a peer's, [tokens, aux width]); its drafts on the host [S, k]."""
+        d = self.draft
+        drafts, self.cache = _jitted_draft(
+            d.weights,
+            self.weights.embed,
+            self.cache,
+            self.aux if aux is None else aux,
+            aux_rows,
+            tokens,
+            cu_q_lens,
+            kv_lens,
+            block_tables,
+            last_rows,
+            lookahead,
+            cfg=d.config,
+            row=self.model.num_layers,
+            num_drafts=self.config.speculation.num_speculative_tokens,
+            attention=self.attention,
+            norm_before_residual=d.norm_before_residual,
+        )
+        return np.asarray(jax.device_get(drafts))
+
+    def draft_shapes(self) -> list[int]:
+        """Every step size run_draft is compiled for (a draft head: one per token bucket; else none)."""
+        return [] if self.draft is None else list(self.config.token_buckets)
+
+    def _compile_draft(self, num_tokens: int) -> None:
+        """Compiles run_draft's pass for `num_tokens` tokens (and that step's aux states) ahead of time."""
+        d, s = self.draft, self.config.seq_bucket(num_tokens)
+        zeros = functools.partial(np.zeros, dtype=np.int32)
+        width = len(d.aux_layers) * self.model.hidden_size
+        aux = jax.ShapeDtypeStruct(
+            (num_tokens, width), np.dtype(self.config.dtype), sharding=named(self.mesh)
+        )
+        _jitted_draft.lower(
+            d.weights,
+            self.weights.embed,
+            self.cache,
+            aux,
+            zeros(num_tokens),
+            zeros(num_tokens),
+            zeros(s + 1),
+            zeros(s),
+            zeros((s, self.block_table_width)),
+            zeros(s),
+            zeros(s),
+            cfg=d.config,
+            row=self.model.num_layers,
+            num_drafts=self.config.speculation.num_speculative_tokens,
+            attention=self.attention,
+            norm_before_residual=d.norm_before_residual,
+        ).compile()
 
     @property
     def lora_weights(self) -> LoraWeights | None:
@@ -339,10 +419,20 @@ class ModelRunner:
         shapes = self.step_shapes()
         sampler_shapes = self.sampler_shapes()
         score_shapes = self.score_shapes()
-        total = len(shapes) + len(score_shapes) + len(sampler_shapes) + len(self.copy_shapes())
+        draft_shapes = self.draft_shapes()
+        total = (
+            len(shapes)
+            + len(score_shapes)
+            + len(sampler_shapes)
+            + len(self.copy_shapes())
+            + len(draft_shapes)
+        )
         bar = tqdm(total=total, desc="compiling", disable=not progress, unit="shape")
         for shape in shapes:
             self._compile_step(shape[0])
+            bar.update()
+        for num_tokens in draft_shapes:
+            self._compile_draft(num_tokens)
             bar.update()
         hidden_sharding = named(self.mesh)
         for num_tokens in score_shapes:  # ahead of time, as the steps
@@ -374,7 +464,14 @@ class ModelRunner:
         """Compiles (or loads from the persistent cache) the step of this shape ahead of time: nothing
         runs, the cache is untouched, and a later step of that shape finds the executable."""
         lower_step(
-            self.model, self.config, self.weights, self.lora_weights, self.cache, num_tokens, self.attention
+            self.model,
+            self.config,
+            self.weights,
+            self.lora_weights,
+            self.cache,
+            num_tokens,
+            self.attention,
+            self.aux_layers,
         ).compile()
 
 
@@ -409,9 +506,11 @@ def lower_step(
     cache: jax.Array | jax.ShapeDtypeStruct,
     num_tokens: int,
     attention: AttentionFn,
+    aux_layers: tuple[int, ...] = (),
 ) -> jax.stages.Lowered:
     """The step of `num_tokens` tokens (a token bucket) lowered for these weights and cache (an array, or
-    only its shape, dtype and sharding: engine.memory profiles the largest step before the cache exists)."""
+    only its shape, dtype and sharding: engine.memory profiles the largest step before the cache exists);
+    `aux_layers`: a draft head's (forward_step's)."""
     num_seqs = config.seq_bucket(num_tokens)
     zeros = np.zeros
     return _jitted_step.lower(
@@ -426,4 +525,5 @@ def lower_step(
         zeros(config.logits_bucket(num_tokens), np.int32),
         cfg=model,
         attention=attention,
+        aux_layers=aux_layers,
     )

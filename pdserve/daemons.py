@@ -196,15 +196,18 @@ def devices_per_process(args: argparse.Namespace, group: ProcessGroup | None) ->
     return args.cpu_devices or -(-tp // group.num_processes)
 
 
-def without_speculation(config):
-    """A prefill engine's config: --speculative-config dropped (a prefill server decodes nothing), with a
-    line in the log when it was given."""
+def prefill_speculation(config):
+    """A prefill engine's config. An EAGLE-3 head is kept: the prefill server runs it over the prompt and
+    sends its KV and input with the target's (engine.draft_runner), so the decode server drafts at once.
+    Another --speculative-config (n-gram) is dropped, with a line in the log: a prefill server decodes
+    nothing, and the decode server needs only the tokens."""
     import dataclasses
 
-    if config.speculative_config:
-        logging.getLogger(__name__).info(
-            "prefill: --speculative-config has no effect here (drafts are verified where tokens decode)"
-        )
+    if not config.speculative_config or config.speculation.method == "eagle3":
+        return config
+    logging.getLogger(__name__).info(
+        "prefill: --speculative-config has no effect here (drafts are verified where tokens decode)"
+    )
     return dataclasses.replace(config, speculative_config="")
 
 
@@ -224,7 +227,7 @@ def build_engine(
     configure_jax()
     config = engine_config(args)
     if not decodes:
-        config = without_speculation(config)
+        config = prefill_speculation(config)
     if group is not None:
         import jax
 
@@ -483,7 +486,7 @@ def serve_main(args: argparse.Namespace) -> int:
     base = engine_config(args)
     prefill_engine = LLMEngine(
         model,
-        dataclasses.replace(without_speculation(base), tp=len(prefill_devices)),
+        dataclasses.replace(prefill_speculation(base), tp=len(prefill_devices)),
         [devices[i] for i in prefill_devices],
     )
     decode_engine = LLMEngine(

@@ -219,6 +219,18 @@ def output_to_response(
     return response
 
 
+def draft_aux_to_bytes(aux) -> bytes:
+    """A draft head's input (PrefillTrailer.draft_aux) as the trailer carries it: float32, little-endian."""
+    return np.asarray(aux, "<f4").tobytes()
+
+
+def draft_aux_from_bytes(data: bytes) -> np.ndarray:
+    """PrefillTrailer.draft_aux read back (check_first_token checks its size and values)."""
+    if len(data) % 4:
+        raise ValueError(f"draft_aux of {len(data)} bytes: not float32 values")
+    return np.frombuffer(data, "<f4").astype(np.float32)
+
+
 def logprobs_to_proto(lp: TokenLogprobs) -> gen_pb.TokenLogprobs:
     return gen_pb.TokenLogprobs(
         token_id=lp.token_id,

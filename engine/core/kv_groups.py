@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from pdserve.engine.config import ModelConfig
+from pdserve.engine.config import ModelConfig, UnsupportedModelError
 from pdserve.engine.core.block_pool import blocks_for_tokens
 
 
@@ -43,10 +43,16 @@ class KVGroups:
 
     @classmethod
     def of(cls, cfg: ModelConfig) -> KVGroups:
+        """The groups of `cfg`'s layers, and of its draft layer (ModelConfig.draft_layer: one more layer of
+        full attention, in one-group models of full attention only)."""
         windows = [cfg.window(i) for i in range(cfg.num_layers)]
         full = [i for i, w in enumerate(windows) if not w]
+        if cfg.draft_layer and (len(full) != len(windows) or cfg.is_mla):
+            raise UnsupportedModelError(
+                "an EAGLE-3 draft layer needs a model whose layers all attend fully, without MLA"
+            )
         if not full or len(full) == len(windows):  # one kind: every layer in one group
-            layers = cfg.num_layers
+            layers = cfg.num_layers + bool(cfg.draft_layer)
             return cls(layers, (cfg.widest_window,), (0,) * layers, tuple(range(layers)))
         rows = len(full)
         group, row, group_windows = [0] * len(windows), [0] * len(windows), [0]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from pdserve.engine.core.request import FinishReason, Request, TokenLogprobs
 from pdserve.engine.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
@@ -27,6 +28,9 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     queue_s: float | None = None  # the first output's: seconds from arrival to admission (vLLM's queue time)
     index: int = 0  # which of the request's n sequences (SamplingParams.n) this output continues
+    # A prefill server's last output, with an EAGLE-3 head: the head's input at the prompt's last position
+    # (Request.draft_aux), which the trailer carries to the decode server
+    draft_aux: Any = None
 
     @classmethod
     def failed(cls, request: Request) -> RequestOutput:

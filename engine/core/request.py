@@ -91,6 +91,12 @@ class Request:
     # Speculation: its drafts verified so far and of those accepted (how much its next drafts are worth)
     num_drafted: int = 0
     num_draft_accepted: int = 0
+    # A draft head's drafts to follow its tokens, proposed after its last step (engine.draft_runner); the
+    # scheduler takes them once
+    proposed: list[int] = dataclasses.field(default_factory=list)
+    # A draft head's input at its last prompt position (the target's aux states there, on the host): what a
+    # prefill server sends with the first token (engine.draft_runner); None: none kept
+    draft_aux: Any = None
 
     @property
     def output_id(self) -> str:

@@ -534,17 +534,31 @@ class Scheduler:
                 row.block_tables = self.kv.block_tables(row.request_id)
 
     def _propose(self, request: Request) -> list[int]:
-        """The drafts the proposer finds after the request's tokens: at most k and one fewer than the tokens
-        it may still produce (its max_tokens, the model length); none while a constraint waits for the
-        reasoning to end (the mask of a drafted position would depend on where it ends)."""
-        if request.reasoning:
-            return []
+        """The drafts the proposer finds after the request's tokens (draft_limit of them at most)."""
+        k = self.draft_limit(request)
+        return self.proposer.propose_for(request, k) if k > 0 else []
+
+    def draft_limit(self, request: Request) -> int:
+        """The drafts a running request may verify next: at most k and one fewer than the tokens it may
+        still produce (its max_tokens, the model length); none while a constraint waits for the reasoning
+        to end (the mask of a drafted position would depend on where it ends)."""
+        if request.reasoning or self.proposer is None:
+            return 0
         room = min(
             request.params.max_tokens - len(request.output_ids),
             self.config.max_model_len - request.num_tokens,
         )
-        k = min(self.proposer.k, room - 1)
-        return self.proposer.propose(request.all_ids, k) if k > 0 else []
+        return max(0, min(self.proposer.k, room - 1))
+
+    def reserve_lookahead(self, request: Request, positions: int) -> int:
+        """A draft head drafting after a running request's last token writes its own KV at up to
+        `positions` positions from num_computed on: the blocks for as many of them as the free blocks
+        allow are allocated now (the next step's drafts use them; nobody is preempted). Returns how many."""
+        for n in range(positions, 0, -1):
+            if self.kv.can_allocate(request.request_id, request.num_computed + n):
+                self.kv.allocate(request.request_id, request.num_computed + n)
+                return n
+        return 0
 
     def _preempt(self, request: Request) -> None:
         """Gives a running request's blocks back (its full blocks stay cached); it is queued first."""
@@ -552,6 +566,7 @@ class Scheduler:
         (self.running if request in self.running else self.prefilling).remove(request)
         self.kv.free(request.request_id)
         request.num_computed = 0
+        request.proposed = []  # (a draft head's drafts follow the KV just freed)
         request.status = Status.PREEMPTED
         self.waiting.appendleft(request)
 

@@ -43,6 +43,10 @@ class NgramProposer:
                 f"{self.min_n} <= prompt_lookup_max {self.max_n}"
             )
 
+    def propose_for(self, request, k: int) -> list[int]:
+        """Up to `k` drafts after an engine.core.request.Request's tokens."""
+        return self.propose(request.all_ids, k)
+
     def propose(self, context: Sequence[int], k: int | None = None) -> list[int]:
         """Up to `k` (default self.k) drafts to follow `context`; fewer when the match is near its end."""
         k = self.k if k is None else k
@@ -74,10 +78,25 @@ def accept(drafts: Sequence[int], sampled: Sequence[int]) -> list[int]:
     return emitted
 
 
-def proposer_for(config: SpeculativeConfig) -> NgramProposer | None:
+@dataclasses.dataclass(frozen=True)
+class DraftHeadProposer:
+    """A draft head's proposals (method "eagle3"): the engine runs the head after each step
+    (engine.draft_runner) and leaves each request's drafts in Request.proposed; they are taken once."""
+
+    k: int
+
+    def propose_for(self, request, k: int) -> list[int]:
+        """Up to `k` of the drafts proposed after the request's last step (then none until the next)."""
+        drafts, request.proposed = request.proposed[:k], []
+        return drafts
+
+
+def proposer_for(config: SpeculativeConfig) -> NgramProposer | DraftHeadProposer | None:
     """The proposer of --speculative-config (None: off)."""
     if not config.num_speculative_tokens:
         return None
+    if config.method == "eagle3":
+        return DraftHeadProposer(config.num_speculative_tokens)
     return NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
 
 

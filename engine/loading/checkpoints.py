@@ -144,7 +144,7 @@ def weights_digest(entries: Iterator[tuple[str, str, tuple[int, ...], bytes]]) -
     return digest.hexdigest()[:16]
 
 
-def _edge_rows(array: np.ndarray) -> bytes:
+def edge_rows(array: np.ndarray) -> bytes:
     """The first and last rows of an array (all of a small one), as bytes."""
     flat = array.reshape(array.shape[0], -1) if array.ndim > 1 else array.reshape(1, -1)
     return np.ascontiguousarray(flat[0]).tobytes() + np.ascontiguousarray(flat[-1]).tobytes()
@@ -250,7 +250,7 @@ class GGUFCheckpoint(Checkpoint):
         self.nbytes = sum(int(t.n_bytes) for t in reader.tensors)
         self.num_params = sum(int(t.n_elements) for t in reader.tensors)
         entries = (
-            (t.name, t.tensor_type.name, tuple(int(d) for d in t.shape), _edge_rows(np.asarray(t.data)))
+            (t.name, t.tensor_type.name, tuple(int(d) for d in t.shape), edge_rows(np.asarray(t.data)))
             for t in reader.tensors
         )
         self.config = dataclasses.replace(config, weights_digest=weights_digest(entries))
@@ -347,7 +347,7 @@ class SafetensorsCheckpoint(Checkpoint):
                     shape = tuple(tensor.get_shape())
                     self.num_params += math.prod(shape)
                     if shape and shape[0]:
-                        sample = _edge_rows(tensor[0:1]) + _edge_rows(tensor[shape[0] - 1 : shape[0]])
+                        sample = edge_rows(tensor[0:1]) + edge_rows(tensor[shape[0] - 1 : shape[0]])
                     else:
                         sample = b""
                     entries.append((key, dtype, shape, sample))
@@ -423,7 +423,7 @@ class HostCheckpoint(Checkpoint):
 
     def __init__(self, config: ModelConfig, host: dict[str, np.ndarray], path: Path | None = None):
         if not config.weights_digest:  # (one read from a checkpoint keeps the checkpoint's digest)
-            entries = ((k, w.dtype.name, w.shape, _edge_rows(w) if w.size else b"") for k, w in host.items())
+            entries = ((k, w.dtype.name, w.shape, edge_rows(w) if w.size else b"") for k, w in host.items())
             config = dataclasses.replace(config, weights_digest=weights_digest(entries))
         self.config = config
         self.host, self.path = host, path or Path(config.name)

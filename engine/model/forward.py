@@ -59,9 +59,12 @@ def forward_step(
     *,
     cfg: ModelConfig,
     attention: AttentionFn = ragged_paged_attention_reference,  # the engine's (engine.model.attention)
-) -> tuple[jax.Array, jax.Array, jax.Array]:
+    aux_layers: tuple[int, ...] = (),  # layers whose input is returned too (an EAGLE-3 head's)
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
     """(logits [L, vocab] at the tokens `logits_rows` names, the updated cache, every token's final hidden
-    state [T, hidden], normed: what prompt_scores reads)."""
+    state [T, hidden], normed: what prompt_scores reads, and with `aux_layers` every token's residual
+    stream entering each of them, concatenated [T, len(aux_layers) * hidden]: engine.model.eagle3's
+    input; else None)."""
     t = tokens.shape[0]
     num_blocks, block_size = cache.shape[1], cache.shape[2]
     kv_heads = cache.shape[3] // 2
@@ -91,9 +94,13 @@ def forward_step(
             to_cache_dtype(new_kv, cache.dtype), mode="drop"
         )
 
+    aux_ids = jnp.asarray(aux_layers, jnp.int32)
+
     def layer(carry, lw):
-        x, cache_now = carry if first else (carry, cache)
-        w, lo, row, table, window, rope_row = lw
+        (x, aux), cache_now = (carry[0], carry[1]) if first else (carry, cache)
+        w, lo, row, table, window, rope_row, index = lw
+        if aux_layers:  # the residual stream entering an aux layer, kept
+            aux = jnp.where((aux_ids == index)[:, None, None], x[None], aux)
 
         def plus_lora(y, delta, *args):  # y + delta(*args); skipped at run time when no token has an adapter
             if lo is None:
@@ -150,20 +157,22 @@ def forward_step(
             down = project("ti,id->td", act, w.w_down)
             out = plus_lora(down, lora_ops.linear_delta, act, *_pair(lo, "down"))
         x = x + (out if w.post_mlp_norm is None else rms_norm(out, w.post_mlp_norm, cfg.rms_norm_eps))
-        return ((x, cache_now), None) if first else (x, new_kv)
+        return (((x, aux), cache_now), None) if first else ((x, aux), new_kv)
 
-    indices = _per_layer(cfg, groups)
+    indices = (*_per_layer(cfg, groups), jnp.arange(cfg.num_layers, dtype=jnp.int32))
+    aux = jnp.zeros((len(aux_layers), *x.shape), x.dtype) if aux_layers else None
     new_kv = []
     for (start, end), segment in zip(cfg.layer_segments(), weights.layers, strict=True):  # one run: LoRA ok
+        state = (x, aux)
         carry, kv = jax.lax.scan(
-            layer, (x, cache) if first else x, (segment, lora, *(a[start:end] for a in indices))
+            layer, (state, cache) if first else state, (segment, lora, *(a[start:end] for a in indices))
         )
-        x, cache = carry if first else (carry, cache)
+        (x, aux), cache = carry if first else (carry, cache)
         new_kv.append(kv)
     if not first:  # every layer's new K/V in one scatter
         new_kv = jnp.concatenate(new_kv) if len(new_kv) > 1 else new_kv[0]
-        if groups.is_identity:  # layer l in row l, one table
-            cache = write(cache, slice(None), 0, new_kv)
+        if groups.is_identity:  # layer l in row l, one table (a draft layer's row after them untouched)
+            cache = write(cache, slice(0, cfg.num_layers), 0, new_kv)
         else:
             cache = write(
                 cache, indices[0][:, None], indices[1], new_kv
@@ -171,7 +180,9 @@ def forward_step(
     hidden = rms_norm(
         x, weights.final_norm, cfg.rms_norm_eps
     )  # [T, hidden] (row by row: as if gathered first)
-    return output_logits(weights, hidden[logits_rows], cfg), cache, hidden
+    if aux_layers:
+        aux = jnp.moveaxis(aux, 0, 1).reshape(t, -1)  # [T, aux layers * hidden], in the layers' order
+    return output_logits(weights, hidden[logits_rows], cfg), cache, hidden, aux
 
 
 def output_logits(weights: Weights, hidden: jax.Array, cfg: ModelConfig) -> jax.Array:

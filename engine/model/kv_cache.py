@@ -26,16 +26,19 @@ def kv_layout(model: ModelConfig, config: EngineConfig) -> KVLayout:
     full or sliding-window attention (only the window's blocks are transferred), heads padded for TP. Its
     model names the weights too (name@digest): KV of other weights under the same name does not fit it.
     Weights quantized at load (EngineConfig.quantization) are named too (`+int8`): their KV differs.
-    Its shardings (kvtransfer.cache_sharding, chunk_sharding) are the cache's and the chunks'."""
+    An EAGLE-3 draft layer (ModelConfig.draft_layer) is one more full layer, named in the model (`+eagle3@
+    digest`). Its shardings (kvtransfer.cache_sharding, chunk_sharding) are the cache's and the chunks'."""
     if model.is_mla:  # one latent a token, the same on every chip
         specs = (LayerSpec(SpecKind.MLA),) * model.num_layers
         heads, head_dim = 1, model.kv_lora_rank + model.qk_rope_head_dim
         mla = dict(kv_lora_rank=model.kv_lora_rank, qk_rope_head_dim=model.qk_rope_head_dim)
     else:
-        windows = [model.window(i) for i in range(model.num_layers)]
+        windows = [model.window(i) for i in range(model.num_layers)] + [0] * bool(model.draft_layer)
         specs = tuple(LayerSpec(SpecKind.SLIDING, w) if w else LayerSpec(SpecKind.FULL) for w in windows)
         heads, head_dim, mla = model.num_kv_heads, model.head_dim, {}
     name = f"{model.name}@{model.weights_digest}" if model.weights_digest else model.name
+    if model.draft_layer:  # its KV is the last layer's (engine.core.kv_groups)
+        name = f"{name}+{model.draft_layer}"
     return KVLayout(
         model=name if config.quantization == "none" else f"{name}+{config.quantization}",
         layer_specs=specs,

@@ -166,7 +166,7 @@ def _mlp(host: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return out
 
 
-def _layer_arrays(cfg: ModelConfig, layer: dict[str, np.ndarray], tp: int) -> dict[str, np.ndarray | None]:
+def layer_arrays(cfg: ModelConfig, layer: dict[str, np.ndarray], tp: int) -> dict[str, np.ndarray | None]:
     """One layer's LayerWeights arrays (leading axis 1) from its checkpoint arrays (the names of
     engine.loading.checkpoints: `wq` `wk` `wv` [D, heads * head_dim], their biases `bq` `bk` `bv`, `wo`,
     `w_gate` `w_up` [D, I], `w_down`, `attn_norm`, `mlp_norm`; in an expert layer `experts_gate`
@@ -184,6 +184,17 @@ def _layer_arrays(cfg: ModelConfig, layer: dict[str, np.ndarray], tp: int) -> di
         "post_mlp_norm": host.get("post_mlp_norm"),
         **_mlp(host),
     }
+
+
+def put_layer(arrays: dict[str, np.ndarray | None], mesh: Mesh, dtype: np.dtype) -> LayerWeights:
+    """One layer's arrays (layer_arrays', leading axis 1) onto `mesh` as a LayerWeights of one layer, each
+    sharded as the stacked layers' (an EAGLE-3 head's layer: engine.model.eagle3)."""
+    return LayerWeights(
+        **{
+            name: None if w is None else _put(w.astype(dtype), named(mesh, *_LAYER_AXES[name]))
+            for name, w in arrays.items()
+        }
+    )
 
 
 def _put(host: np.ndarray, sharding: NamedSharding) -> jax.Array:
@@ -273,7 +284,7 @@ def build_weights(
         for start, end in cfg.layer_segments():
             stacked: dict[str, jax.Array] = {}  # name (and "name/scale" of a quantized one) -> stacked
             for i in range(start, end):
-                for name, w in _layer_arrays(cfg, reader.layer(i), tp).items():
+                for name, w in layer_arrays(cfg, reader.layer(i), tp).items():
                     if w is None:
                         continue
                     axes = _LAYER_AXES[name]

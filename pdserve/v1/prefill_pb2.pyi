@@ -80,7 +80,7 @@ class PrefillHeader(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_len: _Optional[int] = ..., layout_json: _Optional[str] = ..., lora_adapter: _Optional[str] = ..., lora_fingerprint: _Optional[str] = ..., first_block: _Optional[int] = ..., prompt_digest: _Optional[bytes] = ...) -> None: ...
 
 class PrefillTrailer(_message.Message):
-    __slots__ = ("num_frames", "num_bytes", "prefill_seconds", "first_token", "first_logprobs", "num_cached_tokens", "prompt_logprobs", "forks")
+    __slots__ = ("num_frames", "num_bytes", "prefill_seconds", "first_token", "first_logprobs", "num_cached_tokens", "prompt_logprobs", "forks", "draft_aux")
     NUM_FRAMES_FIELD_NUMBER: _ClassVar[int]
     NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
     PREFILL_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -89,6 +89,7 @@ class PrefillTrailer(_message.Message):
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FORKS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_AUX_FIELD_NUMBER: _ClassVar[int]
     num_frames: int
     num_bytes: int
     prefill_seconds: float
@@ -97,7 +98,8 @@ class PrefillTrailer(_message.Message):
     num_cached_tokens: int
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenLogprobs]
     forks: _containers.RepeatedCompositeFieldContainer[SequenceStart]
-    def __init__(self, num_frames: _Optional[int] = ..., num_bytes: _Optional[int] = ..., prefill_seconds: _Optional[float] = ..., first_token: _Optional[int] = ..., first_logprobs: _Optional[_Union[_generation_pb2.TokenLogprobs, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprobs, _Mapping]]] = ..., forks: _Optional[_Iterable[_Union[SequenceStart, _Mapping]]] = ...) -> None: ...
+    draft_aux: bytes
+    def __init__(self, num_frames: _Optional[int] = ..., num_bytes: _Optional[int] = ..., prefill_seconds: _Optional[float] = ..., first_token: _Optional[int] = ..., first_logprobs: _Optional[_Union[_generation_pb2.TokenLogprobs, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprobs, _Mapping]]] = ..., forks: _Optional[_Iterable[_Union[SequenceStart, _Mapping]]] = ..., draft_aux: _Optional[bytes] = ...) -> None: ...
 
 class SequenceStart(_message.Message):
     __slots__ = ("token", "logprobs")

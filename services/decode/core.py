@@ -340,6 +340,7 @@ class GenerationCore:
                     attempt,
                     prompt_logprobs,
                     first.forks,
+                    first.draft_aux,
                 )
                 try:
                     await self.loop.call(done)  # after every InsertKV of the attempt
@@ -415,7 +416,9 @@ class GenerationCore:
                         self.loop.submit(InsertKV(rid, item, len(held), attempt))
             if first is None:
                 raise PrefillError(f"{replica.name}: no first token")
-            check_first_token(first, request, self.engine.model.config.vocab_size, replica.name)
+            draft = self.engine.runner.draft
+            width = 0 if draft is None else len(draft.aux_layers) * self.engine.model.config.hidden_size
+            check_first_token(first, request, self.engine.model.config.vocab_size, replica.name, width)
             return first, started or time.perf_counter(), nbytes
         finally:
             replica.outstanding -= 1

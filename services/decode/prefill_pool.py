@@ -21,6 +21,7 @@ import time
 from collections.abc import AsyncIterator
 
 import grpc
+import numpy as np
 
 from pdserve import kvtransfer
 from pdserve.engine.core.request import Request, TokenLogprobs
@@ -84,6 +85,8 @@ class FirstToken:
     prompt_logprobs: list[TokenLogprobs] | None = None  # one per prompt position after the first, if asked
     # n > 1: the first tokens (and logprobs, if asked) of sequences 1..n-1
     forks: tuple[tuple[int, TokenLogprobs | None], ...] = ()
+    # An EAGLE-3 head's input at the last prompt position (float32 [aux width]); None: none sent
+    draft_aux: np.ndarray | None = None
 
 
 class Prefiller(abc.ABC):
@@ -294,12 +297,17 @@ class RemotePrefiller(Prefiller):
                         (f.token, wire.logprobs_from_proto(f.logprobs) if f.HasField("logprobs") else None)
                         for f in trailer.forks
                     )
+                    try:
+                        aux = wire.draft_aux_from_bytes(trailer.draft_aux) if trailer.draft_aux else None
+                    except ValueError as e:
+                        raise PrefillError(f"{self.name}: trailer {e}") from None
                     yield FirstToken(
                         trailer.first_token,
                         logprobs,
                         trailer.num_cached_tokens,
                         prompt_logprobs if request.params.prompt_logprobs is not None else None,
                         forks,
+                        aux,
                     )
                     return
             order.end()
@@ -371,19 +379,32 @@ class LocalPrefiller(Prefiller):
         logprobs = first.logprobs[0] if first.logprobs else None
         prompt_logprobs = first.prompt_logprobs[1:] if first.prompt_logprobs is not None else None
         forks = tuple((o.new_token_ids[0], o.logprobs[0] if o.logprobs else None) for o in others)
-        yield FirstToken(first.new_token_ids[0], logprobs, first.num_cached_tokens, prompt_logprobs, forks)
+        aux = None if first.draft_aux is None else np.asarray(first.draft_aux, np.float32)
+        yield FirstToken(
+            first.new_token_ids[0], logprobs, first.num_cached_tokens, prompt_logprobs, forks, aux
+        )
 
 
-def check_first_token(first: FirstToken, request: Request, vocab_size: int, replica: str) -> None:
+def check_first_token(
+    first: FirstToken, request: Request, vocab_size: int, replica: str, draft_aux_width: int = 0
+) -> None:
     """A replica's trailer, range-checked like a client's request (PrefillError, the replica at fault):
     the first token in the vocabulary, the cached tokens within the prompt, the logprobs only as asked
     (the sampled token's first, at most the top-n asked for, each id in the vocabulary, each logprob a
     finite number <= 0), one more first token for each sequence after the first (n > 1), checked alike,
     the prompt logprobs as asked (one per prompt token after the first, for that token, its rank in the
-    vocabulary)."""
+    vocabulary), and a draft head's input exactly where this server has a head (`draft_aux_width` finite
+    values; 0: no head, none sent)."""
 
     def refuse(what: str):
         raise PrefillError(f"{replica}: trailer {what}")
+
+    aux = first.draft_aux
+    if (aux is not None) != bool(draft_aux_width):
+        refuse(f"draft_aux {'sent' if aux is not None else 'missing'}: this server's draft head reads "
+               f"{draft_aux_width} values")  # fmt: skip
+    if aux is not None and (aux.shape != (draft_aux_width,) or not np.isfinite(aux).all()):
+        refuse(f"draft_aux of {aux.size} values, not {draft_aux_width} finite ones")
 
     if not 0 <= first.num_cached_tokens <= len(request.prompt_ids):
         refuse(f"num_cached_tokens {first.num_cached_tokens} outside [0, {len(request.prompt_ids)}]")

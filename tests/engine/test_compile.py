@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.testing.compile_watch import count_compilations
+from pdserve.testing.eagle3 import write_random_head
 
 pytestmark = pytest.mark.model
 
@@ -42,12 +45,17 @@ def test_warmup_covers_a_mixed_workload(make_engine):
     assert all(r.finish_reason in ("stop", "length") for r in results)
 
 
-def test_warmup_covers_speculative_decoding(make_engine):
-    """With n-gram speculation the steps return more logits rows (EngineConfig.logits_bucket) and the
-    sampler takes as many: warmup compiles those, and decoding with drafts (penalties, logprobs, n > 1,
-    a prompt in chunks beside drafting rows) compiles nothing new."""
-    ngram = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "draft_policy": "all"}'
-    engine = make_engine(**WARMUP_CONFIG, speculative_config=ngram)
+@pytest.mark.parametrize("method", ["ngram", "eagle3"])
+def test_warmup_covers_speculative_decoding(make_engine, loaded_model, tmp_path, method):
+    """With speculation the steps return more logits rows (EngineConfig.logits_bucket) and the sampler
+    takes as many; an EAGLE-3 head's steps also return the aux states, and its pass runs after each step:
+    warmup compiles those, and decoding with drafts (penalties, logprobs, n > 1, a prompt in chunks beside
+    drafting rows) compiles nothing new."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "draft_policy": "all"}
+    if method == "eagle3":
+        head = write_random_head(tmp_path / "head", loaded_model.config)
+        spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3, "draft_policy": "all"}
+    engine = make_engine(**WARMUP_CONFIG, speculative_config=json.dumps(spec))
     engine.runner.warmup(progress=False)
     quote = "one two three four one two three four one two three four one two"
     prompts = [quote, quote + " three", "x " * 40, quote + " four one"]

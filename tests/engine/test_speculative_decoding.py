@@ -1,13 +1,18 @@
-"""Speculative decoding in the engine, on real weights: n-gram drafts verified in the ragged step give the
-tokens of decoding without them, greedy and seeded, whatever else the batch holds (a chunked prompt, an
-adapter, a constraint, preemption), and end exactly where decoding without them ends (a stop string or
-max_tokens inside a run of accepted drafts)."""
+"""Speculative decoding in the engine, on real weights: n-gram drafts and an EAGLE-3 head's (random
+weights in the published format, favouring tokens the test model writes often) verified in the ragged
+step give the tokens of decoding without them, greedy and seeded, whatever else the batch holds (a
+chunked prompt, an adapter, a constraint, preemption), and end exactly where decoding without them ends
+(a stop string or max_tokens inside a run of accepted drafts). The head's drafts depend on the tokens
+only: alone or in a batch, its prompt in other chunks, they are the same."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
 from pdserve.engine.sampling_params import Constraint, SamplingParams
+from pdserve.testing.eagle3 import write_random_head
 from pdserve.testing.lora import write_random_adapter
 
 pytestmark = pytest.mark.model
@@ -23,17 +28,38 @@ QUOTE = "The quick brown fox jumps over the lazy dog. " * 3
 LONG = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, " * 6  # > one step's budget
 
 
+def eagle3_config(folder, loaded_model) -> str:
+    """--speculative-config of an EAGLE-3 head written into `folder` for the test model: 256 draft ids,
+    "," and " and" favoured (the test model writes them every other token)."""
+    favoured = tuple(loaded_model.tokenizer.encode(t)[0] for t in (",", " and"))
+    head = write_random_head(folder, loaded_model.config, draft_vocab_size=256, seed=5, favoured=favoured)
+    return json.dumps(
+        {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3, "draft_policy": "all"}
+    )
+
+
 @pytest.fixture(scope="module")
-def engines(make_engine, tmp_path_factory, loaded_model):
-    """(without speculation, with it): the same sizes, the same adapter loaded in each."""
+def all_engines(make_engine, tmp_path_factory, loaded_model):
+    """{None: without speculation, "ngram", "eagle3"}: the same sizes, the same adapter loaded in each."""
     adapter = write_random_adapter(
         tmp_path_factory.mktemp("adapter") / "a", loaded_model.config, rank=8, seed=1
     )
-    pair = make_engine(**SIZES), make_engine(**SIZES, speculative_config=NGRAM)
-    for engine in pair:
+    eagle3 = eagle3_config(tmp_path_factory.mktemp("head") / "h", loaded_model)
+    built = {
+        None: make_engine(**SIZES),
+        "ngram": make_engine(**SIZES, speculative_config=NGRAM),
+        "eagle3": make_engine(**SIZES, speculative_config=eagle3),
+    }
+    for engine in built.values():
         if "a" not in engine.loras.adapters:
             engine.loras.load("a", str(adapter))
-    return pair
+    return built
+
+
+@pytest.fixture(params=["ngram", "eagle3"])
+def engines(request, all_engines):
+    """(without speculation, with the method's)."""
+    return all_engines[None], all_engines[request.param]
 
 
 def _runs(engine, prompt, params, **kwargs) -> tuple[list[list[int]], str, str]:
@@ -88,14 +114,14 @@ def test_a_stop_string_or_max_tokens_inside_an_accepted_run_ends_where_it_would_
     plain, spec = engines
     free = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     runs, _, _ = _runs(spec, QUOTE, free)
-    assert max(len(r) for r in runs) >= 3, runs
+    assert max(len(r) for r in runs) >= 2, runs
 
     tokens = [t for r in runs for t in r]
     ends = [sum(len(r) for r in runs[: i + 1]) for i in range(len(runs))]  # output index after each run
     tokenizer = spec.tokenizer
     cut_inside = 0
-    for end, run in [(e, r) for e, r in zip(ends, runs, strict=True) if len(r) >= 3][:3]:
-        last = end - len(run) + 1  # a token in the middle of the run (index in the output)
+    for end, run in [(e, r) for e, r in zip(ends, runs, strict=True) if len(r) >= 2][:3]:
+        last = end - len(run)  # the run's first token (index in the output): the rest is cut
         stop = tokenizer.decode(tokens[: last + 1])  # the text so far: it first completes at that token
         params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, stop=(stop,))
         got, expected = _runs(spec, QUOTE, params), _runs(plain, QUOTE, params)
@@ -106,3 +132,30 @@ def test_a_stop_string_or_max_tokens_inside_an_accepted_run_ends_where_it_would_
         got, expected = _runs(spec, QUOTE, length), _runs(plain, QUOTE, length)
         assert (sum(got[0], []), got[1], got[2]) == (sum(expected[0], []), expected[1], "length")
     assert cut_inside, "no stop string completed inside a run"
+
+
+def test_a_draft_heads_drafts_depend_on_the_tokens_only(all_engines, monkeypatch):
+    """The EAGLE-3 head's drafts after each sequence of tokens, from prompts run alone and then together
+    with others (other steps, other chunks of the long prompt, other rows around them, the prompts' blocks
+    from the prefix cache): wherever both runs drafted after the same tokens, the drafts are the same."""
+    spec = all_engines["eagle3"]
+    drafted: dict[tuple[int, ...], list[int]] = {}
+    run = type(spec.drafter)._run
+
+    def record(self, spans, num_tokens, aux):
+        run(self, spans, num_tokens, aux)
+        for span in spans:
+            if span.propose:
+                drafted[tuple(span.request.all_ids)] = list(span.request.proposed)
+
+    monkeypatch.setattr(type(spec.drafter), "_run", record)
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = [QUOTE, LONG, "Once upon a time"]
+    for prompt in prompts:
+        _generate(spec, [prompt], greedy)
+    alone, drafted = drafted, {}
+    _generate(spec, ["1, 2, 3, 1, 2, 3", *prompts, "Hello there"], greedy)
+    common = alone.keys() & drafted.keys()
+    assert len(common) >= 20, len(common)
+    assert {k: drafted[k] for k in common} == {k: alone[k] for k in common}
+    assert max(map(len, alone.values())) == 3  # (fewer near max_tokens)
