@@ -91,3 +91,14 @@ def write_random_head(
         config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(aux_layers)}
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     return folder
+
+
+def eagle3_config(folder: Path, model, k: int = 3) -> str:
+    """--speculative-config of a head written into `folder` for a loaded model (engine.loading.sources
+    LoadedModel, with its tokenizer): 256 draft ids, "," and " and" favoured (the tests' model writes them
+    every other token, so its drafts are often accepted), every draft verified (draft_policy "all")."""
+    favoured = tuple(model.tokenizer.encode(t)[0] for t in (",", " and"))
+    head = write_random_head(folder, model.config, draft_vocab_size=256, seed=5, favoured=favoured)
+    return json.dumps(
+        {"method": "eagle3", "model": str(head), "num_speculative_tokens": k, "draft_policy": "all"}
+    )

@@ -196,3 +196,22 @@ def test_the_speculative_config_refuses_eagle3_keys_by_name(given, named):
         SpeculativeConfig.parse(json.dumps(given))
     ok = SpeculativeConfig.parse('{"method": "eagle3", "model": "/h", "num_speculative_tokens": 2}')
     assert (ok.method, ok.model, ok.num_speculative_tokens, ok.prompt_lookup_min) == ("eagle3", "/h", 2, 0)
+
+
+def test_the_draft_layer_is_part_of_the_kv_layout():
+    """A replica's KV fits only a server with the same head (or none): the layout names the draft layer's
+    digest in its model and counts its layer, so a handshake refuses the others by name."""
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.model.kv_cache import kv_layout
+    from pdserve.kvtransfer import LayoutMismatchError
+
+    config = EngineConfig(num_blocks=8, max_model_len=64, dtype="float32")
+    layouts = [
+        kv_layout(dataclasses.replace(TARGET, draft_layer=d), config) for d in ("", "eagle3@a", "eagle3@b")
+    ]
+    assert [layout.num_layers for layout in layouts] == [6, 7, 7]
+    for i, j in ((0, 1), (1, 2)):
+        with pytest.raises(LayoutMismatchError, match="model") as refused:
+            layouts[i].check_compatible(layouts[j])
+        assert "eagle3@" in str(refused.value)
+    layouts[1].check_compatible(kv_layout(dataclasses.replace(TARGET, draft_layer="eagle3@a"), config))

@@ -7,12 +7,10 @@ only: alone or in a batch, its prompt in other chunks, they are the same."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from pdserve.engine.sampling_params import Constraint, SamplingParams
-from pdserve.testing.eagle3 import write_random_head
+from pdserve.testing.eagle3 import eagle3_config
 from pdserve.testing.lora import write_random_adapter
 
 pytestmark = pytest.mark.model
@@ -26,16 +24,6 @@ NGRAM = (
 SIZES = dict(max_loras=2, num_blocks=48)
 QUOTE = "The quick brown fox jumps over the lazy dog. " * 3
 LONG = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, " * 6  # > one step's budget
-
-
-def eagle3_config(folder, loaded_model) -> str:
-    """--speculative-config of an EAGLE-3 head written into `folder` for the test model: 256 draft ids,
-    "," and " and" favoured (the test model writes them every other token)."""
-    favoured = tuple(loaded_model.tokenizer.encode(t)[0] for t in (",", " and"))
-    head = write_random_head(folder, loaded_model.config, draft_vocab_size=256, seed=5, favoured=favoured)
-    return json.dumps(
-        {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3, "draft_policy": "all"}
-    )
 
 
 @pytest.fixture(scope="module")

@@ -350,3 +350,66 @@ def test_speculative_decoding_on_the_decode_server_only_equals_colocated(prefill
         assert len(stats.spec_decode_accepted_per_position_total) == 3
         assert stats.num_transfers_total >= 3  # each prompt's KV came from the prefill server (once)
         assert_all_free(address, prefill.address)
+
+
+def test_eagle3_drafts_after_the_handoff_equal_a_colocated_engines(
+    prefill, loaded_model, small_config, tmp_path
+):
+    """EAGLE-3 on both roles (a random head in the published format): the prefill server runs the head over
+    the prompt and sends its KV (a layer of the KV layout) and its input at the last position (the
+    trailer); the decode server's drafts, after every sequence of tokens both drafted after (its first
+    step's included), equal a colocated engine's, and so do its tokens. A decode server with the head and
+    a replica without one (the session's) do not exchange KV: the handshake refuses the replica, naming
+    the draft layer, and the request is computed locally."""
+    import dataclasses
+
+    from pdserve.engine.draft_runner import DraftRunner
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.services.decode.core import GenerationCore
+    from pdserve.services.decode.server import serve as serve_decode
+    from pdserve.services.prefill.server import PrefillService
+    from pdserve.services.prefill.server import serve as serve_prefill
+    from pdserve.testing.eagle3 import eagle3_config
+
+    config = dataclasses.replace(
+        small_config, speculative_config=eagle3_config(tmp_path / "head", loaded_model)
+    )
+    drafted: dict[int, dict[tuple[int, ...], list[int]]] = {}  # engine's drafter -> tokens -> drafts
+    run = DraftRunner._run
+
+    def record(self, spans, num_tokens, aux):
+        run(self, spans, num_tokens, aux)
+        for span in (s for s in spans if s.propose):
+            drafted.setdefault(id(self), {})[tuple(span.request.all_ids)] = list(span.request.proposed)
+
+    DraftRunner._run = record
+    try:
+        reference = LLMEngine(loaded_model, config)
+        jobs = [(ids, kw) for ids in prompts(loaded_model.tokenizer)[1:4] for kw in (GREEDY, SEEDED[0])]
+        expected = [
+            reference.generate([ids], params_from_request(build_request(ids, **kw)))[0].token_ids
+            for ids, kw in jobs
+        ]
+        service = PrefillService.for_engine(LLMEngine(loaded_model, config))
+        with in_process(lambda stop, ready: serve_prefill(service, 0, stop, on_ready=ready)) as replica:
+            for target, transferred in ((replica, True), (prefill.address, False)):
+                engine = LLMEngine(loaded_model, config)
+                core = GenerationCore.for_engine(engine, prefill_targets=[target])
+                with in_process(
+                    lambda stop, ready, core=core: serve_decode(core, 0, stop, on_ready=ready)
+                ) as d:
+                    client = Client(d)
+                    assert [client.generate(ids, **kw).token_ids for ids, kw in jobs] == expected
+                    stats = client.stats()
+                    assert (stats.num_transfers_total >= 2) == transferred, target  # (short or cached: local)
+                    assert stats.spec_decode_num_accepted_tokens_total > 0
+                    assert_all_free(d)
+                here, there = drafted.pop(id(engine.drafter)), drafted[id(reference.drafter)]
+                common = here.keys() & there.keys()
+                assert len(common) >= 30, len(common)
+                assert {k: here[k] for k in common} == {k: there[k] for k in common}
+                first = {tuple(ids + [e[0]]) for (ids, _), e in zip(jobs, expected, strict=True)}
+                assert first <= common  # the first drafts after each prompt, on either path
+            assert_all_free(replica)
+    finally:
+        DraftRunner._run = run
