@@ -13,12 +13,14 @@ trained head's: it measures the head's overhead.
 
 1. Overhead, in one process: the engine without speculation, with the head under `draft_policy` "cost"
    (drafts verified where the step's measured cost says they pay) and "all", at batch 1 and 8 on two of
-   bench_speculative's workloads (quote, story): decode tokens per second and TPOT, medians of `--rounds`
-   interleaved runs, ratios to without, mean accepted length; outputs checked equal token for token.
-2. Handoff: every workload's prompt through a prefill-server and a decode-server (processes, the head
-   given to both, `draft_policy` "all") and through a colocated engine of the same config, one request
-   at a time: the spec-decode counters (verifying rows, drafts, accepted, accepted per position) and the
-   tokens must be equal.
+   bench_speculative's workloads (quote, story) and on `seen`, one of bench/distill_eagle3.py's training
+   instructions (a distilled head fits its training answers: what a head that predicts well gives):
+   decode tokens per second and TPOT, medians of `--rounds` interleaved runs, ratios to without, mean
+   accepted length; outputs checked equal token for token.
+2. Handoff: every workload's prompt and `seen` through a prefill-server and a decode-server (processes,
+   the head given to both, `draft_policy` "all") and through a colocated engine of the same config, one
+   request at a time: the spec-decode counters (verifying rows, drafts, accepted, accepted per position)
+   and the tokens must be equal.
 """
 
 from __future__ import annotations
@@ -36,6 +38,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench_speculative import WORKLOADS, chat_prompts, timed  # noqa: E402  bench/ is on the path
+from distill_eagle3 import TASKS, TOPICS  # noqa: E402
+
+# One of distill_eagle3's training instructions: what the engine does with a head that predicts well (a
+# head fits its training answers), not how well a head generalizes
+SEEN = TASKS[0].format(t=TOPICS[0])
 
 
 def write_head(folder: Path, model, prompts, off_engine, params) -> Path:
@@ -53,8 +60,8 @@ def overhead(engines, model, args) -> list[dict]:
     params = SamplingParams(temperature=0.0, max_tokens=args.tokens)
     rows = []
     for batch in args.batches:
-        for name in ("quote", "story"):
-            prompts = chat_prompts(model.tokenizer, WORKLOADS[name], batch)
+        for name, text in (("quote", WORKLOADS["quote"]), ("story", WORKLOADS["story"]), ("seen", SEEN)):
+            prompts = chat_prompts(model.tokenizer, text, batch)
             row = {"workload": name, "batch": batch}
             for engine in engines.values():
                 timed(engine, prompts, params)  # warm-up (the cost policy learns this workload's steps)
@@ -101,7 +108,7 @@ def handoff(model, model_path: Path, spec: str, args, log_dir: Path) -> dict:
     from pdserve.services.sampling import params_from_request
     from pdserve.testing.launch import TEST_ENGINE, decode_server, prefill_server
 
-    requests = [chat_prompts(model.tokenizer, text, 1)[0] for text in WORKLOADS.values()]
+    requests = [chat_prompts(model.tokenizer, text, 1)[0] for text in [*WORKLOADS.values(), SEEN]]
     keywords = dict(max_tokens=args.tokens, temperature=0.0)
     colocated = LLMEngine(model, dataclasses.replace(TEST_ENGINE, speculative_config=spec))
     expected = [

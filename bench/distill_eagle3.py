@@ -9,9 +9,10 @@ them bench_eagle3's workloads. For each answer the target's residual stream ente
 (the head's aux layers) is read at every position from the engine's own step (a head makes the step
 return them). The head (fc, one decoder layer taking [embedding | hidden], norm, LM head over the 4096
 tokens the answers use most, d2t) is trained with Adam (optax) on the cross entropy of the token two
-ahead, as EAGLE-3 is: a first pass reads the target's states, a second pass its own outputs shifted by a
-position (a one-step approximation of EAGLE-3's training-time test, so that later drafts learn to read
-the head's own state). Attention is dense and causal over each answer.
+ahead, as EAGLE-3 is: a first pass reads the target's states, each later pass the previous pass's outputs
+shifted by a position (an approximation of EAGLE-3's training-time test: the i-th draft learns to read
+the head's own state; it attends to that pass's keys, where drafting attends to the first pass's).
+Attention is dense and causal over each answer.
 """
 
 from __future__ import annotations
@@ -76,9 +77,9 @@ def aux_states(engine, sequence: list[int]):
         kv.free(rid)
 
 
-def make_loss(cfg, embed):
-    """The loss of a batch of sequences: tokens [B, L], aux [B, L, 3H], the draft id of the token two ahead
-    [B, L] (-1: none), valid [B, L]."""
+def make_loss(cfg, embed, passes: int):
+    """The loss of a batch of sequences (`passes` drafts deep): tokens [B, L], aux [B, L, 3H], the draft id
+    of the token two ahead [B, L] (-1: none), valid [B, L]."""
     import jax
     import jax.numpy as jnp
 
@@ -120,16 +121,18 @@ def make_loss(cfg, embed):
         return -jnp.sum(jnp.where(ok, picked, 0.0)) / jnp.maximum(ok.sum(), 1), ok
 
     def loss(p, tokens, aux, labels, valid):
-        # pass 1: position j reads token j + 1 and the target's states at j; predicts token j + 2
+        # pass 1: position j reads token j + 1 and the target's states at j; predicts token j + 2. Pass i
+        # > 1, as the i-th draft: position j reads token j + 1 and pass i - 1's output at j - 1 (not the
+        # target's states); predicts token j + 2. Weights 1, 1/2, 1/4, ...
         next_tokens = jnp.concatenate([tokens[:, 1:], tokens[:, -1:]], 1)
-        out1 = layer(p, next_tokens, aux @ p["fc.weight"].T, valid)
-        first, _ = xent(p, out1, labels)
-        # pass 2, as a later draft: position j reads token j + 1 and pass 1's output at j - 1 (not the
-        # target's states); predicts token j + 2
-        shifted = jnp.concatenate([jnp.zeros_like(out1[:, :1]), out1[:, :-1]], 1)
-        out2 = layer(p, next_tokens, shifted, valid)
-        second, _ = xent(p, out2, labels.at[:, 0].set(-1))
-        return first + 0.5 * second
+        out = layer(p, next_tokens, aux @ p["fc.weight"].T, valid)
+        total, _ = xent(p, out, labels)
+        for i in range(1, passes):
+            shifted = jnp.concatenate([jnp.zeros_like(out[:, :1]), out[:, :-1]], 1)
+            out = layer(p, next_tokens, shifted, valid)
+            value, _ = xent(p, out, labels.at[:, :i].set(-1))
+            total = total + value / 2**i
+        return total
 
     return loss
 
@@ -142,6 +145,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=1500)
     parser.add_argument("--batch", type=int, default=8, help="sequences a step")
     parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--passes", type=int, default=3, help="drafts deep the loss trains (EAGLE-3's test)")
     args = parser.parse_args()
     try:
         import optax
@@ -191,7 +195,7 @@ def main() -> None:
     head = load_eagle3_head(start, model.config)
     params = {k: jnp.asarray(v, jnp.float32) for k, v in head.tensors.items() if v.dtype.kind == "f"}
     embed = jnp.asarray(model.checkpoint.host["embed"], jnp.float32)
-    loss = make_loss(head.config, embed)
+    loss = make_loss(head.config, embed, args.passes)
     optimizer = optax.adamw(args.lr, weight_decay=0.0)
     state = optimizer.init(params)
 
