@@ -29,7 +29,6 @@ import argparse
 import collections
 import dataclasses
 import json
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -37,7 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench_speculative import WORKLOADS, chat_prompts, timed  # noqa: E402  bench/ is on the path
+from bench_speculative import WORKLOADS, chat_prompts, compare  # noqa: E402  bench/ is on the path
 from distill_eagle3 import TASKS, TOPICS  # noqa: E402
 
 # One of distill_eagle3's training instructions: what the engine does with a head that predicts well (a
@@ -62,48 +61,16 @@ def overhead(engines, model, args) -> list[dict]:
     for batch in args.batches:
         for name, text in (("quote", WORKLOADS["quote"]), ("story", WORKLOADS["story"]), ("seen", SEEN)):
             prompts = chat_prompts(model.tokenizer, text, batch)
-            row = {"workload": name, "batch": batch}
-            for engine in engines.values():
-                timed(engine, prompts, params)  # warm-up (the cost policy learns this workload's steps)
-            before = {label: e.scheduler.speculation.snapshot() for label, e in engines.items()}
-            results: dict[str, list[dict]] = {label: [] for label in engines}
-            for _ in range(args.rounds):
-                for label, engine in engines.items():
-                    results[label].append(timed(engine, prompts, params))
-            tokens = results["off"][0]["tokens"]
-            assert all(r["tokens"] == tokens for runs in results.values() for r in runs), (
-                f"{name}: outputs differ"
-            )
-            for label, engine in engines.items():
-                row[f"tokens_per_s_{label}"] = statistics.median(r["tokens_per_s"] for r in results[label])
-                row[f"tpot_ms_{label}"] = statistics.median(r["tpot_ms"] for r in results[label])
-                if label == "off":
-                    continue
-                now, then = engine.scheduler.speculation, before[label]
-                verifying = now.num_drafts - then.num_drafts
-                accepted = now.num_accepted_tokens - then.num_accepted_tokens
-                drafted = now.num_draft_tokens - then.num_draft_tokens
-                row[f"mean_accepted_length_{label}"] = 1 + accepted / verifying if verifying else 1.0
-                row[f"draft_acceptance_rate_{label}"] = accepted / drafted if drafted else 0.0
-                row[f"tokens_per_s_ratio_{label}"] = row[f"tokens_per_s_{label}"] / row["tokens_per_s_off"]
-                row[f"tpot_ratio_{label}"] = row[f"tpot_ms_{label}"] / row["tpot_ms_off"]
+            row = {"workload": name, "batch": batch, **compare(engines, prompts, params, args.rounds)}
             print(json.dumps(row), flush=True)
             rows.append(row)
     return rows
 
 
-def counters(stats) -> dict:
-    return {
-        "num_drafts": stats.num_drafts,
-        "num_draft_tokens": stats.num_draft_tokens,
-        "num_accepted_tokens": stats.num_accepted_tokens,
-        "accepted_per_position": list(stats.accepted_per_position),
-    }
-
-
 def handoff(model, model_path: Path, spec: str, args, log_dir: Path) -> dict:
     """The workloads through a prefill-server and a decode-server, and through a colocated engine."""
     from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.services.admin import speculation_fields
     from pdserve.services.client import Client, build_request
     from pdserve.services.sampling import params_from_request
     from pdserve.testing.launch import TEST_ENGINE, decode_server, prefill_server
@@ -115,7 +82,7 @@ def handoff(model, model_path: Path, spec: str, args, log_dir: Path) -> dict:
         colocated.generate([ids], params_from_request(build_request(ids, **keywords)))[0].token_ids
         for ids in requests
     ]
-    local = counters(colocated.scheduler.speculation)
+    local = speculation_fields(colocated.scheduler.speculation)  # (Admin stats' spec_decode_* fields)
     extra = ["--speculative-config", spec]
     prefill = prefill_server(model_path, log_dir, extra=extra)
     try:
@@ -124,12 +91,10 @@ def handoff(model, model_path: Path, spec: str, args, log_dir: Path) -> dict:
             client = Client(decode.address)
             got = [client.generate(ids, **keywords).token_ids for ids in requests]
             stats = client.stats()
-            remote = {
-                "num_drafts": stats.spec_decode_num_drafts_total,
-                "num_draft_tokens": stats.spec_decode_num_draft_tokens_total,
-                "num_accepted_tokens": stats.spec_decode_num_accepted_tokens_total,
-                "accepted_per_position": list(stats.spec_decode_accepted_per_position_total),
-            }
+            remote = {key: getattr(stats, key) for key in local}  # (the proto's, by the same names)
+            remote["spec_decode_accepted_per_position_total"] = list(
+                remote["spec_decode_accepted_per_position_total"]
+            )
             transfers = stats.num_transfers_total
         finally:
             decode.terminate()

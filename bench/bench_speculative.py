@@ -89,6 +89,37 @@ def timed(engine, prompts, params) -> dict:
     }
 
 
+def compare(engines: dict, prompts, params, rounds: int) -> dict:
+    """The engines (by label; "off": the reference) on the same prompts: each warmed up on them once, then
+    `rounds` interleaved runs; outputs checked equal token for token. Per label the median tokens/s and
+    TPOT, and with speculation their ratios to "off", the mean accepted length and the draft acceptance
+    rate over the rounds."""
+    for engine in engines.values():
+        timed(engine, prompts, params)  # warm-up (the cost policy learns this workload's steps)
+    before = {label: e.scheduler.speculation.snapshot() for label, e in engines.items()}
+    results: dict[str, list[dict]] = {label: [] for label in engines}
+    for _ in range(rounds):  # interleaved: the machine's drift touches every engine alike
+        for label, engine in engines.items():
+            results[label].append(timed(engine, prompts, params))
+    tokens = results["off"][0]["tokens"]
+    assert all(r["tokens"] == tokens for runs in results.values() for r in runs), "outputs differ"
+    row = {"output_tokens": sum(len(t) for t in tokens)}
+    for label, engine in engines.items():
+        row[f"tokens_per_s_{label}"] = statistics.median(r["tokens_per_s"] for r in results[label])
+        row[f"tpot_ms_{label}"] = statistics.median(r["tpot_ms"] for r in results[label])
+        if label == "off":
+            continue
+        now, then = engine.scheduler.speculation, before[label]
+        verifying = now.num_drafts - then.num_drafts
+        accepted = now.num_accepted_tokens - then.num_accepted_tokens
+        drafted = now.num_draft_tokens - then.num_draft_tokens
+        row[f"mean_accepted_length_{label}"] = 1 + accepted / verifying if verifying else 1.0
+        row[f"draft_acceptance_rate_{label}"] = accepted / drafted if drafted else 0.0
+        row[f"tokens_per_s_ratio_{label}"] = row[f"tokens_per_s_{label}"] / row["tokens_per_s_off"]
+        row[f"tpot_ratio_{label}"] = row[f"tpot_ms_{label}"] / row["tpot_ms_off"]
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
@@ -128,32 +159,7 @@ def main() -> None:
     for batch in args.batches:
         for name, text in WORKLOADS.items():
             prompts = chat_prompts(model.tokenizer, text, batch)
-            row = {"workload": name, "batch": batch}
-            for engine in engines.values():
-                timed(engine, prompts, params)  # warm-up (the cost policy learns this workload's steps)
-            before = {label: e.scheduler.speculation.snapshot() for label, e in engines.items()}
-            results: dict[str, list[dict]] = {label: [] for label in engines}
-            for _ in range(args.rounds):  # interleaved: the machine's drift touches every engine alike
-                for label, engine in engines.items():
-                    results[label].append(timed(engine, prompts, params))
-            tokens = results["off"][0]["tokens"]
-            assert all(r["tokens"] == tokens for runs in results.values() for r in runs), (
-                f"{name}: outputs differ"
-            )
-            row["output_tokens"] = sum(len(t) for t in tokens)
-            for label, engine in engines.items():
-                row[f"tokens_per_s_{label}"] = statistics.median(r["tokens_per_s"] for r in results[label])
-                row[f"tpot_ms_{label}"] = statistics.median(r["tpot_ms"] for r in results[label])
-                if label == "off":
-                    continue
-                now, then = engine.scheduler.speculation, before[label]
-                rows = now.num_drafts - then.num_drafts
-                accepted = now.num_accepted_tokens - then.num_accepted_tokens
-                drafted = now.num_draft_tokens - then.num_draft_tokens
-                row[f"mean_accepted_length_{label}"] = 1 + accepted / rows if rows else 1.0
-                row[f"draft_acceptance_rate_{label}"] = accepted / drafted if drafted else 0.0
-                row[f"tokens_per_s_ratio_{label}"] = row[f"tokens_per_s_{label}"] / row["tokens_per_s_off"]
-                row[f"tpot_ratio_{label}"] = row[f"tpot_ms_{label}"] / row["tpot_ms_off"]
+            row = {"workload": name, "batch": batch, **compare(engines, prompts, params, args.rounds)}
             print(json.dumps(row), flush=True)
             out["runs"].append(row)
     if args.json:
