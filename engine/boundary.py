@@ -170,6 +170,11 @@ class EngineStats:
     prefix_cache_hits: int = 0
     prefix_cache_evictions: int = 0
     num_preemptions: int = 0
+    num_host_blocks: int = 0  # the host tier's slots (0: no tier)
+    num_host_cached_blocks: int = 0  # of those, holding cached blocks
+    num_host_staged_blocks: int = 0  # reserved by prefill streams' staged KV
+    prefix_cache_host_hits: int = 0  # of prefix_cache_hits, tokens loaded from the host tier
+    num_host_offloads: int = 0  # blocks copied to the host tier since start
     running_adapters: tuple[str, ...] = ()
     waiting_adapters: tuple[str, ...] = ()
     max_loras: int = 0

@@ -539,6 +539,15 @@ class EngineConfig:
         "reuse the KV of cached prompt prefixes (--no-prefix-caching: compute every prompt in full)",
         flag="--prefix-caching",
     )
+    kv_offloading_size: float = flag(
+        0.0,
+        "GiB of host memory for a KV tier under the device cache (vLLM's flag): cached blocks evicted from "
+        "the device are kept there and loaded back on a prefix hit; a prefill server also stages the KV "
+        "its streams send there, freeing device memory while a decode server reads (0: off)",
+        metavar="GIB",
+    )
+    # Host slots of that tier, one block each (engine.memory.plan resolves it from kv_offloading_size)
+    num_host_blocks: int = 0
     speculative_config: str = flag(
         "",
         "speculative decoding, a JSON object with vLLM's keys: method (ngram or eagle3), "
@@ -552,6 +561,8 @@ class EngineConfig:
             raise ValueError("max_model_len must be a multiple of block_size (0: the model's context)")
         if not 0 <= self.gpu_memory_utilization <= 1 or self.num_blocks < 0:
             raise ValueError("gpu_memory_utilization must be in [0, 1] and num_blocks >= 0")
+        if not self.kv_offloading_size >= 0 or self.num_host_blocks < 0:
+            raise ValueError("kv_offloading_size must be >= 0 GiB")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs (every decode fits a step)")
         if self.max_loras < 0 or self.max_lora_rank < 1 or self.max_cpu_loras < max(self.max_loras, 1):

@@ -34,7 +34,7 @@ from pdserve.engine.boundary import (
     Utility,
 )
 from pdserve.engine.compile_cache import cache_state
-from pdserve.engine.config import EngineConfig, UnsupportedModelError, bucket_for
+from pdserve.engine.config import EngineConfig, ModelConfig, UnsupportedModelError, bucket_for
 from pdserve.engine.constraints import ConstraintCompiler
 from pdserve.engine.core.kv_connector import KVConnector, TransferReady
 from pdserve.engine.core.kv_groups import KVGroups
@@ -104,6 +104,8 @@ class LLMEngine:
             release_window=model.config.widest_window,
             ring_blocks=ring_blocks,
         )
+        if getattr(runner, "host", None) is not None:  # the host tier's copies, before each cache write
+            runner.before_write = self._move_host_blocks
         # an EAGLE-3 head's passes between steps; None: no head
         draft = getattr(runner, "draft", None)  # (a scripted runner has none)
         self.drafter = None if draft is None else DraftRunner(runner, self.scheduler)
@@ -155,6 +157,8 @@ class LLMEngine:
         memory.model_len(model.config, config)  # refused before the weights load: a length past the model's,
         memory.check_weights_fit(model.config, config, mesh, model.checkpoint.num_params)  # weights too large
         weights = build_weights(model.config, model.checkpoint, mesh, dtype, progress, config.quantization)
+        if config.kv_offloading_size:
+            _check_host_tier(model.config, config)
         lora_slots = None
         if config.max_loras and (model.config.num_experts or model.config.is_mla):
             raise ValueError(
@@ -373,6 +377,11 @@ class LLMEngine:
             prefix_cache_hits=kv.stats.hits,
             prefix_cache_evictions=kv.pool.num_evictions,
             num_preemptions=s.num_preemptions,
+            num_host_blocks=kv.host.num_slots if kv.host else 0,
+            num_host_cached_blocks=kv.host.num_cached if kv.host else 0,
+            num_host_staged_blocks=kv.host.num_staged if kv.host else 0,
+            prefix_cache_host_hits=kv.stats.host_hits,
+            num_host_offloads=self.runner.host.num_offloaded if kv.host else 0,
             running_adapters=adapters(running),
             waiting_adapters=adapters(s.waiting),
             max_loras=self.config.max_loras,
@@ -437,6 +446,8 @@ class LLMEngine:
                     self.runner, request, self.scheduler.block_tables(request.request_id)
                 )
                 self.scheduler.finish_sending(request.request_id)
+            if self.scheduler.kv.host is not None:
+                self._move_host_blocks()
         self._stepping = {}
         return self.take_outputs()
 
@@ -541,6 +552,12 @@ class LLMEngine:
             children.append(request.fork(index, matcher))
             self._streams[children[-1].request_id] = OutputStream(children[-1], self.tokenizer)
         return children
+
+    def _move_host_blocks(self) -> None:
+        """The host tier's copies owed (engine.core.kv_cache_manager): run before every write of the cache
+        (ModelRunner.before_write), and after each step to take the copies that landed."""
+        kv = self.scheduler.kv
+        kv.offloads_landed(self.runner.move_host_blocks(kv.take_offloads(), kv.take_loads()))
 
     def _copy_blocks(self) -> None:
         """Makes the block copies forks asked for, before a step writes into them."""
@@ -840,6 +857,19 @@ class FinishedSequence:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # with SamplingParams.prompt_logprobs
     index: int = 0  # which of the prompt's n sequences
+
+
+def _check_host_tier(model: ModelConfig, config: EngineConfig) -> None:
+    """--kv-offloading-size's refusals, before the weights load."""
+    why = None
+    if not config.enable_prefix_caching:
+        why = "it holds the prefix cache's blocks: it needs --prefix-caching"
+    elif not KVGroups.of(model).is_identity:
+        why = "hybrid models (sliding-window layer groups) keep no prefix cache to offload"
+    elif multihost.is_multi_process():
+        why = "a multi-host group does not offload yet (each host would copy its own shards)"
+    if why:
+        raise UnsupportedModelError(f"--kv-offloading-size {config.kv_offloading_size:g}: {why}")
 
 
 def _without(row: np.ndarray, tokens) -> np.ndarray:

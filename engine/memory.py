@@ -55,6 +55,7 @@ class MemoryPlan:
     )
     activation_bytes: int = 0  # the largest step's temporaries (measured when sizing from memory)
     fraction: float = 0.0
+    num_host_blocks: int = 0  # slots of the host tier (--kv-offloading-size), a whole block each
 
     @property
     def kv_tokens(self) -> int:
@@ -82,7 +83,7 @@ class MemoryPlan:
             "max_model_len": str(self.max_model_len),
             "max_concurrency": f"{self.max_concurrency:.1f}",
             "sized_by": sized,
-        }
+        } | ({"kv_host_blocks": str(self.num_host_blocks)} if self.num_host_blocks else {})
 
 
 def _local_devices(mesh) -> list[jax.Device]:
@@ -143,6 +144,21 @@ def block_bytes(model: ModelConfig, config: EngineConfig, mesh) -> int:
     tp = config.tp
     per_device = total if model.is_mla else total // tp
     return per_device * tp if _platform(mesh) == "cpu" else per_device
+
+
+def host_blocks(model: ModelConfig, config: EngineConfig) -> int:
+    """Slots of the host tier that --kv-offloading-size GiB hold: a slot is a whole block, every device's
+    shards (one host's view of the cache)."""
+    if not config.kv_offloading_size:
+        return 0
+    shape = cache_shape(model, dataclasses.replace(config, num_blocks=1))
+    slot = jax.numpy.dtype(config.cache_dtype).itemsize * math.prod(shape)
+    slots = int(config.kv_offloading_size * GIB) // slot
+    if slots < 1:
+        raise SizingError(
+            f"--kv-offloading-size {config.kv_offloading_size:g} GiB holds no block of {slot / 2**20:.2f} MiB"
+        )
+    return slots
 
 
 def agreed_num_blocks(num_blocks: int) -> int:
@@ -206,6 +222,7 @@ def plan(
     the largest step's temporary bytes per device, measured by compiling it."""
     bs = config.block_size
     max_len = model_len(model, config)
+    config = dataclasses.replace(config, num_host_blocks=host_blocks(model, config))
     weight_bytes = device_bytes(resident, mesh)
     per_block = block_bytes(model, config, mesh)
     device = mesh.devices.flat[0]
@@ -218,6 +235,7 @@ def plan(
         weight_bytes=weight_bytes,
         block_size=bs,
         block_bytes=per_block,
+        num_host_blocks=config.num_host_blocks,
     )
     if config.num_blocks:  # sized by the flag
         if not config.max_model_len:

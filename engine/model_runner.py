@@ -10,7 +10,7 @@ import dataclasses
 import functools
 import itertools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
@@ -21,6 +21,7 @@ from pdserve.engine import multihost
 from pdserve.engine.config import EngineConfig, ModelConfig, bucket_for
 from pdserve.engine.core.kv_groups import BlockTables, KVGroups
 from pdserve.engine.core.scheduler import Row
+from pdserve.engine.host_kv import HostKVStore
 from pdserve.engine.lora_slots import LoraSlots
 from pdserve.engine.memory import MemoryPlan
 from pdserve.engine.model import kv_cache
@@ -117,6 +118,10 @@ class ModelRunner:
         self.hidden: jax.Array | None = None  # the last step's final hidden states (prompt_scores reads)
         self.aux: jax.Array | None = None  # the last step's aux states (with a draft head: run_draft reads)
         self._scores = functools.partial(_jitted_scores, cfg=model, num_top=max(config.max_logprobs, 1))
+        # The host tier's slots (--kv-offloading-size; None: off), and what every write of the cache calls
+        # first: the engine's copies owed to and from the tier (blocks evicted and reused, host hits)
+        self.host = HostKVStore(self.cache, config.num_host_blocks) if config.num_host_blocks else None
+        self.before_write: Callable[[], None] | None = None
 
     # ---- shapes ----------------------------------------------------------------------------------------
     def step_shapes(self) -> list[tuple[int, int]]:
@@ -184,6 +189,7 @@ class ModelRunner:
                 logits_rows=logits_rows,
             )
             self.publish(DeviceOp("step", arrays))
+        self._before_write()
         logits, self.cache, self.hidden, self.aux = self._step(
             self.weights,
             self.lora_weights,
@@ -224,6 +230,7 @@ class ModelRunner:
         """The draft head's pass (engine.model.eagle3.draft_step) on padded host arrays, reading the aux
         states of the last step (or `aux`, a peer's, [tokens, aux width]); its drafts on the host [S, k]."""
         d = self.draft
+        self._before_write()
         drafts, self.cache = _jitted_draft(
             d.weights,
             self.weights.embed,
@@ -334,7 +341,26 @@ class ModelRunner:
         """One padded batch of copy_blocks; published first (engine.multihost)."""
         if self.publish is not None:
             self.publish(DeviceOp("copy_blocks", {"src": src, "dst": dst}))
+        self._before_write()
         self.cache = _copy_blocks(self.cache, src, dst)
+
+    # ---- the host tier (engine.host_kv) -------------------------------------------------------------------
+    def _before_write(self) -> None:
+        if self.before_write is not None:
+            self.before_write()
+
+    def move_host_blocks(
+        self, offloads: Sequence[tuple[int, int]], loads: Sequence[tuple[int, int]]
+    ) -> list[int]:
+        """The host tier's copies: the slots of `loads` (host slot, block) read first, then the blocks of
+        `offloads` (block, host slot) copied out, then the loads written in; returns the slots whose
+        copies out have landed since the last call."""
+        if not (offloads or loads or self.host.num_in_flight):
+            return []
+        data = self.host.read(loads)
+        self.host.offload(self.cache, offloads)
+        self.cache = self.host.load(self.cache, data)
+        return self.host.landed()
 
     # ---- KV in and out (engine.core.kv_connector) ----------------------------------------------------------
     def gather_kv(
@@ -394,6 +420,7 @@ class ModelRunner:
         on it here) into a request's blocks (each layer into its group's table and its row). A
         multi-process engine takes host arrays only (every process puts its own shards)."""
         tables = BlockTables.of(block_ids)
+        self._before_write()
         if isinstance(chunk.data, np.ndarray):
             if self.publish is not None:
                 self.publish(multihost.insert_op(chunk, tables))
@@ -457,6 +484,8 @@ class ModelRunner:
             bar.update()
         if self.lora is not None:
             self.lora.warmup()  # the adapter slot write (a run-time load must not compile)
+        if self.host is not None:
+            total += self.host.warmup(self.cache)  # the tier's copies both ways
         bar.close()
         return total
 

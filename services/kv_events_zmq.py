@@ -10,8 +10,10 @@ Publisher (`KVEventPublisher`, one per daemon, bound):
       ["BlockRemoved", [hash, ...], medium]
       ["AllBlocksCleared"]
     Hashes are the engine's 64-bit chained block hashes, sent as 8 big-endian bytes (llm-d reads bytes
-    and 64-bit integers; a small msgpack integer would make it drop the batch). medium is "GPU", vLLM's
-    name for accelerator memory, which routers weigh as the fastest tier.
+    and 64-bit integers; a small msgpack integer would make it drop the batch). medium is "GPU" (vLLM's
+    name for accelerator memory, which routers weigh as the fastest tier) or "CPU" (the host tier,
+    --kv-offloading-size: a block evicted from the device and kept in host memory is stored there, and
+    removed there when the host tier evicts it; engine/core/kv_events.py).
   * ROUTER replay socket: a DEALER sends [b"", start sequence (8 bytes)]; it is answered with
     [b"", seq, payload] for each buffered batch from there on, then [b"", -1 (8 bytes), b""]. Replays go
     out in slices between live batches, at most MAX_REPLAYS at once (a request past them goes unanswered:
@@ -46,14 +48,13 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
-from pdserve.engine.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from pdserve.engine.core.kv_events import DEVICE, HOST, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from pdserve.services.engine_loop import EngineLoop
 
 log = logging.getLogger(__name__)
 
 DEFAULT_PORT = 5557
 DEFAULT_REPLAY_PORT = 5558
-MEDIUM = "GPU"
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 # Bounds (a reader is a peer on the pod network, not a trusted party):
 MAX_QUEUED_BATCHES = 1024  # engine -> publisher; past it the oldest is dropped and counted
@@ -96,12 +97,22 @@ def _event_out(event: KVEvent) -> list:
             event.token_ids,
             event.block_size,
             None,
-            MEDIUM,
+            event.medium,
             event.lora_name,
         ]
     if isinstance(event, BlockRemoved):
-        return ["BlockRemoved", [_hash_out(h) for h in event.block_hashes], MEDIUM]
+        return ["BlockRemoved", [_hash_out(h) for h in event.block_hashes], event.medium]
     return ["AllBlocksCleared"]
+
+
+def _medium(fields: list, index: int) -> str:
+    """An event's medium field (absent or nil: the device, as vLLM's readers take it)."""
+    medium = fields[index] if len(fields) > index else None
+    if medium is None:
+        return DEVICE
+    if medium not in (DEVICE, HOST):
+        raise ValueError(f"unknown KV event medium {medium!r}")
+    return medium
 
 
 def _event_in(fields: list) -> KVEvent:
@@ -114,9 +125,10 @@ def _event_in(fields: list) -> KVEvent:
             token_ids=list(fields[3]),
             block_size=int(fields[4]),
             lora_name=fields[7] if len(fields) > 7 else None,
+            medium=_medium(fields, 6),
         )
     if tag == "BlockRemoved":
-        return BlockRemoved([_hash_in(h) for h in fields[1]])
+        return BlockRemoved([_hash_in(h) for h in fields[1]], _medium(fields, 2))
     if tag == "AllBlocksCleared":
         return AllBlocksCleared()
     raise ValueError(f"unknown KV event {tag!r}")

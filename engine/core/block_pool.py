@@ -28,7 +28,7 @@ class BlockPool:
 
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
-        self.on_evict: Callable[[int], None] | None = None  # told each evicted block's hash
+        self.on_evict: Callable[[int, int], None] | None = None  # told each evicted block's hash and id
         self.ref_counts = [0] * num_blocks
         self.block_hash: list[int | None] = [None] * num_blocks
         self._free: collections.deque[int] = collections.deque(range(num_blocks))
@@ -92,7 +92,7 @@ class BlockPool:
                 b, _ = self._lru.popitem(last=False)
                 del self._by_hash[self.block_hash[b]]
                 if self.on_evict is not None:
-                    self.on_evict(self.block_hash[b])
+                    self.on_evict(self.block_hash[b], b)
                 self.block_hash[b] = None
                 self.num_evictions += 1
             self.ref_counts[b] = 1

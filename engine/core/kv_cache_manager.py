@@ -9,7 +9,13 @@ generated tokens alike; a partial last block is never shared. A finished, aborte
 gives its references back (`free`); its hashed blocks stay cached, in an LRU set, until allocation needs
 them. With `record_events()`, what the cache gains and loses is kept as KV events (engine/core/kv_events.py)
 until `take_events()`. A hybrid model's sliding groups (engine.core.kv_groups) hold a ring of blocks per
-request besides its table, never cached. No device code; the scheduler is the only caller.
+request besides its table, never cached.
+
+With a host tier (`host_blocks`, engine/core/host_pool.py), a cached block evicted from the device pool is
+copied into a host slot (`take_offloads`: the engine copies it before anything writes the block again),
+and a lookup continues past the device's hits into the host tier's (`lookup_host`): those blocks get new
+device blocks at allocation, filled from their slots (`take_loads`: before the step that reads them)
+and entered in the device index at once. No device code; the scheduler is the only caller.
 """
 
 from __future__ import annotations
@@ -21,7 +27,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from pdserve.engine.core.block_pool import BlockPool, blocks_for_tokens
-from pdserve.engine.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from pdserve.engine.core.host_pool import HostBlockPool
+from pdserve.engine.core.kv_events import DEVICE, HOST, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from pdserve.engine.core.kv_groups import BlockTables
 
 
@@ -49,7 +56,8 @@ def hash_blocks(
 @dataclasses.dataclass
 class PrefixCacheStats:
     queries: int = 0  # prompt tokens looked up
-    hits: int = 0  # of those, tokens found cached
+    hits: int = 0  # of those, tokens found cached (on the device or in the host tier)
+    host_hits: int = 0  # of the hits, tokens loaded from the host tier
 
 
 @dataclasses.dataclass
@@ -63,10 +71,16 @@ class _Table:
 
 class KVCacheManager:
     """Block tables of the requests of one engine; `enable_caching=False` turns prefix reuse off.
-    `ring_blocks`: KVGroups.ring_blocks, the ring size of each group after the first (hybrid models)."""
+    `ring_blocks`: KVGroups.ring_blocks, the ring size of each group after the first (hybrid models).
+    `host_blocks`: slots of the host tier (0: none; engine.config.EngineConfig.kv_offloading_size)."""
 
     def __init__(
-        self, num_blocks: int, block_size: int, enable_caching: bool = True, ring_blocks: Sequence[int] = ()
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        ring_blocks: Sequence[int] = (),
+        host_blocks: int = 0,
     ):
         self.pool = BlockPool(num_blocks)
         self.ring_blocks = tuple(ring_blocks[1:])
@@ -75,13 +89,21 @@ class KVCacheManager:
         self.stats = PrefixCacheStats()
         self._tables: dict[str, _Table] = {}
         self._events: list[KVEvent] | None = None
+        self.host = HostBlockPool(host_blocks) if host_blocks else None
+        self.pool.on_evict = self._evicted
+        if self.host is not None:
+            self.host.on_evict = self._host_evicted
+        self._offloads: list[tuple[int, int]] = []  # (device block, host slot) to copy out
+        self._loads: list[tuple[int, int]] = []  # (host slot, device block) to copy in
+        # what BlockStored said of each cached block (parent, tokens, adapter): a block the host tier
+        # takes is announced again there (kept while events are recorded)
+        self._stored: dict[int, tuple[int | None, tuple[int, ...], str | None]] = {}
 
     def record_events(self) -> None:
         """Starts keeping KV events; the first says the cache is empty (it may not be: cached blocks
         registered before are forgotten by readers, and found by lookups here until evicted)."""
         if self._events is None:
             self._events = [AllBlocksCleared()]
-            self.pool.on_evict = self._record_removed
 
     def take_events(self) -> list[KVEvent]:
         """The events since the last call, oldest first (none unless recording)."""
@@ -90,11 +112,64 @@ class KVCacheManager:
         events, self._events = self._events, []
         return events
 
-    def _record_removed(self, block_hash: int) -> None:
-        if self._events and isinstance(self._events[-1], BlockRemoved):
-            self._events[-1].block_hashes.append(block_hash)
+    def _record_removed(self, block_hash: int, medium: str) -> None:
+        last = self._events[-1] if self._events else None
+        if isinstance(last, BlockRemoved) and last.medium == medium:
+            last.block_hashes.append(block_hash)
         else:
-            self._events.append(BlockRemoved([block_hash]))
+            self._events.append(BlockRemoved([block_hash], medium))
+
+    # ---- the host tier --------------------------------------------------------------------------------
+    def _evicted(self, block_hash: int, block: int) -> None:
+        """A cached device block is taken for reuse: its KV goes to a host slot (when the tier has one)."""
+        if self._events is not None:
+            self._record_removed(block_hash, DEVICE)
+        slot = None if self.host is None else self.host.store(block_hash)
+        if slot is not None:
+            self._offloads.append((block, slot))
+            info = self._stored.get(block_hash)
+            if self._events is not None and info is not None:
+                parent, tokens, lora = info
+                self._events.append(
+                    BlockStored([block_hash], parent, list(tokens), self.block_size, lora, HOST)
+                )
+        elif self.host is None or self.host.lookup(block_hash) is None:
+            self._stored.pop(block_hash, None)
+
+    def _host_evicted(self, block_hash: int) -> None:
+        if self._events is not None:
+            self._record_removed(block_hash, HOST)
+        if self.pool.lookup(block_hash) is None:
+            self._stored.pop(block_hash, None)
+
+    def take_offloads(self) -> list[tuple[int, int]]:
+        """(device block, host slot) copies owed since the last call: each block was evicted and handed
+        out again, so the copy must be made before anything writes into it; `offloads_landed` follows."""
+        offloads, self._offloads = self._offloads, []
+        return offloads
+
+    def offloads_landed(self, slots: Sequence[int]) -> None:
+        """Those slots' copies are complete: lookups may load them."""
+        self.host.landed(slots)
+
+    def take_loads(self) -> list[tuple[int, int]]:
+        """(host slot, device block) copies owed since the last call, for blocks allocated from host hits:
+        to make before the step that reads them, reading the slots before anything else is allocated."""
+        loads, self._loads = self._loads, []
+        return loads
+
+    def lookup_host(self, block_hashes: Sequence[int]) -> list[int]:
+        """The host slots holding the leading run of `block_hashes` (the blocks after the device's hits)
+        whose copies have landed. Changes nothing."""
+        if self.host is None or not self.enable_caching:
+            return []
+        slots = []
+        for h in block_hashes:
+            slot = self.host.lookup(h)
+            if slot is None or not self.host.is_readable(slot):
+                break
+            slots.append(slot)
+        return slots
 
     @property
     def num_blocks(self) -> int:
@@ -143,6 +218,7 @@ class KVCacheManager:
         return hits
 
     def can_allocate(self, request_id: str, num_tokens: int, cached: Sequence[int] = ()) -> bool:
+        """Whether `allocate` would succeed (`cached`: device hits; host hits take new blocks as the rest)."""
         table = self._tables.get(request_id)
         have = len(table.block_ids) if table else len(cached)
         unreferenced_hits = sum(self.pool.ref_counts[b] == 0 for b in cached) if table is None else 0
@@ -154,12 +230,14 @@ class KVCacheManager:
         num_tokens: int,
         cached: Sequence[int] = (),
         token_ids: Sequence[int] = (),
+        loaded: Sequence[int] = (),
     ) -> bool:
         """Grows the request's table to hold `num_tokens` tokens (check and do: False changes nothing).
 
         On a request's first allocation, `cached` are the blocks lookup() found for `token_ids` (counted
         in the prefix-cache stats): they are shared (one more reference each) and become the head of its
-        table.
+        table. `loaded`: the host slots lookup_host() found after them: their blocks come next, new device
+        blocks filled from the slots (take_loads) and entered in the device index.
         """
         if not self.can_allocate(request_id, num_tokens, cached):
             return False
@@ -172,6 +250,8 @@ class KVCacheManager:
                 table.hashes = [self.pool.block_hash[b] for b in cached]  # found by them: no rehashing
                 table.num_registered = len(cached)
                 self.stats.hits += len(cached) * self.block_size
+            if loaded:
+                self._load(table, loaded)
             self.stats.queries += len(token_ids)
         need = blocks_for_tokens(num_tokens, self.block_size) - len(table.block_ids)
         if need > 0:
@@ -181,6 +261,21 @@ class KVCacheManager:
             if grow > 0:
                 ring.extend(self.pool.allocate(grow))
         return True
+
+    def _load(self, table: _Table, slots: Sequence[int]) -> None:
+        """A new table's blocks after its device hits, from host slots: new blocks, registered at once
+        (their KV is copied in before any step reads it). The slots are kept from eviction meanwhile."""
+        hashes = [self.host.slot_hash[s] for s in slots]
+        self.host.touch(slots)  # (most recently used: the evictions below take others first)
+        blocks = self.pool.allocate(len(slots))
+        self._loads += zip(slots, blocks, strict=True)
+        for block, block_hash in zip(blocks, hashes, strict=True):
+            self.pool.register(block, block_hash)  # (new blocks; the hash is on no device block)
+        table.block_ids += blocks
+        table.hashes += hashes
+        table.num_registered = len(table.block_ids)
+        self.stats.hits += len(slots) * self.block_size
+        self.stats.host_hits += len(slots) * self.block_size
 
     def cache_blocks(
         self,
@@ -223,6 +318,12 @@ class KVCacheManager:
                 runs[-1].append(i)
             else:
                 runs.append([i])
+        for i in stored:
+            self._stored[hashes[i]] = (
+                hashes[i - 1] if i else None,
+                tuple(token_ids[i * bs : (i + 1) * bs]),
+                lora_name,
+            )
         for run in runs:
             self._events.append(
                 BlockStored(

@@ -3,12 +3,17 @@
 The KV cache manager records them (when asked to, `KVCacheManager.record_events`) as blocks are
 registered and evicted; the daemons publish them (services/kv_events_zmq.py: vLLM's ZMQ wire format, which
 llm-d's router reads). Hashes are the manager's own chained block hashes (engine/core/kv_cache_manager.py),
-so a reader that hashes a prompt with `hash_blocks` finds them. No I/O here.
+so a reader that hashes a prompt with `hash_blocks` finds them. Each names its medium (the llm-d format's
+field): DEVICE for the device block pool, HOST for the host-memory tier under it (engine/core/host_pool.py),
+which a router may weigh below a device hit (the blocks are copied back before they are used). No I/O here.
 """
 
 from __future__ import annotations
 
 import dataclasses
+
+DEVICE = "GPU"  # vLLM's name for accelerator memory (TPU HBM too), which routers weigh as the fastest tier
+HOST = "CPU"  # host DRAM: vLLM's offloading tier's name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,13 +26,15 @@ class BlockStored:
     token_ids: list[int]
     block_size: int
     lora_name: str | None = None
+    medium: str = DEVICE
 
 
 @dataclasses.dataclass(frozen=True)
 class BlockRemoved:
-    """Blocks evicted from the cache (their hashes no longer find anything)."""
+    """Blocks evicted from the cache's `medium` (there, their hashes no longer find anything)."""
 
     block_hashes: list[int]
+    medium: str = DEVICE
 
 
 @dataclasses.dataclass(frozen=True)

@@ -128,7 +128,11 @@ class Scheduler:
         self.windowed_transfers = windowed_transfers
         self.release_window = release_window
         self.kv = KVCacheManager(
-            config.num_blocks, config.block_size, config.enable_prefix_caching, ring_blocks
+            config.num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            ring_blocks,
+            config.num_host_blocks,
         )
         self.lora = lora
         self.connector = connector or KVConnector()
@@ -449,10 +453,12 @@ class Scheduler:
             if self.num_active + _slots(request) > self.config.max_num_seqs:
                 break
             rid = request.request_id
-            cached = []
+            cached, loaded = [], []  # device blocks, then host slots (the host tier) of its prefix
             if self.kv.enable_caching:
-                cached = self.kv.lookup_hashes(request.prefix_hashes(self.config.block_size))
-            num_cached = len(cached) * self.config.block_size
+                hashes = request.prefix_hashes(self.config.block_size)
+                cached = self.kv.lookup_hashes(hashes)
+                loaded = self.kv.lookup_host(hashes[len(cached) :])
+            num_cached = (len(cached) + len(loaded)) * self.config.block_size
             external = 0  # prompt tokens whose KV arrives from elsewhere (a preempted request recomputes)
             if request.status is Status.WAITING:
                 external = self.connector.num_external_tokens(request, num_cached)
@@ -466,7 +472,7 @@ class Scheduler:
             if not self.pin_adapter(request):
                 passed.append(request)
                 continue
-            self.kv.allocate(rid, num_tokens, cached, request.all_ids)
+            self.kv.allocate(rid, num_tokens, cached, request.all_ids, loaded)
             if request.scheduled_time is None:
                 request.scheduled_time = time.monotonic()
             request.num_computed = num_cached

@@ -25,7 +25,7 @@ from collections.abc import Callable
 import zmq
 import zmq.asyncio
 
-from pdserve.engine.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from pdserve.engine.core.kv_events import DEVICE, HOST, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from pdserve.services.kv_events_zmq import END_OF_REPLAY, MAX_BATCH_BYTES, ReaderCredentials, decode_batch
 
 log = logging.getLogger(__name__)
@@ -35,13 +35,16 @@ EXPECTED_TTL_S = 30.0  # how long blocks of a prompt routed to a replica count a
 
 
 class ReplicaCache:
-    """The block hashes one replica's prefix cache holds, per its events, and those it is about to hold:
+    """The block hashes one replica's prefix cache holds, per its events (in device memory, `hashes`, or in
+    its host tier, `host_hashes`: either is a hit, the replica copies a host block back before using it),
+    and those it is about to hold:
     the blocks of prompts just routed to it (`expect`), counted until its events confirm them or
     EXPECTED_TTL_S passes, so that a burst of requests sharing a new prefix goes to one replica."""
 
     def __init__(self, name: str):
         self.name = name
         self.hashes: set[int] = set()
+        self.host_hashes: set[int] = set()
         self._expected: collections.OrderedDict[int, float] = collections.OrderedDict()  # -> deadline
         self.last_seq: int | None = None  # the last batch applied
         self._digests: collections.OrderedDict[int, int] = collections.OrderedDict()
@@ -56,7 +59,8 @@ class ReplicaCache:
             self._expected.popitem(last=False)
         n = 0
         for h in hashes:
-            if h not in self.hashes and self._expected.get(h, 0.0) <= now:
+            held = h in self.hashes or h in self.host_hashes
+            if not held and self._expected.get(h, 0.0) <= now:
                 break
             n += 1
         return n
@@ -74,9 +78,11 @@ class ReplicaCache:
         a replica that went down)."""
         if hashes is None:
             self.hashes.clear()
+            self.host_hashes.clear()
             self._expected.clear()
         else:
             self.hashes.difference_update(hashes)
+            self.host_hashes.difference_update(hashes)
             for h in hashes:
                 self._expected.pop(h, None)
 
@@ -93,16 +99,18 @@ class ReplicaCache:
 
     def apply(self, seq: int, payload: bytes, events: list[KVEvent]) -> None:
         for event in events:
+            held = self.host_hashes if getattr(event, "medium", DEVICE) == HOST else self.hashes
             if isinstance(event, BlockStored):
-                self.hashes.update(event.block_hashes)
+                held.update(event.block_hashes)
                 for h in event.block_hashes:
                     self._expected.pop(h, None)
             elif isinstance(event, BlockRemoved):
-                self.hashes.difference_update(event.block_hashes)
+                held.difference_update(event.block_hashes)
                 for h in event.block_hashes:
                     self._expected.pop(h, None)
             elif isinstance(event, AllBlocksCleared):
                 self.hashes.clear()
+                self.host_hashes.clear()
                 self._expected.clear()
         self.last_seq = seq
         self._digests[seq] = zlib.crc32(payload)
@@ -126,6 +134,7 @@ class ReplicaCache:
                 self.num_resyncs += 1
                 log.info("KV events of %s: resynchronised (restart or lost batches)", self.name)
             self.hashes.clear()
+            self.host_hashes.clear()
             self._expected.clear()
             self._digests.clear()
             self.last_seq = None
