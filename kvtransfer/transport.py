@@ -55,6 +55,8 @@ def move_chunk(chunk: KVChunk, sharding) -> KVChunk:
     """A chunk onto the destination sharding. Between CPU devices of one process the bytes are already in
     host memory: the destination array aliases the chunk (no copy) where XLA allows it."""
     data = chunk.data
+    if isinstance(data, np.ndarray):  # staged in host memory by the sender
+        return KVChunk(chunk.layer_start, chunk.token_start, chunk.num_tokens, jax.device_put(data, sharding))
     cpu = all(d.platform == "cpu" for d in (*data.devices(), *sharding.device_set))
     if cpu and not on_pathways():
         moved = jax.device_put(np.asarray(data), sharding, may_alias=True)

@@ -32,7 +32,7 @@ class PrefillFailed(RuntimeError):
 
 def install_connector(engine: LLMEngine) -> None:
     """Makes `engine` a prefill engine: the KV of the requests a sender expects goes to that sender."""
-    engine.set_kv_connector(PrefillConnector(engine.kv_layout))
+    engine.set_kv_connector(PrefillConnector(engine.kv_layout, engine.scheduler.kv.host))
 
 
 class PrefillStream:
@@ -41,10 +41,11 @@ class PrefillStream:
 
     `request` comes from engine.make_request with the caller's seed and max_tokens=1 (the rest of its
     stop conditions are the decode side's business).
-    Use: `await start()`; take the chunks (`chunks()` on a
-    thread, or `achunks()`), which arrive while later prompt chunks compute; `await first_tokens()`;
-    `close()` always (it aborts the request and frees its blocks when it has not finished). When the engine
-    fails on the request, or stops, the chunks and the first token raise PrefillFailed / EngineStopped.
+    Use: `await start()`; take the chunks (`chunks()` on a thread, or `achunks()`), which arrive while
+    later prompt chunks compute; `await first_tokens()`; `close()` always (it aborts the request when it
+    has not finished, freeing its blocks, and gives back the host slots its staged KV held). When the
+    engine fails on the request, or stops, the chunks and the first token raise PrefillFailed /
+    EngineStopped.
     """
 
     def __init__(
@@ -64,7 +65,6 @@ class PrefillStream:
         self._first: asyncio.Future | None = None  # the first tokens' outputs (or the failure)
         self._firsts: dict[int, RequestOutput] = {}  # by sequence index, until all n are in
         self._watcher: asyncio.Task | None = None
-        self._finished = False
         self.num_chunks_after_compute = 0  # handed over when the last prompt chunk was computed
         self.computed_at: float | None = None  # monotonic time the whole prompt's KV was handed over
 
@@ -127,7 +127,6 @@ class PrefillStream:
         """The first token's output of each of the request's n sequences, in index order (after the last
         chunk: the request finished with them)."""
         output = await self._first
-        self._finished = True
         return output
 
     def close(self) -> None:
@@ -136,5 +135,4 @@ class PrefillStream:
         if self._watcher is not None:
             self._watcher.cancel()
         self._chunks.put(_CLOSED)  # wakes a consumer still waiting for chunks
-        if not self._finished:
-            self.loop.submit(Abort(rid))
+        self.loop.submit(Abort(rid))  # (finished: the engine forgets its staged KV's slots)

@@ -270,7 +270,12 @@ class KVCacheManager:
         blocks = self.pool.allocate(len(slots))
         self._loads += zip(slots, blocks, strict=True)
         for block, block_hash in zip(blocks, hashes, strict=True):
-            self.pool.register(block, block_hash)  # (new blocks; the hash is on no device block)
+            # (False: another device block holds the hash, found past a miss: this copy stays unshared)
+            registered = self.pool.register(block, block_hash)
+            info = self._stored.get(block_hash)
+            if self._events is not None and info is not None and registered:
+                parent, tokens, lora = info
+                self._events.append(BlockStored([block_hash], parent, list(tokens), self.block_size, lora))
         table.block_ids += blocks
         table.hashes += hashes
         table.num_registered = len(table.block_ids)

@@ -7,6 +7,7 @@ process replay its reads and writes). Nothing here calls out: what a connector h
 (TransferReady, KVReady) waits in it until the engine takes it into the step's outputs (`take_outputs`).
 
   scheduler side
+    admits(request)                False: the request waits (back-pressure: no room to stage its KV)
     num_external_tokens(request, num_cached_tokens)   prompt tokens whose KV arrives from elsewhere, after
                                    the prefix found in this engine's cache (0: compute them here)
     on_blocks_allocated(request, block_ids, num_external_tokens)   an admitted request holds its blocks
@@ -30,7 +31,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+import numpy as np
+
 from pdserve import kvtransfer
+from pdserve.engine.core.block_pool import blocks_for_tokens
+from pdserve.engine.core.host_pool import HostBlockPool
 from pdserve.engine.core.kv_groups import BlockTables
 from pdserve.engine.core.request import Request
 from pdserve.kvtransfer import HeadMap, KVChunk, KVLayout
@@ -79,6 +84,9 @@ class KVConnector:
         """The request (added next) moves KV as `kv` says (ReceiveKV, SendKV)."""
         raise TypeError(f"{type(self).__name__} moves no KV ({type(kv).__name__})")
 
+    def admits(self, request: Request) -> bool:
+        return True
+
     def num_external_tokens(self, request: Request, num_cached_tokens: int) -> int:
         return 0
 
@@ -120,12 +128,20 @@ class PrefillConnector(KVConnector):
     every step that computed part of the prompt, the frames of the plan whose tokens are all computed
     (kvtransfer.gather_request: copies, dispatched at once, heads converted); when the request finishes,
     the rest, marked last, and the request's blocks go back to the cache. A prompt found cached here is
-    sent from the first step. Engine thread only."""
+    sent from the first step. Engine thread only.
 
-    def __init__(self, layout: KVLayout):
+    With `staging` (the host tier's slots, engine/core/host_pool.py), the gathered copies are staged in
+    host memory: copied to the host as they are gathered and handed out as host arrays, so a reader that
+    lags holds no device memory. A request is admitted only when slots for its prompt's blocks can be
+    reserved (back-pressure on the scheduler, never an out-of-memory); they are given back when its
+    sender forgets it (the stream ended or was cut). A prompt larger than the whole tier goes unstaged."""
+
+    def __init__(self, layout: KVLayout, staging: HostBlockPool | None = None):
         self.layout = layout
+        self.staging = staging
         self._outgoing: dict[str, _Outgoing] = {}
         self._ready: list[KVReady] = []
+        self._staged: dict[str, int] = {}  # request id -> slots reserved (0: too large, not staged)
 
     def expect(self, request_id: str, kv) -> None:
         if not isinstance(kv, SendKV):
@@ -134,10 +150,35 @@ class PrefillConnector(KVConnector):
 
     def forget(self, request_id: str) -> None:
         self._outgoing.pop(request_id, None)
+        slots = self._staged.pop(request_id, 0)
+        if slots:
+            self.staging.unreserve(slots)
+
+    def admits(self, request: Request) -> bool:
+        rid = request.request_id
+        out = self._outgoing.get(rid)
+        if self.staging is None or out is None or rid in self._staged:
+            return True
+        bs = self.layout.block_size
+        slots = blocks_for_tokens(len(request.prompt_ids) - out.send.first_block * bs, bs)
+        if slots > self.staging.num_slots:
+            self._staged[rid] = 0
+            return True
+        if not self.staging.reserve(slots):
+            return False
+        self._staged[rid] = slots
+        return True
 
     def take_outputs(self) -> list[KVReady]:
+        """The chunks gathered since the last call; staged ones as host arrays (their copies were started
+        as they were gathered; this waits for the rest)."""
         ready, self._ready = self._ready, []
-        return ready
+        return [
+            dataclasses.replace(r, chunks=tuple(_on_host(c) for c in r.chunks))
+            if self._staged.get(r.request_id)
+            else r
+            for r in ready
+        ]
 
     def request_finished(self, request: Request) -> bool:
         return request.request_id in self._outgoing
@@ -172,8 +213,15 @@ class PrefillConnector(KVConnector):
                 head_map=send.head_map,
                 frames=ready,
             )
+        if self._staged.get(request.request_id):
+            for chunk in chunks:
+                chunk.data.copy_to_host_async()
         if chunks or last:
             self._ready.append(KVReady(request.request_id, tuple(chunks), last))
+
+
+def _on_host(chunk: KVChunk) -> KVChunk:
+    return dataclasses.replace(chunk, data=np.asarray(chunk.data))
 
 
 class DecodeConnector(KVConnector):

@@ -466,7 +466,7 @@ class Scheduler:
                 break
             # arriving KV fills the blocks after the cached ones; one more slot for the first token
             num_tokens = len(request.prompt_ids) + 1 if external else request.num_tokens
-            if not self.kv.can_allocate(rid, num_tokens, cached):
+            if not self.kv.can_allocate(rid, num_tokens, cached) or not self.connector.admits(request):
                 break
             self.waiting.popleft()
             if not self.pin_adapter(request):

@@ -8,8 +8,9 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.core.block_pool import BlockPool, OutOfBlocksError, blocks_for_tokens
+from pdserve.engine.core.host_pool import HostBlockPool
 from pdserve.engine.core.kv_cache_manager import KVCacheManager, hash_block, hash_blocks
-from pdserve.engine.core.kv_events import AllBlocksCleared, BlockRemoved
+from pdserve.engine.core.kv_events import DEVICE, HOST, AllBlocksCleared, BlockRemoved, BlockStored
 from pdserve.engine.core.kv_groups import KVGroups
 
 pytestmark = pytest.mark.fast
@@ -152,34 +153,137 @@ def test_sliding_groups_hold_a_ring_of_blocks_however_long_the_request_grows():
     assert kv.pool.num_free == 64
 
 
+def test_a_prefix_half_on_the_device_half_in_the_host_tier():
+    """Blocks evicted from the device go to the host tier (tail first, as LRU frees them); a prompt finds
+    its head on the device and the rest in the host tier, which gets new device blocks filled from its
+    slots; events tell each medium's gains and losses."""
+    kv = KVCacheManager(6, 2, host_blocks=4)
+    kv.record_events()
+    a = [1, 2, 3, 4, 5, 6, 7, 8, 9]  # 4 full blocks before the last token
+    kv.allocate("a", len(a), (), a)
+    kv.cache_blocks("a", a, len(a))
+    blocks_a = kv.block_ids("a")
+    kv.free("a")
+    kv.take_events()
+    kv.allocate("b", 6, (), [0] * 6)  # 3 blocks: the 2 free ones, then a's tail (its last 2 full blocks)...
+    offloads = kv.take_offloads()
+    assert [b for b, _ in offloads] == [blocks_a[3], blocks_a[2]][: len(offloads)] and len(offloads) == 1
+    kv.allocate("c", 2, (), [0] * 2)  # ... and one more
+    offloads += kv.take_offloads()
+    assert [b for b, _ in offloads] == [blocks_a[3], blocks_a[2]]
+    hashes = hash_blocks(a[:-1], 2)
+    assert kv.lookup_host(hashes[2:]) == []  # in flight: not readable yet
+    kv.offloads_landed([slot for _, slot in offloads])
+    events = kv.take_events()
+    assert [(type(e).__name__, e.medium, e.block_hashes) for e in events] == [
+        ("BlockRemoved", DEVICE, [hashes[3]]),
+        ("BlockStored", HOST, [hashes[3]]),
+        ("BlockRemoved", DEVICE, [hashes[2]]),
+        ("BlockStored", HOST, [hashes[2]]),
+    ]
+    assert events[1].token_ids == a[6:8] and events[1].parent_hash == hashes[2]
+    kv.free("b"), kv.free("c")
+    hits = kv.lookup(a)
+    assert hits == blocks_a[:2]
+    slots = kv.lookup_host(hashes[2:])
+    assert slots == [offloads[1][1], offloads[0][1]]  # in the prompt's order
+    assert kv.allocate("a2", len(a), hits, a, slots)
+    table = kv.block_ids("a2")
+    assert table[:2] == blocks_a[:2]
+    assert sorted(kv.take_loads()) == sorted(zip(slots, table[2:4], strict=True))
+    assert kv.lookup(a) == table[:4]  # the loaded blocks are on the device's index at once
+    assert kv.stats.hits == 8 and kv.stats.host_hits == 4
+    stored = [e for e in kv.take_events() if isinstance(e, BlockStored)]
+    assert [(e.medium, e.block_hashes) for e in stored] == [(DEVICE, [hashes[2]]), (DEVICE, [hashes[3]])]
+    kv.free("a2")
+    kv.pool.check(), kv.host.check()
+
+
+def test_staging_reserves_host_slots_and_evicts_cached_ones():
+    host = HostBlockPool(4)
+    slot = host.store(7)
+    host.landed([slot])
+    assert host.reserve(3) and host.num_cached == 1
+    assert host.reserve(1) and host.num_cached == 0 and host.lookup(7) is None  # evicted for staging
+    assert not host.reserve(1)  # full: back-pressure
+    host.unreserve(4)
+    assert host.num_available == 4
+    with pytest.raises(ValueError):
+        host.unreserve(1)
+    host.check()
+
+
 class CacheMachine(RuleBasedStateMachine):
     """Requests over a 3-token alphabet (prefixes collide often) in a small cache. `written` records the
     tokens (with the whole prefix before them) each block's KV was computed for; every lookup hit must hold
-    exactly the prefix it was found for."""
+    exactly the prefix it was found for.
+
+    With HOST_SLOTS, a host tier under it (engine/core/host_pool.py): the copies the manager asks for are
+    made as the engine makes them (the loads' slots read, the offloads' blocks read, the loads written, all
+    before any step writes), an offload lands when a rule says so, and prefill streams reserve and give
+    back staging slots. `host_written` records what each slot holds; a host hit must hold its prefix too."""
 
     BLOCK = 2
+    DEVICE_BLOCKS = 12
+    HOST_SLOTS = 0
 
     def __init__(self):
         super().__init__()
-        self.kv = KVCacheManager(12, self.BLOCK)
+        self.kv = KVCacheManager(self.DEVICE_BLOCKS, self.BLOCK, host_blocks=self.HOST_SLOTS)
         self.kv.record_events()
-        self.published: set[int] = set()  # what a reader of the events believes is cached
+        self.published: dict[str, set[int]] = {DEVICE: set(), HOST: set()}  # what a reader believes
         self.requests: dict[str, list[int]] = {}  # holding blocks -> their tokens
         self.computed: dict[str, int] = {}
         self.written: dict[int, tuple[int, ...]] = {}
+        self.host_written: dict[int, tuple[int, ...]] = {}
+        self.in_flight: dict[int, tuple[int, ...]] = {}  # slot -> what its copy carries
+        self.staged: list[int] = []
+        self.history: list[tuple[list[int], str | None]] = []  # every prompt admitted, to send again
         self.ids = 0
 
-    @rule(tokens=st.lists(st.integers(0, 2), min_size=1, max_size=9), adapter=st.sampled_from([None, "x"]))
-    def admit(self, tokens, adapter):
+    @rule(
+        tokens=st.lists(st.integers(0, 2), min_size=1, max_size=9),
+        adapter=st.sampled_from([None, "x"]),
+        landed=st.booleans(),
+    )
+    def admit(self, tokens, adapter, landed=False):
+        """`landed`: the copies to the host tier under way land first (the engine takes them each step)."""
+        while landed and self.in_flight:
+            self.land_one(min(self.in_flight))
+        self.history.append((tokens, adapter))
         rid = f"r{self.ids}"
         self.ids += 1
         hits = self.kv.lookup(tokens, adapter)
+        loaded = self.kv.lookup_host(hash_blocks(tokens[:-1], self.BLOCK, adapter)[len(hits) :])
         for i, block in enumerate(hits):
             assert self.written[block] == (adapter, *tokens[: (i + 1) * self.BLOCK]), "stale cached block"
-        if self.kv.allocate(rid, len(tokens), hits, tokens):
+        for i, slot in enumerate(loaded, len(hits)):
+            assert self.host_written[slot] == (adapter, *tokens[: (i + 1) * self.BLOCK]), "stale host block"
+        if self.kv.allocate(rid, len(tokens), hits, tokens, loaded):
             assert self.kv.block_ids(rid)[: len(hits)] == hits
             self.requests[rid] = (adapter, tokens)
-            self.computed[rid] = len(hits) * self.BLOCK
+            self.computed[rid] = (len(hits) + len(loaded)) * self.BLOCK
+        self._copy()
+        if rid in self.requests:
+            for i, block in enumerate(self.kv.block_ids(rid)[: len(hits) + len(loaded)]):
+                assert self.written[block] == (adapter, *tokens[: (i + 1) * self.BLOCK])
+
+    @precondition(lambda self: self.history)
+    @rule(data=st.data())
+    def again(self, data):  # a prompt sent before (the next turn of a conversation, a retry)
+        self.admit(*data.draw(st.sampled_from(self.history)), landed=data.draw(st.booleans()))
+
+    def land_one(self, slot):
+        self.host_written[slot] = self.in_flight.pop(slot)
+        self.kv.offloads_landed([slot])
+
+    def _copy(self):
+        """The engine's copies, in its order (ModelRunner.move_host_blocks)."""
+        loads = [(self.host_written[slot], block) for slot, block in self.kv.take_loads()]
+        for block, slot in self.kv.take_offloads():
+            self.in_flight[slot] = self.written[block]
+        for data, block in loads:
+            self.written[block] = data
 
     @precondition(lambda self: self.requests)
     @rule(data=st.data())
@@ -206,25 +310,31 @@ class CacheMachine(RuleBasedStateMachine):
     def events_tell_a_reader_exactly_what_is_cached(self):
         for event in self.kv.take_events():
             if isinstance(event, AllBlocksCleared):
-                self.published.clear()
-            elif isinstance(event, BlockRemoved):
-                assert set(event.block_hashes) <= self.published
-                self.published -= set(event.block_hashes)
-            else:
-                assert event.parent_hash is None or event.parent_hash in self.published
-                tokens = event.token_ids
-                assert len(tokens) == len(event.block_hashes) * self.BLOCK
-                start = [] if event.parent_hash is None else [event.parent_hash]
-                # the hashes are the chain of these tokens after the parent, with the adapter
-                assert (
-                    hash_blocks([0] * len(start) * self.BLOCK + tokens, self.BLOCK, event.lora_name, start)[
-                        len(start) :
-                    ]
-                    == event.block_hashes
-                )
-                assert not set(event.block_hashes) & self.published
-                self.published |= set(event.block_hashes)
-        assert self.published == set(self.kv.pool._by_hash)
+                for held in self.published.values():
+                    held.clear()
+                continue
+            held = self.published[event.medium]
+            if isinstance(event, BlockRemoved):
+                assert set(event.block_hashes) <= held
+                held -= set(event.block_hashes)
+                continue
+            if event.medium == DEVICE:  # (a host block's parent may have left both tiers)
+                assert event.parent_hash is None or event.parent_hash in held
+            tokens = event.token_ids
+            assert len(tokens) == len(event.block_hashes) * self.BLOCK
+            start = [] if event.parent_hash is None else [event.parent_hash]
+            # the hashes are the chain of these tokens after the parent, with the adapter
+            assert (
+                hash_blocks([0] * len(start) * self.BLOCK + tokens, self.BLOCK, event.lora_name, start)[
+                    len(start) :
+                ]
+                == event.block_hashes
+            )
+            assert not set(event.block_hashes) & held
+            held |= set(event.block_hashes)
+        assert self.published[DEVICE] == set(self.kv.pool._by_hash)
+        host = self.kv.host
+        assert self.published[HOST] == (set(host._by_hash) if host else set())
 
     @invariant()
     def consistent(self):
@@ -232,7 +342,37 @@ class CacheMachine(RuleBasedStateMachine):
         held = [b for rid in self.requests for b in self.kv.block_ids(rid)]
         for b in range(self.kv.num_blocks):
             assert self.kv.pool.ref_counts[b] == held.count(b)
+        if self.kv.host is not None:
+            self.kv.host.check()
+            assert self.kv.host.num_staged == sum(self.staged)
+            assert set(self.in_flight) == self.kv.host._in_flight
 
 
 CacheMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
 test_cache_state_machine = CacheMachine.TestCase
+
+
+class TieredCacheMachine(CacheMachine):
+    DEVICE_BLOCKS = 6  # (evictions often)
+    HOST_SLOTS = 5
+
+    @precondition(lambda self: self.in_flight)
+    @rule(data=st.data())
+    def land(self, data):
+        self.land_one(data.draw(st.sampled_from(sorted(self.in_flight))))
+
+    @rule(num=st.integers(1, 4))
+    def stage(self, num):
+        available = self.kv.host.num_available
+        assert self.kv.host.reserve(num) == (num <= available)
+        if num <= available:
+            self.staged.append(num)
+
+    @precondition(lambda self: self.staged)
+    @rule()
+    def unstage(self):
+        self.kv.host.unreserve(self.staged.pop(0))
+
+
+TieredCacheMachine.TestCase.settings = settings(max_examples=80, stateful_step_count=40, deadline=None)
+test_two_tier_cache_state_machine = TieredCacheMachine.TestCase

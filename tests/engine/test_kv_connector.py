@@ -9,6 +9,7 @@ import pytest
 
 from pdserve import kvtransfer
 from pdserve.engine.boundary import AddRequest, SendKV
+from pdserve.engine.core.host_pool import HostBlockPool
 from pdserve.engine.core.kv_connector import PrefillConnector
 from pdserve.engine.core.request import Status
 from pdserve.engine.sampling_params import SamplingParams
@@ -59,3 +60,42 @@ def test_a_long_prompt_is_handed_over_per_chunk_from_the_first_block_asked(make_
             bucket=p.bucket,
         )
         np.testing.assert_array_equal(np.asarray(c.valid()), np.asarray(expected.valid()))
+
+
+def test_staged_kv_waits_in_host_memory_and_bounds_admission(make_engine):
+    """Prefill staging (a host tier's slots): the chunks come out as host arrays and the request's device
+    blocks go back as it finishes, however long its reader takes; a second prompt whose KV does not fit
+    the slots left waits (back-pressure) until the first stream is forgotten (its reader closed); a
+    prompt larger than the whole tier is sent unstaged, from device copies."""
+    engine = make_engine()
+    staging = HostBlockPool(30)
+    connector, original = PrefillConnector(engine.kv_layout, staging), engine.kv_connector
+    engine.set_kv_connector(connector)
+    rng = np.random.default_rng(3)
+    greedy = SamplingParams(temperature=0, max_tokens=1)
+    requests = [
+        engine.make_request(rng.integers(100, 30000, n).tolist(), greedy, rid)
+        for rid, n in (("first", 300), ("second", 300), ("huge", 600))  # 19, 19 and 38 blocks
+    ]
+    chunks: dict[str, list] = {r.request_id: [] for r in requests}
+    try:
+        for request in requests:
+            engine.apply(AddRequest(request, SendKV()))
+        while requests[0].status is not Status.FINISHED:
+            for ready in engine.step().kv:
+                chunks[ready.request_id] += ready.chunks
+        assert requests[1].status is Status.WAITING and staging.num_staged == 19
+        assert engine.scheduler.kv.pool.num_used == 0  # nobody has read a byte: no device block is held
+        assert chunks["first"] and all(isinstance(c.data, np.ndarray) for c in chunks["first"])
+        engine.abort("first")  # its stream closed
+        assert staging.num_staged == 0
+        while engine.has_unfinished:
+            for ready in engine.step().kv:
+                chunks[ready.request_id] += ready.chunks
+        assert all(isinstance(c.data, np.ndarray) for c in chunks["second"])
+        assert chunks["huge"] and not any(isinstance(c.data, np.ndarray) for c in chunks["huge"])
+        engine.abort("second"), engine.abort("huge")
+        assert staging.num_staged == 0 and engine.scheduler.kv.pool.num_used == 0
+        staging.check()
+    finally:
+        engine.set_kv_connector(original)

@@ -79,3 +79,37 @@ def test_cache_salts_keep_tenants_apart(make_engine, loaded_model):
     assert first.token_ids == other.token_ids == unsalted.token_ids == again.token_ids
     with pytest.raises(ValueError, match="cache_salt"):
         engine.make_request(prompt, GREEDY, cache_salt="x" * 257)
+
+
+def test_a_host_tier_serves_what_the_device_evicted_with_the_same_tokens(make_engine, loaded_model):
+    """--kv-offloading-size: after prompts longer than the device cache push a conversation's blocks out,
+    its repeats and next turns find them in the host tier (one finds its head on the device and the rest
+    in host memory); the tokens are an engine's without the tier (greedy and seeded), and every block of
+    both tiers is free or cached at the end."""
+    prompts, params = workload(loaded_model.tokenizer)
+    rng = np.random.default_rng(5)
+    flood = [rng.integers(100, 30000, 1000).tolist() for _ in range(4)]  # 252 blocks > the device's 192
+    head = prompts[0][:160] + [7]  # the shared system prompt's first 10 blocks
+
+    def run(engine):
+        first = engine.generate(prompts, params)
+        for prompt in flood:
+            engine.generate([prompt], GREEDY)
+        loaded = engine.generate([head], GREEDY)  # its 10 blocks back on the device
+        hits = engine.scheduler.kv.stats.host_hits
+        follow_ups = [p + c.token_ids for p, c in zip(prompts[:2], first, strict=False)]
+        second = engine.generate(prompts + follow_ups, params + params[:2])
+        return first + loaded + second, engine.scheduler.kv.stats.host_hits - hits
+
+    tiered = make_engine(kv_offloading_size=0.05)
+    outputs, host_hits = run(tiered)
+    reference, _ = run(make_engine())
+    assert [c.token_ids for c in outputs] == [c.token_ids for c in reference]
+    loaded, second = outputs[len(prompts)], outputs[len(prompts) + 1 :]
+    assert loaded.num_cached_tokens == 160
+    assert second[0].num_cached_tokens == (len(prompts[0]) - 1) // 16 * 16  # 10 device, 8 host blocks
+    assert all(c.num_cached_tokens > 0 for c in second[:3] + second[5:])
+    assert host_hits >= 8 * 16
+    kv = tiered.scheduler.kv
+    assert kv.pool.num_used == 0 and kv.host.num_in_flight == 0 and kv.host.num_cached > 0
+    kv.pool.check(), kv.host.check()
