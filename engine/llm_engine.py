@@ -860,16 +860,16 @@ class FinishedSequence:
 
 
 def _check_host_tier(model: ModelConfig, config: EngineConfig) -> None:
-    """--kv-offloading-size's refusals, before the weights load."""
-    why = None
-    if not config.enable_prefix_caching:
-        why = "it holds the prefix cache's blocks: it needs --prefix-caching"
-    elif not KVGroups.of(model).is_identity:
-        why = "hybrid models (sliding-window layer groups) keep no prefix cache to offload"
-    elif multihost.is_multi_process():
-        why = "a multi-host group does not offload yet (each host would copy its own shards)"
-    if why:
-        raise UnsupportedModelError(f"--kv-offloading-size {config.kv_offloading_size:g}: {why}")
+    """--kv-offloading-size's refusal (a multi-host group), before the weights load; where there is no
+    prefix cache (hybrid models, --no-prefix-caching) the tier only stages a prefill server's streams."""
+    flag = f"--kv-offloading-size {config.kv_offloading_size:g}"
+    if multihost.is_multi_process():
+        raise UnsupportedModelError(
+            f"{flag}: a multi-host group does not offload yet (each host would copy its own shards)"
+        )
+    if not config.enable_prefix_caching or not KVGroups.of(model).is_identity:
+        why = "--no-prefix-caching" if not config.enable_prefix_caching else "a hybrid model's layer groups"
+        log.warning("%s: no prefix cache (%s) to offload: the tier only stages prefill streams", flag, why)
 
 
 def _without(row: np.ndarray, tokens) -> np.ndarray:

@@ -164,6 +164,26 @@ class _StateCollector:
             stats.prefix_cache_evictions,
         )
         yield counter("pdserve_preemptions", "requests preempted to free blocks", stats.num_preemptions)
+        if stats.num_host_blocks:  # the host tier (--kv-offloading-size)
+            yield gauge("pdserve_kv_host_blocks", "host tier slots, a KV block each", stats.num_host_blocks)
+            yield gauge(
+                "pdserve_kv_host_blocks_cached",
+                "host tier slots holding cached blocks",
+                stats.num_host_cached_blocks,
+            )
+            yield gauge(
+                "pdserve_kv_host_blocks_staged",
+                "host tier slots reserved by prefill streams' staged KV",
+                stats.num_host_staged_blocks,
+            )
+            yield counter(
+                "pdserve_prefix_cache_host_hits",
+                "of the prefix cache hits, prompt tokens loaded back from the host tier",
+                stats.prefix_cache_host_hits,
+            )
+            yield counter(
+                "pdserve_kv_host_offloads", "KV blocks copied to the host tier", stats.num_host_offloads
+            )
         yield gauge(
             "pdserve_lora_adapters_loaded", "LoRA adapters requests may name", stats.num_adapters_loaded
         )

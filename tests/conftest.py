@@ -246,9 +246,9 @@ def log_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def prefill(model_path, log_dir):
     """A prefill-server with /metrics, shared by every daemon test."""
-    from pdserve.testing.launch import prefill_server
+    from pdserve.testing.launch import HOST_TIER_ARGS, prefill_server
 
-    daemon = prefill_server(model_path, log_dir, extra=["--metrics-port", "0"])
+    daemon = prefill_server(model_path, log_dir, extra=["--metrics-port", "0", *HOST_TIER_ARGS])
     yield daemon
     assert daemon.terminate() == 0
 
@@ -258,9 +258,10 @@ def decode(model_path, prefill, log_dir):
     """A decode-server on `prefill` with /metrics, the OpenAI HTTP API (Qwen3's reasoning parser: an output
     thinks only when it starts with <think>) and JSON logs, shared by every daemon test that only sends it
     requests."""
-    from pdserve.testing.launch import decode_server
+    from pdserve.testing.launch import HOST_TIER_ARGS, decode_server
 
     extra = ["--max-num-seqs", "32", "--metrics-port", "0", "--http-port", "0", "--log-format", "json"]
+    extra += HOST_TIER_ARGS
     extra += ["--reasoning-parser", "qwen3"]
     daemon = decode_server(model_path, prefill.address, log_dir, extra=extra)
     yield daemon

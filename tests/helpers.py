@@ -92,10 +92,13 @@ def scrape(address: str, path: str = "/metrics") -> dict[str, float]:
 
 
 def not_in_use(s: admin_pb2.ServerStats) -> bool:
-    """No request runs or receives KV, and every block is free or held only by the prefix cache
-    (reclaimable, not leaked)."""
+    """No request runs or receives KV, every block is free or held only by the prefix cache (reclaimable,
+    not leaked), and no host tier slot is staged for a stream."""
     return (
-        s.num_free_blocks + s.num_cached_blocks == s.num_blocks and s.num_running == 0 and s.num_incoming == 0
+        s.num_free_blocks + s.num_cached_blocks == s.num_blocks
+        and s.num_running == 0
+        and s.num_incoming == 0
+        and s.num_host_staged_blocks == 0
     )
 
 

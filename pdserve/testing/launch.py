@@ -21,6 +21,9 @@ from pdserve.flags import config_argv
 # process's engines (tests/conftest.py's small_config) and the daemons' (ENGINE_ARGS) are these.
 TEST_ENGINE = EngineConfig(num_blocks=192, max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=256)
 ENGINE_ARGS = config_argv(TEST_ENGINE)
+# A host KV tier (--kv-offloading-size, GiB) for the daemons the tests share and the fault suite's: their
+# streams are staged in host memory, and blocks the device evicts are kept there
+HOST_TIER_ARGS = ["--kv-offloading-size", "0.05"]
 # KV cache events on any free ports: daemons of a test or benchmark share one host (the defaults are
 # fixed ports, one daemon a pod)
 EPHEMERAL_KV_EVENTS = ["--kv-events-port", "0", "--kv-events-replay-port", "0"]

@@ -59,7 +59,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerStats(_message.Message):
-    __slots__ = ("role", "num_blocks", "num_free_blocks", "num_running", "num_waiting", "num_requests_total", "num_incoming", "num_transfers_total", "kv_transfer_seconds_total", "kv_transfer_bytes_total", "num_transfer_failures_total", "num_cached_blocks", "prefix_cache_queries_total", "prefix_cache_hits_total", "prefix_cache_evictions_total", "kv_frames_sent_total", "kv_frames_after_compute_total", "route_expected_hit_tokens_total", "route_actual_hit_tokens_total", "engine", "spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total", "spec_decode_num_accepted_tokens_total", "spec_decode_accepted_per_position_total")
+    __slots__ = ("role", "num_blocks", "num_free_blocks", "num_running", "num_waiting", "num_requests_total", "num_incoming", "num_transfers_total", "kv_transfer_seconds_total", "kv_transfer_bytes_total", "num_transfer_failures_total", "num_cached_blocks", "prefix_cache_queries_total", "prefix_cache_hits_total", "prefix_cache_evictions_total", "kv_frames_sent_total", "kv_frames_after_compute_total", "route_expected_hit_tokens_total", "route_actual_hit_tokens_total", "engine", "spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total", "spec_decode_num_accepted_tokens_total", "spec_decode_accepted_per_position_total", "num_host_blocks", "num_host_cached_blocks", "num_host_staged_blocks", "prefix_cache_host_hits_total", "num_host_offloads_total")
     class EngineEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +91,11 @@ class ServerStats(_message.Message):
     SPEC_DECODE_NUM_DRAFT_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     SPEC_DECODE_NUM_ACCEPTED_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     SPEC_DECODE_ACCEPTED_PER_POSITION_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    NUM_HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_HOST_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_HOST_STAGED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HOST_HITS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    NUM_HOST_OFFLOADS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     role: str
     num_blocks: int
     num_free_blocks: int
@@ -115,4 +120,9 @@ class ServerStats(_message.Message):
     spec_decode_num_draft_tokens_total: int
     spec_decode_num_accepted_tokens_total: int
     spec_decode_accepted_per_position_total: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, role: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_requests_total: _Optional[int] = ..., num_incoming: _Optional[int] = ..., num_transfers_total: _Optional[int] = ..., kv_transfer_seconds_total: _Optional[float] = ..., kv_transfer_bytes_total: _Optional[int] = ..., num_transfer_failures_total: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., prefix_cache_queries_total: _Optional[int] = ..., prefix_cache_hits_total: _Optional[int] = ..., prefix_cache_evictions_total: _Optional[int] = ..., kv_frames_sent_total: _Optional[int] = ..., kv_frames_after_compute_total: _Optional[int] = ..., route_expected_hit_tokens_total: _Optional[int] = ..., route_actual_hit_tokens_total: _Optional[int] = ..., engine: _Optional[_Mapping[str, str]] = ..., spec_decode_num_drafts_total: _Optional[int] = ..., spec_decode_num_draft_tokens_total: _Optional[int] = ..., spec_decode_num_accepted_tokens_total: _Optional[int] = ..., spec_decode_accepted_per_position_total: _Optional[_Iterable[int]] = ...) -> None: ...
+    num_host_blocks: int
+    num_host_cached_blocks: int
+    num_host_staged_blocks: int
+    prefix_cache_host_hits_total: int
+    num_host_offloads_total: int
+    def __init__(self, role: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_requests_total: _Optional[int] = ..., num_incoming: _Optional[int] = ..., num_transfers_total: _Optional[int] = ..., kv_transfer_seconds_total: _Optional[float] = ..., kv_transfer_bytes_total: _Optional[int] = ..., num_transfer_failures_total: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., prefix_cache_queries_total: _Optional[int] = ..., prefix_cache_hits_total: _Optional[int] = ..., prefix_cache_evictions_total: _Optional[int] = ..., kv_frames_sent_total: _Optional[int] = ..., kv_frames_after_compute_total: _Optional[int] = ..., route_expected_hit_tokens_total: _Optional[int] = ..., route_actual_hit_tokens_total: _Optional[int] = ..., engine: _Optional[_Mapping[str, str]] = ..., spec_decode_num_drafts_total: _Optional[int] = ..., spec_decode_num_draft_tokens_total: _Optional[int] = ..., spec_decode_num_accepted_tokens_total: _Optional[int] = ..., spec_decode_accepted_per_position_total: _Optional[_Iterable[int]] = ..., num_host_blocks: _Optional[int] = ..., num_host_cached_blocks: _Optional[int] = ..., num_host_staged_blocks: _Optional[int] = ..., prefix_cache_host_hits_total: _Optional[int] = ..., num_host_offloads_total: _Optional[int] = ...) -> None: ...

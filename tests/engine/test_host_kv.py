@@ -16,15 +16,17 @@ from pdserve.kvtransfer import KVLayout, LayerSpec, SpecKind
 pytestmark = pytest.mark.fast
 
 
-def test_blocks_round_trip_through_host_slots():
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8"])  # (an int8 cache's rows end with their scales)
+def test_blocks_round_trip_through_host_slots(dtype):
     layout = KVLayout(
         model="m", layer_specs=(LayerSpec(SpecKind.FULL),) * 3, num_kv_heads=4, head_dim=8,
-        dtype="bfloat16", block_size=4, tp_size=4, head_strategy="pad",
+        dtype=dtype, block_size=4, tp_size=4, head_strategy="pad",
     )  # fmt: skip
     mesh = make_mesh(4, jax.devices()[:4])
     rng = np.random.default_rng(0)
     num_blocks = 100
-    host_cache = rng.standard_normal((3, num_blocks, 4, 8, 8)).astype(jax.numpy.bfloat16)
+    shape = (3, num_blocks, 4, *layout.token_shape)
+    host_cache = (16 * rng.standard_normal(shape)).astype(layout.np_dtype)
     cache = jax.device_put(host_cache, kvtransfer.cache_sharding(mesh, layout))
     store = HostKVStore(cache, num_slots=80)
     out = rng.permutation(num_blocks)[: BATCH_BUCKETS[-1] + 5].tolist()  # two batches: 64, then 5 of 16

@@ -413,3 +413,58 @@ def test_eagle3_drafts_after_the_handoff_equal_a_colocated_engines(
             assert_all_free(replica)
     finally:
         DraftRunner._run = run
+
+
+def test_host_tiers_on_both_roles_keep_a_conversation_from_being_recomputed(
+    loaded_model, small_config, colocated
+):
+    """--kv-offloading-size on both roles (in process, real gRPC): after prompts longer than the device
+    caches push turn 1 of a conversation out of both (into their host tiers), turn 2 finds turn 1 in the
+    decode server's host tier (loaded back and counted as held: only the new blocks move) and in the
+    prefill server's (its hit reported); the prefill server staged its streams in host memory. The tokens
+    are the colocated engine's, and nothing is left held in either tier."""
+    import dataclasses
+
+    import numpy as np
+
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.kvtransfer import plan_frames
+    from pdserve.services.decode.core import GenerationCore
+    from pdserve.services.decode.server import serve as serve_decode
+    from pdserve.services.prefill.server import PrefillService
+    from pdserve.services.prefill.server import serve as serve_prefill
+
+    config = dataclasses.replace(small_config, kv_offloading_size=0.05)
+    tokenize = loaded_model.tokenizer.encode
+    rng = np.random.default_rng(9)
+    flood = [rng.integers(100, 30000, 1000).tolist() for _ in range(4)]  # 252 blocks > the devices' 192
+    service = PrefillService.for_engine(LLMEngine(loaded_model, config))
+    with in_process(lambda stop, ready: serve_prefill(service, 0, stop, on_ready=ready)) as replica:
+        core = GenerationCore.for_engine(LLMEngine(loaded_model, config), prefill_targets=[replica])
+        with in_process(lambda stop, ready: serve_decode(core, 0, stop, on_ready=ready)) as address:
+            client, prefill_admin = Client(address), Client(replica)
+            turn1 = tokenize(LONG[:600])
+            before = client.stats().kv_transfer_bytes_total
+            first = client.generate(turn1, **GREEDY)
+            turn1_bytes = client.stats().kv_transfer_bytes_total - before
+            assert first.token_ids == colocated(turn1, **GREEDY)
+            for prompt in flood:
+                client.generate(prompt, max_tokens=1)
+            turn2 = turn1 + first.token_ids + tokenize(" And then? " + LONG[600:900])
+            before = client.stats().kv_transfer_bytes_total
+            second = client.generate(turn2, **SEEDED[0])
+            assert second.token_ids == colocated(turn2, **SEEDED[0])
+            assert second.cached_prompt_tokens >= len(turn1) // 16 * 16
+            # bytes follow the frame plan (each frame's blocks padded to its bucket): only the blocks after
+            # the 14 of turn 1 and its answer, which the decode server loaded back from its host tier
+            layout = core.loop.engine.kv_layout
+            planned = lambda n: sum(p.num_layers * p.bucket for p in plan_frames(layout, n))  # noqa: E731
+            per_layer_block = turn1_bytes / planned(len(turn1))
+            moved = client.stats().kv_transfer_bytes_total - before
+            assert 0 < moved == per_layer_block * planned(len(turn2) - 14 * 16)
+            decode_stats, prefill_stats = client.stats(), prefill_admin.stats()
+            assert decode_stats.prefix_cache_host_hits_total >= len(turn1) // 16 * 16
+            assert prefill_stats.prefix_cache_host_hits_total >= len(turn1) // 16 * 16
+            assert prefill_stats.num_host_offloads_total > 0 and decode_stats.num_host_offloads_total > 0
+            assert prefill_stats.num_host_staged_blocks == 0  # every stream closed gave its slots back
+            assert_all_free(address, replica)

@@ -17,7 +17,7 @@ import grpc
 import pytest
 
 from pdserve.services.client import Client, build_request
-from pdserve.testing.launch import ENGINE_ARGS, EPHEMERAL_KV_EVENTS, Daemon, prefill_server
+from pdserve.testing.launch import ENGINE_ARGS, EPHEMERAL_KV_EVENTS, HOST_TIER_ARGS, Daemon, prefill_server
 from tests.helpers import wait_all_free
 
 pytestmark = pytest.mark.daemon
@@ -49,6 +49,7 @@ def reference(colocated):
 @pytest.fixture(scope="module")
 def faulty(model_path, log_dir):
     argv = ["--model", str(model_path), "--port", "0", "--no-warmup", *EPHEMERAL_KV_EVENTS, *ENGINE_ARGS]
+    argv += HOST_TIER_ARGS
     daemon = Daemon(argv, "faulty-prefill", log_dir, entry="tests.services.faulty_prefill:main")
     yield daemon
     assert daemon.terminate() == 0
@@ -104,10 +105,10 @@ def test_kill_cancel_corrupt_restart_vanish(prefill, faulty, reference, daemons)
     """A decode server with three replicas (healthy, doomed, faulty) under concurrent load with cancels:
     the doomed replica is SIGKILLed once it is serving, restarted on its port and used again; at the end the
     decode server itself is SIGKILLed mid-stream and every prefill replica frees what it held."""
-    doomed = daemons.prefill("prefill-doomed")
+    doomed = daemons.prefill("prefill-doomed", extra=HOST_TIER_ARGS)
     doomed_port = doomed.address.rsplit(":", 1)[1]
     replicas = f"{prefill.address},{doomed.address},{faulty.address}"
-    decode = daemons.decode(replicas, "decode-faults", extra=["--max-num-seqs", "16"])
+    decode = daemons.decode(replicas, "decode-faults", extra=["--max-num-seqs", "16", *HOST_TIER_ARGS])
     client = Client(decode.address)
     prompts, more = (
         make_prompts(24, seed=1),
@@ -130,7 +131,7 @@ def test_kill_cancel_corrupt_restart_vanish(prefill, faulty, reference, daemons)
         on_start=lambda: threading.Thread(target=kill_under_load).start(),
     )
     # the killed replica comes back on the same port; the decode server reconnects to it
-    restarted = daemons.prefill("prefill-restarted", extra=["--port", doomed_port])
+    restarted = daemons.prefill("prefill-restarted", extra=["--port", doomed_port, *HOST_TIER_ARGS])
     time.sleep(4)  # past the failed replica's back-off and the channel's reconnect back-off
     second = run_load(client, more, reference, 0.2, seed=4)
     assert Client(restarted.address).stats().num_requests_total > 0  # the pool uses the restarted replica

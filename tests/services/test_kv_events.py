@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pdserve.engine.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from pdserve.engine.core.kv_events import DEVICE, HOST, AllBlocksCleared, BlockRemoved, BlockStored
 from pdserve.services.decode.prefix_index import ReplicaCache, follow, replay
 from pdserve.services.kv_events_zmq import (
     CurveKeys,
@@ -88,6 +88,23 @@ def test_the_default_ports_fall_back_to_free_ones_on_a_shared_host_and_a_port_gi
 def _batch(seq, events):
     payload = encode_batch(events, timestamp=float(seq))
     return seq, payload, events
+
+
+def test_the_host_tier_is_medium_cpu_and_a_host_block_counts_as_held():
+    """A block the device evicts into the host tier: removed on "GPU", stored on "CPU" (llm-d's medium
+    field), and a replica index still counts it as held until the host tier evicts it too."""
+    events = [BlockRemoved([5], DEVICE), BlockStored([5], 4, [1, 2], 2, None, HOST), BlockRemoved([5], HOST)]
+    raw = msgpack.unpackb(encode_batch(events[:2]), raw=False)[1]
+    assert raw[0][2] == "GPU" and raw[1][6] == "CPU"
+    assert decode_batch(encode_batch(events))[1] == events
+    with pytest.raises(ValueError, match="medium"):
+        decode_batch(msgpack.packb([1.0, [["BlockRemoved", [5], "DISK"]]]))
+    cache = ReplicaCache("r")
+    cache.rebuild([_batch(0, [AllBlocksCleared(), BlockStored([4, 5], None, [0] * 4, 2)])])
+    cache.apply(*_batch(1, events[:2]))
+    assert cache.hashes == {4} and cache.host_hashes == {5} and cache.matched_blocks([4, 5]) == 2
+    cache.apply(*_batch(2, events[2:]))
+    assert cache.matched_blocks([4, 5]) == 1
 
 
 def test_index_applies_in_order_and_rebuilds_after_a_restart_or_lost_batches():
