@@ -176,7 +176,7 @@ def copy_study(repeats: int) -> dict:
         store.landed(wait=True)
         out_s.append(time.perf_counter() - t)
         t = time.perf_counter()
-        runner.cache = store.load(runner.cache, store.read(pairs))
+        runner.cache = store.finish_load(runner.cache, store.start_load(pairs))
         jax.block_until_ready(runner.cache)
         in_s.append(time.perf_counter() - t)
         engine.scheduler.kv.pool.check()

@@ -8,9 +8,10 @@ when it is first written, so the tier costs what it holds, up to its size.
   offload(cache, [(block, slot)])   a jitted read of the blocks from the cache (ordered before any later
                                     write of the cache, which may reuse them), copied to the host
                                     asynchronously; `landed()` writes finished copies into their slots
-  read([(slot, block)])             the slots' bytes (a copy: a slot may be reused right after)
-  load(cache, blocks, data)         the bytes put on the cache's devices and written into the blocks
-                                    (donated: in place)
+  start_load([(slot, block)])       the slots' bytes copied out (a slot may be reused right after) and put
+                                    on the cache's devices, asynchronously: a HostLoad
+  finish_load(cache, load)          once `load.ready` (or waiting for it), the bytes written into the
+                                    blocks (the cache donated: in place)
 
 Every copy goes in padded batches of BATCH_BUCKETS blocks (compiled by `warmup`): steady serving compiles
 nothing. On a CPU the device and the host are the same memory; on a TPU a copy crosses the host link.
@@ -18,6 +19,7 @@ nothing. On a CPU the device and the host are the same memory; on a TPU a copy c
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
 
@@ -49,6 +51,19 @@ def _batches(pairs: Sequence[tuple[int, int]]):
         part += [part[0]] * (bucket_for(n, BATCH_BUCKETS) - n)
         first, second = (np.asarray(column, np.int32) for column in zip(*part, strict=True))
         yield first, second, n
+
+
+@dataclasses.dataclass
+class HostLoad:
+    """Blocks on their way from host slots to the devices: (blocks, their bytes on the devices, how many
+    are real) per padded batch."""
+
+    batches: list[tuple[np.ndarray, jax.Array, int]]
+
+    @property
+    def ready(self) -> bool:
+        """The bytes are on the devices (writing them waits for nothing)."""
+        return all(data.is_ready() for _, data, _ in self.batches)
 
 
 class HostKVStore:
@@ -92,15 +107,18 @@ class HostKVStore:
         self._in_flight = pending
         return done
 
-    def read(self, pairs: Sequence[tuple[int, int]]) -> list[tuple[np.ndarray, np.ndarray, int]]:
-        """The bytes of each (host slot, device block), copied out of the slots: (blocks, data, real),
-        padded batches for `load`."""
-        return [(blocks, self.slots[:, slots], n) for slots, blocks, n in _batches(pairs)]
+    def start_load(self, pairs: Sequence[tuple[int, int]]) -> HostLoad:
+        """Starts copying each (host slot, device block): the slots read now, their bytes on their way to
+        the devices; finish_load writes them."""
+        batches = []
+        for slots, blocks, n in _batches(pairs):
+            batches.append((blocks, jax.device_put(self.slots[:, slots], self.sharding), n))
+        return HostLoad(batches)
 
-    def load(self, cache: jax.Array, batches: list[tuple[np.ndarray, np.ndarray, int]]) -> jax.Array:
-        """Writes what `read` returned into the cache's blocks; returns the cache (the input is donated)."""
-        for blocks, data, n in batches:
-            cache = _write_blocks(cache, blocks, jax.device_put(data, self.sharding))
+    def finish_load(self, cache: jax.Array, load: HostLoad) -> jax.Array:
+        """Writes a started load into its blocks; returns the cache (the input is donated)."""
+        for blocks, data, n in load.batches:
+            cache = _write_blocks(cache, blocks, data)
             self.num_loaded += n
         return cache
 

@@ -43,6 +43,7 @@ from pdserve.engine.core.request import FinishReason, Request, Status, TokenLogp
 from pdserve.engine.core.scheduler import Row, SampledToken, Scheduler, SchedulerOutput
 from pdserve.engine.core.speculation import accept
 from pdserve.engine.draft_runner import DraftRunner
+from pdserve.engine.host_kv import HostLoad
 from pdserve.engine.loading.eagle3 import Eagle3Head, load_eagle3_head
 from pdserve.engine.loading.sources import LoadedModel, load_model
 from pdserve.engine.lora import AdapterRegistry
@@ -115,6 +116,7 @@ class LLMEngine:
         # (an abort, arriving KV, a new request) can change that. The engine thread may sleep until one.
         self.stalled = False
         self._stepping: dict[str, Request] = {}  # the requests of the step under way (fail_step ends them)
+        self._loads: list[tuple[str, HostLoad]] = []  # host tier loads under way (request id, the load)
         self._outputs = EngineOutputs()  # what commands and the step under way produced, for step()
         self._utilities = {
             "add_adapter": self.loras.add,
@@ -413,7 +415,12 @@ class LLMEngine:
         self._stepping = {}
         if self.drafter is not None and self.drafter.arrivals:  # their first drafts, for this schedule
             self.drafter.arrive()
+        if self._loads:
+            self._finish_loads(wait=False)
         scheduled = self.scheduler.schedule()
+        if scheduled is None and (self._loads or self.scheduler.kv.has_loads):  # only loads to wait for
+            self._finish_loads(wait=True)
+            scheduled = self.scheduler.schedule()
         self.stalled = scheduled is None
         if scheduled is not None:
             requests = self.scheduler.requests
@@ -554,10 +561,30 @@ class LLMEngine:
         return children
 
     def _move_host_blocks(self) -> None:
-        """The host tier's copies owed (engine.core.kv_cache_manager): run before every write of the cache
-        (ModelRunner.before_write), and after each step to take the copies that landed."""
+        """The host tier's copies owed (engine.core.kv_cache_manager), started: run before every write of
+        the cache (ModelRunner.before_write), and after each step to take the copies that landed. Loads
+        read their slots first (an offload landing may reuse one); evicted blocks are read before the
+        write that called this."""
         kv = self.scheduler.kv
-        kv.offloads_landed(self.runner.move_host_blocks(kv.take_offloads(), kv.take_loads()))
+        for request_id, pairs in kv.take_loads():
+            self._loads.append((request_id, self.runner.start_load(pairs)))
+        kv.offloads_landed(self.runner.copy_out(kv.take_offloads()))
+
+    def _finish_loads(self, wait: bool) -> None:
+        """Writes the host tier loads whose bytes are on the devices (all of them with `wait`: nothing
+        else can run) into their blocks; their requests may be scheduled now. A request that ended
+        meanwhile gets nothing written (its blocks may be another's)."""
+        self._move_host_blocks()
+        pending, done = [], []
+        for request_id, load in self._loads:
+            if not (wait or load.ready):
+                pending.append((request_id, load))
+                continue
+            if request_id in self.scheduler.loading:
+                self.runner.finish_load(load)
+            done.append(request_id)
+        self._loads = pending
+        self.scheduler.kv_loaded(done)
 
     def _copy_blocks(self) -> None:
         """Makes the block copies forks asked for, before a step writes into them."""

@@ -21,7 +21,7 @@ from pdserve.engine import multihost
 from pdserve.engine.config import EngineConfig, ModelConfig, bucket_for
 from pdserve.engine.core.kv_groups import BlockTables, KVGroups
 from pdserve.engine.core.scheduler import Row
-from pdserve.engine.host_kv import HostKVStore
+from pdserve.engine.host_kv import HostKVStore, HostLoad
 from pdserve.engine.lora_slots import LoraSlots
 from pdserve.engine.memory import MemoryPlan
 from pdserve.engine.model import kv_cache
@@ -349,18 +349,21 @@ class ModelRunner:
         if self.before_write is not None:
             self.before_write()
 
-    def move_host_blocks(
-        self, offloads: Sequence[tuple[int, int]], loads: Sequence[tuple[int, int]]
-    ) -> list[int]:
-        """The host tier's copies: the slots of `loads` (host slot, block) read first, then the blocks of
-        `offloads` (block, host slot) copied out, then the loads written in; returns the slots whose
-        copies out have landed since the last call."""
-        if not (offloads or loads or self.host.num_in_flight):
-            return []
-        data = self.host.read(loads)
-        self.host.offload(self.cache, offloads)
-        self.cache = self.host.load(self.cache, data)
-        return self.host.landed()
+    def copy_out(self, offloads: Sequence[tuple[int, int]]) -> list[int]:
+        """Starts copying evicted blocks (block, host slot) to the host tier (dispatched before any later
+        write of the cache); returns the slots whose copies have landed since the last call."""
+        if offloads:
+            self.host.offload(self.cache, offloads)
+        return self.host.landed() if self.host.num_in_flight else []
+
+    def start_load(self, loads: Sequence[tuple[int, int]]) -> HostLoad:
+        """Starts copying host tier slots into blocks (host slot, block): the slots are read now."""
+        return self.host.start_load(loads)
+
+    def finish_load(self, load: HostLoad) -> None:
+        """Writes a started load into its blocks (a write of the cache: the copies owed go first)."""
+        self._before_write()
+        self.cache = self.host.finish_load(self.cache, load)
 
     # ---- KV in and out (engine.core.kv_connector) ----------------------------------------------------------
     def gather_kv(

@@ -14,8 +14,9 @@ request besides its table, never cached.
 With a host tier (`host_blocks`, engine/core/host_pool.py), a cached block evicted from the device pool is
 copied into a host slot (`take_offloads`: the engine copies it before anything writes the block again),
 and a lookup continues past the device's hits into the host tier's (`lookup_host`): those blocks get new
-device blocks at allocation, filled from their slots (`take_loads`: before the step that reads them)
-and entered in the device index at once. No device code; the scheduler is the only caller.
+device blocks at allocation, filled from their slots (`take_loads`; the request waits for them) and
+entered in the device index as computed blocks are, when the request's next step completes a block. No
+device code; the scheduler is the only caller.
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ class KVCacheManager:
         if self.host is not None:
             self.host.on_evict = self._host_evicted
         self._offloads: list[tuple[int, int]] = []  # (device block, host slot) to copy out
-        self._loads: list[tuple[int, int]] = []  # (host slot, device block) to copy in
+        self._loads: list[tuple[str, list[tuple[int, int]]]] = []  # request id, (host slot, block) pairs
         # what BlockStored said of each cached block (parent, tokens, adapter): a block the host tier
         # takes is announced again there (kept while events are recorded)
         self._stored: dict[int, tuple[int | None, tuple[int, ...], str | None]] = {}
@@ -152,11 +153,17 @@ class KVCacheManager:
         """Those slots' copies are complete: lookups may load them."""
         self.host.landed(slots)
 
-    def take_loads(self) -> list[tuple[int, int]]:
-        """(host slot, device block) copies owed since the last call, for blocks allocated from host hits:
-        to make before the step that reads them, reading the slots before anything else is allocated."""
+    def take_loads(self) -> list[tuple[str, list[tuple[int, int]]]]:
+        """The copies owed since the last call for blocks allocated from host hits: each request's (host
+        slot, device block) pairs. Read the slots before any offload lands (`offloads_landed`: one may
+        reuse a slot); write the blocks before any step reads them."""
         loads, self._loads = self._loads, []
         return loads
+
+    @property
+    def has_loads(self) -> bool:
+        """Loads are owed (take_loads)."""
+        return bool(self._loads)
 
     def lookup_host(self, block_hashes: Sequence[int]) -> list[int]:
         """The host slots holding the leading run of `block_hashes` (the blocks after the device's hits)
@@ -237,7 +244,7 @@ class KVCacheManager:
         On a request's first allocation, `cached` are the blocks lookup() found for `token_ids` (counted
         in the prefix-cache stats): they are shared (one more reference each) and become the head of its
         table. `loaded`: the host slots lookup_host() found after them: their blocks come next, new device
-        blocks filled from the slots (take_loads) and entered in the device index.
+        blocks filled from the slots (take_loads).
         """
         if not self.can_allocate(request_id, num_tokens, cached):
             return False
@@ -251,7 +258,7 @@ class KVCacheManager:
                 table.num_registered = len(cached)
                 self.stats.hits += len(cached) * self.block_size
             if loaded:
-                self._load(table, loaded)
+                self._load(request_id, table, loaded)
             self.stats.queries += len(token_ids)
         need = blocks_for_tokens(num_tokens, self.block_size) - len(table.block_ids)
         if need > 0:
@@ -262,23 +269,15 @@ class KVCacheManager:
                 ring.extend(self.pool.allocate(grow))
         return True
 
-    def _load(self, table: _Table, slots: Sequence[int]) -> None:
-        """A new table's blocks after its device hits, from host slots: new blocks, registered at once
-        (their KV is copied in before any step reads it). The slots are kept from eviction meanwhile."""
-        hashes = [self.host.slot_hash[s] for s in slots]
+    def _load(self, request_id: str, table: _Table, slots: Sequence[int]) -> None:
+        """A new table's blocks after its device hits, from host slots: new blocks, whose KV the engine
+        copies in (take_loads); their hashes are known, and they enter the device index when cache_blocks
+        next registers the request's blocks (after a step: never before the copy)."""
+        table.hashes += [self.host.slot_hash[s] for s in slots]
         self.host.touch(slots)  # (most recently used: the evictions below take others first)
         blocks = self.pool.allocate(len(slots))
-        self._loads += zip(slots, blocks, strict=True)
-        for block, block_hash in zip(blocks, hashes, strict=True):
-            # (False: another device block holds the hash, found past a miss: this copy stays unshared)
-            registered = self.pool.register(block, block_hash)
-            info = self._stored.get(block_hash)
-            if self._events is not None and info is not None and registered:
-                parent, tokens, lora = info
-                self._events.append(BlockStored([block_hash], parent, list(tokens), self.block_size, lora))
+        self._loads.append((request_id, list(zip(slots, blocks, strict=True))))
         table.block_ids += blocks
-        table.hashes += hashes
-        table.num_registered = len(table.block_ids)
         self.stats.hits += len(slots) * self.block_size
         self.stats.host_hits += len(slots) * self.block_size
 

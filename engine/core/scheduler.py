@@ -142,6 +142,9 @@ class Scheduler:
         self.running: list[Request] = []  # RUNNING, decoding
         self.remote: list[Request] = []  # WAITING_FOR_REMOTE_KV
         self.sending: list[Request] = []  # FINISHED_SENDING
+        # Requests admitted with blocks found in the host tier, until the engine has copied them in
+        # (kv_loaded): no step reads their blocks before
+        self.loading: set[str] = set()
         self.num_preemptions = 0
         # (source, destination) blocks the device must copy before the next step: forked sequences' own
         # copies of their parent's partial last block (take_block_copies)
@@ -243,6 +246,10 @@ class Scheduler:
         request.status = Status.RUNNING
         self.prefilling.append(request)
 
+    def kv_loaded(self, request_ids: Sequence[str]) -> None:
+        """The engine copied these requests' host tier blocks in: their steps may read them."""
+        self.loading.difference_update(request_ids)
+
     def finish_sending(self, request_id: str) -> None:
         """Prefill role: the KV of a FINISHED_SENDING request has been handed over: free its blocks."""
         request = self.requests[request_id]
@@ -280,6 +287,8 @@ class Scheduler:
         for request in self.prefilling:
             if budget <= 0:
                 break
+            if request.request_id in self.loading:
+                continue
             rows.append(self._chunk_row(request, budget))
             budget -= len(rows[-1].tokens)
         self._add_drafts(decode_rows, self.config.max_num_batched_tokens - budget, budget)
@@ -416,6 +425,7 @@ class Scheduler:
             self._release(request)
 
     def _release(self, request: Request) -> None:
+        self.loading.discard(request.request_id)  # (a copy under way is dropped: its blocks are freed)
         self.kv.free(request.request_id)
         request.status = Status.FINISHED
         self.requests.pop(request.request_id, None)
@@ -473,6 +483,8 @@ class Scheduler:
                 passed.append(request)
                 continue
             self.kv.allocate(rid, num_tokens, cached, request.all_ids, loaded)
+            if loaded:
+                self.loading.add(rid)
             if request.scheduled_time is None:
                 request.scheduled_time = time.monotonic()
             request.num_computed = num_cached
@@ -494,6 +506,8 @@ class Scheduler:
         scheduled = []
         for request in sorted(self.running, key=lambda r: r.arrival_time):
             if request.status is not Status.RUNNING:  # preempted above as a victim: nothing to reserve
+                continue
+            if request.request_id in self.loading:  # (decode role: its KV arrived before its host blocks)
                 continue
             while not self.kv.can_allocate(request.request_id, request.num_computed + 1):
                 victim = max(self.running + self.prefilling, key=lambda r: r.arrival_time)
@@ -570,6 +584,7 @@ class Scheduler:
         """Gives a running request's blocks back (its full blocks stay cached); it is queued first."""
         self.num_preemptions += 1
         (self.running if request in self.running else self.prefilling).remove(request)
+        self.loading.discard(request.request_id)
         self.kv.free(request.request_id)
         request.num_computed = 0
         request.proposed = []  # (a draft head's drafts follow the KV just freed)

@@ -36,9 +36,9 @@ def test_blocks_round_trip_through_host_slots(dtype):
     assert sorted(landed) == sorted(slots) and store.num_in_flight == 0
     np.testing.assert_array_equal(store.slots[:, slots], host_cache[:, out])
     into = [b for b in range(num_blocks) if b not in out][:7]
-    batches = store.read(list(zip(slots[:7], into, strict=True)))
-    store.slots[:, slots[:7]] = 0  # what was read is a copy: the slots may be reused at once
-    cache = store.load(cache, batches)
+    load = store.start_load(list(zip(slots[:7], into, strict=True)))
+    store.slots[:, slots[:7]] = 0  # the slots were read: they may be reused at once
+    cache = store.finish_load(cache, load)
     expected = host_cache.copy()
     expected[:, into] = host_cache[:, out[:7]]
     np.testing.assert_array_equal(np.asarray(cache), expected)
