@@ -356,3 +356,34 @@ def test_forks_that_end_at_once_hold_nothing_and_a_short_pool_queues_them():
     assert late.status is Status.PREEMPTED and late.num_computed == 0 and sched.waiting[0] is late
     assert late.output_ids == [2] and sched.kv.pool.num_used == 3
     assert len(sched.take_block_copies()) == 1
+
+
+def test_a_request_waits_for_its_host_tier_blocks_and_one_that_ends_meanwhile_frees_them():
+    """Host tier hits (--kv-offloading-size): the request is admitted with them counted as computed, but
+    has no row until the engine says its blocks are copied in (kv_loaded); ended before that, it holds
+    nothing and is no longer waited for."""
+    import dataclasses
+
+    sched = Scheduler(dataclasses.replace(CONFIG, num_host_blocks=8))
+    prompt = list(range(100, 113))  # 3 full blocks before the last token
+    sched.add(make("a", prompt, max_tokens=1))
+    while sched.requests:
+        run(sched, sched.schedule())
+    sched.add(make("flood", 61, t=1, max_tokens=1))  # 16 blocks: a's cached blocks are evicted
+    while sched.requests:
+        run(sched, sched.schedule())
+    offloads = sched.kv.take_offloads()
+    assert len(offloads) == 3
+    sched.kv.offloads_landed([slot for _, slot in offloads])
+    for rid, t in (("b", 2), ("c", 3)):
+        sched.add(make(rid, prompt, t=t, max_tokens=1))
+    step = sched.schedule()
+    assert step is None and sched.loading == {"b", "c"}  # both found a's blocks in the host tier
+    assert [sched.requests[r].num_computed for r in "bc"] == [12, 12]
+    loads = dict(sched.kv.take_loads())
+    assert sorted(s for s, _ in loads["b"]) == sorted(slot for _, slot in offloads)
+    sched.abort("c")
+    assert sched.loading == {"b"}
+    sched.kv_loaded(["b", "c"])
+    assert rows(sched.schedule()) == [("b", 12, 1, True)]
+    sched.kv.pool.check(), sched.kv.host.check()
