@@ -10,7 +10,7 @@ import pytest
 
 from pdserve.services.client import Client, build_request
 from pdserve.services.sampling import params_from_request
-from pdserve.testing.launch import serve_daemon
+from pdserve.testing.launch import HOST_TIER_ARGS, serve_daemon
 from tests.helpers import assert_all_free, in_process
 
 pytestmark = pytest.mark.daemon
@@ -235,9 +235,12 @@ def test_a_conversation_over_heterogeneous_tp_moves_only_its_new_blocks(
 
 
 def test_heterogeneous_tp_in_serve_shape(model_path, log_dir, daemons, colocated, loaded_model):
-    """Prefill TP 1 on device 0 -> decode TP 4 on devices 4-7, one process, KV moved by device_put. (TP 1
-    -> TP 2: tests/services/test_lora.py::test_serve_shape_with_adapters.)"""
-    daemon = daemons.add(serve_daemon(model_path, log_dir, "4,5,6,7", name="serve-tp4"))
+    """Prefill TP 1 on device 0 -> decode TP 4 on devices 4-7, one process, KV moved by device_put (staged
+    in the host tier's memory on the way: host arrays put on the decode mesh). (TP 1 -> TP 2:
+    tests/services/test_lora.py::test_serve_shape_with_adapters.)"""
+    daemon = daemons.add(
+        serve_daemon(model_path, log_dir, "4,5,6,7", name="serve-tp4", extra=HOST_TIER_ARGS)
+    )
     client = Client(daemon.address)
     info = client.model_info()
     assert info.tensor_parallel == 4 and info.prefill_mode == "local-engine"
