@@ -2,8 +2,11 @@
 
 engine/core/host_pool.py decides which slot holds which block; this module moves them. A slot holds a
 whole block, every row of the cache and every head (on a multi-device mesh, every device's shards: one
-host's view). The slots are one host array allocated empty: the operating system backs a slot's pages
-when it is first written, so the tier costs what it holds, up to its size.
+host's view). The slots are one anonymous memory map, committed in the background after start
+(`madvise(MADV_POPULATE_WRITE)` in 64 MiB pieces on a thread, which leaves their bytes alone): the first
+write of a page not yet backed costs a page fault, which on a virtual machine can cost more than the
+copy itself (measured on this machine's VM: 16 blocks written into fresh pages 450-620 ms, into
+committed ones 1.3 ms). As vLLM's offloading tier, the tier holds its whole size once committed.
 
   offload(cache, [(block, slot)])   a jitted read of the blocks from the cache (ordered before any later
                                     write of the cache, which may reuse them), copied to the host
@@ -19,8 +22,13 @@ nothing. On a CPU the device and the host are the same memory; on a TPU a copy c
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import functools
+import logging
+import math
+import mmap
+import threading
 from collections.abc import Sequence
 
 import jax
@@ -29,6 +37,10 @@ import numpy as np
 from pdserve.engine.config import bucket_for
 
 BATCH_BUCKETS = (4, 16, 64)  # blocks a copy moves at once (larger lists go in pieces)
+COMMIT_PIECE_BYTES = 64 << 20  # the background commit's step
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+: back pages as written, without writing them
+
+log = logging.getLogger(__name__)
 
 
 @jax.jit
@@ -71,7 +83,13 @@ class HostKVStore:
 
     def __init__(self, cache: jax.Array, num_slots: int):
         rows, _, *token_shape = cache.shape
-        self.slots = np.empty((rows, num_slots, *token_shape), cache.dtype)
+        shape = (rows, num_slots, *token_shape)
+        self._memory = mmap.mmap(-1, math.prod(shape) * cache.dtype.itemsize)
+        self.slots = np.frombuffer(self._memory, cache.dtype).reshape(shape)
+        self._committer = threading.Thread(
+            target=_commit, args=(self._memory, self.slots.ctypes.data), name="host-kv-commit", daemon=True
+        )
+        self._committer.start()
         self.sharding = cache.sharding
         self._in_flight: list[tuple[jax.Array, np.ndarray]] = []  # (blocks read, their slots)
         self.num_offloaded = 0  # blocks copied out since start
@@ -132,3 +150,18 @@ class HostKVStore:
             _read_blocks.lower(cache, ids).compile()
             _write_blocks.lower(cache, ids, blocks).compile()
         return 2 * len(BATCH_BUCKETS)
+
+
+def _commit(memory: mmap.mmap, address: int) -> None:
+    """Backs the map's pages, a piece at a time (ctypes releases the GIL for the call); where the kernel
+    cannot, pages are backed as they are first written."""
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+        madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    except (OSError, AttributeError):
+        return
+    size = len(memory)
+    for start in range(0, size, COMMIT_PIECE_BYTES):
+        if madvise(address + start, min(COMMIT_PIECE_BYTES, size - start), _MADV_POPULATE_WRITE):
+            log.info("host KV tier: pages backed as first written (madvise errno %d)", ctypes.get_errno())
+            return
