@@ -116,7 +116,8 @@ class LLMEngine:
         # (an abort, arriving KV, a new request) can change that. The engine thread may sleep until one.
         self.stalled = False
         self._stepping: dict[str, Request] = {}  # the requests of the step under way (fail_step ends them)
-        self._loads: list[tuple[str, HostLoad]] = []  # host tier loads under way (request id, the load)
+        # host tier loads under way: (request id, its number in Scheduler.loading, the load)
+        self._loads: list[tuple[str, int, HostLoad]] = []
         self._outputs = EngineOutputs()  # what commands and the step under way produced, for step()
         self._utilities = {
             "add_adapter": self.loras.add,
@@ -158,9 +159,9 @@ class LLMEngine:
             )
         memory.model_len(model.config, config)  # refused before the weights load: a length past the model's,
         memory.check_weights_fit(model.config, config, mesh, model.checkpoint.num_params)  # weights too large
-        weights = build_weights(model.config, model.checkpoint, mesh, dtype, progress, config.quantization)
         if config.kv_offloading_size:
             _check_host_tier(model.config, config)
+        weights = build_weights(model.config, model.checkpoint, mesh, dtype, progress, config.quantization)
         lora_slots = None
         if config.max_loras and (model.config.num_experts or model.config.is_mla):
             raise ValueError(
@@ -566,8 +567,10 @@ class LLMEngine:
         read their slots first (an offload landing may reuse one); evicted blocks are read before the
         write that called this."""
         kv = self.scheduler.kv
-        for request_id, pairs in kv.take_loads():
-            self._loads.append((request_id, self.runner.start_load(pairs)))
+        for request_id, pairs in kv.take_loads():  # (admitted in the last schedule)
+            number = self.scheduler.loading.get(request_id)
+            if number is not None:  # (None: it ended before its load started: its blocks are freed)
+                self._loads.append((request_id, number, self.runner.start_load(pairs)))
         kv.offloads_landed(self.runner.copy_out(kv.take_offloads()))
 
     def _finish_loads(self, wait: bool) -> None:
@@ -576,13 +579,13 @@ class LLMEngine:
         meanwhile gets nothing written (its blocks may be another's)."""
         self._move_host_blocks()
         pending, done = [], []
-        for request_id, load in self._loads:
+        for request_id, number, load in self._loads:
             if not (wait or load.ready):
-                pending.append((request_id, load))
+                pending.append((request_id, number, load))
                 continue
-            if request_id in self.scheduler.loading:
+            if self.scheduler.loading.get(request_id) == number:
                 self.runner.finish_load(load)
-            done.append(request_id)
+            done.append((request_id, number))
         self._loads = pending
         self.scheduler.kv_loaded(done)
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import time
 from collections.abc import Sequence
 from typing import Protocol
@@ -143,8 +144,10 @@ class Scheduler:
         self.remote: list[Request] = []  # WAITING_FOR_REMOTE_KV
         self.sending: list[Request] = []  # FINISHED_SENDING
         # Requests admitted with blocks found in the host tier, until the engine has copied them in
-        # (kv_loaded): no step reads their blocks before
-        self.loading: set[str] = set()
+        # (kv_loaded): no step reads their blocks before. Each admission's load has its own number: a
+        # request preempted and admitted again waits for its new load, not the one that was under way
+        self.loading: dict[str, int] = {}
+        self._loads_admitted = itertools.count()
         self.num_preemptions = 0
         # (source, destination) blocks the device must copy before the next step: forked sequences' own
         # copies of their parent's partial last block (take_block_copies)
@@ -246,9 +249,12 @@ class Scheduler:
         request.status = Status.RUNNING
         self.prefilling.append(request)
 
-    def kv_loaded(self, request_ids: Sequence[str]) -> None:
-        """The engine copied these requests' host tier blocks in: their steps may read them."""
-        self.loading.difference_update(request_ids)
+    def kv_loaded(self, loads: Sequence[tuple[str, int]]) -> None:
+        """The engine copied these loads (request id, its number in `loading`) in: their requests' steps
+        may read them (a load of an admission since undone changes nothing)."""
+        for request_id, number in loads:
+            if self.loading.get(request_id) == number:
+                del self.loading[request_id]
 
     def finish_sending(self, request_id: str) -> None:
         """Prefill role: the KV of a FINISHED_SENDING request has been handed over: free its blocks."""
@@ -425,7 +431,7 @@ class Scheduler:
             self._release(request)
 
     def _release(self, request: Request) -> None:
-        self.loading.discard(request.request_id)  # (a copy under way is dropped: its blocks are freed)
+        self.loading.pop(request.request_id, None)  # (a copy under way is dropped: its blocks are freed)
         self.kv.free(request.request_id)
         request.status = Status.FINISHED
         self.requests.pop(request.request_id, None)
@@ -484,7 +490,7 @@ class Scheduler:
                 continue
             self.kv.allocate(rid, num_tokens, cached, request.all_ids, loaded)
             if loaded:
-                self.loading.add(rid)
+                self.loading[rid] = next(self._loads_admitted)
             if request.scheduled_time is None:
                 request.scheduled_time = time.monotonic()
             request.num_computed = num_cached
@@ -584,7 +590,7 @@ class Scheduler:
         """Gives a running request's blocks back (its full blocks stay cached); it is queued first."""
         self.num_preemptions += 1
         (self.running if request in self.running else self.prefilling).remove(request)
-        self.loading.discard(request.request_id)
+        self.loading.pop(request.request_id, None)
         self.kv.free(request.request_id)
         request.num_computed = 0
         request.proposed = []  # (a draft head's drafts follow the KV just freed)

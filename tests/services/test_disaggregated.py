@@ -238,9 +238,7 @@ def test_heterogeneous_tp_in_serve_shape(model_path, log_dir, daemons, colocated
     """Prefill TP 1 on device 0 -> decode TP 4 on devices 4-7, one process, KV moved by device_put (staged
     in the host tier's memory on the way: host arrays put on the decode mesh). (TP 1 -> TP 2:
     tests/services/test_lora.py::test_serve_shape_with_adapters.)"""
-    daemon = daemons.add(
-        serve_daemon(model_path, log_dir, "4,5,6,7", name="serve-tp4", extra=HOST_TIER_ARGS)
-    )
+    daemon = daemons.add(serve_daemon(model_path, log_dir, "4,5,6,7", name="serve-tp4", extra=HOST_TIER_ARGS))
     client = Client(daemon.address)
     info = client.model_info()
     assert info.tensor_parallel == 4 and info.prefill_mode == "local-engine"
