@@ -54,13 +54,14 @@ def _write_blocks(cache: jax.Array, ids: jax.Array, blocks: jax.Array) -> jax.Ar
     return cache.at[:, ids].set(blocks)
 
 
-def _batches(pairs: Sequence[tuple[int, int]]):
-    """The pairs in pieces of at most the largest bucket, each padded to its bucket by repeating its first
-    pair: (first column padded, second column padded, how many are real)."""
-    for start in range(0, len(pairs), BATCH_BUCKETS[-1]):
-        part = list(pairs[start : start + BATCH_BUCKETS[-1]])
+def padded_pair_batches(pairs: Sequence[tuple[int, int]], buckets: tuple[int, ...] = BATCH_BUCKETS):
+    """Pairs of ids in pieces of at most the largest bucket, each padded to its bucket by repeating its
+    first pair (the device op then does one thing twice): (first column, second column, as int32 arrays,
+    and how many pairs are real). Also the runner's block copies (ModelRunner.copy_blocks)."""
+    for start in range(0, len(pairs), buckets[-1]):
+        part = list(pairs[start : start + buckets[-1]])
         n = len(part)
-        part += [part[0]] * (bucket_for(n, BATCH_BUCKETS) - n)
+        part += [part[0]] * (bucket_for(n, buckets) - n)
         first, second = (np.asarray(column, np.int32) for column in zip(*part, strict=True))
         yield first, second, n
 
@@ -107,7 +108,7 @@ class HostKVStore:
     def offload(self, cache: jax.Array, pairs: Sequence[tuple[int, int]]) -> None:
         """Starts copying each (device block, host slot): dispatched now (before any later write of the
         block), landing in the slot when the copy is done (`landed`)."""
-        for blocks, slots, n in _batches(pairs):
+        for blocks, slots, n in padded_pair_batches(pairs):
             data = _read_blocks(cache, blocks)
             data.copy_to_host_async()
             self._in_flight.append((data, slots[:n]))
@@ -129,7 +130,7 @@ class HostKVStore:
         """Starts copying each (host slot, device block): the slots read now, their bytes on their way to
         the devices; finish_load writes them."""
         batches = []
-        for slots, blocks, n in _batches(pairs):
+        for slots, blocks, n in padded_pair_batches(pairs):
             batches.append((blocks, jax.device_put(self.slots[:, slots], self.sharding), n))
         return HostLoad(batches)
 

@@ -139,11 +139,16 @@ def _budget(mesh, fraction: float, weight_bytes: int) -> int:
 def block_bytes(model: ModelConfig, config: EngineConfig, mesh) -> int:
     """One KV block's bytes per device (on a CPU, every device's together): the cache is split over the
     mesh by heads, or replicated (MLA's latent)."""
-    shape = cache_shape(model, dataclasses.replace(config, num_blocks=1))
-    total = jax.numpy.dtype(config.cache_dtype).itemsize * math.prod(shape)
+    total = whole_block_bytes(model, config)
     tp = config.tp
     per_device = total if model.is_mla else total // tp
     return per_device * tp if _platform(mesh) == "cpu" else per_device
+
+
+def whole_block_bytes(model: ModelConfig, config: EngineConfig) -> int:
+    """One KV block's bytes over every row of the cache and every head (all devices' shards together)."""
+    shape = cache_shape(model, dataclasses.replace(config, num_blocks=1))
+    return jax.numpy.dtype(config.cache_dtype).itemsize * math.prod(shape)
 
 
 def host_blocks(model: ModelConfig, config: EngineConfig) -> int:
@@ -151,8 +156,7 @@ def host_blocks(model: ModelConfig, config: EngineConfig) -> int:
     shards (one host's view of the cache)."""
     if not config.kv_offloading_size:
         return 0
-    shape = cache_shape(model, dataclasses.replace(config, num_blocks=1))
-    slot = jax.numpy.dtype(config.cache_dtype).itemsize * math.prod(shape)
+    slot = whole_block_bytes(model, config)
     slots = int(config.kv_offloading_size * GIB) // slot
     if slots < 1:
         raise SizingError(

@@ -21,7 +21,7 @@ from pdserve.engine import multihost
 from pdserve.engine.config import EngineConfig, ModelConfig, bucket_for
 from pdserve.engine.core.kv_groups import BlockTables, KVGroups
 from pdserve.engine.core.scheduler import Row
-from pdserve.engine.host_kv import HostKVStore, HostLoad
+from pdserve.engine.host_kv import HostKVStore, HostLoad, padded_pair_batches
 from pdserve.engine.lora_slots import LoraSlots
 from pdserve.engine.memory import MemoryPlan
 from pdserve.engine.model import kv_cache
@@ -331,10 +331,7 @@ class ModelRunner:
 
     def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
         """Copies blocks (source, destination) in every cache row (Scheduler.take_block_copies)."""
-        for start in range(0, len(copies), COPY_BUCKETS[-1]):
-            part = list(copies[start : start + COPY_BUCKETS[-1]])
-            part += [part[0]] * (bucket_for(len(part), COPY_BUCKETS) - len(part))
-            src, dst = (np.asarray(column, np.int32) for column in zip(*part, strict=True))
+        for src, dst, _ in padded_pair_batches(copies, COPY_BUCKETS):
             self.run_copy_blocks(src, dst)
 
     def run_copy_blocks(self, src: np.ndarray, dst: np.ndarray) -> None:
