@@ -490,8 +490,9 @@ class EngineConfig:
     )
     gpu_memory_utilization: float = flag(
         0.0,
-        "fraction of each device's memory for the weights, the largest step's activations and the KV cache "
-        "(0: 0.9; on a CPU, of the RAM available at start, 0: 0.1); unused with --num-blocks",
+        "fraction of each device's memory for the weights, the step's temporaries and the KV cache (0: "
+        "0.9); on a CPU of the RAM available at start (0: the KV cache takes 0.1 of the RAM left after the "
+        "weights and the step, so any model whose weights fit serves); unused with --num-blocks",
         aliases=("--memory-fraction",),
     )
     max_num_seqs: int = flag(32, "running requests decoded together")

@@ -54,7 +54,7 @@ from pdserve.engine.model.sampler import SampleResult, mask_words, token_mask
 from pdserve.engine.model.sharding import make_mesh
 from pdserve.engine.model.tpu_attention import kernel_attention, kernel_unsupported
 from pdserve.engine.model.weights import build_weights
-from pdserve.engine.model_runner import ModelRunner, SampleRow, step_temp_bytes
+from pdserve.engine.model_runner import ModelRunner, SampleRow, step_temps
 from pdserve.engine.multihost import Publish
 from pdserve.engine.sampling_params import MAX_PROMPT_LOGPROB_ENTRIES, InvalidRequestError, SamplingParams
 from pdserve.kvtransfer import KVLayout
@@ -139,6 +139,7 @@ class LLMEngine:
         """The device side: the mesh, the weights on it, the adapter slots, the cache and the attention (on
         a TPU jax's Pallas kernel over this mesh where it applies, else the reference), and a draft head's
         weights."""
+        rss_at_start = memory.resident_bytes()
         mesh = make_mesh(config.tp, devices)
         platform = mesh.devices.flat[0].platform
         config = config.on_platform(platform)  # "auto" dtype resolved
@@ -175,8 +176,8 @@ class LLMEngine:
             if multihost.is_multi_process():
                 raise UnsupportedModelError("an EAGLE-3 head in a multi-host group is not supported")
             draft = DraftModel.build(head, mesh, dtype)
-        temp_bytes = functools.partial(
-            step_temp_bytes,
+        temps = functools.partial(
+            step_temps,
             model.config,
             mesh=mesh,
             weights=weights,
@@ -184,7 +185,7 @@ class LLMEngine:
             attention=attention,
         )
         resident = (weights, lora_weights, None if draft is None else draft.weights)
-        config, plan = memory.plan(model.config, config, mesh, resident, temp_bytes)
+        config, plan = memory.plan(model.config, config, mesh, resident, temps, rss_at_start)
         runner = ModelRunner(model.config, config, weights, mesh, lora_slots, attention, draft)
         runner.memory = plan
         return runner
@@ -259,13 +260,13 @@ class LLMEngine:
                 raise InvalidRequestError("prompt_token_ids", f"token ids must be in [0, {vocab})")
         if not prompt_ids:
             raise InvalidRequestError("prompt", "must not be empty")
-        if params.prompt_logprobs is not None:
-            entries = len(prompt_ids) * (params.prompt_logprobs + 1)
+        if params.prompt_logprobs is not None:  # (each of the n sequences' first output carries them)
+            entries = len(prompt_ids) * (params.prompt_logprobs + 1) * params.n
             if entries > MAX_PROMPT_LOGPROB_ENTRIES:
                 raise InvalidRequestError(
                     "prompt_logprobs",
-                    f"{len(prompt_ids)} prompt tokens x {params.prompt_logprobs + 1} logprobs: the limit is "
-                    f"{MAX_PROMPT_LOGPROB_ENTRIES} entries",
+                    f"{len(prompt_ids)} prompt tokens x {params.prompt_logprobs + 1} logprobs x "
+                    f"n={params.n}: the limit is {MAX_PROMPT_LOGPROB_ENTRIES} entries",
                 )
         if params.n > self.config.max_num_seqs:
             raise InvalidRequestError(
@@ -279,6 +280,11 @@ class LLMEngine:
             )
         if seed is None:
             seed = params.seed if params.seed is not None else secrets.randbits(63)
+        allowed_mask = None
+        if params.allowed_token_ids:  # once a request (its forks share it), its ids sorted without repeats
+            unique = np.unique(np.asarray(params.allowed_token_ids, np.int64))
+            params = dataclasses.replace(params, allowed_token_ids=tuple(unique.tolist()))
+            allowed_mask = token_mask(unique, vocab).view(np.uint32)
         stop_ids = frozenset(params.stop_token_ids)
         if not params.ignore_eos and self.tokenizer is not None:  # (a bare model in tests has none)
             stop_ids |= self.tokenizer.eos_token_ids
@@ -293,6 +299,7 @@ class LLMEngine:
             cache_salt=cache_salt or None,
             prompt_logprobs=None if params.prompt_logprobs is None else [None] * len(prompt_ids),
             bad_word_ids=self._bad_word_ids(params.bad_words),
+            allowed_mask=allowed_mask,
             reasoning=bool(params.reasoning_end) and params.constraint is not None,
         )
         if self.config.enable_prefix_caching:  # off the engine thread: a Preparer's (services.prepare)
@@ -628,7 +635,7 @@ class LLMEngine:
         it as a dead end)."""
         outputs = [r.output_ids + drafted for r, drafted in samples]
         rows = [i for i, (r, _) in enumerate(samples) if r.matcher is not None and not r.reasoning]
-        narrowed = [i for i, (r, _) in enumerate(samples) if r.params.allowed_token_ids or r.bad_word_ids]
+        narrowed = [i for i, (r, _) in enumerate(samples) if r.allowed_mask is not None or r.bad_word_ids]
         held = [
             i
             for i, (r, _) in enumerate(samples)
@@ -645,8 +652,8 @@ class LLMEngine:
                 allowed[i] = self._drafted_mask(samples[i][0], samples[i][1], allowed[i - 1])
         for i in narrowed:
             request, row = samples[i][0], allowed[i].view(np.uint32)
-            if request.params.allowed_token_ids:
-                row &= token_mask(request.params.allowed_token_ids, vocab).view(np.uint32)
+            if request.allowed_mask is not None:
+                row &= request.allowed_mask
             output = outputs[i]
             banned = [  # each bad word's last token, where the output ends with the rest of the word
                 word[-1]

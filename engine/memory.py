@@ -1,10 +1,19 @@
 """The KV cache sized from the devices' memory, and what an engine runs on (its start-up summary).
 
 With no `--num-blocks`, the KV cache takes what the memory fraction (`--gpu-memory-utilization`) leaves of
-each device once the weights (and LoRA slots) are on it and the largest step's temporaries are set aside.
-Those are measured, not estimated: the step of the largest token bucket is compiled ahead of time against
-a small cache of the same layout, and XLA's memory analysis gives its temporary bytes per device. On a
-CPU, where the devices share the host's memory, the budget is a fraction of the RAM available at start.
+each device once the weights (and LoRA slots) are on it and the step's temporaries are set aside. Those
+are measured, not estimated: the steps of the smallest and largest token buckets are compiled ahead of
+time against two small caches of the same layout, and XLA's memory analysis gives their temporary bytes
+per device as a line in the cache's size (StepTemps: on a CPU a cache of a narrower dtype than float32 is
+converted, and copied, inside the step, so those temporaries grow with the blocks; elsewhere they do not).
+
+On a CPU, where the devices share the host's RAM, the budget comes from the RAM available at start
+(`available_ram`: MemAvailable, within the container's cgroup limit): with `--gpu-memory-utilization F`,
+F of it for everything (weights included); without it, the KV cache (and the temporaries that grow with
+it) takes CPU_KV_SHARE of what is left after the weights and the step's fixed temporaries, so that any
+model whose weights fit serves with no sizing flag (as vLLM's CPU backend gives its KV cache a budget of
+its own). On accelerators the fraction (default 0.9, vLLM's) covers everything. The start-up line's
+`sized_by` names the rule.
 
 `--max-model-len` defaults to the model's context (max_position_embeddings), capped to what the cache
 holds for one request; a larger value than the model's context is refused, and so is a budget that cannot
@@ -28,11 +37,34 @@ from pdserve.engine.model.kv_cache import cache_shape
 
 log = logging.getLogger(__name__)
 
-# The memory fraction where --gpu-memory-utilization is not given: most of an accelerator's memory (vLLM's
-# default), a tenth of a CPU host's available RAM (a CPU engine shares it with everything else on the host).
-DEFAULT_FRACTION = {"cpu": 0.1}
+# The memory fraction where --gpu-memory-utilization is not given, on an accelerator: most of its memory
+# for everything (vLLM's default)
 ACCELERATOR_FRACTION = 0.9
+# On a CPU without --gpu-memory-utilization: the KV cache's share of the RAM left after the weights and the
+# step's fixed temporaries (a CPU engine shares the host with everything else on it); and the share of the
+# available RAM the weights and those temporaries may take before the model is refused as too large
+CPU_KV_SHARE = 0.1
+CPU_WEIGHTS_SHARE = 0.9
+# On a CPU, counted with the runtime: the host-side arrays of a step and what the allocator keeps of freed
+# temporaries beyond XLA's accounting (measured: 18 to 30 MiB past a 6.5 GiB plan of a 1.2B bfloat16 model)
+CPU_RUNTIME_RESERVE = 128 * 2**20
+# The RAM a CPU engine sizes from, in bytes, instead of what the host reports (a host that shares its RAM
+# by policy; tests give a box-independent figure)
+AVAILABLE_RAM_ENV = "PDSERVE_AVAILABLE_RAM"
 GIB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTemps:
+    """The step's temporary bytes per device, a line in the cache's blocks: `base` with no block and
+    `per_block` more for each (0 where the cache is updated in place: XLA:CPU converts, and copies, a cache
+    narrower than float32 inside the step)."""
+
+    base: int
+    per_block: int = 0
+
+    def at(self, num_blocks: int) -> int:
+        return self.base + self.per_block * num_blocks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,9 +85,24 @@ class MemoryPlan:
     budget_bytes: int = (
         0  # what the memory fraction gives the engine (0: the cache was sized by --num-blocks)
     )
-    activation_bytes: int = 0  # the largest step's temporaries (measured when sizing from memory)
+    activation_bytes: int = 0  # the step's temporaries at num_blocks (measured when sizing from memory)
     fraction: float = 0.0
+    rule: str = ""  # how the memory was sized (sized_by): "" is by --num-blocks
+    # On a CPU: what building the engine took of the host's RAM beyond the weights (compiled executables,
+    # the loader's buffers the allocator keeps), counted against the budget as the weights are
+    runtime_bytes: int = 0
     num_host_blocks: int = 0  # slots of the host tier (--kv-offloading-size), a whole block each
+
+    @property
+    def planned_bytes(self) -> int:
+        """Everything the plan counts: weights, the step's temporaries, the KV cache (and on a CPU the
+        runtime's share)."""
+        return (
+            self.weight_bytes
+            + self.runtime_bytes
+            + self.activation_bytes
+            + self.num_blocks * self.block_bytes
+        )
 
     @property
     def kv_tokens(self) -> int:
@@ -68,7 +115,7 @@ class MemoryPlan:
 
     def summary(self) -> dict[str, str]:
         """The start-up summary's fields (also Admin stats' and /metrics' engine info)."""
-        sized = f"gpu_memory_utilization={self.fraction:g}" if self.budget_bytes else "num_blocks"
+        sized = self.rule or "num_blocks"
         return {
             "platform": self.platform,
             "devices": str(self.num_devices),
@@ -80,6 +127,7 @@ class MemoryPlan:
             "kv_tokens": str(self.kv_tokens),
             "kv_gib": f"{self.num_blocks * self.block_bytes / GIB:.2f}",
             "activations_gib": f"{self.activation_bytes / GIB:.2f}",
+            "runtime_gib": f"{self.runtime_bytes / GIB:.2f}",
             "max_model_len": str(self.max_model_len),
             "max_concurrency": f"{self.max_concurrency:.1f}",
             "sized_by": sized,
@@ -102,29 +150,61 @@ def device_bytes(trees, mesh) -> int:
 
 
 def memory_fraction(config: EngineConfig, platform: str) -> float:
-    """The fraction of memory the engine may take: --gpu-memory-utilization, or the platform's default."""
-    return config.gpu_memory_utilization or DEFAULT_FRACTION.get(platform, ACCELERATOR_FRACTION)
+    """The fraction of memory the engine may take for everything: --gpu-memory-utilization, or on an
+    accelerator its default; 0 on a CPU without the flag (the KV cache's own share sizes it instead)."""
+    if config.gpu_memory_utilization or platform == "cpu":
+        return config.gpu_memory_utilization
+    return ACCELERATOR_FRACTION
 
 
 def _platform(mesh) -> str:
     return mesh.devices.flat[0].platform
 
 
-def _available_ram() -> int:
-    """The host's available RAM (Linux MemAvailable; elsewhere the free pages)."""
-    meminfo = Path("/proc/meminfo")
+def available_ram(held: int = 0) -> int:
+    """The RAM available to this process now: Linux's MemAvailable (elsewhere the free pages), within the
+    container's cgroup memory limit where one is set. AVAILABLE_RAM_ENV instead, when set, is the RAM at
+    start: less `held`, what the engine has taken since (its weights)."""
+    given = os.environ.get(AVAILABLE_RAM_ENV)
+    if given:
+        return int(given) - held
+    meminfo, host = Path("/proc/meminfo"), None
     if meminfo.is_file():
         for line in meminfo.read_text().splitlines():
             if line.startswith("MemAvailable:"):
+                host = int(line.split()[1]) * 1024
+    if host is None:
+        host = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    limit, used = Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory.current")
+    try:
+        if limit.read_text().strip() != "max":
+            return min(host, int(limit.read_text()) - int(used.read_text()))
+    except (OSError, ValueError):
+        pass
+    return host
+
+
+def resident_bytes() -> int:
+    """This process's resident memory (Linux VmRSS; 0 where it cannot be read)."""
+    status = Path("/proc/self/status")
+    if status.is_file():
+        for line in status.read_text().splitlines():
+            if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return 0
 
 
-def _budget(mesh, fraction: float, weight_bytes: int) -> int:
-    """What the fraction leaves the engine beyond what its devices already hold (the weights): per device
-    on an accelerator (the fullest device's), on a CPU of the host's RAM."""
+def _budget(mesh, config: EngineConfig, held: int, fixed_temps: int) -> tuple[int, str]:
+    """What the engine may use beyond what it already holds (`held`: on a device the weights, on a CPU also
+    the runtime's share), and the rule that says so (the start-up line's sized_by): per device on an
+    accelerator (the fullest device's), on a CPU of the host's RAM (module docstring)."""
+    fraction = memory_fraction(config, _platform(mesh))
     if _platform(mesh) == "cpu":
-        return int(fraction * (_available_ram() + weight_bytes)) - weight_bytes
+        available = available_ram(held=held)
+        if not fraction:
+            share = int(CPU_KV_SHARE * max(0, available - fixed_temps))
+            return fixed_temps + share, f"{CPU_KV_SHARE:g} of the RAM left after the weights and step"
+        return int(fraction * (available + held)) - held, f"gpu_memory_utilization={fraction:g}"
     budgets = []
     for device in _local_devices(mesh):
         stats = device.memory_stats() or {}
@@ -133,7 +213,7 @@ def _budget(mesh, fraction: float, weight_bytes: int) -> int:
                 f"{device.device_kind} reports no memory limit: size the KV cache with --num-blocks"
             )
         budgets.append(int(fraction * stats["bytes_limit"]) - stats.get("bytes_in_use", 0))
-    return min(budgets)
+    return min(budgets), f"gpu_memory_utilization={fraction:g}"
 
 
 def block_bytes(model: ModelConfig, config: EngineConfig, mesh) -> int:
@@ -202,7 +282,11 @@ def check_weights_fit(model: ModelConfig, config: EngineConfig, mesh, num_params
         weights = outside * itemsize + (num_params - outside)
     if platform != "cpu":
         weights //= config.tp
-    budget = _budget(mesh, fraction, 0)
+    if not fraction:  # a CPU without the flag: the weights may take most of its RAM (the cache comes after)
+        fraction = CPU_WEIGHTS_SHARE
+        budget = int(fraction * available_ram())
+    else:
+        budget = _budget(mesh, config, 0, 0)[0]
     if weights > budget:
         where = "the available RAM" if platform == "cpu" else "device memory"
         raise SizingError(
@@ -214,16 +298,25 @@ def check_weights_fit(model: ModelConfig, config: EngineConfig, mesh, num_params
         )
 
 
+def _rule_text(rule: str, platform: str) -> str:
+    if rule.startswith("gpu_memory_utilization"):
+        return "the available RAM" if platform == "cpu" else "device memory"
+    return rule
+
+
 def plan(
     model: ModelConfig,
     config: EngineConfig,
     mesh,
     resident,
-    step_temp_bytes: Callable[[EngineConfig], int],
+    step_temps: Callable[[EngineConfig], StepTemps],
+    rss_at_start: int | None = None,
 ) -> tuple[EngineConfig, MemoryPlan]:
     """`config` with num_blocks and max_model_len resolved (0: sized here), and the plan that says how.
-    `resident`: what the devices hold already (the weights, the LoRA slots); `step_temp_bytes(config)`:
-    the largest step's temporary bytes per device, measured by compiling it."""
+    `resident`: what the devices hold already (the weights, the LoRA slots); `step_temps(config)`: the
+    step's temporary bytes per device by cache size, measured by compiling it (StepTemps);
+    `rss_at_start`: this process's resident bytes before the engine was built (on a CPU what it took
+    since beyond the weights is counted: MemoryPlan.runtime_bytes; None: not counted)."""
     bs = config.block_size
     max_len = model_len(model, config)
     config = dataclasses.replace(config, num_host_blocks=host_blocks(model, config))
@@ -248,18 +341,22 @@ def plan(
         return resolved, MemoryPlan(num_blocks=config.num_blocks, max_model_len=max_len, **fields)
     platform = device.platform
     fraction = memory_fraction(config, platform)
-    budget = _budget(mesh, fraction, weight_bytes)
-    activations = step_temp_bytes(dataclasses.replace(config, max_model_len=max_len))
-    if platform == "cpu":
-        activations *= config.tp  # every CPU device's temporaries in the same RAM
-    num_blocks = agreed_num_blocks(max(0, (budget - activations) // per_block))
+    temps = step_temps(dataclasses.replace(config, max_model_len=max_len))
+    runtime = 0
+    if platform == "cpu":  # every CPU device's temporaries in the same RAM
+        temps = StepTemps(temps.base * config.tp, temps.per_block * config.tp)
+        if rss_at_start is not None:
+            runtime = max(0, resident_bytes() - rss_at_start - weight_bytes) + CPU_RUNTIME_RESERVE
+    budget, rule = _budget(mesh, config, weight_bytes + runtime, temps.base)
+    num_blocks = agreed_num_blocks(max(0, (budget - temps.base) // (per_block + temps.per_block)))
+    activations = temps.at(num_blocks)
     one_request = -(-max_len // bs)
     if num_blocks < one_request:
         capped = num_blocks * bs
         if config.max_model_len or capped < min(max_len, config.max_num_batched_tokens):
             raise SizingError(
-                f"the KV cache does not fit one request of {max_len} tokens: {fraction:g} of "
-                f"{'the available RAM' if platform == 'cpu' else 'device memory'} leaves "
+                f"the KV cache does not fit one request of {max_len} tokens: "
+                f"{f'{fraction:g} of ' if fraction else ''}{_rule_text(rule, platform)} leaves "
                 f"{max(budget, 0) / GIB:.2f} GiB per device beyond the weights "
                 f"({weight_bytes / GIB:.2f} GiB), the largest step takes {activations / GIB:.2f} GiB, and "
                 f"{one_request} blocks of {per_block / 2**20:.2f} MiB need "
@@ -280,5 +377,7 @@ def plan(
         budget_bytes=budget,
         activation_bytes=activations,
         fraction=fraction,
+        rule=rule,
+        runtime_bytes=runtime,
         **fields,
     )

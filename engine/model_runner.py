@@ -23,7 +23,7 @@ from pdserve.engine.core.kv_groups import BlockTables, KVGroups
 from pdserve.engine.core.scheduler import Row
 from pdserve.engine.host_kv import HostKVStore, HostLoad, padded_pair_batches
 from pdserve.engine.lora_slots import LoraSlots
-from pdserve.engine.memory import MemoryPlan
+from pdserve.engine.memory import MemoryPlan, StepTemps
 from pdserve.engine.model import kv_cache
 from pdserve.engine.model.attention import AttentionFn, block_table_width, ragged_paged_attention_reference
 from pdserve.engine.model.eagle3 import DraftModel, draft_step
@@ -504,6 +504,47 @@ class ModelRunner:
         ).compile()
 
 
+def step_temps(
+    model: ModelConfig,
+    config: EngineConfig,
+    mesh: Mesh,
+    weights: Weights,
+    lora_weights: LoraWeights | None,
+    attention: AttentionFn,
+) -> StepTemps:
+    """The temporary bytes per device of the steps of `config` (its token budget, sequences and block
+    tables) as a line in the cache's blocks, from XLA's memory analysis of the largest step compiled against
+    caches of the same layout with one and two tables' width of blocks. Where they grow with the cache (a
+    CPU converting a cache narrower than float32), the smallest step, whose line differs, is measured too
+    and the larger of each term kept."""
+    width = block_table_width(config)
+
+    def line(num_tokens: int) -> StepTemps:
+        one, two = (
+            step_temp_bytes(model, config, mesh, weights, lora_weights, attention, blocks, num_tokens)
+            for blocks in (width, 2 * width)
+        )
+        per_block = max(0, two - one) // width
+        return StepTemps(max(0, one - per_block * width), per_block)
+
+    largest = line(config.max_num_batched_tokens)
+    # scoring a prompt's logprobs runs after the step, over its hidden states: its temporaries in turn
+    hidden = jax.ShapeDtypeStruct(
+        (config.max_num_batched_tokens, model.hidden_size),
+        jax.numpy.dtype(config.dtype),
+        sharding=named(mesh),
+    )
+    targets = np.zeros(config.max_num_batched_tokens, np.int32)
+    scores = _jitted_scores.lower(weights, hidden, targets, cfg=model, num_top=max(config.max_logprobs, 1))
+    analysis = scores.compile().memory_analysis()
+    scoring = 0 if analysis is None else int(analysis.temp_size_in_bytes + analysis.output_size_in_bytes)
+    largest = StepTemps(max(largest.base, scoring), largest.per_block)
+    if not largest.per_block:
+        return largest
+    smallest = line(config.token_buckets[0])
+    return StepTemps(max(largest.base, smallest.base), max(largest.per_block, smallest.per_block))
+
+
 def step_temp_bytes(
     model: ModelConfig,
     config: EngineConfig,
@@ -511,20 +552,25 @@ def step_temp_bytes(
     weights: Weights,
     lora_weights: LoraWeights | None,
     attention: AttentionFn,
+    num_blocks: int | None = None,
+    num_tokens: int | None = None,
 ) -> int:
-    """The temporary bytes per device of the largest step (its token budget, sequences and block tables of
-    `config`), from XLA's memory analysis of it compiled against a cache of the same layout with only a
-    table's width of blocks (the cache is donated and updated in place: its size adds no temporaries)."""
-    small = dataclasses.replace(config, num_blocks=block_table_width(config))
+    """The temporary bytes per device of the step of `num_tokens` tokens (default: the largest) against a
+    cache of `num_blocks` blocks (default: a table's width), and of its outputs other than the cache it
+    updates (the logits), from XLA's memory analysis of it compiled ahead of time (nothing runs)."""
+    small = dataclasses.replace(config, num_blocks=num_blocks or block_table_width(config))
     sharding = kvtransfer.cache_sharding(mesh, kv_cache.kv_layout(model, config))
     cache = jax.ShapeDtypeStruct(
         kv_cache.cache_shape(model, small), jax.numpy.dtype(config.cache_dtype), sharding=sharding
     )
     compiled = lower_step(
-        model, small, weights, lora_weights, cache, config.max_num_batched_tokens, attention
+        model, small, weights, lora_weights, cache, num_tokens or config.max_num_batched_tokens, attention
     )
     analysis = compiled.compile().memory_analysis()
-    return int(analysis.temp_size_in_bytes) if analysis is not None else 0
+    if analysis is None:
+        return 0
+    outputs = analysis.output_size_in_bytes - analysis.alias_size_in_bytes
+    return int(analysis.temp_size_in_bytes + max(0, outputs))
 
 
 def lower_step(

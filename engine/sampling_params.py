@@ -7,6 +7,8 @@ import hashlib
 import json
 import math
 
+import numpy as np
+
 
 class InvalidRequestError(ValueError):
     """A request field is out of range; `field` names it.
@@ -115,14 +117,16 @@ class SamplingParams:
                     name, getattr(self, name)
                 )
         token_bound = Bound(0, (vocab_size or 2**31) - 1, what="token id")
-        for token in self.stop_token_ids:
-            token_bound.check("stop_token_ids", token)
-        for token in self.allowed_token_ids:
-            token_bound.check("allowed_token_ids", token)
+        max_allowed = vocab_size or MAX_TOKEN_IDS  # (a list of distinct ids is never longer)
+        if len(self.allowed_token_ids) > max_allowed:
+            what = "the vocabulary's size" if vocab_size else "the limit"
+            raise InvalidRequestError(
+                "allowed_token_ids", f"{len(self.allowed_token_ids)} token ids: {what} is {max_allowed}"
+            )
         if len(self.reasoning_end) > MAX_REASONING_END:
             raise InvalidRequestError("reasoning_end", f"at most {MAX_REASONING_END} tokens")
-        for token in self.reasoning_end:
-            token_bound.check("reasoning_end", token)
+        for name in ("stop_token_ids", "allowed_token_ids", "reasoning_end"):
+            check_token_ids(name, getattr(self, name), token_bound)
         if not all(isinstance(w, str) and w.strip() for w in self.bad_words):
             raise InvalidRequestError("bad_words", "bad words must be non-blank strings")
         if not all(isinstance(s, str) and s for s in self.stop):
@@ -141,10 +145,14 @@ class SamplingParams:
 
 
 INT32_MAX = 2**31 - 1
+# The longest token-id list a request may carry in any field, checked before the list is read (the
+# vocabulary bounds allowed_token_ids further: SamplingParams.validate); above any vocabulary served today
+MAX_TOKEN_IDS = 262_144
 MAX_REASONING_END = 16  # tokens of the marker that ends a reasoning section
 MAX_LOGIT_BIAS = 300  # tokens one request may bias (OpenAI's limit); the sampler's columns for them
-# Prompt logprobs of one request, prompt tokens x (prompt_logprobs + 1): they travel in one message (the
-# prefill server's trailer, the first response), about 15 bytes a position and 11 a top entry
+# Prompt logprobs of one request, prompt tokens x (prompt_logprobs + 1) x n: they travel in one message
+# (the prefill server's trailer, each sequence's first response; about 15 bytes a position and 11 a top
+# entry) and an HTTP answer repeats them for each of the n choices
 MAX_PROMPT_LOGPROB_ENTRIES = 262_144
 
 
@@ -188,6 +196,23 @@ BOUNDS: dict[str, Bound] = {
     "min_tokens": Bound(0, INT32_MAX),
     "n": Bound(1, 256),  # and at most the engine's max_num_seqs (make_request): they decode together
 }
+
+
+def check_token_ids(field: str, ids, bound: Bound) -> None:
+    """Every id of `ids` an int within `bound` (InvalidRequestError naming `field` and the first bad one),
+    the range checked as one array (a list may hold a vocabulary's worth of ids)."""
+    if not all(type(t) is int for t in ids):  # (a bool or a float: Bound names it)
+        for token in ids:
+            bound.check(field, token)
+    if not ids:
+        return
+    try:
+        values = np.fromiter(ids, np.int64, len(ids))
+    except OverflowError:
+        values = np.array([min(max(t, -(2**63)), 2**63 - 1) for t in ids], np.int64)
+    bad = np.flatnonzero((values < bound.low) | (values > bound.high))
+    if bad.size:
+        bound.check(field, ids[int(bad[0])])
 
 
 def child_seed(seed: int, index: int) -> int:

@@ -11,7 +11,15 @@ import sys
 
 from pdserve.engine.compile_cache import configure_jax
 from pdserve.engine.distributed import ProcessGroup, add_distributed_args, join, process_group
-from pdserve.flags import add_config_flags, add_engine_args, config_from_flags, engine_config, load_adapters
+from pdserve.flags import (
+    add_config_flags,
+    add_deprecated_flags,
+    add_engine_args,
+    config_from_flags,
+    engine_config,
+    load_adapters,
+    log_deprecations,
+)
 from pdserve.services.decode.openai.reasoning import PARSERS as REASONING_PARSERS
 from pdserve.services.decode.tool_formats import PARSERS
 from pdserve.services.sampling import add_limit_flags, limits_from_flags
@@ -65,10 +73,12 @@ def prepare_process(args: argparse.Namespace, num_cpu_devices: int) -> None:
     from pdserve.services.logs import configure_logging
 
     configure_logging(args.log_level, args.log_format)
+    log_deprecations(args, logging.getLogger(__name__))
 
 
 def common_args(parser: argparse.ArgumentParser) -> None:
     add_engine_args(parser)
+    add_deprecated_flags(parser)
     add_distributed_args(parser)
     parser.add_argument("--port", type=int, required=True, help="0: pick a free port (printed)")
     parser.add_argument("--host", default="127.0.0.1")

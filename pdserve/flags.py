@@ -73,6 +73,58 @@ def config_argv(config) -> list[str]:
     return argv
 
 
+# ---- renamed flags ----------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class DeprecatedFlag:
+    """A flag renamed or removed in release `since`, still taken for at least one minor release after as an
+    alias of `replacement` (the flag and its value, as a command line would give them), with one warning
+    naming it (docs/contributing.md's compatibility rule)."""
+
+    old: str
+    replacement: tuple[str, ...]
+    since: str
+
+
+DEPRECATED_FLAGS: tuple[DeprecatedFlag, ...] = (
+    DeprecatedFlag("--no-kv-events", ("--kv-events", "off"), "0.1.0"),
+)
+DEPRECATIONS = "_deprecations"  # the Namespace attribute listing the warnings (log_deprecations logs them)
+
+
+class _DeprecatedAlias(argparse.Action):
+    """Parses `flag.replacement` in place of the old flag (its type and choices checked by its own action)
+    and notes the warning."""
+
+    def __init__(self, option_strings, dest, flag: DeprecatedFlag, **kwargs):
+        super().__init__(option_strings, argparse.SUPPRESS, nargs=0, help=argparse.SUPPRESS, **kwargs)
+        self.flag = flag
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        name, *given = self.flag.replacement
+        action = parser._option_string_actions.get(name)
+        if action is None:
+            parser.error(f"{self.flag.old} has no replacement in this command")
+        value = parser._get_values(action, given) if given else None
+        action(parser, namespace, value, name)
+        warnings = getattr(namespace, DEPRECATIONS, [])
+        warnings.append(
+            f"{self.flag.old} is deprecated since {self.flag.since}: use {' '.join(self.flag.replacement)}"
+        )
+        setattr(namespace, DEPRECATIONS, warnings)
+
+
+def add_deprecated_flags(parser: argparse.ArgumentParser) -> None:
+    """DEPRECATED_FLAGS, as aliases hidden from --help; each parses to its replacement."""
+    for flag in DEPRECATED_FLAGS:
+        parser.add_argument(flag.old, action=_DeprecatedAlias, flag=flag)
+
+
+def log_deprecations(args: argparse.Namespace, log) -> None:
+    """One warning for each deprecated flag the command line used (after logging is configured)."""
+    for message in getattr(args, DEPRECATIONS, ()):
+        log.warning(message)
+
+
 # ---- the engine's flags ---------------------------------------------------------------------------------
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """--model, EngineConfig's flags and the LoRA adapters to load at start."""

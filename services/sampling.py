@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from pdserve.engine.sampling_params import Constraint, InvalidRequestError, SamplingParams
+from pdserve.engine.sampling_params import MAX_TOKEN_IDS, Constraint, InvalidRequestError, SamplingParams
 
 DEFAULT_MAX_TOKENS = 256  # what a GenerateRequest without max_tokens gets
 
@@ -135,9 +135,21 @@ class Limits:
     max_tools: int = 128
     max_chat_messages: int = 4096
     max_prompts_per_call: int = 256  # prompts of one /v1/completions call (a choice each)
+    # Sequences of one request (n; vLLM has no limit): 0 is half of the engine's max_num_seqs, so one
+    # request never holds every decode slot (check_fanout)
+    max_n: int = dataclasses.field(
+        default=0, metadata={"help": "sequences one request may ask for (n); 0: half of --max-num-seqs"}
+    )
+    # n x max_tokens of one request: the tokens its sequences may generate together
+    max_n_tokens: int = dataclasses.field(
+        default=131_072, metadata={"help": "n x max_tokens of one request with n > 1"}
+    )
 
     def check(self, params: SamplingParams) -> None:
-        """The sizes of a request's stop conditions (InvalidRequestError naming the field)."""
+        """The sizes of a request's stop conditions and of its fan-out (InvalidRequestError naming the
+        field)."""
+        if params.n > 1:
+            _at_most("n", params.n * params.max_tokens, self.max_n_tokens, "tokens in all (n x max_tokens)")
         _at_most("stop", len(params.stop), self.max_stop_strings, "stop strings")
         longest = max((len(s) for s in params.stop if isinstance(s, str)), default=0)
         _at_most("stop", longest, self.max_stop_string_chars, "characters in a stop string")
@@ -145,6 +157,10 @@ class Limits:
         _at_most("bad_words", len(params.bad_words), self.max_bad_words, "bad words")
         longest = max((len(w) for w in params.bad_words if isinstance(w, str)), default=0)
         _at_most("bad_words", longest, self.max_bad_word_chars, "characters in a bad word")
+
+    def check_fanout(self, params: SamplingParams, max_num_seqs: int) -> None:
+        """n against max_n (0: half of the engine's `max_num_seqs`, at least 1)."""
+        _at_most("n", params.n, self.max_n or max(1, max_num_seqs // 2), "sequences")
 
     def check_request_id(self, request_id: str, field: str = "request_id") -> str:
         """A client's request id (a label in logs, responses and KV frames, never an engine key)."""
@@ -162,12 +178,19 @@ class Limits:
 
 
 def check_knobs(
-    params: SamplingParams, limits: Limits, vocab_size: int | None = None, max_logprobs: int | None = None
+    params: SamplingParams,
+    limits: Limits,
+    vocab_size: int | None = None,
+    max_logprobs: int | None = None,
+    max_num_seqs: int | None = None,
 ) -> None:
     """What costs next to nothing to check of a request's parameters (its sizes and each knob's range), for a
     front to refuse a bad request on the event loop. The constraint is not read: its text grows with the
-    request, so it is parsed off the loop (make_request validates it)."""
+    request, so it is parsed off the loop (make_request validates it). `max_num_seqs`: the engine's, which
+    bounds n (Limits.check_fanout; None: not checked here)."""
     limits.check(params)
+    if max_num_seqs is not None:
+        limits.check_fanout(params, max_num_seqs)
     dataclasses.replace(params, constraint=None).validate(vocab_size, max_logprobs)
 
 
@@ -180,7 +203,13 @@ def add_limit_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per Limits field (--max-stop-strings ...), defaulting to Limits()'s values."""
     group = parser.add_argument_group("request limits (past one: INVALID_ARGUMENT / HTTP 400)")
     for field in dataclasses.fields(Limits):
-        group.add_argument("--" + field.name.replace("_", "-"), type=int, default=field.default, metavar="N")
+        group.add_argument(
+            "--" + field.name.replace("_", "-"),
+            type=int,
+            default=field.default,
+            metavar="N",
+            help=f"{field.metadata.get('help', '')} (default: {field.default})".lstrip(),
+        )
 
 
 def limits_from_flags(args: argparse.Namespace) -> Limits:
@@ -249,7 +278,7 @@ def params_from_request(request) -> SamplingParams:
         elif field.mapping:
             values[field.name] = tuple(sorted(getattr(container, field.name).items()))
         elif field.repeated:
-            values[field.name] = tuple(getattr(container, field.name))
+            values[field.name] = tuple(_bounded(field, getattr(container, field.name)))
         elif field.optional and not container.HasField(field.name):
             values[field.name] = getattr(defaults, field.name)
         else:
@@ -341,12 +370,20 @@ def params_from_values(values: Mapping[str, Any], defaults: SamplingParams | Non
         if field.mapping:
             out[field.name] = _token_map(field, value)
             continue
-        items = value if field.repeated else (value,)
         if field.repeated and not isinstance(value, list | tuple):
             raise InvalidRequestError(field.name, f"must be a list of {field.kind.__name__}")
+        items = _bounded(field, value) if field.repeated else (value,)
         checked = tuple(_checked(field, item) for item in items)
         out[field.name] = checked if field.repeated else checked[0]
     return dataclasses.replace(defaults or SamplingParams(), **out)
+
+
+def _bounded(field: Field, values):
+    """A repeated field's values, refused (naming the field) before they are read one by one when there are
+    more than any field may hold (MAX_TOKEN_IDS; each field's own limit is checked after)."""
+    if hasattr(values, "__len__") and len(values) > MAX_TOKEN_IDS:
+        raise InvalidRequestError(field.name, f"{len(values)} values: the limit is {MAX_TOKEN_IDS}")
+    return values
 
 
 def _token_map(field: Field, value: Any) -> tuple[tuple[int, Any], ...]:

@@ -84,10 +84,16 @@ class Request:
     block_hashes: list[int] = dataclasses.field(default_factory=list)
     # params.bad_words in the model's tokens (each word as given and after a space), from make_request
     bad_word_ids: tuple[tuple[int, ...], ...] = ()
+    # params.allowed_token_ids as a bitmask of the vocabulary (uint32 words), built once by make_request and
+    # shared by the request's forks; None: any token
+    allowed_mask: Any = None
     # With params.n > 1: sequence `index` of the request `parent_id` (None: the request itself, sequence 0).
     # Its outputs go out under the parent's id (RequestOutput.index says which sequence).
     parent_id: str | None = None
     index: int = 0
+    # With n > 1, before its first token: the sequence slots its forks were given at admission (the
+    # scheduler admits n sequences in parts: the forks past these wait in the queue)
+    fork_slots: int = 0
     # Speculation: its drafts verified so far and of those accepted (how much its next drafts are worth)
     num_drafted: int = 0
     num_draft_accepted: int = 0
@@ -124,6 +130,7 @@ class Request:
             block_hashes=list(self.block_hashes),
             parent_id=self.request_id,
             index=index,
+            fork_slots=0,
             num_drafted=0,
             num_draft_accepted=0,
         )

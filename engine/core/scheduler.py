@@ -169,7 +169,7 @@ class Scheduler:
     def num_active(self) -> int:
         """Sequence slots taken toward max_num_seqs: requests holding blocks, and the sequences that a
         request with n > 1 will fork into once its first tokens are out."""
-        pending = sum(_slots(r) - 1 for r in (*self.prefilling, *self.remote))
+        pending = sum(r.fork_slots for r in (*self.prefilling, *self.remote) if r.forks_pending)
         return len(self.running) + len(self.prefilling) + len(self.remote) + pending
 
     def block_ids(self, request_id: str) -> list[int]:
@@ -384,6 +384,11 @@ class Scheduler:
         if self._record(child, sampled):
             self._release(child)
             return child
+        if child.index > parent.fork_slots:  # admitted in parts: it waits for a slot behind the queue
+            child.num_computed = 0
+            child.status = Status.PREEMPTED
+            self.waiting.append(child)
+            return child
         copies = self.kv.fork(parent.request_id, child.request_id, len(child.prompt_ids))
         if copies is None or not self.pin_adapter(child):  # (a parent's adapter is pinned: it gets a slot)
             self.kv.free(child.request_id)
@@ -462,11 +467,16 @@ class Scheduler:
     def _admit(self) -> None:
         """Admits queued requests in order while blocks and sequence slots last; at most max_prefill_seqs
         prompts are being computed at once. Requests whose adapter has no free slot are passed over (later
-        requests go first, these keep their place)."""
+        requests go first, these keep their place).
+
+        A request of n sequences is admitted in parts: it needs one free sequence slot, and its forks take
+        the slots free then (Request.fork_slots); the others wait at the back of the queue with their first
+        tokens (_adopt), so a large n never holds the queue's head while later requests wait."""
         passed = []
         while self.waiting:
             request = self.waiting[0]
-            if self.num_active + _slots(request) > self.config.max_num_seqs:
+            free = self.config.max_num_seqs - self.num_active
+            if free < 1:
                 break
             rid = request.request_id
             cached, loaded = [], []  # device blocks, then host slots (the host tier) of its prefix
@@ -489,6 +499,7 @@ class Scheduler:
                 passed.append(request)
                 continue
             self.kv.allocate(rid, num_tokens, cached, request.all_ids, loaded)
+            request.fork_slots = min(_slots(request), free) - 1
             if loaded:
                 self.loading[rid] = next(self._loads_admitted)
             if request.scheduled_time is None:
@@ -516,7 +527,7 @@ class Scheduler:
             if request.request_id in self.loading:  # (decode role: its KV arrived before its host blocks)
                 continue
             while not self.kv.can_allocate(request.request_id, request.num_computed + 1):
-                victim = max(self.running + self.prefilling, key=lambda r: r.arrival_time)
+                victim = max(self.running + self.prefilling, key=self._preemption_order())
                 self._preempt(victim)
                 if victim is request:
                     break
@@ -525,6 +536,14 @@ class Scheduler:
                 scheduled.append(request)
         # a request that got its slot may have been preempted since, as the newest, for a later one's
         return [r for r in scheduled if r.status is Status.RUNNING]
+
+    def _preemption_order(self):
+        """The key whose largest request is preempted first: a request's sequences count as one request
+        for fairness, so the sequences of the request holding the most here go first (its last fork
+        first), then the newest request (vLLM's order). A later short request is never preempted for the
+        forks of an earlier large n."""
+        held = collections.Counter(r.output_id for r in (*self.running, *self.prefilling))
+        return lambda r: (held[r.output_id], r.arrival_time, r.index)
 
     def _add_drafts(self, rows: list[Row], num_tokens: int, budget: int) -> None:
         """Speculation: decode rows (of a step of `num_tokens` tokens) also feed their requests' drafts,

@@ -170,6 +170,7 @@ class GenerationCore:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, "decode server is shutting down")
         limits = self.config.limits
         limits.check(params)
+        limits.check_fanout(params, self.engine.config.max_num_seqs)
         suffix = uuid.uuid4().hex[:12]  # the key stays within the limit a prefill server checks it against
         key = f"{label[: limits.max_request_id_chars - 13]}-{suffix}" if label else uuid.uuid4().hex
         return self.engine.make_request(
@@ -182,7 +183,8 @@ class GenerationCore:
         `params`."""
         try:
             cfg = self.engine.config
-            check_knobs(params, self.config.limits, self.engine.model.config.vocab_size, cfg.max_logprobs)
+            vocab = self.engine.model.config.vocab_size
+            check_knobs(params, self.config.limits, vocab, cfg.max_logprobs, cfg.max_num_seqs)
         except InvalidRequestError:
             self.counters.count_outcome("invalid")
             raise

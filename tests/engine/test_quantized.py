@@ -78,7 +78,7 @@ def test_int8_weights_are_sized_at_a_byte_a_projection_parameter(loaded_model, m
     cfg, params = loaded_model.config, loaded_model.checkpoint.num_params
     outside = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
     budget = (params * 4 + outside * 4 + params - outside) // 2
-    monkeypatch.setattr(memory, "_available_ram", lambda: 10 * budget)
+    monkeypatch.setattr(memory, "available_ram", lambda held=0: 10 * budget - held)
     config, mesh = EngineConfig(gpu_memory_utilization=0.1, dtype="float32"), make_mesh(1)
     with pytest.raises(SizingError, match="parameters in float32 over TP 1"):
         memory.check_weights_fit(cfg, config, mesh, params)

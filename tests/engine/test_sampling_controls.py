@@ -76,6 +76,30 @@ def test_allowed_token_ids_and_bad_words(make_engine, loaded_model):
     assert refusal.value.field == "allowed_token_ids"
 
 
+def test_allowed_token_ids_are_one_mask_a_request_shared_by_its_forks(make_engine, loaded_model, monkeypatch):
+    """The per-request cost of a mask: a list of repeated ids (what a hostile client sends) is deduplicated
+    and turned into the vocabulary's bitmask once, in make_request, never per step or per sequence; the
+    n = 4 sequences of 6 tokens each sample only among the ids."""
+    from pdserve.engine import llm_engine
+
+    engine, built = make_engine(), []
+    real = llm_engine.token_mask
+    monkeypatch.setattr(
+        llm_engine, "token_mask", lambda ids, vocab: built.append(len(ids)) or real(ids, vocab)
+    )
+    allowed = (5, 7, 11) * 20_000 + tuple(range(100, 140))
+    params = SamplingParams(n=4, max_tokens=6, seed=3, ignore_eos=True, allowed_token_ids=allowed)
+    request = engine.make_request(loaded_model.tokenizer.encode("Hello"), params)
+    assert request.params.allowed_token_ids == (5, 7, 11, *range(100, 140)) and built == [43]
+    engine.add_prepared_request(request)
+    sequences = {}
+    while engine.has_unfinished:
+        for output in engine.step().tokens:
+            sequences.setdefault(output.index, []).extend(output.new_token_ids)
+    assert built == [43] and len(sequences) == 4
+    assert all(len(ids) == 6 and set(ids) <= set(allowed) for ids in sequences.values())
+
+
 def test_min_tokens_holds_back_stop_strings_too(make_engine, loaded_model):
     """A stop string is matched only in the text after the first min_tokens tokens (vLLM's meaning): the
     first token's text stops the output at once, and not while min_tokens holds it back."""

@@ -358,6 +358,59 @@ def test_forks_that_end_at_once_hold_nothing_and_a_short_pool_queues_them():
     assert len(sched.take_block_copies()) == 1
 
 
+def test_n_past_the_free_slots_is_admitted_in_parts_and_its_forks_wait_behind_later_requests():
+    """The fan-out policy (Scheduler._admit): a request of n = 3 with one free slot is admitted with the
+    slots there are; its forks past them wait at the back of the queue with their first tokens, behind a
+    request that arrived after it (which is admitted as soon as a slot frees), and then decode."""
+    sched = Scheduler(CONFIG)  # 3 sequence slots
+    sched.add(make("a", 3, t=0.0, max_tokens=2))
+    sched.add(make("b", 3, t=0.1, max_tokens=8))
+    first = sched.schedule()
+    run(sched, first)  # a and b decode: one slot is free
+    parent, children = _forking("p", 6, 3)
+    parent.arrival_time = 0.2
+    sched.add(parent)
+    sched.add(make("late", 3, t=0.3))
+    step = sched.schedule()
+    assert ("p", 0, 6, True) in rows(step) and parent.fork_slots == 0  # admitted with the one free slot
+    forks = tuple((c, SampledToken(t)) for c, t in zip(children, (2, 3), strict=True))
+    sampled = {row.request_id: [SampledToken(1)] for row in step.rows if row.samples}
+    sampled["p"] = [SampledToken(1, forks=forks)]
+    sched.update_from_output(step, sampled)  # a ends (max_tokens 2): its slot goes to "late" first
+    assert [r.request_id for r in sched.waiting] == ["late", "p#1", "p#2"]
+    assert all(sched.requests[c].output_ids == [t] for c, t in (("p#1", 2), ("p#2", 3)))
+    step = sched.schedule()
+    assert "late" in {r.request_id for r in step.rows} and "p#1" not in {r.request_id for r in step.rows}
+    for _ in range(40):  # everyone finishes, the forks included, each with its own first token first
+        if not sched.requests:
+            break
+        run(sched, sched.schedule())
+    assert not sched.requests and sched.kv.pool.num_used == 0
+
+
+def test_forks_are_preempted_before_a_later_short_request():
+    """Blocks run out: the sequences of the request holding the most are preempted first (its last fork
+    first), not the newest request, which is the short one that came after the forks."""
+    config = EngineConfig(**{**CONFIG.__dict__, "num_blocks": 7, "max_num_seqs": 4})
+    sched = Scheduler(config)
+    parent, children = _forking("p", 7, 3, max_tokens=16)  # 2 blocks, a partial one
+    parent.arrival_time = 0.0
+    sched.add(parent)
+    step = sched.schedule()
+    forks = tuple((c, SampledToken(t)) for c, t in zip(children, (2, 3), strict=True))
+    sched.update_from_output(step, {"p": [SampledToken(1, forks=forks)]})
+    sched.take_block_copies()
+    sched.add(make("short", 3, t=1.0))
+    run(sched, sched.schedule())  # p, p#1, p#2 decode; short is prefilled
+    assert {"p", "p#1", "p#2", "short"} <= set(sched.requests)
+    for _ in range(6):  # decodes fill the blocks until someone must give theirs back
+        if sched.num_preemptions:
+            break
+        run(sched, sched.schedule())
+    assert sched.num_preemptions and sched.requests["short"].status is Status.RUNNING
+    assert sched.requests["p#2"].status is Status.PREEMPTED
+
+
 def test_a_request_waits_for_its_host_tier_blocks_and_one_that_ends_meanwhile_frees_them():
     """Host tier hits (--kv-offloading-size): the request is admitted with them counted as computed, but
     has no row until the engine says its blocks are copied in (kv_loaded); ended before that, it holds

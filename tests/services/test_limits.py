@@ -114,6 +114,52 @@ def test_limits_name_the_field_and_the_limit():
         limits.check_chat(["a", "bc"], max_chars=2)
 
 
+def test_fan_out_limits_name_the_field_and_the_limit():
+    """n against --max-n (default: half of max_num_seqs) and n x max_tokens against --max-n-tokens;
+    allowed_token_ids at most the vocabulary; each refusal names the field and the limit."""
+    limits = Limits()
+    limits.check_fanout(SamplingParams(n=16), max_num_seqs=32)
+    with pytest.raises(InvalidRequestError, match="^n: 17 sequences: the limit is 16$"):
+        limits.check_fanout(SamplingParams(n=17), max_num_seqs=32)
+    Limits(max_n=32).check_fanout(SamplingParams(n=32), max_num_seqs=32)
+    Limits().check_fanout(SamplingParams(n=1), max_num_seqs=1)
+    limits.check(SamplingParams(n=8, max_tokens=limits.max_n_tokens // 8))
+    with pytest.raises(
+        InvalidRequestError, match=f"^n: 131080 tokens in all .*the limit is {limits.max_n_tokens}"
+    ):
+        limits.check(SamplingParams(n=8, max_tokens=16_385))
+    limits.check(SamplingParams(n=1, max_tokens=10**6))  # (one sequence: bounded by the model length)
+    SamplingParams(allowed_token_ids=tuple(range(49152))).validate(49152, 20)
+    with pytest.raises(
+        InvalidRequestError, match="^allowed_token_ids: 49153 token ids: the vocabulary's size is 49152$"
+    ):
+        SamplingParams(allowed_token_ids=(7,) * 49153).validate(49152, 20)
+
+
+def test_token_id_lists_are_refused_before_they_are_read():
+    """A list past MAX_TOKEN_IDS is refused from its length alone, from a proto (gRPC) or JSON (HTTP),
+    before a Python object is made of each id; ids within it are range-checked as one array."""
+    from pdserve.engine.sampling_params import MAX_TOKEN_IDS
+    from pdserve.services.sampling import params_from_request, params_from_values
+    from pdserve.v1 import generation_pb2 as pb
+
+    request = pb.GenerateRequest()
+    request.sampling.allowed_token_ids.extend([5] * (MAX_TOKEN_IDS + 1))
+    with pytest.raises(
+        InvalidRequestError, match=f"^allowed_token_ids: {MAX_TOKEN_IDS + 1} values: the limit"
+    ):
+        params_from_request(request)
+    with pytest.raises(InvalidRequestError, match="^allowed_token_ids: .* values: the limit"):
+        params_from_values({"allowed_token_ids": [5] * (MAX_TOKEN_IDS + 1)})
+    ids = [3] * 40_000 + [49152]
+    with pytest.raises(
+        InvalidRequestError, match=r"^allowed_token_ids: must be an int in \[0, 49151\] \(token id 49152\)"
+    ):
+        SamplingParams(allowed_token_ids=tuple(ids)).validate(49152, 20)
+    with pytest.raises(InvalidRequestError, match="^stop_token_ids: .*token id -1"):
+        SamplingParams(stop_token_ids=(1, -1)).validate(49152, 20)
+
+
 @settings(derandomize=True, max_examples=200, deadline=None)
 @given(st.text(max_size=300))
 def test_request_ids_are_printable_ascii_labels_of_bounded_length(request_id):

@@ -57,6 +57,20 @@ class _Call:
         return self.requests[0].params.n
 
 
+@dataclasses.dataclass
+class _Answer:
+    """What a non-streamed call collected, each list by choice: rendered by _completion_body."""
+
+    rid: str
+    chat: bool
+    body: dict
+    call: _Call
+    finals: list  # each choice's last output (None: it did not finish)
+    texts: list[list[str]]
+    logprobs: list[list]
+    prompt_lps: list  # each choice's prompt logprobs (the n choices of a prompt share one list)
+
+
 class OpenAIFrontend:
     """`security`: the public port's settings; its bearer tokens and TLS apply here too (not to
     OPEN_PATHS). `tool_call_parser`: the format of the model's own tool calls (services.decode.
@@ -391,22 +405,41 @@ class OpenAIFrontend:
                     finals[index] = output
         except ServiceError as e:
             return responses.service_error(e)
+        # rendered and serialized off the event loop: its size grows with the prompt logprobs and choices
+        answer = _Answer(rid, chat, body, call, finals, texts, logprobs, prompt_lps)
+        data = await asyncio.to_thread(self._completion_body, answer)
+        return web.Response(body=data, content_type="application/json")
+
+    def _completion_body(self, a: _Answer) -> bytes:
+        """A whole (non-streamed) answer as JSON: CPU work by its size, on a worker thread. A prompt's
+        logprobs are rendered once and shared by its n choices."""
+        chat, body, call = a.chat, a.body, a.call
         decode = self.service.engine.tokenizer.decode
+        rendered: dict = {}  # (renderer, id of a prompt's entries) -> its rendering
+
+        def once(render, entries, *args):
+            """render(entries, *args), computed once for each prompt's entries."""
+            key = (render, id(entries))
+            if key not in rendered:
+                rendered[key] = render(entries, *args)
+            return rendered[key]
+
         choices = []
-        for index, final in enumerate(finals):
+        for index, final in enumerate(a.finals):
             prompt = index // call.n  # (vLLM's choice order: prompt by prompt, its n sequences each)
             finish = final.finish_reason.value if final is not None else None
-            text = "".join(texts[index])
-            entries, ids = [] if call.echo_only else logprobs[index], call.requests[prompt].prompt_ids
-            if call.echo and prompt_lps[index] is not None:  # the prompt's first
-                entries = [*prompt_lps[index], *entries]
-            choice = {
-                "index": index,
-                "finish_reason": finish,
-                "logprobs": responses.logprobs(entries, chat, decode, ids),
-            }
+            text = "".join(a.texts[index])
+            entries, ids = [] if call.echo_only else a.logprobs[index], call.requests[prompt].prompt_ids
+            prompt_entries = a.prompt_lps[index]
+            if call.echo and prompt_entries is not None and not entries:  # the prompt's alone: shared
+                rendered_lps = once(responses.logprobs, prompt_entries, chat, decode, ids)
+            else:
+                if call.echo and prompt_entries is not None:  # the prompt's first
+                    entries = [*prompt_entries, *entries]
+                rendered_lps = responses.logprobs(entries, chat, decode, ids)
+            choice = {"index": index, "finish_reason": finish, "logprobs": rendered_lps}
             if body.get("prompt_logprobs") is not None and not chat:
-                choice["prompt_logprobs"] = responses.prompt_logprobs(prompt_lps[index] or [], decode)
+                choice["prompt_logprobs"] = once(responses.prompt_logprobs, prompt_entries or [], decode)
             if chat:
                 choice["message"] = message = {"role": "assistant", "content": text}
                 if self.reasoning_parser is not None:  # (tool calls are read in the content only)
@@ -421,16 +454,16 @@ class OpenAIFrontend:
                 choice["text"] = (call.echo[prompt] if call.echo else "") + ("" if call.echo_only else text)
             choices.append(choice)
         response = {
-            "id": rid,
+            "id": a.rid,
             "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()),
             "model": call.model,
             "choices": choices,
-            "usage": responses.usage([f for f in finals if f is not None]),
+            "usage": responses.usage([f for f in a.finals if f is not None]),
         }
         if chat and body.get("prompt_logprobs") is not None:  # (vLLM: the response's, for chat)
-            response["prompt_logprobs"] = responses.prompt_logprobs(prompt_lps[0] or [], decode)
-        return web.json_response(response)
+            response["prompt_logprobs"] = responses.prompt_logprobs(a.prompt_lps[0] or [], decode)
+        return json.dumps(response).encode()
 
     async def _stream(
         self, request, streams, rid: str, chat: bool, body: dict, call: _Call
@@ -448,11 +481,13 @@ class OpenAIFrontend:
         continuous = include_usage and bool(options.get("continuous_usage_stats"))
         decode = self.service.engine.tokenizer.decode
 
-        async def send(choices: list[dict], usage=None):
+        async def send(choices: list[dict], usage=None, large: bool = False):
+            """One chunk; a `large` one (the prompt's logprobs) is serialized off the event loop."""
             chunk = {"id": rid, "object": kind, "created": created, "model": call.model, "choices": choices}
             if usage is not None:
                 chunk["usage"] = usage
-            await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            data = await asyncio.to_thread(json.dumps, chunk) if large else json.dumps(chunk)
+            await response.write(f"data: {data}\n\n".encode())
 
         tool_streams: dict[int, ToolStream] = {}  # by choice, with tools
         thinking: dict[int, reasoning.ReasoningSplit] = {}  # by choice, with a reasoning parser
@@ -513,13 +548,15 @@ class OpenAIFrontend:
                         }
                         await send([choice], so_far)
                     continue
+                large = False
                 if not chat and call.echo and index not in started:  # the prompt (and its logprobs) first
                     started.add(index)
                     text = call.echo[index // call.n] + ("" if call.echo_only else text)
-                    if output.prompt_logprobs is not None:
+                    if output.prompt_logprobs is not None:  # (rendered off the event loop: by its size)
                         entries = [*output.prompt_logprobs, *([] if call.echo_only else output.logprobs)]
                         ids = call.requests[index // call.n].prompt_ids
-                        lp = responses.logprobs(entries, chat, decode, ids)
+                        lp = await asyncio.to_thread(responses.logprobs, entries, chat, decode, ids)
+                        large = True
                 elif call.echo_only:
                     text, lp = "", None
                 choice = {"index": index, "logprobs": lp, "finish_reason": finish}
@@ -527,7 +564,7 @@ class OpenAIFrontend:
                     choice["delta"] = {"content": text} if text else {}
                 else:
                     choice["text"] = text
-                await send([choice], so_far)
+                await send([choice], so_far, large)
             if include_usage:
                 await send([], responses.usage(finals))
         except ServiceError as e:
