@@ -19,6 +19,15 @@ this client share the machine's cores, so an unbounded flood measures the client
 The prefill server and this client share core 0, the decode server has core 1 to itself (one role per
 device, as deployed). Validation: services.sampling.Limits.check + SamplingParams.validate + the request
 id, per request, against the median TTFT of a 128-token prompt measured in the same run.
+
+Issue 48's fan-out cases (`--fanout`): daemons with default sizes (max_num_seqs 32, so --max-n 16; the KV
+cache sized by the default rule), a victim that streams 48 greedy tokens of a 128-token prompt again and
+again (TTFT and inter-token gaps: p50 and p99) alone and beside each attacker in turn, rounds alternating:
+  * n_max: one request at --max-n's default (n = 16), max_tokens 256, ignore_eos, started again when it ends;
+  * allowed_ids: 2,000,000 allowed_token_ids (all below 128) with n = 8, one a second (refused by name now);
+  * prompt_logprobs: the largest /v1/completions answer the limits allow for a 4,000-token prompt
+    (prompt_logprobs 20 with n = 3: 252,000 entries; n = 32 is refused), back to back; /health is probed
+    every 0.2 s meanwhile and its worst latency reported.
 """
 
 from __future__ import annotations
@@ -199,6 +208,137 @@ def validation_cost(limits, ttft_s: float) -> dict:
     }
 
 
+FANOUT = ("n_max", "allowed_ids", "prompt_logprobs")
+
+
+class Attacker:
+    """One of the fan-out cases (FANOUT), sending from threads until closed; `health_s`: the /health
+    latencies seen meanwhile (the prompt_logprobs case)."""
+
+    def __init__(self, kind: str, decode):
+        self.kind, self.decode = kind, decode
+        self.stop, self.threads = threading.Event(), []
+        self.outcomes: dict[str, int] = {}
+        self.health_s: list[float] = []
+
+    def __enter__(self) -> Attacker:
+        target = {"n_max": self._wide, "allowed_ids": self._ids, "prompt_logprobs": self._logprobs}[self.kind]
+        self.threads = [threading.Thread(target=self._guard, args=(target,), daemon=True)]
+        if self.kind == "prompt_logprobs":
+            self.threads.append(threading.Thread(target=self._health, daemon=True))
+        for thread in self.threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        for thread in self.threads:
+            thread.join(timeout=600)
+
+    def _guard(self, target) -> None:
+        while not self.stop.is_set():
+            try:
+                outcome = target()
+            except Exception as e:  # noqa: BLE001 - counted: a refusal is an outcome
+                outcome = e.code().name if hasattr(e, "code") else type(e).__name__
+            self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
+
+    def _wide(self) -> str:
+        from pdserve.services.client import Client
+
+        Client(self.decode.address).generate(
+            "Once upon a time", n=16, max_tokens=256, temperature=1.0, ignore_eos=True
+        )
+        return "n16_done"
+
+    def _ids(self) -> str:
+        from pdserve.services.client import Client
+
+        start = time.perf_counter()
+        try:
+            Client(self.decode.address).generate(
+                "hi", allowed_token_ids=[i % 128 for i in range(2_000_000)], n=8
+            )
+        finally:
+            self.stop.wait(max(0.0, 1.0 - (time.perf_counter() - start)))
+        return "served"
+
+    def _logprobs(self) -> str:
+        body = {"prompt": prompt(4000, 7), "max_tokens": 1, "n": 3, "prompt_logprobs": 20}
+        return f"http_{_post(self.decode.addresses['http'], '/v1/completions', body)}"
+
+    def _health(self) -> None:
+        while not self.stop.is_set():
+            connection = http.client.HTTPConnection(self.decode.addresses["http"], timeout=120)
+            start = time.perf_counter()
+            connection.request("GET", "/health")
+            connection.getresponse().read()
+            self.health_s.append(time.perf_counter() - start)
+            connection.close()
+            self.stop.wait(0.2)
+
+
+def _victim(client, rounds: int, tokens: int, salt: int) -> tuple[list[float], list[float]]:
+    """A greedy stream of `tokens` tokens, `rounds` times one after another: (TTFTs, inter-token gaps)."""
+    from pdserve.services.client import build_request
+
+    ttfts, gaps = [], []
+    for r in range(rounds):
+        start = time.perf_counter()
+        request = build_request(prompt(PROMPT_TOKENS, salt * 100 + r), max_tokens=tokens, ignore_eos=True)
+        times = [time.perf_counter() for _ in client.stream(request, timeout=900)]
+        ttfts.append(times[0] - start)
+        gaps += list(np.diff(times))
+    return ttfts, gaps
+
+
+def fanout(args) -> dict:
+    """The fan-out cases (module docstring), on daemons of default sizes."""
+    from pdserve.engine.loading.sources import DEFAULT_MODEL, fetch
+    from pdserve.services.client import Client
+    from pdserve.testing.launch import decode_server, prefill_server
+
+    gguf = fetch(DEFAULT_MODEL, progress=False)
+    logs = Path(tempfile.mkdtemp())
+    os.sched_setaffinity(0, {0})
+    pf = prefill_server(gguf, logs, engine_args=[], cpus="0")
+    dc = decode_server(gguf, pf.address, logs, engine_args=[], extra=["--http-port", "0"], cpus="1")
+    try:
+        client = Client(dc.address)
+        _victim(client, 1, 4, 0)  # compile the victim's shapes once
+        alone = ([], [])
+        cases = {kind: ([], [], {}, []) for kind in args.fanout}
+        for r in range(args.rounds):
+            for i, kind in enumerate(args.fanout):
+                ttfts, gaps = _victim(client, 3, args.tokens, 10 + r * 10 + 2 * i)
+                alone[0].extend(ttfts), alone[1].extend(gaps)
+                with Attacker(kind, dc) as attacker:
+                    time.sleep(3.0)  # under way
+                    ttfts, gaps = _victim(client, 3, args.tokens, 11 + r * 10 + 2 * i)
+                case = cases[kind]
+                case[0].extend(ttfts), case[1].extend(gaps), case[3].extend(attacker.health_s)
+                for k, v in attacker.outcomes.items():
+                    case[2][k] = case[2].get(k, 0) + v
+        a_ttft, a_gap = _percentiles(alone[0]), _percentiles(alone[1])
+        results = {"alone": {"ttft": a_ttft, "itl": a_gap}}
+        for kind, (ttfts, gaps, outcomes, health) in cases.items():
+            t, g = _percentiles(ttfts), _percentiles(gaps)
+            results[kind] = {
+                "ttft": t,
+                "itl": g,
+                "ttft_p50_ratio": t["p50_ms"] / a_ttft["p50_ms"],
+                "itl_p50_ratio": g["p50_ms"] / a_gap["p50_ms"],
+                "itl_p99_ratio": g["p99_ms"] / a_gap["p99_ms"],
+                "attacker_outcomes": outcomes,
+                **({"health_max_s": max(health), "health_probes": len(health)} if health else {}),
+            }
+        results["engine"] = dict(client.stats().engine)
+        return results
+    finally:
+        dc.terminate()
+        pf.terminate()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=3)
@@ -206,7 +346,12 @@ def main() -> None:
     parser.add_argument("--rate-scale", type=float, default=1.0, help="multiplies the hostile rates")
     parser.add_argument("--only", nargs="+", choices=Hostile.KINDS, default=Hostile.KINDS, help="these kinds")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--fanout", nargs="*", choices=FANOUT, help="issue 48's fan-out cases instead")
     args = parser.parse_args()
+    if args.fanout is not None:
+        args.fanout = args.fanout or list(FANOUT)
+        report(fanout(args), args.json)
+        return
 
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.loading.sources import DEFAULT_MODEL, fetch, load_model

@@ -48,6 +48,9 @@ CPU_WEIGHTS_SHARE = 0.9
 # On a CPU, counted with the runtime: the host-side arrays of a step and what the allocator keeps of freed
 # temporaries beyond XLA's accounting (measured: 18 to 30 MiB past a 6.5 GiB plan of a 1.2B bfloat16 model)
 CPU_RUNTIME_RESERVE = 128 * 2**20
+# On an accelerator, each device's share of the same: the BLAS libraries' workspaces, the sampler's and the
+# allocator's rounding beyond XLA's accounting (measured on an H200: 84 MB past a 101 GB plan)
+DEVICE_RUNTIME_RESERVE = 256 * 2**20
 # The RAM a CPU engine sizes from, in bytes, instead of what the host reports (a host that shares its RAM
 # by policy; tests give a box-independent figure)
 AVAILABLE_RAM_ENV = "PDSERVE_AVAILABLE_RAM"
@@ -88,8 +91,9 @@ class MemoryPlan:
     activation_bytes: int = 0  # the step's temporaries at num_blocks (measured when sizing from memory)
     fraction: float = 0.0
     rule: str = ""  # how the memory was sized (sized_by): "" is by --num-blocks
-    # On a CPU: what building the engine took of the host's RAM beyond the weights (compiled executables,
-    # the loader's buffers the allocator keeps), counted against the budget as the weights are
+    # What the runtime takes beyond XLA's accounting, counted against the budget as the weights are: a
+    # reserve per device, and on a CPU what building the engine took of the host's RAM beyond the weights
+    # (compiled executables, the loader's buffers the allocator keeps)
     runtime_bytes: int = 0
     num_host_blocks: int = 0  # slots of the host tier (--kv-offloading-size), a whole block each
 
@@ -342,12 +346,15 @@ def plan(
     platform = device.platform
     fraction = memory_fraction(config, platform)
     temps = step_temps(dataclasses.replace(config, max_model_len=max_len))
-    runtime = 0
+    runtime = DEVICE_RUNTIME_RESERVE
     if platform == "cpu":  # every CPU device's temporaries in the same RAM
         temps = StepTemps(temps.base * config.tp, temps.per_block * config.tp)
+        runtime = CPU_RUNTIME_RESERVE
         if rss_at_start is not None:
-            runtime = max(0, resident_bytes() - rss_at_start - weight_bytes) + CPU_RUNTIME_RESERVE
+            runtime += max(0, resident_bytes() - rss_at_start - weight_bytes)
     budget, rule = _budget(mesh, config, weight_bytes + runtime, temps.base)
+    if platform != "cpu":  # (a device's bytes in use hold its weights, not the reserve)
+        budget -= runtime
     num_blocks = agreed_num_blocks(max(0, (budget - temps.base) // (per_block + temps.per_block)))
     activations = temps.at(num_blocks)
     one_request = -(-max_len // bs)

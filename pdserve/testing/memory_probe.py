@@ -3,7 +3,8 @@ model folder in a fresh process, sized from memory as a daemon is (no --num-bloc
 `--gpu-memory-utilization F` or the CPU default; PDSERVE_AVAILABLE_RAM gives the RAM to size from), runs
 its largest work (a prompt past the step's token budget with prompt logprobs, n sequences, decodes), and
 prints one JSON line: the plan (engine.memory.MemoryPlan: its summary and planned bytes) and what the
-process took beyond what it held before the engine (its resident high-water mark, /proc/self/status).
+process took beyond what it held before the engine (its resident high-water mark, /proc/self/status;
+on an accelerator also the fullest device's peak bytes in use).
 tests/engine/test_memory_plan.py and bench/bench_memory_plan.py read it."""
 
 from __future__ import annotations
@@ -21,7 +22,15 @@ def _status(field: str) -> int:
     raise KeyError(field)
 
 
-def probe(folder: Path, fraction: float, dtype: str, n: int, step_tokens: int, max_num_seqs: int) -> dict:
+def probe(
+    folder: Path,
+    fraction: float,
+    dtype: str,
+    n: int,
+    step_tokens: int,
+    max_num_seqs: int,
+    kv_dtype: str = "auto",
+) -> dict:
     import jax
 
     from pdserve.engine.config import EngineConfig, SizingError
@@ -35,6 +44,7 @@ def probe(folder: Path, fraction: float, dtype: str, n: int, step_tokens: int, m
     try:
         config = EngineConfig(
             dtype=dtype,
+            kv_cache_dtype=kv_dtype,
             gpu_memory_utilization=fraction,
             max_num_batched_tokens=step_tokens,
             max_num_seqs=max_num_seqs,
@@ -47,7 +57,15 @@ def probe(folder: Path, fraction: float, dtype: str, n: int, step_tokens: int, m
     prompt = [(7 * i) % 1000 + 3 for i in range(min(budget + budget // 2, engine.config.max_model_len - 8))]
     params = SamplingParams(n=n, max_tokens=4, temperature=1.0, seed=0, ignore_eos=True, prompt_logprobs=2)
     (first, *_) = engine.generate([prompt], params)
+    device = {}
+    if plan.platform != "cpu":  # the devices' own accounting: the fullest device's peak and limit
+        stats = [d.memory_stats() or {} for d in engine.mesh.devices.flat]
+        device = {
+            "device_peak_bytes": max(s.get("peak_bytes_in_use", 0) for s in stats),
+            "device_limit_bytes": min(s.get("bytes_limit", 0) for s in stats),
+        }
     return {
+        **device,
         "summary": plan.summary(),
         "planned_bytes": plan.planned_bytes,
         "budget_bytes": plan.budget_bytes,
@@ -66,6 +84,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("-n", type=int, default=4)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512, help="the largest step's tokens")
     parser.add_argument("--max-num-seqs", type=int, default=32)
+    parser.add_argument("--kv-cache-dtype", default="auto")
     args = parser.parse_args(argv)
     result = probe(
         args.folder,
@@ -74,6 +93,7 @@ def main(argv: list[str] | None = None) -> None:
         args.n,
         args.max_num_batched_tokens,
         args.max_num_seqs,
+        args.kv_cache_dtype,
     )
     print(json.dumps(result), file=sys.stdout, flush=True)
 

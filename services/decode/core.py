@@ -420,7 +420,11 @@ class GenerationCore:
                 raise PrefillError(f"{replica.name}: no first token")
             draft = self.engine.runner.draft
             width = 0 if draft is None else len(draft.aux_layers) * self.engine.model.config.hidden_size
-            check_first_token(first, request, self.engine.model.config.vocab_size, replica.name, width)
+            check = (first, request, self.engine.model.config.vocab_size, replica.name, width)
+            if first.prompt_logprobs:  # an entry at a time, by the prompt's size: off the event loop
+                await asyncio.to_thread(check_first_token, *check)
+            else:
+                check_first_token(*check)
             return first, started or time.perf_counter(), nbytes
         finally:
             replica.outstanding -= 1

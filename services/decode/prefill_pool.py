@@ -292,7 +292,11 @@ class RemotePrefiller(Prefiller):
                     logprobs = None
                     if trailer.HasField("first_logprobs"):
                         logprobs = wire.logprobs_from_proto(trailer.first_logprobs)
-                    prompt_logprobs = [wire.logprobs_from_proto(lp) for lp in trailer.prompt_logprobs]
+                    prompt_logprobs = []  # (read off the event loop: their size is the prompt's)
+                    if trailer.prompt_logprobs:
+                        prompt_logprobs = await asyncio.to_thread(
+                            list, map(wire.logprobs_from_proto, trailer.prompt_logprobs)
+                        )
                     forks = tuple(
                         (f.token, wire.logprobs_from_proto(f.logprobs) if f.HasField("logprobs") else None)
                         for f in trailer.forks

@@ -83,7 +83,10 @@ class GenerationService(pb_grpc.GenerationServicer):
             label = label or engine_request.request_id
             prompt_ids = engine_request.prompt_ids if request.return_prompt_ids else ()
             async for output in self.core.stream(engine_request, context.time_remaining(), hint, label):
-                yield wire.output_to_response(output, label, prompt_ids)
+                if output.prompt_logprobs is None:
+                    yield wire.output_to_response(output, label, prompt_ids)
+                else:  # (a message by the prompt's size: made off the event loop)
+                    yield await asyncio.to_thread(wire.output_to_response, output, label, prompt_ids)
                 prompt_ids = ()  # on the first message only
         except InvalidRequestError as e:  # INVALID_ARGUMENT; NOT_FOUND for an adapter not loaded here
             await context.abort(grpc.StatusCode[e.status], str(e))

@@ -262,8 +262,9 @@ class PrefillService(pb_grpc.PrefillServicer):
             start = trailer.forks.add(token=fork.new_token_ids[0])
             if fork.logprobs:
                 start.logprobs.CopyFrom(wire.logprobs_to_proto(fork.logprobs[0]))
-        if output.prompt_logprobs is not None:  # (the first position has none)
-            trailer.prompt_logprobs.extend(wire.logprobs_to_proto(lp) for lp in output.prompt_logprobs[1:])
+        if output.prompt_logprobs is not None:  # (the first position has none; off the event loop: by size)
+            entries = output.prompt_logprobs[1:]
+            await asyncio.to_thread(trailer.prompt_logprobs.extend, map(wire.logprobs_to_proto, entries))
         if output.draft_aux is not None:
             trailer.draft_aux = wire.draft_aux_to_bytes(output.draft_aux)
         yield order.write(pb.PrefillMessage(trailer=trailer))

@@ -85,3 +85,17 @@ def test_prompt_logprobs_are_bounded_by_the_message_that_carries_them(make_engin
     with pytest.raises(InvalidRequestError) as refusal:
         engine.make_request([5], SamplingParams(max_tokens=1, prompt_logprobs=engine.config.max_logprobs + 1))
     assert refusal.value.field == "prompt_logprobs"
+
+
+def test_prompt_logprobs_count_once_for_each_of_n_sequences(make_engine):
+    """Each of the n sequences' first output (and each choice of an HTTP answer) carries the prompt's
+    logprobs: n counts against the entries cap, so the largest answer stays bounded whatever n is."""
+    from pdserve.engine.sampling_params import InvalidRequestError
+
+    engine, prompt = make_engine(), list(range(1000, 1900))
+    engine.make_request(prompt, SamplingParams(max_tokens=1, prompt_logprobs=20, n=8))  # 151,200 entries
+    with pytest.raises(InvalidRequestError) as refusal:  # (checked before n against max_num_seqs)
+        engine.make_request(prompt, SamplingParams(max_tokens=1, prompt_logprobs=20, n=14))
+    assert str(refusal.value) == (
+        "prompt_logprobs: 900 prompt tokens x 21 logprobs x n=14: the limit is 262144 entries"
+    )

@@ -87,7 +87,7 @@ def test_allowed_token_ids_are_one_mask_a_request_shared_by_its_forks(make_engin
     monkeypatch.setattr(
         llm_engine, "token_mask", lambda ids, vocab: built.append(len(ids)) or real(ids, vocab)
     )
-    allowed = (5, 7, 11) * 20_000 + tuple(range(100, 140))
+    allowed = (5, 7, 11) * 10_000 + tuple(range(100, 140))  # (at most the vocabulary's 49,152 ids)
     params = SamplingParams(n=4, max_tokens=6, seed=3, ignore_eos=True, allowed_token_ids=allowed)
     request = engine.make_request(loaded_model.tokenizer.encode("Hello"), params)
     assert request.params.allowed_token_ids == (5, 7, 11, *range(100, 140)) and built == [43]

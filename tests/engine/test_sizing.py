@@ -45,7 +45,8 @@ def test_kv_capacity_follows_the_memory_fraction(loaded_model, caplog):
             engine.log_summary()
         assert f"kv_tokens={plan.num_blocks * 16} " in caplog.text
     small, large = (engines[t].runner.memory for t in sorted(engines))
-    assert large.num_blocks > 2 * small.num_blocks
+    more = (large.num_blocks - small.num_blocks) * small.block_bytes  # the extra budget went to the cache
+    assert more > (288 - 96) * MIB / 2, (small, large)  # (RAM available moves between the reads)
     info = engines[96 * MIB].summary()
     assert info["platform"] == "cpu" and info["max_model_len"] == "1024" and info["compile_cache"]
 

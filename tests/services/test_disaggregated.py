@@ -279,7 +279,12 @@ def test_a_quantized_kv_cache_disaggregated_equals_colocated_and_refuses_other_r
     reads what a colocated engine of that dtype wrote, so the tokens are the colocated engine's, greedy
     and seeded, a long prompt in several chunks too, and a second turn of a conversation that moves only
     the blocks the decode side does not hold. A decode server whose replica (the shared one) keeps a
-    float32 cache refuses it at the handshake and prefills locally: the same tokens again."""
+    float32 cache refuses it at the handshake and prefills locally: the same tokens again.
+
+    What it compares: each prompt is prefilled in the same chunks on both paths, so every position's K/V
+    was quantized from the same computation. A position one path recomputes in a prefill chunk and the
+    other wrote by decode steps can round differently (docs/architecture.md, "KV cache"); the second
+    turn here gives equal tokens, a near-tie there could differ."""
     import dataclasses
 
     import jax

@@ -35,6 +35,11 @@ GREEDY = dict(max_tokens=8, temperature=0.0, ignore_eos=True)
         (dict(stop=["x" * 513]), "stop"),
         (dict(request_id="forged\nINFO line"), "request_id"),
         (dict(request_id="x" * 257), "request_id"),
+        # fan-out (the shared decode server: max_num_seqs 32, so --max-n defaults to 16)
+        (dict(n=17), "n"),
+        (dict(n=16, max_tokens=10_000), "n"),  # n x max_tokens past --max-n-tokens
+        (dict(allowed_token_ids=[5] * 49_153), "allowed_token_ids"),  # more than the vocabulary
+        (dict(allowed_token_ids=[3] * 2_000_000, n=8), "allowed_token_ids"),  # the issue's 2 MB request
     ],
 )
 def test_hostile_generate_requests_are_invalid_argument(decode, kwargs, field):
@@ -86,6 +91,8 @@ CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
             "stream_options",
         ),
         ("/v1/completions", {"prompt": "Hi", "n": True}, "n"),
+        ("/v1/completions", {"prompt": "Hi", "n": 17}, "n"),
+        ("/v1/completions", {"prompt": "Hi", "allowed_token_ids": [1] * 300_000}, "allowed_token_ids"),
         ("/v1/completions", {"prompt": "Hi", "max_tokens": "16"}, "max_tokens"),
         (
             "/v1/chat/completions",
@@ -155,6 +162,57 @@ def test_http_clients_that_go_away_free_their_blocks_on_both_sides(decode, prefi
     while scrape(metrics).get(aborted, 0) < before + 2 and time.monotonic() < deadline:
         time.sleep(0.1)
     assert scrape(metrics).get(aborted, 0) >= before + 2
+    assert_all_free(decode.address, prefill.address)
+
+
+def test_a_request_of_n_at_the_limit_leaves_slots_for_a_later_one(decode, prefill):
+    """n at --max-n's default (half the sequence slots) with long outputs: a request that arrives after it
+    is admitted and streams its tokens while the n sequences still decode, and ends first."""
+    client = Client(decode.address)
+    wide = client.stream(
+        build_request("Once upon a time", n=16, max_tokens=64, temperature=1.0, seed=1, ignore_eos=True)
+    )
+    first = next(wide)  # the n sequences are decoding
+    assert first.token_ids
+    victim = client.generate("The sky is", **GREEDY)
+    running = client.stats().num_running  # the n sequences, still decoding after the victim ended
+    assert victim.finish_reason == "length" and len(victim.token_ids) == GREEDY["max_tokens"]
+    assert running >= 1
+    assert sum(1 for _ in wide) > 0
+    assert_all_free(decode.address, prefill.address)
+
+
+def test_health_answers_while_the_largest_answer_is_built(decode, prefill):
+    """The largest answer the limits allow for a 900-token prompt (its logprobs, 20 a position, echoed
+    with n = 12 choices: 226,800 of the 262,144 entries) is rendered and serialized off the event loop:
+    /health keeps answering (within a readiness probe's 3 s) while it is built and sent."""
+    import threading
+
+    prompt = list(range(1000, 1900))
+    body = {"prompt": prompt, "max_tokens": 1, "n": 12, "prompt_logprobs": 20, "echo": True, "logprobs": 1}
+    done, answer = threading.Event(), {}
+
+    def large():
+        answer["status"], _, answer["body"] = _post(decode.addresses["http"], "/v1/completions", body)
+        done.set()
+
+    thread = threading.Thread(target=large)
+    thread.start()
+    latencies = []
+    while not done.is_set():
+        connection = http.client.HTTPConnection(decode.addresses["http"], timeout=30)
+        start = time.perf_counter()
+        connection.request("GET", "/health")
+        assert connection.getresponse().status == 200
+        latencies.append(time.perf_counter() - start)
+        connection.close()
+        time.sleep(0.05)
+    thread.join()
+    assert answer["status"] == 200 and len(answer["body"]["choices"]) == 12
+    choices = answer["body"]["choices"]
+    assert all(len(c["prompt_logprobs"]) == len(prompt) for c in choices)
+    assert choices[0]["prompt_logprobs"] == choices[11]["prompt_logprobs"]
+    assert latencies and max(latencies) < 3.0, latencies
     assert_all_free(decode.address, prefill.address)
 
 
