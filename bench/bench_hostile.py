@@ -27,7 +27,12 @@ again (TTFT and inter-token gaps: p50 and p99) alone and beside each attacker in
   * allowed_ids: 2,000,000 allowed_token_ids (all below 128) with n = 8, one a second (refused by name now);
   * prompt_logprobs: the largest /v1/completions answer the limits allow for a 4,000-token prompt
     (prompt_logprobs 20 with n = 3: 252,000 entries; n = 32 is refused), back to back; /health is probed
-    every 0.2 s meanwhile and its worst latency reported.
+    every 0.2 s meanwhile and its worst latency reported;
+  * sixteen_streams: the control of n_max, 16 requests of n = 1 (same lengths) from 16 clients: what 16
+    more sequences in each step cost the victim whoever sent them;
+  * long_prompt: the control of prompt_logprobs, the same 4,000-token prompt without logprobs or n, back
+    to back, each a new prompt (what any long prompt costs the victim: the prefill server's token budget,
+    the KV inserted).
 """
 
 from __future__ import annotations
@@ -208,7 +213,7 @@ def validation_cost(limits, ttft_s: float) -> dict:
     }
 
 
-FANOUT = ("n_max", "allowed_ids", "prompt_logprobs")
+FANOUT = ("n_max", "allowed_ids", "prompt_logprobs", "long_prompt", "sixteen_streams")
 
 
 class Attacker:
@@ -220,11 +225,18 @@ class Attacker:
         self.stop, self.threads = threading.Event(), []
         self.outcomes: dict[str, int] = {}
         self.health_s: list[float] = []
+        self.sent = 0  # long prompts sent
 
     def __enter__(self) -> Attacker:
-        target = {"n_max": self._wide, "allowed_ids": self._ids, "prompt_logprobs": self._logprobs}[self.kind]
+        target = {
+            "n_max": self._wide,
+            "allowed_ids": self._ids,
+            "prompt_logprobs": self._logprobs,
+            "long_prompt": self._long,
+            "sixteen_streams": self._sixteen,
+        }[self.kind]
         self.threads = [threading.Thread(target=self._guard, args=(target,), daemon=True)]
-        if self.kind == "prompt_logprobs":
+        if self.kind in ("prompt_logprobs", "long_prompt"):
             self.threads.append(threading.Thread(target=self._health, daemon=True))
         for thread in self.threads:
             thread.start()
@@ -244,27 +256,45 @@ class Attacker:
             self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
 
     def _wide(self) -> str:
-        from pdserve.services.client import Client
+        from pdserve.services.client import Client, build_request
 
-        Client(self.decode.address).generate(
-            "Once upon a time", n=16, max_tokens=256, temperature=1.0, ignore_eos=True
-        )
+        request = build_request("Once upon a time", n=16, max_tokens=256, temperature=1.0, ignore_eos=True)
+        Client(self.decode.address).generate_sequences(request, timeout=900)
         return "n16_done"
 
     def _ids(self) -> str:
-        from pdserve.services.client import Client
+        from pdserve.services.client import Client, build_request
 
         start = time.perf_counter()
         try:
-            Client(self.decode.address).generate(
-                "hi", allowed_token_ids=[i % 128 for i in range(2_000_000)], n=8
-            )
+            ids = [i % 128 for i in range(2_000_000)]
+            Client(self.decode.address).generate_sequences(build_request("hi", allowed_token_ids=ids, n=8))
         finally:
             self.stop.wait(max(0.0, 1.0 - (time.perf_counter() - start)))
         return "served"
 
     def _logprobs(self) -> str:
         body = {"prompt": prompt(4000, 7), "max_tokens": 1, "n": 3, "prompt_logprobs": 20}
+        return f"http_{_post(self.decode.addresses['http'], '/v1/completions', body)}"
+
+    def _sixteen(self) -> str:
+        from pdserve.services.client import Client
+
+        client = Client(self.decode.address)
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            list(
+                pool.map(
+                    lambda i: client.generate(
+                        f"Story {i}:", max_tokens=256, temperature=1.0, ignore_eos=True
+                    ),
+                    range(16),
+                )
+            )
+        return "16_done"
+
+    def _long(self) -> str:
+        self.sent += 1  # a new prompt each time, as prompt logprobs read no prefix cache
+        body = {"prompt": prompt(4000, 1000 + self.sent), "max_tokens": 1}
         return f"http_{_post(self.decode.addresses['http'], '/v1/completions', body)}"
 
     def _health(self) -> None:

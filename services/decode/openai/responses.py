@@ -3,6 +3,7 @@ choices of responses and of streamed chunks."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 
 import grpc
@@ -69,6 +70,48 @@ def running_usage(num_prompt_tokens: int, num_output_tokens: int) -> dict:
         "completion_tokens": num_output_tokens,
         "total_tokens": num_prompt_tokens + num_output_tokens,
     }
+
+
+PIECE_ITEMS = 256  # list items one json.dumps call encodes (json_bytes)
+
+
+def json_bytes(value) -> bytes:
+    """`value` as JSON, encoded a piece at a time: one json.dumps call holds the interpreter for all it
+    encodes, so a large answer (prompt logprobs of n choices: megabytes) is encoded PIECE_ITEMS list items
+    a call, and the event loop and the engine thread run between the calls."""
+    return "".join(_json_pieces(value)).encode()
+
+
+def _json_pieces(value):
+    if isinstance(value, dict):
+        yield "{"
+        for i, (key, item) in enumerate(value.items()):
+            yield ("," if i else "") + json.dumps(str(key)) + ":"
+            yield from _json_pieces(item)
+        yield "}"
+    elif isinstance(value, list) and len(value) > PIECE_ITEMS:
+        yield "["
+        for start in range(0, len(value), PIECE_ITEMS):
+            yield ("," if start else "") + json.dumps(value[start : start + PIECE_ITEMS])[1:-1]
+        yield "]"
+    else:
+        yield json.dumps(value)
+
+
+def memoized(decode: Callable[[list[int]], str]) -> Callable[[list[int]], str]:
+    """`decode`, remembering each single token's text: an answer's logprobs name the same tokens again and
+    again (every position's top n), and rendering a large one is CPU the server's other work waits on."""
+    texts: dict[int, str] = {}
+
+    def decode_ids(ids: list[int]) -> str:
+        if len(ids) != 1:
+            return decode(ids)
+        text = texts.get(ids[0])
+        if text is None:
+            text = texts[ids[0]] = decode(ids)
+        return text
+
+    return decode_ids
 
 
 def logprobs(

@@ -414,7 +414,7 @@ class OpenAIFrontend:
         """A whole (non-streamed) answer as JSON: CPU work by its size, on a worker thread. A prompt's
         logprobs are rendered once and shared by its n choices."""
         chat, body, call = a.chat, a.body, a.call
-        decode = self.service.engine.tokenizer.decode
+        decode = responses.memoized(self.service.engine.tokenizer.decode)
         rendered: dict = {}  # (renderer, id of a prompt's entries) -> its rendering
 
         def once(render, entries, *args):
@@ -463,7 +463,7 @@ class OpenAIFrontend:
         }
         if chat and body.get("prompt_logprobs") is not None:  # (vLLM: the response's, for chat)
             response["prompt_logprobs"] = responses.prompt_logprobs(a.prompt_lps[0] or [], decode)
-        return json.dumps(response).encode()
+        return responses.json_bytes(response)
 
     async def _stream(
         self, request, streams, rid: str, chat: bool, body: dict, call: _Call
@@ -479,15 +479,17 @@ class OpenAIFrontend:
         options = body.get("stream_options") or {}
         include_usage = options.get("include_usage", True) if options else False
         continuous = include_usage and bool(options.get("continuous_usage_stats"))
-        decode = self.service.engine.tokenizer.decode
+        decode = responses.memoized(self.service.engine.tokenizer.decode)
 
         async def send(choices: list[dict], usage=None, large: bool = False):
             """One chunk; a `large` one (the prompt's logprobs) is serialized off the event loop."""
             chunk = {"id": rid, "object": kind, "created": created, "model": call.model, "choices": choices}
             if usage is not None:
                 chunk["usage"] = usage
-            data = await asyncio.to_thread(json.dumps, chunk) if large else json.dumps(chunk)
-            await response.write(f"data: {data}\n\n".encode())
+            data = (
+                await asyncio.to_thread(responses.json_bytes, chunk) if large else json.dumps(chunk).encode()
+            )
+            await response.write(b"data: " + data + b"\n\n")
 
         tool_streams: dict[int, ToolStream] = {}  # by choice, with tools
         thinking: dict[int, reasoning.ReasoningSplit] = {}  # by choice, with a reasoning parser
