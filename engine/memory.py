@@ -188,22 +188,24 @@ def available_ram(held: int = 0) -> int:
     return host
 
 
-def resident_bytes() -> int:
-    """This process's resident memory (Linux VmRSS; 0 where it cannot be read)."""
+def resident_bytes(field: str = "VmRSS") -> int:
+    """This process's resident memory (Linux /proc/self/status: VmRSS now, VmHWM its high-water mark; 0
+    where it cannot be read)."""
     status = Path("/proc/self/status")
     if status.is_file():
         for line in status.read_text().splitlines():
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     return 0
 
 
-def _budget(mesh, config: EngineConfig, held: int, fixed_temps: int) -> tuple[int, str]:
-    """What the engine may use beyond what it already holds (`held`: on a device the weights, on a CPU also
-    the runtime's share), and the rule that says so (the start-up line's sized_by): per device on an
-    accelerator (the fullest device's), on a CPU of the host's RAM (module docstring)."""
+def _budget(mesh, config: EngineConfig, weight_bytes: int, runtime: int, fixed_temps: int) -> tuple[int, str]:
+    """What the engine may use beyond its weights (`weight_bytes`, on the devices already) and the runtime's
+    share (`runtime`, MemoryPlan.runtime_bytes), and the rule that says so (the start-up line's sized_by):
+    per device on an accelerator (the fullest device's), on a CPU of the host's RAM (module docstring)."""
     fraction = memory_fraction(config, _platform(mesh))
     if _platform(mesh) == "cpu":
+        held = weight_bytes + runtime
         available = available_ram(held=held)
         if not fraction:
             share = int(CPU_KV_SHARE * max(0, available - fixed_temps))
@@ -216,7 +218,8 @@ def _budget(mesh, config: EngineConfig, held: int, fixed_temps: int) -> tuple[in
             raise SizingError(
                 f"{device.device_kind} reports no memory limit: size the KV cache with --num-blocks"
             )
-        budgets.append(int(fraction * stats["bytes_limit"]) - stats.get("bytes_in_use", 0))
+        # (the bytes in use hold the weights, not the runtime's share)
+        budgets.append(int(fraction * stats["bytes_limit"]) - stats.get("bytes_in_use", 0) - runtime)
     return min(budgets), f"gpu_memory_utilization={fraction:g}"
 
 
@@ -290,7 +293,7 @@ def check_weights_fit(model: ModelConfig, config: EngineConfig, mesh, num_params
         fraction = CPU_WEIGHTS_SHARE
         budget = int(fraction * available_ram())
     else:
-        budget = _budget(mesh, config, 0, 0)[0]
+        budget = _budget(mesh, config, 0, 0, 0)[0]
     if weights > budget:
         where = "the available RAM" if platform == "cpu" else "device memory"
         raise SizingError(
@@ -352,9 +355,7 @@ def plan(
         runtime = CPU_RUNTIME_RESERVE
         if rss_at_start is not None:
             runtime += max(0, resident_bytes() - rss_at_start - weight_bytes)
-    budget, rule = _budget(mesh, config, weight_bytes + runtime, temps.base)
-    if platform != "cpu":  # (a device's bytes in use hold its weights, not the reserve)
-        budget -= runtime
+    budget, rule = _budget(mesh, config, weight_bytes, runtime, temps.base)
     num_blocks = agreed_num_blocks(max(0, (budget - temps.base) // (per_block + temps.per_block)))
     activations = temps.at(num_blocks)
     one_request = -(-max_len // bs)

@@ -103,13 +103,6 @@ def write_random_llama(folder: Path, shards: int = 3, seed: int = 0, **sizes: in
     return total
 
 
-def _status(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(field)
-
-
 def probe(folder: Path, dtype: str, num_blocks: int) -> dict:
     """Loads `folder` into an engine of `dtype` and `num_blocks` KV blocks and prefills a prompt; what it
     cost (the module's docstring)."""
@@ -123,11 +116,12 @@ def probe(folder: Path, dtype: str, num_blocks: int) -> dict:
     from pdserve.engine.llm_engine import LLMEngine
     from pdserve.engine.loading.checkpoints import SafetensorsCheckpoint
     from pdserve.engine.loading.sources import LoadedModel
+    from pdserve.engine.memory import resident_bytes
     from pdserve.engine.model.weights import weight_bytes
     from pdserve.engine.model_runner import step_temp_bytes
 
     jax.devices()
-    rss_before = _status("VmRSS")
+    rss_before = resident_bytes("VmRSS")
     tracemalloc.start()
     start = time.perf_counter()
     checkpoint = SafetensorsCheckpoint(folder)
@@ -137,11 +131,11 @@ def probe(folder: Path, dtype: str, num_blocks: int) -> dict:
     )
     engine = LLMEngine(model, config)
     load_seconds = time.perf_counter() - start
-    rss_peak = _status("VmHWM")
+    rss_peak = resident_bytes("VmHWM")
     gc.collect()
     traced_after, traced_peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()  # (tracing slows the steps; the load is what it watches)
-    rss_loaded = _status("VmRSS")
+    rss_loaded = resident_bytes("VmRSS")
     runner = engine.runner
     temp = step_temp_bytes(runner.model, runner.config, runner.mesh, runner.weights, None, runner.attention)
     logits = engine.prompt_logits(PROBE_PROMPT)  # a prefill through the compiled step
@@ -150,7 +144,7 @@ def probe(folder: Path, dtype: str, num_blocks: int) -> dict:
         "rss_peak": rss_peak,
         "rss_loaded": rss_loaded,
         "step_temp_bytes": temp,
-        "rss_serving": _status("VmRSS"),
+        "rss_serving": resident_bytes("VmRSS"),
         "traced_peak": traced_peak,
         "traced_after": traced_after,
         "load_seconds": load_seconds,

@@ -5,7 +5,7 @@ its largest work (a prompt past the step's token budget with prompt logprobs, n 
 prints one JSON line: the plan (engine.memory.MemoryPlan: its summary and planned bytes) and what the
 process took beyond what it held before the engine (its resident high-water mark, /proc/self/status;
 on an accelerator also the fullest device's peak bytes in use).
-tests/engine/test_memory_plan.py and bench/bench_memory_plan.py read it."""
+tests/services/test_memory_plan.py and bench/bench_memory_plan.py read it."""
 
 from __future__ import annotations
 
@@ -13,13 +13,6 @@ import argparse
 import json
 import sys
 from pathlib import Path
-
-
-def _status(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(field)
 
 
 def probe(
@@ -36,11 +29,12 @@ def probe(
     from pdserve.engine.config import EngineConfig, SizingError
     from pdserve.engine.llm_engine import LLMEngine
     from pdserve.engine.loading.sources import load_model
+    from pdserve.engine.memory import resident_bytes
     from pdserve.engine.sampling_params import SamplingParams
 
     jax.devices()
     model = load_model(str(folder))
-    rss_before = _status("VmRSS")
+    rss_before = resident_bytes("VmRSS")
     try:
         config = EngineConfig(
             dtype=dtype,
@@ -70,7 +64,7 @@ def probe(
         "planned_bytes": plan.planned_bytes,
         "budget_bytes": plan.budget_bytes,
         "rss_before": rss_before,
-        "peak_growth": _status("VmHWM") - rss_before,
+        "peak_growth": resident_bytes("VmHWM") - rss_before,
         "finish_reason": first.finish_reason,
         "num_tokens": len(first.token_ids),
     }
