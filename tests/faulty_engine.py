@@ -37,7 +37,7 @@ class FaultyEngine(LLMEngine):
     def add_prepared_request(self, request):
         request_id = super().add_prepared_request(request)
         if PINNED in request.params.stop:
-            self._streams[request_id] = FailingStream(request, self.tokenizer)
+            self.streams.open(request, FailingStream(request, self.tokenizer))
         return request_id
 
     def schedule_step(self):
@@ -46,12 +46,14 @@ class FaultyEngine(LLMEngine):
             raise RuntimeError("injected: the device is gone")
         return super().schedule_step()
 
-    def _execute(self, scheduled):
-        rows = [self.scheduler.requests[row.request_id] for row in scheduled.rows]
+    def run_step(self, scheduled):
+        rows = (
+            [] if scheduled is None else [self.scheduler.requests[row.request_id] for row in scheduled.rows]
+        )
         if not self.failed_once and any(ONCE in r.params.stop for r in rows):
             self.failed_once = True
             raise RuntimeError("injected: one step failed")
-        return super()._execute(scheduled)
+        return super().run_step(scheduled)
 
 
 def main() -> int:

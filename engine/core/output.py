@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from typing import Any
 
 from pdserve.engine.core.request import FinishReason, Request, TokenLogprobs
@@ -96,3 +97,55 @@ class OutputStream:
             if first == 0 and r.scheduled_time is not None
             else None,
         )
+
+
+class OutputStreams:
+    """Every request's OutputStream (made at its first tokens), and the outputs produced since the engine
+    last took them: the scheduler's output sink (engine.core.scheduler.OutputSink)."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self._streams: dict[str, OutputStream] = {}
+        self._outputs: list[tuple[Request, RequestOutput]] = []
+
+    def open(self, request: Request, stream: OutputStream | None = None) -> OutputStream:
+        """The request's stream, made now if it has none (`stream`: this one, in place of any)."""
+        if stream is not None or request.request_id not in self._streams:
+            self._streams[request.request_id] = stream or OutputStream(request, self.tokenizer)
+        return self._streams[request.request_id]
+
+    def view(self, request: Request, run) -> RequestOutput:
+        """The client's view of the run of tokens (engine.core.scheduler.SampledToken) just appended."""
+        return self.open(request).on_tokens([t.token for t in run], [t.logprobs for t in run])
+
+    def put(self, request: Request, output: RequestOutput) -> None:
+        """An output to hand out; a finished request's stream ends."""
+        if output.finished:
+            self._streams.pop(request.request_id, None)
+        self._outputs.append((request, output))
+
+    def drop(self, request_ids: Iterable[str]) -> None:
+        """Forgets these requests' streams (aborted)."""
+        for request_id in request_ids:
+            self._streams.pop(request_id, None)
+
+    @property
+    def num_pending(self) -> int:
+        """Outputs put and not yet taken."""
+        return len(self._outputs)
+
+    def discard(self, output_ids: Iterable[str], since: int = 0) -> None:
+        """Forgets these requests' outputs put since `since` (num_pending then) and not yet taken: a
+        failed step's, which it reports failed instead."""
+        ids = set(output_ids)
+        kept = self._outputs[since:]
+        self._outputs[since:] = [(r, o) for r, o in kept if o.request_id not in ids]
+
+    def take(self) -> list[RequestOutput]:
+        """The outputs put since the last call, in order; a finished one carries its request's draft
+        head input (Request.draft_aux, a prefill server's, for its trailer: engine.draft_runner)."""
+        outputs, self._outputs = self._outputs, []
+        for request, output in outputs:
+            if output.finished:
+                output.draft_aux = request.draft_aux
+        return [output for _, output in outputs]

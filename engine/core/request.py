@@ -75,7 +75,6 @@ class Request:
     reasoning: bool = False
     arrival_time: float = dataclasses.field(default_factory=time.monotonic)
     scheduled_time: float | None = None  # first admitted (blocks allocated): its queue time ends there
-    first_token_time: float | None = None
     error: str = ""  # with FinishReason.ERROR: what failed
     # The tokens that end it: its params' stop_token_ids and, unless ignore_eos, the model's EOS tokens
     stop_token_ids: frozenset[int] = frozenset()

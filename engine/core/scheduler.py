@@ -31,6 +31,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import logging
 import time
 from collections.abc import Sequence
 from typing import Protocol
@@ -39,6 +40,7 @@ from pdserve.engine.config import EngineConfig, bucket_for
 from pdserve.engine.core.kv_cache_manager import KVCacheManager
 from pdserve.engine.core.kv_connector import KVConnector
 from pdserve.engine.core.kv_groups import BlockTables
+from pdserve.engine.core.output import RequestOutput
 from pdserve.engine.core.request import FinishReason, Request, Status, TokenLogprobs
 from pdserve.engine.core.speculation import (
     SpeculationStats,
@@ -51,6 +53,8 @@ from pdserve.engine.lora import LoraAdapter
 STEP_COST_WEIGHT = 0.2  # of a step's time in its bucket's moving average (speculation weighs drafts by it)
 EXPLORE_EVERY = 16  # speculation verifies every draft once in this many steps, whatever the costs say
 
+log = logging.getLogger(__name__)
+
 
 class AdapterSlots(Protocol):
     """The device slots of the adapters in use (engine/lora_slots.py LoraSlots), as admission sees them."""
@@ -60,6 +64,19 @@ class AdapterSlots(Protocol):
 
     def release(self, adapter: LoraAdapter) -> None:
         """Unpins what acquire pinned."""
+
+
+class OutputSink(Protocol):
+    """Where the client's view of each request's tokens goes (engine/core/output.py OutputStreams): the
+    scheduler hands it every run of tokens it appended and applies what the view decides (a stop string
+    ends the request at the token that completed it)."""
+
+    def view(self, request: Request, run: list[SampledToken]) -> RequestOutput:
+        """The client's view of `run`, just appended to the request (it may have ended with it); raises
+        when turning it into text fails (the request then fails alone)."""
+
+    def put(self, request: Request, output: RequestOutput) -> None:
+        """The request's output to hand out (after `view`, or RequestOutput.failed)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,9 +136,12 @@ class Scheduler:
         windowed_transfers: bool = False,
         release_window: int = 0,
         ring_blocks: Sequence[int] = (),
+        outputs: OutputSink | None = None,
     ):
-        """`windowed_transfers`: the model has sliding-window layers, so KV received by transfer fills
-        those layers' blocks only within the window (and those blocks never enter the prefix cache).
+        """`outputs`: where each appended run of tokens goes as its client's view (None: nowhere; a stop
+        string then ends nothing). `windowed_transfers`: the model has sliding-window layers, so KV
+        received by transfer fills those layers' blocks only within the window (and those blocks never
+        enter the prefix cache).
         `release_window`: every layer attends within this many tokens (0: some layer to all), so a request's
         blocks wholly before its last `release_window` tokens are given back as it advances.
         `ring_blocks`: a hybrid model's rings (engine.core.kv_groups.KVGroups.ring_blocks)."""
@@ -137,6 +157,7 @@ class Scheduler:
         )
         self.lora = lora
         self.connector = connector or KVConnector()
+        self.outputs = outputs
         self.requests: dict[str, Request] = {}  # every request not yet FINISHED
         self.waiting: collections.deque[Request] = collections.deque()  # WAITING, PREEMPTED
         self.prefilling: list[Request] = []  # RUNNING, prompt partly computed
@@ -223,21 +244,33 @@ class Scheduler:
         )
 
     def remote_kv_arrived(
-        self, request_id: str, sampled: SampledToken
+        self,
+        request_id: str,
+        sampled: SampledToken,
+        num_cached_tokens: int = 0,
+        prompt_logprobs: Sequence[TokenLogprobs | None] | None = None,
     ) -> list[tuple[Request, list[SampledToken]]]:
         """Decode role: the prompt's KV is in the request's blocks and its first token was sampled
-        elsewhere: record the token and start decoding (the request may already be finished by it).
-        Returns the request and its token, then its forked sequences' (with n > 1)."""
+        elsewhere: record the token and start decoding (the request may already be finished by it), with
+        the prompt tokens the sender found cached and, if it asked for them, the prompt logprobs it scored
+        (from the second position on).
+        Returns the request and its token, then its forked sequences' (with n > 1); their client's views
+        go to the output sink."""
         request = self.requests[request_id]
         if request.status is not Status.WAITING_FOR_REMOTE_KV:
             raise ValueError(f"request {request_id!r} is {request.status.value}, not waiting for KV")
         self.remote.remove(request)
+        request.num_cached_tokens = num_cached_tokens
+        if prompt_logprobs is not None and request.prompt_logprobs is not None:
+            request.prompt_logprobs = [None, *prompt_logprobs]
         request.num_computed = len(request.prompt_ids)
         request.cacheable = not self.windowed_transfers
         self._cache_blocks(request)
         request.status = Status.RUNNING
         self.running.append(request)
-        return self._append_token(request, sampled)
+        appended = self._append_token(request, sampled)
+        self._emit(appended)
+        return appended
 
     def remote_kv_failed(self, request_id: str) -> None:
         """Decode role: no KV will arrive; the request is prefilled here, in the blocks it holds, after
@@ -306,8 +339,9 @@ class Scheduler:
         """Applies a step: every row's tokens are now computed (a decode row's drafts up to the first one
         rejected; full blocks enter the prefix cache); each sampling row's run of tokens (one, or with
         drafts the accepted ones and the target's next) is appended up to one that ends its request (a stop
-        token, a length; finished requests leave). Returns the requests that got tokens, with the tokens
-        appended."""
+        token, a length; finished requests leave), then handed to the output sink, whose view may end the
+        request at a stop string (the tokens after it go). Returns the requests that got tokens, with the
+        tokens appended."""
         outputs = []
         bs = self.config.block_size
         for row in output.rows:
@@ -332,7 +366,29 @@ class Scheduler:
                 forks = [(self._adopt(request, child, t), [t]) for child, t in appended[0].forks]
                 self._after_tokens(request, ended)
                 outputs += [(request, appended), *forks]
+        self._emit(outputs)
         return outputs
+
+    def _emit(self, appended: list[tuple[Request, list[SampledToken]]]) -> None:
+        """Each run's client view to the output sink; a stop string the view found ends the request there
+        (STOP, keeping the tokens up to the one that completed it), a view that failed ends it (ERROR)."""
+        if self.outputs is None:
+            return
+        for request, run in appended:
+            output = None
+            if request.finish_reason is not FinishReason.ERROR:
+                try:
+                    output = self.outputs.view(request, run)
+                except Exception as e:  # noqa: BLE001 - pinned to this request
+                    log.exception("detokenizing failed", extra={"request_id": request.request_id})
+                    self.finish(request, FinishReason.ERROR, f"detokenizing: {type(e).__name__}: {e}")
+                else:
+                    cut = output.num_output_tokens < len(request.output_ids)
+                    if output.finish_reason is not request.finish_reason or cut:  # a stop string matched
+                        self.finish(request, output.finish_reason, num_output=output.num_output_tokens)
+            if request.finish_reason is FinishReason.ERROR:
+                output = RequestOutput.failed(request)
+            self.outputs.put(request, output)
 
     def observe_step_time(self, output: SchedulerOutput, seconds: float) -> None:
         """A step's wall time (its rows computed and sampled): the moving average of its token bucket's
@@ -381,6 +437,7 @@ class Scheduler:
         self.requests[child.request_id] = child
         child.num_computed = len(child.prompt_ids)
         child.num_cached_tokens, child.scheduled_time = parent.num_cached_tokens, parent.scheduled_time
+        child.prompt_logprobs = parent.prompt_logprobs  # (scored once, for every sequence)
         if self._record(child, sampled):
             self._release(child)
             return child
@@ -604,6 +661,19 @@ class Scheduler:
                 self.kv.allocate(request.request_id, request.num_computed + n)
                 return n
         return 0
+
+    def drafted(self, proposed: dict[str, list[int]], aux: dict[str, object]) -> None:
+        """A draft head's pass (engine.draft_runner.DraftResult): each request's drafts for its next step
+        (Request.proposed, taken once), and the head's input at the last prompt position of each request
+        about to send its KV (Request.draft_aux, for the transfer's trailer)."""
+        for request_id, drafts in proposed.items():
+            request = self.requests.get(request_id)
+            if request is not None and request.status is Status.RUNNING:
+                request.proposed = drafts
+        for request_id, states in aux.items():
+            request = self.requests.get(request_id)
+            if request is not None:
+                request.draft_aux = states
 
     def _preempt(self, request: Request) -> None:
         """Gives a running request's blocks back (its full blocks stay cached); it is queued first."""

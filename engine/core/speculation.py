@@ -81,7 +81,8 @@ def accept(drafts: Sequence[int], sampled: Sequence[int]) -> list[int]:
 @dataclasses.dataclass(frozen=True)
 class DraftHeadProposer:
     """A draft head's proposals (method "eagle3"): the engine runs the head after each step
-    (engine.draft_runner) and leaves each request's drafts in Request.proposed; they are taken once."""
+    (engine.draft_runner) and the scheduler keeps each request's drafts in Request.proposed
+    (Scheduler.drafted); they are taken once."""
 
     k: int
 

@@ -19,6 +19,18 @@ from pdserve.engine.sampling_params import MAX_LOGIT_BIAS, SamplingParams
 _NEG_INF = -jnp.inf
 
 
+@dataclasses.dataclass
+class SampleRow:
+    """One token to sample: its request's parameters and seed, the position it is sampled at, the
+    request's tokens so far (for penalties)."""
+
+    params: SamplingParams
+    seed: int
+    position: int  # position of the token being sampled
+    prompt_ids: list[int]
+    output_ids: list[int]
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class SamplingBatch:

@@ -112,13 +112,13 @@ def probe(folder: Path, dtype: str, num_blocks: int) -> dict:
 
     import jax
 
+    from pdserve.engine.compilation import step_temp_bytes
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.llm_engine import LLMEngine
     from pdserve.engine.loading.checkpoints import SafetensorsCheckpoint
     from pdserve.engine.loading.sources import LoadedModel
     from pdserve.engine.memory import resident_bytes
     from pdserve.engine.model.weights import weight_bytes
-    from pdserve.engine.model_runner import step_temp_bytes
 
     jax.devices()
     rss_before = resident_bytes("VmRSS")

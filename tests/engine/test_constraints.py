@@ -88,7 +88,7 @@ def test_a_dead_end_finishes_the_request_without_an_invalid_token(make_engine, m
     """A constraint that allows no next token (forced here from the third step on: llguidance's languages
     rarely have one) ends the request with constraint_dead_end; the text stops at the last allowed token."""
     engine = make_engine()
-    real_fill, steps = engine.constraints.fill, []
+    real_fill, steps = engine.masks.constraints.fill, []
 
     def fill(matchers):
         mask = real_fill(matchers)
@@ -97,7 +97,7 @@ def test_a_dead_end_finishes_the_request_without_an_invalid_token(make_engine, m
             mask[:] = 0
         return mask
 
-    monkeypatch.setattr(engine.constraints, "fill", fill)
+    monkeypatch.setattr(engine.masks.constraints, "fill", fill)
     params = SamplingParams(temperature=0.0, max_tokens=20, constraint=Constraint("json_object"))
     out = engine.generate([PROMPT], params)[0]
     assert out.finish_reason == "constraint_dead_end" and len(out.token_ids) == 3

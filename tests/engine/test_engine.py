@@ -143,7 +143,7 @@ def test_bad_requests_name_the_field(make_engine, prompt, params, field):
 def test_abort_reason_is_recorded(make_engine):
     engine = make_engine()
     rid = engine.add_request("hello", GREEDY)
-    request = engine._streams[rid].request
+    request = engine.scheduler.requests[rid]
     engine.abort(rid)
     assert request.finish_reason is FinishReason.ABORT
 

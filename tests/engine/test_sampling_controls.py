@@ -80,12 +80,12 @@ def test_allowed_token_ids_are_one_mask_a_request_shared_by_its_forks(make_engin
     """The per-request cost of a mask: a list of repeated ids (what a hostile client sends) is deduplicated
     and turned into the vocabulary's bitmask once, in make_request, never per step or per sequence; the
     n = 4 sequences of 6 tokens each sample only among the ids."""
-    from pdserve.engine import llm_engine
+    from pdserve.engine import input_processor
 
     engine, built = make_engine(), []
-    real = llm_engine.token_mask
+    real = input_processor.token_mask
     monkeypatch.setattr(
-        llm_engine, "token_mask", lambda ids, vocab: built.append(len(ids)) or real(ids, vocab)
+        input_processor, "token_mask", lambda ids, vocab: built.append(len(ids)) or real(ids, vocab)
     )
     allowed = (5, 7, 11) * 10_000 + tuple(range(100, 140))  # (at most the vocabulary's 49,152 ids)
     params = SamplingParams(n=4, max_tokens=6, seed=3, ignore_eos=True, allowed_token_ids=allowed)

@@ -131,10 +131,11 @@ def test_a_draft_heads_drafts_depend_on_the_tokens_only(all_engines, monkeypatch
     run = type(spec.drafter)._run
 
     def record(self, spans, num_tokens, aux):
-        run(self, spans, num_tokens, aux)
+        proposed = run(self, spans, num_tokens, aux)
         for span in spans:
             if span.propose:
-                drafted[tuple(span.request.all_ids)] = list(span.request.proposed)
+                drafted[tuple(span.request.all_ids)] = proposed[span.request.request_id]
+        return proposed
 
     monkeypatch.setattr(type(spec.drafter), "_run", record)
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
