@@ -43,7 +43,7 @@ from pdserve.engine.boundary import (
 from pdserve.engine.builder import build_runner
 from pdserve.engine.compile_cache import cache_state
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.core.kv_connector import KVConnector, TransferReady
+from pdserve.engine.core.kv_connector import KVConnector, PrefillConnector, TransferReady
 from pdserve.engine.core.kv_groups import KVGroups
 from pdserve.engine.core.output import OutputStreams, RequestOutput
 from pdserve.engine.core.request import FinishReason, Request, Status
@@ -54,7 +54,7 @@ from pdserve.engine.host_tier import HostTier
 from pdserve.engine.input_processor import InputProcessor
 from pdserve.engine.loading.eagle3 import load_eagle3_head
 from pdserve.engine.loading.sources import LoadedModel, load_model
-from pdserve.engine.lora import AdapterRegistry
+from pdserve.engine.lora import AdapterRegistry, LoraAdapter
 from pdserve.engine.model.attention import AttentionFn
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.multihost import Publish
@@ -185,6 +185,18 @@ class LLMEngine(OfflineAPI):
     def adapter_names(self) -> tuple[str, ...]:
         """The names of the adapters loaded now, sorted (a snapshot; safe to call from any thread)."""
         return tuple(sorted(self.loras.adapters))
+
+    def read_adapter(self, name: str, path: str) -> LoraAdapter:
+        """Reads and checks a PEFT adapter folder for this model (file I/O: call it off the engine thread);
+        Utility("add_adapter", (adapter,)) then serves it. LoraLoadError when it cannot be served."""
+        return self.loras.read(name, path)
+
+    @property
+    def draft_aux_width(self) -> int:
+        """The width of an EAGLE-3 head's input per position (the aux states a prefill server's trailer
+        carries with the first token); 0: no head."""
+        draft = getattr(self.runner, "draft", None)
+        return 0 if draft is None else len(draft.aux_layers) * self.model.config.hidden_size
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, **kwargs) -> str:
         return self.add_prepared_request(self.make_request(prompt, params or SamplingParams(), **kwargs))
@@ -397,6 +409,11 @@ class LLMEngine(OfflineAPI):
     @property
     def kv_connector(self) -> KVConnector:
         return self.scheduler.connector
+
+    def prefill_connector(self) -> PrefillConnector:
+        """The prefill role's connector for this engine: its KV layout, and its host tier's slots to stage
+        gathered KV in (None: no tier)."""
+        return PrefillConnector(self.kv_layout, self.scheduler.kv.host)
 
     def set_kv_connector(self, connector: KVConnector) -> None:
         """Installs the connector of this engine's role (before any request is added)."""

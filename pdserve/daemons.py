@@ -503,8 +503,8 @@ def serve_main(args: argparse.Namespace) -> int:
         model, dataclasses.replace(base, tp=len(decode_devices)), [devices[i] for i in decode_devices]
     )
     if not args.no_warmup:
-        prefill_engine.runner.warmup()
-        decode_engine.runner.warmup()
+        prefill_engine.warmup(progress=True)
+        decode_engine.warmup(progress=True)
     for role, engine in (("prefill", prefill_engine), ("decode", decode_engine)):
         engine.log_summary(role=role)
     for engine in (prefill_engine, decode_engine):

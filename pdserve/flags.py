@@ -163,10 +163,11 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 def load_adapters(engine, specs: list[tuple[str, str]]) -> None:
     """Loads the --lora adapters into `engine`; exits naming the one that cannot be served."""
+    from pdserve.engine.boundary import Utility
     from pdserve.engine.lora import LoraLoadError
 
     for name, path in specs:
         try:
-            engine.loras.load(name, path)
+            engine.apply(Utility("add_adapter", (engine.read_adapter(name, path),)))
         except LoraLoadError as e:
             raise SystemExit(f"error: --lora {name}: {e}") from e

@@ -87,7 +87,7 @@ class AdminService(pb_grpc.AdminServicer):
             # one answer for outside the root and for missing: a caller learns nothing of other paths
             await context.abort(grpc.StatusCode.NOT_FOUND, "path: no adapter folder there under --lora-root")
         try:  # read off the engine thread (a file), then added on every engine of the process
-            adapter = await asyncio.to_thread(self.loop.engine.loras.read, request.name, str(path))
+            adapter = await asyncio.to_thread(self.loop.engine.read_adapter, request.name, str(path))
             for mirror in self.mirrors:
                 await mirror.call(Utility("add_adapter", (adapter,)))
             adapter = await self.loop.call(Utility("add_adapter", (adapter,)))

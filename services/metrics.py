@@ -296,10 +296,10 @@ class Metrics:
         self.registry = CollectorRegistry()  # /metrics: everything
         self.registry.register(picker)
         self.registry.register(_StateCollector(role, loop, counters))
-        engine = Info(
+        info = Info(
             "pdserve_engine", "what the engine runs on (its start-up line)", ["role"], registry=self.registry
         )
-        engine.labels(role).info(loop.engine_info)
+        info.labels(role).info(loop.engine_info)
         hist = lambda name, doc: Histogram(name, doc, buckets=_LATENCY_BUCKETS, registry=self.registry)  # noqa: E731
         self.ttft = hist("pdserve_time_to_first_token_seconds", "request arrival to its first token")
         self.tpot = hist("pdserve_time_per_output_token_seconds", "mean gap between a request's tokens")

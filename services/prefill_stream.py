@@ -16,7 +16,6 @@ import time
 from collections.abc import Iterator
 
 from pdserve.engine.boundary import Abort, AddRequest, KVReady, SendKV
-from pdserve.engine.core.kv_connector import PrefillConnector
 from pdserve.engine.core.output import RequestOutput
 from pdserve.engine.core.request import FinishReason, Request
 from pdserve.engine.llm_engine import LLMEngine
@@ -32,7 +31,7 @@ class PrefillFailed(RuntimeError):
 
 def install_connector(engine: LLMEngine) -> None:
     """Makes `engine` a prefill engine: the KV of the requests a sender expects goes to that sender."""
-    engine.set_kv_connector(PrefillConnector(engine.kv_layout, engine.scheduler.kv.host))
+    engine.set_kv_connector(engine.prefill_connector())
 
 
 class PrefillStream:
