@@ -110,7 +110,7 @@ class DraftRunner:
         """The drafts a request may take after this pass (0 unless it decodes next)."""
         if request.status is not Status.RUNNING or request.num_computed != request.num_tokens - 1:
             return 0
-        return self.scheduler.draft_limit(request)
+        return self.scheduler.drafts.draft_limit(request)
 
     def _run(self, spans: list[_Span], num_tokens: int, aux: jax.Array | None) -> dict[str, list[int]]:
         """One pass of the head over `spans` in a step of `num_tokens` (a token bucket) tokens; returns each

@@ -278,7 +278,7 @@ class LLMEngine(OfflineAPI):
             num_adapters_loaded=len(self.loras.adapters),
             num_lora_slots_used=len(slots.resident) if slots else 0,
             num_lora_slot_loads=slots.num_loads if slots else 0,
-            speculation=s.speculation.snapshot() if s.proposer is not None else None,
+            speculation=s.drafts.stats.snapshot() if s.drafts.proposer is not None else None,
         )
 
     def adapter_states(self) -> list[AdapterState]:
@@ -325,7 +325,8 @@ class LLMEngine(OfflineAPI):
             start = time.perf_counter()
             sampled = self.executor.execute(scheduled)
             if sampled:  # (sampling waited for the step's end: this is the step's time)
-                self.scheduler.observe_step_time(scheduled, time.perf_counter() - start)
+                num_tokens = sum(len(row.tokens) for row in scheduled.rows)
+                self.scheduler.drafts.observe_step_time(num_tokens, time.perf_counter() - start)
             self._step_outputs = self.streams.num_pending
             self.scheduler.update_from_output(scheduled, sampled)
             if self.drafter is not None:  # (before forks copy blocks and the connector reads the KV)

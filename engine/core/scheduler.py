@@ -21,9 +21,9 @@ running request is in every step, so a long prompt delays it by one budget's com
 With speculative decoding (engine.core.speculation), a decode row also feeds the drafts proposed for the
 request (up to k, within the token budget that decode tokens and prefill chunks left, its max_tokens and
 the model length; none when blocks are short; under draft_policy "cost" only those worth the step's
-measured cost): the step samples after each, and the request appends the accepted run. The fed tokens'
-KV counts as computed up to the first rejected draft; the slots written past it are overwritten later
-(blocks stay with the request until it ends, as ever).
+measured cost: engine.core.draft_planner decides how many): the step samples after each, and the request
+appends the accepted run. The fed tokens' KV counts as computed up to the first rejected draft; the slots
+written past it are overwritten later (blocks stay with the request until it ends, as ever).
 """
 
 from __future__ import annotations
@@ -36,22 +36,14 @@ import time
 from collections.abc import Sequence
 from typing import Protocol
 
-from pdserve.engine.config import EngineConfig, bucket_for
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.core.draft_planner import DraftPlanner
 from pdserve.engine.core.kv_cache_manager import KVCacheManager
 from pdserve.engine.core.kv_connector import KVConnector
 from pdserve.engine.core.kv_groups import BlockTables
 from pdserve.engine.core.output import RequestOutput
 from pdserve.engine.core.request import FinishReason, Request, Status, TokenLogprobs
-from pdserve.engine.core.speculation import (
-    SpeculationStats,
-    acceptance_estimate,
-    plan_drafts,
-    proposer_for,
-)
 from pdserve.engine.lora import LoraAdapter
-
-STEP_COST_WEIGHT = 0.2  # of a step's time in its bucket's moving average (speculation weighs drafts by it)
-EXPLORE_EVERY = 16  # speculation verifies every draft once in this many steps, whatever the costs say
 
 log = logging.getLogger(__name__)
 
@@ -173,12 +165,7 @@ class Scheduler:
         # (source, destination) blocks the device must copy before the next step: forked sequences' own
         # copies of their parent's partial last block (take_block_copies)
         self.block_copies: list[tuple[int, int]] = []
-        self.proposer = proposer_for(config.speculation)  # None: speculation off
-        self.speculation = SpeculationStats(config.speculation.num_speculative_tokens)
-        # Seconds of a step by token bucket, a moving average of the steps run (observe_step_time): what
-        # drafts are weighed against (draft_policy "cost")
-        self.step_costs: dict[int, float] = {}
-        self._steps_planned = 0
+        self.drafts = DraftPlanner(config)  # speculation's planning (its proposer None: off)
 
     # ---- counts ---------------------------------------------------------------------------------------
     @property
@@ -350,7 +337,7 @@ class Scheduler:
             run = sampled[row.request_id] if row.samples else []
             appended, ended = self._record_run(request, run)
             if row.drafts:
-                self.speculation.observe(len(row.drafts), len(run) - 1)
+                self.drafts.observe(len(row.drafts), len(run) - 1)
                 request.num_drafted += len(row.drafts)
                 request.num_draft_accepted += len(run) - 1
             # the fed tokens are computed up to the first rejected draft
@@ -389,15 +376,6 @@ class Scheduler:
             if request.finish_reason is FinishReason.ERROR:
                 output = RequestOutput.failed(request)
             self.outputs.put(request, output)
-
-    def observe_step_time(self, output: SchedulerOutput, seconds: float) -> None:
-        """A step's wall time (its rows computed and sampled): the moving average of its token bucket's
-        cost, which speculation weighs drafts against (speculation off: not kept)."""
-        if self.proposer is None:
-            return
-        bucket = bucket_for(sum(len(row.tokens) for row in output.rows), self.config.token_buckets)
-        cost = self.step_costs.get(bucket, seconds)
-        self.step_costs[bucket] = cost + STEP_COST_WEIGHT * (seconds - cost)
 
     def take_block_copies(self) -> list[tuple[int, int]]:
         """The block copies forks asked for since the last call (the engine makes them before the next
@@ -605,52 +583,16 @@ class Scheduler:
     def _add_drafts(self, rows: list[Row], num_tokens: int, budget: int) -> None:
         """Speculation: decode rows (of a step of `num_tokens` tokens) also feed their requests' drafts,
         from the token budget that decode tokens and prefill chunks left (drafts may be rejected: a prompt's
-        chunk is not), as many as plan_drafts finds worth the step's cost (`step_costs`; every draft with
-        draft_policy "all", and every EXPLORE_EVERY steps), with the slots for them from the free blocks
-        (drafts preempt nobody)."""
-        if self.proposer is None or not rows:
-            return
+        chunk is not), as many as the planner finds worth the step's cost (engine.core.draft_planner),
+        with the slots for them from the free blocks (drafts preempt nobody)."""
         requests = [self.requests[row.request_id] for row in rows]
-        proposed = [self._propose(r) for r in requests]
-        estimates = [
-            acceptance_estimate(r.num_draft_accepted, r.num_drafted, self.speculation) for r in requests
-        ]
-        self._steps_planned += 1
-        costs = self.step_costs if self.config.speculation.draft_policy == "cost" else None
-        if self._steps_planned % EXPLORE_EVERY == 0:
-            costs = None  # every draft now and then: the costs of larger steps are measured again
-        counts = plan_drafts(
-            num_tokens,
-            len(rows),
-            list(zip(estimates, map(len, proposed), strict=True)),
-            budget,
-            self.config.token_buckets,
-            costs,
-        )
-        for row, request, drafts, count in zip(rows, requests, proposed, counts, strict=True):
-            drafts = drafts[:count]
+        planned = self.drafts.plan(requests, num_tokens, budget)
+        for row, request, drafts in zip(rows, requests, planned, strict=True):
             if drafts and self.kv.can_allocate(row.request_id, request.num_computed + 1 + len(drafts)):
                 self.kv.allocate(row.request_id, request.num_computed + 1 + len(drafts))
                 row.tokens += drafts
                 row.drafts = drafts
                 row.block_tables = self.kv.block_tables(row.request_id)
-
-    def _propose(self, request: Request) -> list[int]:
-        """The drafts the proposer finds after the request's tokens (draft_limit of them at most)."""
-        k = self.draft_limit(request)
-        return self.proposer.propose_for(request, k) if k > 0 else []
-
-    def draft_limit(self, request: Request) -> int:
-        """The drafts a running request may verify next: at most k and one fewer than the tokens it may
-        still produce (its max_tokens, the model length); none while a constraint waits for the reasoning
-        to end (the mask of a drafted position would depend on where it ends)."""
-        if request.reasoning or self.proposer is None:
-            return 0
-        room = min(
-            request.params.max_tokens - len(request.output_ids),
-            self.config.max_model_len - request.num_tokens,
-        )
-        return max(0, min(self.proposer.k, room - 1))
 
     def reserve_lookahead(self, request: Request, positions: int) -> int:
         """A draft head drafting after a running request's last token writes its own KV at up to

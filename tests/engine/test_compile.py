@@ -65,7 +65,7 @@ def test_warmup_covers_speculative_decoding(make_engine, loaded_model, tmp_path,
         SamplingParams(temperature=0, max_tokens=8),
         SamplingParams(temperature=0.9, seed=6, max_tokens=12, n=2, ignore_eos=True),
     ]
-    before = engine.scheduler.speculation.num_drafts
+    before = engine.scheduler.drafts.stats.num_drafts
     with count_compilations() as counted:
         engine.generate(prompts, params)
-    assert counted() == 0 and engine.scheduler.speculation.num_drafts > before
+    assert counted() == 0 and engine.scheduler.drafts.stats.num_drafts > before

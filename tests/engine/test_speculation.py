@@ -183,8 +183,9 @@ def test_drafts_fit_the_budget_max_tokens_and_blocks_and_rejected_ones_roll_back
     assert step.logits_starts() == [0]
     got = _verify(sched, step, lambda row: 1, next_token=9)  # 1 accepted, 2 rejected: the target said 9
     assert [t.token for t in got[0][1]] == [1, 9] and a.output_ids == [3, 1, 9] and a.num_computed == 10
-    assert sched.speculation.num_drafts == 1 and sched.speculation.num_draft_tokens == 2
-    assert sched.speculation.num_accepted_tokens == 1 and sched.speculation.accepted_per_position == [1, 0, 0]
+    stats = sched.drafts.stats
+    assert stats.num_drafts == 1 and stats.num_draft_tokens == 2
+    assert stats.num_accepted_tokens == 1 and stats.accepted_per_position == [1, 0, 0]
     step = sched.schedule()
     assert step.rows[0].drafts == []  # one token left to max_tokens: nothing to verify
     got = _verify(sched, step, lambda row: 0, next_token=5)
@@ -302,7 +303,8 @@ def test_the_cost_policy_learns_step_costs_and_still_verifies_every_draft_now_an
     """draft_policy "cost": the scheduler keeps each bucket's step time (a moving average); once larger
     steps are seen to cost in proportion to their tokens, drafts stop, but for one step in EXPLORE_EVERY,
     which measures them again."""
-    from pdserve.engine.core.scheduler import EXPLORE_EVERY, Scheduler
+    from pdserve.engine.core.draft_planner import EXPLORE_EVERY
+    from pdserve.engine.core.scheduler import Scheduler
 
     config = _spec_config(
         speculative_config='{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}',
@@ -316,10 +318,11 @@ def test_the_cost_policy_learns_step_costs_and_still_verifies_every_draft_now_an
     for _ in range(2 * EXPLORE_EVERY):
         step = sched.schedule()
         drafted.append(len(step.rows[0].drafts))
-        sched.observe_step_time(step, float(len(step.rows[0].tokens)))  # seconds: one per token (a CPU)
+        num_tokens = len(step.rows[0].tokens)
+        sched.drafts.observe_step_time(num_tokens, float(num_tokens))  # seconds: one per token (a CPU)
         _verify(sched, step, lambda row: 0, next_token=step.rows[0].tokens[-1] % 2 + 1)  # all rejected
     assert drafted[:2] == [0, 3]  # a step without drafts is timed, then one with all (not yet timed)
-    assert sched.step_costs[1] == 1.0 and sched.step_costs[4] > 1.0
+    assert sched.drafts.step_costs[1] == 1.0 and sched.drafts.step_costs[4] > 1.0
     assert drafted.count(0) >= 2 * EXPLORE_EVERY - 4  # not worth it: drafts only when exploring
     assert drafted[EXPLORE_EVERY - 2] == 3 or drafted[EXPLORE_EVERY - 1] == 3  # explored
     sched.abort("q")

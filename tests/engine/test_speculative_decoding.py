@@ -79,11 +79,11 @@ def test_greedy_and_seeded_outputs_equal_decoding_without_speculation(engines):
     lora = [None, None, "a", None]
     seeded = SamplingParams(temperature=0.8, top_p=0.95, seed=11, max_tokens=24, ignore_eos=True)
     prompts, params, lora = prompts * 2, params + [seeded] * 3 + [params[3]], lora * 2
-    before = spec.scheduler.speculation.num_accepted_tokens
+    before = spec.scheduler.drafts.stats.num_accepted_tokens
     expected = _generate(plain, prompts, params, lora)
     assert _generate(spec, prompts, params, lora) == expected
     assert expected[3][1] == "1, 2, 3, 1, 2, 3, 1, 2, 3, 4" or expected[3][2] == "constraint_dead_end"
-    assert spec.scheduler.speculation.num_accepted_tokens > before
+    assert spec.scheduler.drafts.stats.num_accepted_tokens > before
 
     long = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
     prompts = [f"{i}: " + LONG[: 150 + 5 * i] for i in range(4)]  # ~150 tokens: all fit, not grown
