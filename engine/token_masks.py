@@ -103,13 +103,9 @@ class TokenMasks:
         """A sampled token (`allowed`: the mask it was sampled under; None: it was sampled elsewhere) through
         the request's constraint, if it has one: the token and how it ends the request, if it does. An
         empty mask (the constraint allows nothing more) ends the request instead: its token becomes EOS,
-        never shown. While the output is still the model's reasoning, the token only ends it when it
-        completes params.reasoning_end."""
-        if request.matcher is None:
-            return token, None
-        if request.reasoning:
-            end = request.params.reasoning_end
-            request.reasoning = [*request.output_ids, token][-len(end) :] != list(end)
+        never shown. While the output is still the model's reasoning the constraint takes nothing (the
+        scheduler sees params.reasoning_end complete it, Request.reasoning)."""
+        if request.matcher is None or request.reasoning:
             return token, None
         if allowed is not None and not allowed.any():
             return min(self.tokenizer.eos_token_ids, default=0), FinishReason.DEAD_END

@@ -438,10 +438,15 @@ class Scheduler:
         return child
 
     def _record(self, request: Request, sampled: SampledToken) -> bool:
-        """Appends the token (and its logprobs); True when it ends the request (its reason recorded)."""
+        """Appends the token (and its logprobs); True when it ends the request (its reason recorded). A
+        constraint waiting for the reasoning to end starts applying once the output ends with
+        params.reasoning_end."""
         request.output_ids.append(sampled.token)
         if sampled.logprobs is not None:
             request.logprobs.append(sampled.logprobs)
+        if request.reasoning:
+            end = list(request.params.reasoning_end)
+            request.reasoning = request.output_ids[-len(end) :] != end
         reason = sampled.finish or self._stop_reason(request, sampled.token)
         if reason is not None:
             request.finish_reason, request.error = reason, sampled.error
