@@ -384,9 +384,10 @@ def test_eagle3_drafts_after_the_handoff_equal_a_colocated_engines(
     run = DraftRunner._run
 
     def record(self, spans, num_tokens, aux):
-        run(self, spans, num_tokens, aux)
+        proposed = run(self, spans, num_tokens, aux)
         for span in (s for s in spans if s.propose):
-            drafted.setdefault(id(self), {})[tuple(span.request.all_ids)] = list(span.request.proposed)
+            drafted.setdefault(id(self), {})[tuple(span.request.all_ids)] = proposed[span.request.request_id]
+        return proposed
 
     DraftRunner._run = record
     try:
