@@ -1,7 +1,7 @@
 """Docs that match the code: every dotted module reference (`engine.…`, `services.…`, `kvtransfer.…`,
 `pdserve.…`) in the Markdown docs, in the docstrings and comments of the .py files and in the .proto
-comments resolves against the installed package, every repository path they name exists, and every
-`--flag` the docs name is one a parser accepts.
+comments resolves against the installed package, every path from the repository's root they name
+(a file or a folder) exists, and every `--flag` the docs name is one a parser accepts.
 
 References resolve without importing the package's heavy modules: the package folders come from
 importlib's specs, modules from the files under them, attributes from the modules' syntax trees (a
@@ -11,9 +11,10 @@ member of `LLMEngine` rather than a module is an engine object in prose (`engine
 
 Flags are checked where the docs run a program: a command line of `pdserve`, `decode-server` or
 `prefill-server` against their argparse parsers (pdserve/cli.py, pdserve/daemons.py, deprecated aliases
-included); a `bench/*.py` script's against the flags its source defines; a flag alone in backticks
-against all of these, the flags of the bench scripts the same paragraph names, and OTHER_TOOLS. Command
-lines of other programs (pip, docker, kubectl, pytest, vllm, ...) are not checked.
+included); a bench script's (`python bench/NAME.py ...`) against the flags its source defines; a flag
+alone in backticks against pdserve's, tests/conftest.py's, those of the bench scripts its section names
+and OTHER_TOOLS. Command lines in fenced or indented blocks and in backticks count; those of other
+programs (pip, docker, kubectl, pytest, vllm, ...) are not checked.
 """
 
 from __future__ import annotations
@@ -46,10 +47,12 @@ OTHER_TOOLS = {
 }
 
 REF = re.compile(r"(?<![\w./\-])(?:pdserve|engine|services|kvtransfer)(?:\.[A-Za-z_]\w*)+")
+# a path from the repository's root (a file or a folder); globs and `{a,b}` forms are left alone
 PATH = re.compile(
     r"(?<![\w./\-])((?:engine|services|kvtransfer|pdserve|bench|scripts|tests|deploy|docs|protos)"
-    r"/[\w./\-]*\w\.(?:py|md|proto|sh|yaml|toml))\b"
+    r"(?:/[\w.\-]+)+)/?(?![\w*{\-])"
 )
+PLACEHOLDER = re.compile(r"[A-Z][A-Z_]*")  # deploy/overlays/NAME
 FILE_SUFFIXES = {"py", "md", "proto", "sh", "yaml", "toml", "json", "txt"}
 FLAG = re.compile(r"(?<![\w\-])--[a-z][\w\-]*")
 
@@ -257,15 +260,29 @@ def test_every_dotted_module_reference_resolves():
     assert not stale, "stale module references:\n" + "\n".join(stale)
 
 
+def repository_paths(text: str) -> list[str]:
+    """The paths from the repository's root that a text names (placeholders such as NAME left out)."""
+    paths = [match.group(1).rstrip(".") for match in PATH.finditer(text)]
+    return [p for p in paths if not any(PLACEHOLDER.fullmatch(part.split(".")[0]) for part in p.split("/"))]
+
+
 def test_every_repository_path_named_exists():
     stale = [
-        f"{file}:{line}: {match.group(1)}"
+        f"{file}:{line}: {path}"
         for file, lines in _texts().items()
         for line, text in lines
-        for match in PATH.finditer(text)
-        if not (REPO / match.group(1)).exists()
+        for path in repository_paths(text)
+        if not (REPO / path).exists()
     ]
     assert not stale, "paths that do not exist:\n" + "\n".join(stale)
+
+
+def test_paths_are_found_in_prose():
+    text = (
+        "see engine/core/scheduler.py, deploy/overlays/cpu/ and engine/sampler.py. Not deploy/overlays/NAME"
+    )
+    assert repository_paths(text) == ["engine/core/scheduler.py", "deploy/overlays/cpu", "engine/sampler.py"]
+    assert not (REPO / "engine/sampler.py").exists()  # moved to engine/model/
 
 
 @pytest.mark.parametrize(
@@ -372,12 +389,26 @@ def _command_flags(command: str) -> tuple[str, set[str] | None, list[str]]:
     return program, None, []
 
 
-def _commands(code: str) -> list[str]:
-    code = re.sub(r"\\\n", " ", code)
-    commands = []
-    for line in code.splitlines():
+def _commands(code: str) -> list[tuple[int, str]]:
+    """(line offset, command) of each command of a code block or span: lines joined at a trailing
+    backslash, split at &&, ||, ; and |, a `# comment` cut; a piece that starts with a flag or an option
+    bracket (`[--rate R | --concurrency N]`) goes on the command before it."""
+    commands: list[tuple[int, str]] = []
+    offset, pending = 0, ""
+    for number, line in enumerate(code.splitlines()):
+        if not pending:
+            offset = number
         line = line.split(" #", 1)[0]
-        commands += [c.strip() for c in re.split(r"&&|\|\||;|\|", line) if c.strip()]
+        if line.rstrip().endswith("\\"):
+            pending += line.rstrip()[:-1] + " "
+            continue
+        line, pending = pending + line, ""
+        for piece in re.split(r"&&|\|\||;|\|", line):
+            piece = piece.strip()
+            if piece.startswith(("-", "[")) and commands and commands[-1][0] == offset:
+                commands[-1] = (offset, f"{commands[-1][1]} {piece}")
+            elif piece:
+                commands.append((offset, piece))
     return commands
 
 
@@ -396,7 +427,8 @@ def _paragraphs(text: str):
             j = i
             while j < len(lines) and lines[j].strip() and not lines[j].lstrip().startswith("```"):
                 j += 1
-            yield i + 1, "prose", "\n".join(lines[i:j])
+            indented = lines[i].startswith("    ") and (i == 0 or not lines[i - 1].strip())
+            yield i + 1, "code" if indented else "prose", "\n".join(lines[i:j])
             i = j
         else:
             i += 1
@@ -443,12 +475,14 @@ def doc_flag_problems(text: str) -> list[tuple[int, str]]:
                 if not _known_alone(flag, sections[first]):
                     problems.append((line, f"{flag}: no parser accepts it"))
                 continue
-            for command in _commands(span):
+            for command_line, command in _commands(span):
                 program, accepted, used = _command_flags(command)
                 if accepted is None:
                     continue
                 problems += [
-                    (line, f"{flag}: {program} does not accept it") for flag in used if flag not in accepted
+                    (line + command_line, f"{flag}: {program} does not accept it")
+                    for flag in used
+                    if flag not in accepted
                 ]
     return problems
 
@@ -464,10 +498,19 @@ def test_a_stale_flag_fails():
         "Run `decode-server --port 8000 --no-such-flag 3`.\n\n"
         "The cap is `--max-logprobs` (20).\n\n"
         "```\nprefill-server \\\n  --port 1 --gone-flag\n```\n\n"
-        "`.venv/bin/python bench/bench_lora.py --rounds 5 --not-a-lora-flag`\n"
+        "`.venv/bin/python bench/bench_lora.py --rounds 5 --not-a-lora-flag`\n\n"
+        "`pdserve bench --server ADDR [--rate R | --gone-rate N]`\n\n"
+        "Indented:\n\n    .venv/bin/decode-server --port 1 \\\n        --gone-again 2\n"
     )
-    found = [why.split(":")[0] for _, why in doc_flag_problems(text)]
-    assert found == ["--no-such-flag", "--max-logprobs", "--gone-flag", "--not-a-lora-flag"]
+    found = [(line, why.split(":")[0]) for line, why in doc_flag_problems(text)]
+    assert found == [
+        (1, "--no-such-flag"),
+        (3, "--max-logprobs"),
+        (6, "--gone-flag"),
+        (10, "--not-a-lora-flag"),
+        (12, "--gone-rate"),
+        (16, "--gone-again"),
+    ]
 
 
 def test_live_flags_and_other_tools_pass():
