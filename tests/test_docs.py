@@ -315,6 +315,59 @@ def test_a_live_reference_resolves(reference):
     assert resolve(reference) is None
 
 
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a Markdown heading: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _anchors(path: Path) -> set[str]:
+    anchors: set[str] = set()
+    in_code = False
+    for line in path.read_text().splitlines():
+        in_code ^= line.lstrip().startswith("```")
+        if not in_code and (heading := re.match(r"#+ (.*)", line)):
+            slug = _slug(heading.group(1))
+            repeat = next(i for i in range(len(anchors) + 1) if (f"{slug}-{i}" if i else slug) not in anchors)
+            anchors.add(f"{slug}-{repeat}" if repeat else slug)
+    return anchors
+
+
+def link_problems(path: Path) -> list[str]:
+    """Relative links of a Markdown file whose file or heading does not exist."""
+    problems = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", path.read_text()):
+        if re.match(r"\w+:", target):
+            continue  # https:, mailto:
+        file, _, anchor = target.partition("#")
+        linked = (path.parent / file).resolve() if file else path
+        if not linked.exists():
+            problems.append(f"{target}: no such file")
+        elif anchor and linked.suffix == ".md" and anchor not in _anchors(linked):
+            problems.append(f"{target}: no such heading")
+    return problems
+
+
+@pytest.mark.parametrize("path", _files(".md"), ids=lambda p: str(p.relative_to(REPO)))
+def test_every_relative_link_resolves(path):
+    problems = link_problems(path)
+    assert not problems, f"{path.relative_to(REPO)}: " + "; ".join(problems)
+
+
+def test_a_broken_link_is_found(tmp_path):
+    (tmp_path / "a.md").write_text("# Title\n\n## Part\n\n## Part\n")
+    doc = tmp_path / "b.md"
+    doc.write_text(
+        "[ok](a.md#part-1) [ok](a.md#title) [bad](a.md#gone) [bad](gone.md) [web](https://x.org/y)"
+    )
+    assert link_problems(doc) == ["a.md#gone: no such heading", "gone.md: no such file"]
+
+
+def test_a_heading_anchor_is_githubs():
+    assert _slug("A quantized KV cache (`--kv-cache-dtype fp8_e4m3 | fp8_e5m2 | int8`, issue 35)") == (
+        "a-quantized-kv-cache---kv-cache-dtype-fp8_e4m3--fp8_e5m2--int8-issue-35"
+    )
+
+
 # ---------------------------------------------------------------- flags
 
 
