@@ -11,7 +11,7 @@ def configure_jax() -> None:
     """Persistent XLA compilation cache under the cache folder: later start-ups load every executable
     instead of compiling it. Every one is kept, however fast it compiled (the default model's 140 take
     about 6 MB): with JAX's 0.5 s threshold a restart still compiled 55 of them (warmup 58.5 s instead
-    of 46 s, BENCHMARKS.md)."""
+    of 46 s, docs/benchmark-history.md)."""
     import jax
 
     jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "xla"))

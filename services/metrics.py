@@ -48,7 +48,7 @@ PICKER_SERIES = {
 }
 CACHE_NUM_BLOCKS_LABEL = "num_blocks"  # of cacheInfoSpec (vLLM's: num_gpu_blocks), beside block_size
 # The picker's series alone, for its 20 Hz polling: rendered 14x faster than /metrics, whose histograms
-# dominate (BENCHMARKS.md "Behind an inference gateway")
+# dominate (docs/benchmark-history.md "Behind an inference gateway")
 PICKER_PATH = "/metrics/picker"
 
 # The metrics port's bounds: connections open at once (the picker's, Prometheus', a person's; more are

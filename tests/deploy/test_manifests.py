@@ -469,8 +469,8 @@ def expand(text: str, env: dict[str, str]) -> str:
 
 def test_multihost_pods_read_their_group_as_the_tests_start_it():
     """Every pod of a LeaderWorkerSet group, given what the controller sets (engine.distributed.lws_environ,
-    which services.launch.daemon_group gives the test groups too), parses with prefill-server's own parser
-    to its place in the group: same command and arguments everywhere, --tp global, one process per host
+    which pdserve.testing.launch.daemon_group gives the test groups too), parses with prefill-server's own
+    parser to its place in the group: same command and arguments everywhere, --tp global, one process per host
     with the host's chips, the coordinator on the leader's open ports, TPU_WORKER_HOSTNAMES listing the
     group's pods leader first."""
     from pdserve.daemons import devices_per_process, prefill_parser

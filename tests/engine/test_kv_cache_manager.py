@@ -115,7 +115,7 @@ def test_a_duplicate_block_stays_private_and_caching_can_be_off():
 
 
 def test_sliding_groups_hold_a_ring_of_blocks_however_long_the_request_grows():
-    """A hybrid model's rings (engine.kv_groups): the full group's table grows with the request, each
+    """A hybrid model's rings (engine.core.kv_groups): the full group's table grows with the request, each
     sliding group's holds at most its ring, repeated over the logical blocks; nothing is cached."""
     sizes = dict(vocab_size=8, hidden_size=8, intermediate_size=4, num_heads=2, num_kv_heads=1, head_dim=2)
     model = ModelConfig(

@@ -102,7 +102,7 @@ def test_one_compiled_shape_serves_any_routing():
 
 
 def test_experts_split_over_a_mesh_compute_the_same():
-    """Tensor-parallel experts (each expert's intermediate axis over 2 devices, as engine.weights shards
+    """Tensor-parallel experts (each expert's intermediate axis over 2 devices, as engine.model.weights shards
     them) give the single-device result."""
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P

@@ -1,5 +1,5 @@
 """Helpers shared by the kvtransfer tests: small layouts, meshes on the 8 fake CPU devices, caches whose
-every value is known (kvtransfer.synthetic), and readers that compare a decode cache with expectations."""
+every value is known (pdserve.testing.kv_cache), and readers that compare a decode cache with expectations."""
 
 from __future__ import annotations
 

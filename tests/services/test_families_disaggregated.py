@@ -68,7 +68,7 @@ def test_prefill_tp1_to_decode_tp2_equals_transformers(family, tmp_path, loaded_
     ]
     assert per_layer == [19 - (300 - 24) // 16 if cfg.window(i) else 19 for i in range(cfg.num_layers)]
     assert [cfg.window(i) for i in range(cfg.num_layers)] == ([24, 0, 24] if family == "gemma3" else [0, 0])
-    # the cache's rows: Gemma 3's sliding layers share the row of its one full layer (engine.kv_groups)
+    # the cache's rows: Gemma 3's sliding layers share the row of its one full layer (engine.core.kv_groups)
     assert decode_engine.runner.cache.shape[0] == (1 if family == "gemma3" else cfg.num_layers)
     if family == "deepseek_v2":  # the latent only: 32 + 8 numbers a token and layer, whatever the heads
         assert dst.is_mla and dst.block_bytes == 16 * (32 + 8) * 4
