@@ -54,7 +54,7 @@ def keep_freed_memory() -> None:
     """glibc: buffers up to 32 MiB (KV frames, gRPC messages, host copies) come from the heap, and up to
     256 MiB of freed heap stays mapped, so each transfer's fresh buffers reuse pages instead of
     page-faulting new ones (measured: a frame serialized 3.6x faster, KV over gRPC 10-25% faster; see
-    BENCHMARKS.md). No-op without glibc."""
+    docs/benchmark-history.md, "kvtransfer"). No-op without glibc."""
     import ctypes
 
     try:

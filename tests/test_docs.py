@@ -189,12 +189,21 @@ def _module_files(folder: Path, name: str) -> tuple[list[Path], Path | None]:
 
 @functools.cache
 def _engine_object_members() -> frozenset[str]:
-    """What `engine.<name>` names in prose when it is no module: the members of the class LLMEngine."""
+    """What `engine.<name>` names in prose when it is no module: the members of the class LLMEngine and of
+    its bases (engine.offline's OfflineAPI)."""
+    classes = {
+        node.name: node
+        for path in _roots()["engine"].rglob("*.py")
+        for node in ast.walk(_tree(path))
+        if isinstance(node, ast.ClassDef)
+    }
     members: set[str] = set()
-    for path in _roots()["engine"].rglob("*.py"):
-        for node in ast.walk(_tree(path)):
-            if isinstance(node, ast.ClassDef) and node.name == "LLMEngine":
-                members |= _class_members(node)
+    todo = ["LLMEngine"]
+    while todo:
+        cls = classes.get(todo.pop())
+        if cls is not None:
+            members |= _class_members(cls)
+            todo += [b.id if isinstance(b, ast.Name) else getattr(b, "attr", "") for b in cls.bases]
     return frozenset(members)
 
 

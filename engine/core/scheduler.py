@@ -93,7 +93,7 @@ class Row:
     tokens: list[int]
     num_past: int
     block_tables: BlockTables
-    lora_slot: int = -1  # adapter slot (engine.lora.LoraSlots); -1: the base model
+    lora_slot: int = -1  # adapter slot (engine.lora_slots.LoraSlots); -1: the base model
     request_id: str = ""
     samples: bool = False  # the row ends the request's uncomputed tokens: its last logits give the next
     # Speculation: the last `len(drafts)` of `tokens` are drafts; the row samples after its last
