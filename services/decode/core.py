@@ -39,15 +39,9 @@ from pdserve.engine.sampling_params import InvalidRequestError
 from pdserve.kvtransfer import chunk_sharding
 from pdserve.services.admin import Counters
 from pdserve.services.decode.config import PREFILL_HINT_HEADER, DecodeConfig, Routing
-from pdserve.services.decode.prefill_pool import (
-    FirstToken,
-    LocalPrefiller,
-    Prefiller,
-    PrefillError,
-    PrefillPool,
-    Route,
-    check_first_token,
-)
+from pdserve.services.decode.local_prefiller import LocalPrefiller
+from pdserve.services.decode.prefillers import FirstToken, Prefiller, PrefillError, check_first_token
+from pdserve.services.decode.routing import PrefillPool, Route
 from pdserve.services.engine_loop import EngineFailure, EngineLoop, EngineStopped
 from pdserve.services.metrics import Metrics
 from pdserve.services.prepare import Overloaded, Preparer
@@ -373,14 +367,12 @@ class GenerationCore:
         )
 
     def _count_route(self, route: Route, actual: int, hashes: list[int], routed: dict) -> None:
-        """Counts the choice and its hit. A replica that held less than its events said is corrected and
-        greeted again before its next prefill (it may have restarted with other event ports)."""
+        """Counts the choice and its hit (`actual` prompt tokens found cached there; Route.found corrects
+        a replica that held less than its events said)."""
         expected = route.expected_hit_tokens
         self.counters.count_route(route.reason, expected, actual)
         routed.update(replica=route.replica.name, expected_hit_tokens=expected, actual_hit_tokens=actual)
-        bs = self.engine.config.block_size
-        if actual < expected:
-            route.replica.held_less(hashes[actual // bs : expected // bs])
+        route.found(actual, hashes, self.engine.config.block_size)
 
     async def _transfer(
         self,
@@ -399,12 +391,7 @@ class GenerationCore:
         Closing the prefill stream (aclosing) cancels it at once when this request is cancelled.
         """
         replica, rid = route.replica, request.request_id
-        work = len(request.prompt_ids) - route.expected_hit_tokens
-        if replica.cache is not None:  # the blocks it is about to hold: the next such prompt goes there
-            replica.cache.expect(hashes)
-        replica.outstanding += 1
-        replica.pending_tokens += work
-        try:
+        with route.dispatched(len(request.prompt_ids), hashes):  # (counted against it meanwhile)
             first, started, nbytes = None, None, 0
             async with contextlib.aclosing(
                 replica.prefill(request, self.layout, self.sharding, timeout, held)
@@ -426,9 +413,6 @@ class GenerationCore:
             else:
                 check_first_token(*check)
             return first, started or time.perf_counter(), nbytes
-        finally:
-            replica.outstanding -= 1
-            replica.pending_tokens -= work
 
 
 def _check(item):
