@@ -12,7 +12,7 @@ from aiohttp import web
 from pdserve.engine.core.output import RequestOutput
 from pdserve.engine.core.request import TokenLogprobs
 from pdserve.engine.sampling_params import InvalidRequestError
-from pdserve.services.decode.core import ServiceError
+from pdserve.services.decode.errors import ServiceError
 from pdserve.services.decode.tools import ToolChoice
 
 HTTP_STATUS = {

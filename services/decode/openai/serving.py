@@ -19,7 +19,8 @@ from aiohttp import web
 from pdserve.engine.core.output import RequestOutput
 from pdserve.engine.core.request import Request
 from pdserve.engine.sampling_params import InvalidRequestError, SamplingParams
-from pdserve.services.decode.core import PREFILL_HINT_HEADER, GenerationCore, ServiceError
+from pdserve.services.decode.core import PREFILL_HINT_HEADER, GenerationCore
+from pdserve.services.decode.errors import ServiceError
 from pdserve.services.decode.openai import protocol, responses, streams
 from pdserve.services.decode.openai.models import ModelNotFound, ServedModels
 from pdserve.services.decode.tools import ToolChoice

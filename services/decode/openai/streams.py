@@ -16,7 +16,7 @@ import grpc
 from aiohttp import web
 
 from pdserve.engine.core.output import RequestOutput
-from pdserve.services.decode.core import ServiceError
+from pdserve.services.decode.errors import ServiceError
 from pdserve.services.decode.openai import responses
 
 
