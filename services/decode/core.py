@@ -1,5 +1,5 @@
 """The decode server's core, shared by its gRPC front (server.py) and its OpenAI HTTP front
-(openai/): admission, remote or local prefill with retries and fallback, registration, and the
+(openai/): admission, prefill here or on a replica (transfer.KVTransfers: retries and fallback), and the
 stream of a request's outputs. Neither front end imports the other; both call down into this module.
 
 A request's life here: make_request (validate, tokenize) -> stream: AddRequest (queued in the engine's
@@ -20,49 +20,25 @@ import uuid
 
 import grpc
 
-from pdserve.engine.boundary import (
-    Abort,
-    AddRequest,
-    InsertKV,
-    KVInsertError,
-    QueueFull,
-    ReceiveKV,
-    RemoteKVDone,
-    RemoteKVFailed,
-    TransferReady,
-)
+from pdserve.engine.boundary import Abort, AddRequest, QueueFull, ReceiveKV
 from pdserve.engine.core.kv_connector import DecodeConnector
 from pdserve.engine.core.request import FinishReason, Request
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.multihost import is_multi_process
 from pdserve.engine.sampling_params import InvalidRequestError
-from pdserve.kvtransfer import chunk_sharding
 from pdserve.services.admin import Counters
 from pdserve.services.decode.config import PREFILL_HINT_HEADER, DecodeConfig, Routing
-from pdserve.services.decode.prefill_pool import (
-    FirstToken,
-    LocalPrefiller,
-    Prefiller,
-    PrefillError,
-    PrefillPool,
-    Route,
-    check_first_token,
-)
-from pdserve.services.engine_loop import EngineFailure, EngineLoop, EngineStopped
+from pdserve.services.decode.errors import ServiceError, checked
+from pdserve.services.decode.local_prefiller import LocalPrefiller
+from pdserve.services.decode.prefillers import Prefiller, PrefillError
+from pdserve.services.decode.routing import PrefillPool
+from pdserve.services.decode.transfer import KVTransfers
+from pdserve.services.engine_loop import EngineLoop, EngineStopped
 from pdserve.services.metrics import Metrics
 from pdserve.services.prepare import Overloaded, Preparer
 from pdserve.services.sampling import check_knobs
 from pdserve.services.security import PLAINTEXT, ChannelSecurity
 
 log = logging.getLogger(__name__)
-
-
-class ServiceError(Exception):
-    """A request the service cannot take now: a gRPC status (HTTP front: 429 / 503) and a message."""
-
-    def __init__(self, code: grpc.StatusCode, message: str, retry_after_ms: int | None = None):
-        super().__init__(message)
-        self.code, self.message, self.retry_after_ms = code, message, retry_after_ms
 
 
 class GenerationCore:
@@ -86,10 +62,7 @@ class GenerationCore:
         self.config = config
         self.counters = counters or Counters()
         self.metrics = Metrics("decode", loop, self.counters)
-        self.layout = self.engine.kv_layout
-        # KV arriving from prefill servers: put on this mesh as it arrives, or, in a multi-process engine,
-        # kept on the host until its insert (every process puts its own shards: engine.multihost)
-        self.sharding = None if is_multi_process() else chunk_sharding(self.engine.mesh, self.layout)
+        self.transfers = None if pool is None else KVTransfers(loop, pool, config, self.counters)
         self.draining = False
         self.preparer = Preparer(max_waiting=config.max_preparing, name="decode-prepare")
 
@@ -236,9 +209,10 @@ class GenerationCore:
             if self.pool is None:  # colocated
                 await self._enqueue(engine_request)
             else:
-                await self._remote_prefill(engine_request, outputs, time_remaining, routed, prefill_hint)
+                await self._enqueue(engine_request, receive_kv=True)
+                await self.transfers.receive(engine_request, outputs, time_remaining, routed, prefill_hint)
             while True:
-                output = _check(await outputs.get())
+                output = checked(await outputs.get())
                 if output.finish_reason is FinishReason.ERROR:
                     raise ServiceError(
                         grpc.StatusCode.INTERNAL, f"the engine failed on this request: {output.error}"
@@ -285,154 +259,3 @@ class GenerationCore:
             await self.loop.call(AddRequest(request, ReceiveKV() if receive_kv else None, max_queue))
         except QueueFull as e:
             raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e), retry_after_ms=500) from None
-
-    async def _remote_prefill(
-        self,
-        request: Request,
-        outputs: asyncio.Queue,
-        time_remaining: float | None,
-        routed: dict,
-        hint: str | None = None,
-    ) -> None:
-        """Queues the request for blocks, streams the KV of the prompt blocks it lacks in from a replica
-        (after those found in this engine's prefix cache) and starts its decoding: its first token then
-        comes on its stream (`outputs`) like the rest. `routed` receives the replica chosen, the prompt
-        tokens it was expected to hold and those it did. `hint`: a replica to use first when it is one of
-        the pool's (else ignored, and said so in `routed`).
-
-        Returns without a transfer when the request is computed here: short or nearly all cached
-        (DecodeConnector), or no replica could prefill it (fallback).
-        """
-        rid = request.request_id
-        await self._enqueue(request, receive_kv=True)
-        ready = _check(await outputs.get())
-        if not isinstance(ready, TransferReady):
-            raise RuntimeError(f"{type(ready).__name__} before the request's blocks were allocated")
-        if not ready.num_external_tokens:
-            return
-        num_tokens = len(request.prompt_ids)
-        # the prompt's blocks a prefix cache can serve (never the last token): routing and the held head
-        hashes = request.prefix_hashes(self.engine.config.block_size)
-        held = hashes[: ready.first_block]
-        tried: set[str] = set()
-        busy: dict[str, int] = {}  # replicas that answered busy, and their retry hints (ms)
-        for attempt in range(self.config.max_attempts):
-            route = self.pool.pick(exclude=tried, block_hashes=hashes, num_tokens=num_tokens, prefer=hint)
-            if route is None and busy:  # every replica left is busy: wait for the soonest, then again
-                await asyncio.sleep(min(busy.values()) / 1000)
-                tried -= busy.keys()
-                busy.clear()
-                route = self.pool.pick(exclude=tried, block_hashes=hashes, num_tokens=num_tokens, prefer=hint)
-            if route is None:
-                break
-            if hint is not None and not tried and route.reason != "hint":
-                routed["prefill_hint"] = f"ignored {hint}: not one of this server's healthy prefill replicas"
-            replica = route.replica
-            tried.add(replica.name)
-            try:
-                first, started, nbytes = await self._transfer(
-                    route, request, time_remaining, hashes, held, attempt
-                )
-                prompt_logprobs = None if first.prompt_logprobs is None else tuple(first.prompt_logprobs)
-                done = RemoteKVDone(
-                    rid,
-                    first.token,
-                    first.logprobs,
-                    first.num_cached_tokens,
-                    attempt,
-                    prompt_logprobs,
-                    first.forks,
-                    first.draft_aux,
-                )
-                try:
-                    await self.loop.call(done)  # after every InsertKV of the attempt
-                except KVInsertError as e:  # the attempt is discarded, the blocks are written again
-                    raise PrefillError(str(e), replica_down=False) from None
-            except PrefillError as e:
-                where = {"request_id": request.request_id, "replica": replica.name}
-                if e.retry_after_ms is not None:  # up, its cache still known: another one, or later
-                    busy[replica.name] = e.retry_after_ms
-                    log.info("prefill replica busy: %s", e, extra=where)
-                    continue
-                if e.replica_down:
-                    replica.mark_failed()
-                self.counters.num_transfer_failures_total += 1
-                log.warning("prefill failed: %s", e, extra=where)
-                continue
-            self._count_route(route, first.num_cached_tokens, hashes, routed)
-            self.counters.num_transfers_total += 1
-            self.counters.kv_transfer_seconds_total += time.perf_counter() - started
-            self.counters.kv_transfer_bytes_total += nbytes
-            return
-        if self.config.fallback_local:
-            await self.loop.call(RemoteKVFailed(rid))
-            self.counters.num_local_fallbacks_total += 1
-            return
-        raise ServiceError(
-            grpc.StatusCode.UNAVAILABLE, f"no prefill replica could serve the request (tried {sorted(tried)})"
-        )
-
-    def _count_route(self, route: Route, actual: int, hashes: list[int], routed: dict) -> None:
-        """Counts the choice and its hit. A replica that held less than its events said is corrected and
-        greeted again before its next prefill (it may have restarted with other event ports)."""
-        expected = route.expected_hit_tokens
-        self.counters.count_route(route.reason, expected, actual)
-        routed.update(replica=route.replica.name, expected_hit_tokens=expected, actual_hit_tokens=actual)
-        bs = self.engine.config.block_size
-        if actual < expected:
-            route.replica.held_less(hashes[actual // bs : expected // bs])
-
-    async def _transfer(
-        self,
-        route: Route,
-        request: Request,
-        timeout: float | None,
-        hashes: list[int],
-        held: list[int],
-        attempt: int,
-    ) -> tuple[FirstToken, float, int]:
-        """One attempt: (first token, perf_counter when the first KV arrived, KV bytes received). Each chunk
-        is inserted as it arrives (InsertKV of transfer `attempt`, on the engine thread, in order).
-        `hashes`: the prompt's block hashes; `held`: the leading ones this engine holds. On failure the
-        request's blocks stay allocated (to be refilled by the next try).
-
-        Closing the prefill stream (aclosing) cancels it at once when this request is cancelled.
-        """
-        replica, rid = route.replica, request.request_id
-        work = len(request.prompt_ids) - route.expected_hit_tokens
-        if replica.cache is not None:  # the blocks it is about to hold: the next such prompt goes there
-            replica.cache.expect(hashes)
-        replica.outstanding += 1
-        replica.pending_tokens += work
-        try:
-            first, started, nbytes = None, None, 0
-            async with contextlib.aclosing(
-                replica.prefill(request, self.layout, self.sharding, timeout, held)
-            ) as items:
-                async for item in items:
-                    if isinstance(item, FirstToken):
-                        first = item
-                    else:
-                        started = started or time.perf_counter()
-                        nbytes += item.data.nbytes
-                        self.loop.submit(InsertKV(rid, item, len(held), attempt))
-            if first is None:
-                raise PrefillError(f"{replica.name}: no first token")
-            draft = self.engine.runner.draft
-            width = 0 if draft is None else len(draft.aux_layers) * self.engine.model.config.hidden_size
-            check = (first, request, self.engine.model.config.vocab_size, replica.name, width)
-            if first.prompt_logprobs:  # an entry at a time, by the prompt's size: off the event loop
-                await asyncio.to_thread(check_first_token, *check)
-            else:
-                check_first_token(*check)
-            return first, started or time.perf_counter(), nbytes
-        finally:
-            replica.outstanding -= 1
-            replica.pending_tokens -= work
-
-
-def _check(item):
-    """A stream's item, unless it says the engine stopped (EngineStopped)."""
-    if isinstance(item, EngineFailure):
-        raise EngineStopped(item.message)
-    return item

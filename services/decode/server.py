@@ -31,7 +31,8 @@ from pdserve.engine.sampling_params import InvalidRequestError
 from pdserve.services import sampling, wire
 from pdserve.services.admin import SERVICE_NAME as ADMIN_SERVICE
 from pdserve.services.admin import AdminService
-from pdserve.services.decode.core import PREFILL_HINT_HEADER, GenerationCore, ServiceError
+from pdserve.services.decode.core import PREFILL_HINT_HEADER, GenerationCore
+from pdserve.services.decode.errors import ServiceError
 from pdserve.services.decode.openai.server import OpenAIFrontend
 from pdserve.services.engine_loop import FAILED_GRACE_S, STEP_TIMEOUT_S, EngineStopped, until_stopped
 from pdserve.services.grpc_server import RunningServer, service_handler

@@ -147,7 +147,7 @@ def test_bad_input_is_invalid_argument(conditional, kwargs, field):
 
 @pytest.mark.fast
 def test_dns_targets_resolve_to_every_address():
-    from pdserve.services.decode.prefill_pool import PrefillPool
+    from pdserve.services.decode.routing import PrefillPool
 
     assert PrefillPool.resolve("10.0.0.1:50051") == ["10.0.0.1:50051"]
     resolved = PrefillPool.resolve("dns:///localhost:50051")

@@ -241,7 +241,9 @@ def test_an_authenticated_stream_is_read_by_registered_readers_only():
 
 def test_routing_prefers_the_replica_holding_the_prefix_unless_its_queue_costs_more():
     from pdserve.kvtransfer import KVLayout, LayerSpec
-    from pdserve.services.decode.prefill_pool import PrefillPool, RemotePrefiller, Routing
+    from pdserve.services.decode.config import Routing
+    from pdserve.services.decode.remote_prefiller import RemotePrefiller
+    from pdserve.services.decode.routing import PrefillPool
 
     async def main():
         layout = KVLayout("tiny", (LayerSpec(),) * 2, 2, 8, "float32", 4)

@@ -19,7 +19,7 @@ from pdserve.engine.core.request import Request, TokenLogprobs
 from pdserve.engine.sampling_params import BOUNDS, INT32_MAX, InvalidRequestError, SamplingParams
 from pdserve.services.decode.openai.protocol import BODY_TYPES as _BODY_TYPES
 from pdserve.services.decode.openai.protocol import check_types as _check_types
-from pdserve.services.decode.prefill_pool import FirstToken, PrefillError, check_first_token
+from pdserve.services.decode.prefillers import FirstToken, PrefillError, check_first_token
 from pdserve.services.decode.tools import tool_choice
 from pdserve.services.logs import TextFormatter
 from pdserve.services.sampling import Limits, add_limit_flags, limits_from_flags

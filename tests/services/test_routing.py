@@ -37,8 +37,8 @@ def test_prefix_routing_follows_what_each_replica_caches(prefill, loaded_model, 
     cache) and then loses its events stream."""
     from pdserve.engine.core.kv_cache_manager import hash_blocks
     from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.services.decode.config import Routing
     from pdserve.services.decode.core import GenerationCore
-    from pdserve.services.decode.prefill_pool import Routing
     from pdserve.services.decode.server import serve as serve_decode
     from pdserve.services.kv_events_zmq import KVEventsConfig
     from pdserve.services.prefill.server import PrefillService

@@ -1,6 +1,7 @@
-"""OpenAI request bodies (and vLLM's extensions to them) read into what the engine takes: the sampling
-knobs through services.sampling's one mapping, the constraint, the chat (content parts, template
-arguments), the completion prompts. Every refusal is an InvalidRequestError naming the body key.
+"""What every OpenAI request body (and vLLM's extensions to it) carries, read into what the engine takes:
+the key types, the fields refused by name, the sampling knobs through services.sampling's one mapping, and
+the constraint. A chat's messages are read in `chat`, a completion's prompts in `completions`. Every
+refusal is an InvalidRequestError naming the body key.
 
 A field vLLM serves and pdserve does not yet is refused by name (UNSUPPORTED) rather than ignored: a
 client that sends it would otherwise get a different computation than it asked for, silently. Keys
@@ -179,108 +180,6 @@ def constraint_field(body: dict) -> str:
     if body.get("structured_outputs"):
         return "structured_outputs"
     return next((k for k in GUIDED if body.get(k) is not None), "response_format")
-
-
-# ---- chat --------------------------------------------------------------------------------------------
-TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
-
-
-def content_text(content: Any, field: str = "messages") -> str:
-    """A message's content as the template's text: a string, or OpenAI's list of parts whose text parts
-    are joined with newlines (what vLLM gives templates that take strings). Parts of other types (images,
-    audio) are refused by name: pdserve serves text models."""
-    if content is None or isinstance(content, str):
-        return content or ""
-    if not isinstance(content, list):
-        raise InvalidRequestError(field, "content must be a string or a list of content parts")
-    texts = []
-    for part in content:
-        if isinstance(part, str):
-            texts.append(part)
-            continue
-        kind = part.get("type") if isinstance(part, dict) else None
-        key = TEXT_PARTS.get(kind)
-        if key is None:
-            raise InvalidRequestError(
-                field, f"content part of type {kind!r}: this model takes text parts only"
-            )
-        if not isinstance(part.get(key), str | None):
-            raise InvalidRequestError(field, f"a {kind} part's {key} must be a string")
-        if part.get(key) is not None:
-            texts.append(part[key])
-    return "\n".join(texts)
-
-
-def chat_messages(body: dict) -> list[dict]:
-    """The body's messages as the chat template takes them: role, text content, and the tool fields
-    templates read."""
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages or not all(_message_ok(m) for m in messages):
-        raise InvalidRequestError("messages", "must be a non-empty list of {role, content}")
-    out = []
-    for m in messages:
-        message = {"role": m.get("role", "user"), "content": content_text(m.get("content"))}
-        message.update({k: m[k] for k in ("tool_calls", "tool_call_id", "name") if k in m})
-        out.append(message)
-    return out
-
-
-def _message_ok(m) -> bool:
-    """A chat message: content (text or parts), or an assistant's tool calls (content null)."""
-    if not isinstance(m, dict):
-        return False
-    content = m.get("content")
-    return isinstance(content, str | list) or (content is None and isinstance(m.get("tool_calls"), list))
-
-
-def message_size(m: dict) -> str:
-    """What a template message gives the template to render, as text (its size is what rendering costs)."""
-    calls = m.get("tool_calls")
-    return str(m.get("role", "")) + (m.get("content") or "") + (json.dumps(calls) if calls else "")
-
-
-_RESERVED_TEMPLATE_KEYS = ("messages", "tools", "documents", "tokenize", "chat_template")
-
-
-def chat_template_args(body: dict) -> dict[str, Any]:
-    """The template's arguments beside the messages: `add_generation_prompt` (default true),
-    `continue_final_message` (the last message left open for the model to continue; default false; not
-    both), and `chat_template_kwargs` (variables such as `enable_thinking`; they may also set the two)."""
-    extra = dict(body.get("chat_template_kwargs") or {})
-    for key in _RESERVED_TEMPLATE_KEYS:
-        if key in extra:
-            raise InvalidRequestError("chat_template_kwargs", f"{key!r} cannot be set there")
-    add = extra.pop("add_generation_prompt", body.get("add_generation_prompt", True))
-    cont = extra.pop("continue_final_message", body.get("continue_final_message", False))
-    if not isinstance(add, bool) or not isinstance(cont, bool):
-        raise InvalidRequestError(
-            "chat_template_kwargs", "add_generation_prompt and continue_final_message are booleans"
-        )
-    if add and cont:
-        raise InvalidRequestError(
-            "continue_final_message", "cannot be true with add_generation_prompt (set it to false)"
-        )
-    return {"add_generation_prompt": add, "continue_final_message": cont, **extra}
-
-
-# ---- completions -------------------------------------------------------------------------------------
-def completion_prompts(body: dict, max_prompts: int) -> list[str | list[int]]:
-    """The completions body's `prompt`: a string, a list of token ids, or a list of either (one choice per
-    prompt, in order); at most `max_prompts` of them."""
-    prompt = body.get("prompt")
-    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and token_ids(prompt)):
-        return [prompt]
-    if (
-        isinstance(prompt, list)
-        and prompt
-        and all(isinstance(p, str) or (token_ids(p) and p) for p in prompt)
-    ):
-        if len(prompt) > max_prompts:
-            raise InvalidRequestError("prompt", f"{len(prompt)} prompts: the limit is {max_prompts}")
-        return list(prompt)
-    raise InvalidRequestError(
-        "prompt", "must be a string, a list of token ids, or a non-empty list of strings or of token id lists"
-    )
 
 
 def token_ids(value: Any) -> bool:

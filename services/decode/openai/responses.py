@@ -12,7 +12,7 @@ from aiohttp import web
 from pdserve.engine.core.output import RequestOutput
 from pdserve.engine.core.request import TokenLogprobs
 from pdserve.engine.sampling_params import InvalidRequestError
-from pdserve.services.decode.core import ServiceError
+from pdserve.services.decode.errors import ServiceError
 from pdserve.services.decode.tools import ToolChoice
 
 HTTP_STATUS = {
@@ -114,29 +114,32 @@ def memoized(decode: Callable[[list[int]], str]) -> Callable[[list[int]], str]:
     return decode_ids
 
 
-def logprobs(
-    entries: Sequence[TokenLogprobs | None],
-    chat: bool,
-    decode: Callable[[list[int]], str],
-    token_ids: Sequence[int] = (),
-):
-    """A choice's logprobs: chat's `content` list, or completions' parallel lists (with text offsets; each
-    position's top_logprobs its own token's first, as vLLM writes them). With `echo`, the entries start
-    with the prompt's, and a None entry (the first prompt token's: nothing before it) is null, its token
-    taken from `token_ids`."""
+def chat_logprobs(entries: Sequence[TokenLogprobs], decode: Callable[[list[int]], str]) -> dict | None:
+    """A chat choice's logprobs: its `content` list, each token with its top_logprobs."""
     if not entries:
         return None
-    if chat:
-        return {
-            "content": [
-                {
-                    "token": decode([lp.token_id]),
-                    "logprob": lp.logprob,
-                    "top_logprobs": [{"token": decode([t]), "logprob": v} for t, v in lp.top],
-                }
-                for lp in entries
-            ]
-        }
+    return {
+        "content": [
+            {
+                "token": decode([lp.token_id]),
+                "logprob": lp.logprob,
+                "top_logprobs": [{"token": decode([t]), "logprob": v} for t, v in lp.top],
+            }
+            for lp in entries
+        ]
+    }
+
+
+def completion_logprobs(
+    entries: Sequence[TokenLogprobs | None],
+    decode: Callable[[list[int]], str],
+    token_ids: Sequence[int] = (),
+) -> dict | None:
+    """A completion choice's logprobs: parallel lists (with text offsets; each position's top_logprobs its
+    own token's first, as vLLM writes them). With `echo`, the entries start with the prompt's, and a None
+    entry (the first prompt token's: nothing before it) is null, its token taken from `token_ids`."""
+    if not entries:
+        return None
     tokens = [decode([lp.token_id if lp is not None else token_ids[i]]) for i, lp in enumerate(entries)]
     offsets, at = [], 0
     for token in tokens:
