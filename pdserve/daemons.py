@@ -486,7 +486,7 @@ def serve_main(args: argparse.Namespace) -> int:
     from pdserve.engine.llm_engine import LLMEngine
     from pdserve.engine.loading.sources import load_model
     from pdserve.services.decode.core import GenerationCore
-    from pdserve.services.decode.prefill_pool import LocalPrefiller
+    from pdserve.services.decode.local_prefiller import LocalPrefiller
     from pdserve.services.engine_loop import EngineLoop
 
     configure_jax()

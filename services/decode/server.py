@@ -62,7 +62,7 @@ class GenerationService(pb_grpc.GenerationServicer):
             prefill_mode=self.core.prefill_mode,
             num_layers=cfg.num_layers,
             tensor_parallel=self.engine.config.tp,
-            lora_adapters=sorted(self.engine.loras.adapters),
+            lora_adapters=list(self.engine.adapter_names()),
         )
 
     def _make_request(self, request: pb.GenerateRequest, params, label: str):

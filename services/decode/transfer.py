@@ -166,8 +166,7 @@ class KVTransfers:
                         self.loop.submit(InsertKV(rid, item, len(held), attempt))
             if first is None:
                 raise PrefillError(f"{replica.name}: no first token")
-            draft = self.engine.runner.draft
-            width = 0 if draft is None else len(draft.aux_layers) * self.engine.model.config.hidden_size
+            width = self.engine.draft_aux_width
             check = (first, request, self.engine.model.config.vocab_size, replica.name, width)
             if first.prompt_logprobs:  # an entry at a time, by the prompt's size: off the event loop
                 await asyncio.to_thread(check_first_token, *check)

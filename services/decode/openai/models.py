@@ -27,21 +27,21 @@ class ServedModels:
         length = self.service.engine.config.max_model_len
         base = {"object": "model", "created": 0, "owned_by": "pdserve", "max_model_len": length}
         cards = [{**base, "id": name, "root": self.model, "parent": None} for name in self.names]
-        adapters = sorted(self.service.engine.loras.adapters)
+        adapters = self.service.engine.adapter_names()
         return cards + [{**base, "id": name, "root": name, "parent": self.model} for name in adapters]
 
     def check(self, body: dict) -> None:
         """`model` names a served name or a loaded adapter (omitted or empty: the base model); else
         ModelNotFound."""
         name = body.get("model")
-        if name and name not in self.names and name not in self.service.engine.loras.adapters:
+        if name and name not in self.names and name not in self.service.engine.adapter_names():
             raise ModelNotFound(name)
 
     def adapter(self, body: dict) -> str:
         """`lora_adapter`, else `model` when it names a loaded adapter (vLLM's convention); "": the base."""
         name = body.get("lora_adapter") or ""
         model = body.get("model")
-        if not name and isinstance(model, str) and model in self.service.engine.loras.adapters:
+        if not name and isinstance(model, str) and model in self.service.engine.adapter_names():
             name = model
         if not isinstance(name, str):
             raise InvalidRequestError("lora_adapter", "must be a string")

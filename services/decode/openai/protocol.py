@@ -89,7 +89,7 @@ def sampling_params(body: dict, chat: bool, defaults: Mapping[str, Any] | None =
     """OpenAI fields (and vLLM's extensions: top_k, min_p, repetition_penalty, stop_token_ids, ignore_eos)
     -> SamplingParams through services.sampling's one mapping; OpenAI's own shapes are normalised first.
     Type errors become InvalidRequestError naming the field; the defaults are OpenAI's (temperature 1) but
-    for those of `defaults` (the model's generation config: engine.loading.generation_config)."""
+    for those of `defaults` (the model's generation config: engine.loading.sources.generation_defaults)."""
     return dataclasses.replace(knobs(body, chat, defaults), constraint=constraint(body))
 
 
