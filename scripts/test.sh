@@ -6,18 +6,23 @@
 # and the newest JAX). It prints the XLA cache's size before each tier and every tier's time.
 #   bash scripts/test.sh                  # everything (what CI runs)
 #   bash scripts/test.sh fast [ARGS...]   # one tier (fast, model or daemon); ARGS go to pytest
+# The fast tier alone sets up with the dev extra only and fetches no model (it uses neither): no torch.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tiers=(fast model daemon)
 case "${1:-}" in
   fast | model | daemon) tiers=("$1"); shift ;;
 esac
-bash scripts/setup.sh dev,reference,plots
+if [ "${tiers[*]}" = fast ]; then
+  bash scripts/setup.sh dev # model-free: neither the reference extra (torch) nor the model
+else
+  bash scripts/setup.sh dev,reference,plots
+fi
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 .venv/bin/python scripts/lint_imports.py  # layers, the two roles apart, no import cycles
 bash scripts/gen_protos.sh --check
-.venv/bin/pdserve models fetch
+[ "${tiers[*]}" = fast ] || .venv/bin/pdserve models fetch
 xla_cache="$(.venv/bin/python -c 'from pdserve.engine.loading.sources import cache_dir; print(cache_dir() / "xla")')"
 cache_state() { # the persistent XLA compilation cache that tests and daemons share
   local n=0
@@ -29,7 +34,8 @@ logs=$(mktemp -d)  # the output of what runs beside the model tier
 run() { # NAME MARKERS [ARGS...]: one pytest process; its line of the summary goes to $times/NAME
   local name=$1 markers=$2 start=$SECONDS rc=0
   shift 2
-  .venv/bin/python -m pytest -m "$markers" --no-unexpected-skips --durations=25 "$@" || rc=$?
+  # the tier's -m comes last: it replaces pyproject.toml's `-m fast` (addopts) and any -m in ARGS
+  .venv/bin/python -m pytest "$@" -m "$markers" --no-unexpected-skips --durations=25 || rc=$?
   echo "$name $((SECONDS - start)) s$([ "$rc" -eq 0 ] || echo " (exit $rc)")" >"$times/$name"
   return "$rc"
 }

@@ -95,10 +95,11 @@ def test_slots_are_reused_least_recently_used_first(lora_engine):
 
 
 def test_request_waits_while_every_slot_is_pinned(lora_engine):
-    engine = lora_engine(max_loras=1)
+    engine = lora_engine()  # 2 slots, for 3 adapters
     first = engine.add_request(PROMPTS[0], GREEDY, lora="all8")
     second = engine.add_request(PROMPTS[1], GREEDY, lora="attn4")
-    base = engine.add_request(PROMPTS[2], GREEDY)
+    third = engine.add_request(PROMPTS[2], GREEDY, lora="mlp16")
+    base = engine.add_request(PROMPTS[3], GREEDY)
     # what an endpoint picker's LoRA-affinity scorer reads (services.metrics: vLLM's lora_requests_info
     # shape), from the stats of each step the engine loop publishes
     from pdserve.services.admin import Counters
@@ -107,17 +108,17 @@ def test_request_waits_while_every_slot_is_pinned(lora_engine):
 
     loop = EngineLoop(engine)
     registry = Metrics("decode", loop, Counters()).registry
-    loop.publish(
-        engine.step()
-    )  # prefill: all8 pinned in the only slot; attn4 must wait, the base request passes it
-    assert [r.request_id for r in engine.scheduler.prefilling + engine.scheduler.running] == [first, base]
-    assert [r.request_id for r in engine.scheduler.waiting] == [second]
-    labels = {"role": "decode", "max_lora": "1"}
-    info = dict(labels, running_lora_adapters="all8", waiting_lora_adapters="attn4")
+    # prefill: all8 and attn4 pinned in the two slots; mlp16 must wait, the base request passes it
+    loop.publish(engine.step())
+    admitted = [r.request_id for r in engine.scheduler.prefilling + engine.scheduler.running]
+    assert admitted == [first, second, base]
+    assert [r.request_id for r in engine.scheduler.waiting] == [third]
+    labels = {"role": "decode", "max_lora": "2"}
+    info = dict(labels, running_lora_adapters="all8,attn4", waiting_lora_adapters="mlp16")
     assert registry.get_sample_value("pdserve_lora_requests_info", info) > 0
     while engine.has_unfinished:
         loop.publish(engine.step())
-    assert engine.lora_slots.resident[0].startswith("attn4@")
+    assert engine.lora_slots.resident[-1].startswith("mlp16@")  # it had a slot once one was unpinned
     idle = dict(labels, running_lora_adapters="", waiting_lora_adapters="")
     assert registry.get_sample_value("pdserve_lora_requests_info", idle) > 0
 

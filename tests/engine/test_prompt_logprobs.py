@@ -21,18 +21,20 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
 
 def test_each_position_scores_the_next_prompt_token(make_engine, loaded_model):
     """Against the engine's own logits after each prefix (prompt_logits): the token's logprob, its rank,
-    the top n in order; a prompt chunked over steps of 32 tokens beside another request; asked again, the
-    prompt's cached blocks are not read (every position computed anew) and the values are the same."""
-    engine = make_engine(max_num_batched_tokens=32, num_blocks=64)
+    the top n in order; a prompt chunked over three steps beside another request; asked again, the
+    prompt's cached blocks are not read (every position computed anew) and the values are the same. (The
+    session's engine: its chunks of 256 tokens show what smaller ones would, and it is compiled already.)"""
+    engine = make_engine()
+    budget = engine.config.max_num_batched_tokens
     tokenizer = loaded_model.tokenizer
-    prompt = tokenizer.encode("The quick brown fox jumps over the lazy dog, and then it runs away. " * 4)
-    assert len(prompt) > 2 * 32
+    prompt = tokenizer.encode("The quick brown fox jumps over the lazy dog, and then it runs away. " * 36)
+    assert 2 * budget < len(prompt) < engine.config.max_model_len - 8
     asked = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3)
     other = SamplingParams(temperature=0, max_tokens=8)
     first, _ = engine.generate([prompt, tokenizer.encode("Hello there")], [asked, other])
     entries = first.prompt_logprobs
     assert len(entries) == len(prompt) and entries[0] is None
-    for position in (1, 9, 33, len(prompt) - 1):
+    for position in (1, 9, budget + 1, len(prompt) - 1):
         expected = log_softmax(engine.prompt_logits(prompt[:position]))
         entry = entries[position]
         assert entry.token_id == prompt[position]
