@@ -155,7 +155,7 @@ class EngineConfig:
 
     @property
     def cache_dtype(self) -> str:
-        """The KV cache's element type (a kvtransfer.DTYPES name): --kv-cache-dtype's, else the serving
+        """The KV cache's element type (a kvtransfer.layout.DTYPES name): --kv-cache-dtype's, else the serving
         dtype's (resolved by on_platform)."""
         return KV_CACHE_DTYPES[self.kv_cache_dtype] or self.dtype
 
