@@ -103,3 +103,9 @@ def small_model(num_layers: int = TEST_MODEL_LAYERS) -> Path:
     """The test model: the default model's first `num_layers` layers as a Hugging Face folder."""
     name = f"SmolLM2-135M-Instruct-{num_layers}-layers"
     return hf_folder(small_gguf(num_layers), cache_dir() / f"{DEFAULT_MODEL}-{num_layers}-layers" / name)
+
+
+def bench_model(smoke: bool) -> Path:
+    """The model a benchmark runs on: the test model for a `--smoke` run (it only shows the script still
+    runs), else the default model's GGUF file (fetched once into the cache folder)."""
+    return small_model() if smoke else fetch(DEFAULT_MODEL, progress=False)
