@@ -1,5 +1,5 @@
-"""Every script in bench/ runs its `--smoke` mode (tiny sizes, one round, the test model or a tiny random one),
-so that a refactor cannot break a benchmark silently. The figures of a smoke run mean nothing; what is
+"""Every script in bench/ runs its `--smoke` mode (tiny sizes, one round, the test model or a tiny random
+model), so that a refactor cannot break a benchmark silently. The figures of a smoke run mean nothing; what is
 checked is that the script runs to its end and writes its JSON report.
 
 Model-free smokes run in this process in the fast tier; those on the test model in this process in the
