@@ -263,6 +263,20 @@ def test_cli_scenarios_and_the_plain_form():
             main(argv)
 
 
+@pytest.mark.model
+def test_offline_throughput_and_latency(make_engine):
+    """`pdserve bench throughput|latency`'s measurements on the session's engine: every request generates
+    exactly its output length, and the engine is left without requests."""
+    from pdserve.bench import offline
+
+    engine = make_engine()
+    stats = offline.throughput(engine, num_prompts=3, input_len=8, output_len=4)
+    assert stats["requests"] == 3 and stats["output_tokens"] == 12 and stats["output_token_throughput"] > 0
+    result = offline.latency(engine, batch_size=2, input_len=8, output_len=3, iters_warmup=1, iters=2)
+    assert result["latency_s"]["count"] == 2 and len(result["latencies_s"]) == 2
+    assert not engine.has_unfinished
+
+
 # --------------------------------------------------------------------------------------------------------
 # End to end: `pdserve bench` against a real decode-server
 

@@ -33,7 +33,9 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
     bench = sub.add_parser(
         "bench",
         help="benchmarks: serve (load generator, the default), throughput, latency",
-        description=__doc__,
+        description="serve: the load generator against a running decode-server (the default: "
+        "`pdserve bench --server ADDR ...` is `pdserve bench serve --server ADDR ...`); throughput and "
+        "latency: the engine in this process.",
     )
     serve.add_bench_args(bench, required=False)
     bench.set_defaults(func=_plain(bench))

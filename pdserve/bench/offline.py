@@ -31,7 +31,7 @@ def run_batch(engine, prompts: list[list[int]], output_len: int) -> int:
     for prompt in prompts:
         engine.add_request(prompt, params)
     generated = 0
-    while engine.has_unfinished():
+    while engine.has_unfinished:
         generated += sum(len(output.new_token_ids) for output in engine.step().tokens)
     return generated
 
@@ -74,6 +74,7 @@ def latency(
 
 
 def add_common_args(parser: argparse.ArgumentParser) -> None:
+    """The engine flags (`--model`, EngineConfig's), the requests' lengths, the seed and --json."""
     add_engine_args(parser)
     parser.add_argument("--input-len", type=int, default=128, help="prompt tokens of each request")
     parser.add_argument("--output-len", type=int, default=128, help="output tokens of each request")
@@ -83,11 +84,13 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_throughput_args(parser: argparse.ArgumentParser) -> None:
+    """The flags of `pdserve bench throughput`."""
     add_common_args(parser)
     parser.add_argument("--num-prompts", type=int, default=100, help="requests, submitted at once")
 
 
 def add_latency_args(parser: argparse.ArgumentParser) -> None:
+    """The flags of `pdserve bench latency`."""
     add_common_args(parser)
     parser.add_argument("--batch-size", type=int, default=8, help="requests in the batch")
     parser.add_argument("--num-iters-warmup", type=int, default=1, help="untimed runs first")
@@ -112,6 +115,7 @@ def _positive(args: argparse.Namespace, *names: str) -> bool:
 
 
 def cmd_throughput(args: argparse.Namespace) -> int:
+    """Runs `pdserve bench throughput` and prints its JSON result; exit status 2 on bad sizes."""
     if not _positive(args, "num_prompts", "input_len", "output_len"):
         return 2
     result = {
@@ -123,6 +127,7 @@ def cmd_throughput(args: argparse.Namespace) -> int:
 
 
 def cmd_latency(args: argparse.Namespace) -> int:
+    """Runs `pdserve bench latency` and prints its JSON result; exit status 2 on bad sizes."""
     if not _positive(args, "batch_size", "input_len", "output_len", "num_iters"):
         return 2
     keys = ("model", "batch_size", "input_len", "output_len", "num_iters_warmup", "num_iters", "seed")
