@@ -16,7 +16,7 @@ requests, the model's own tokenizer, batches of 4 prompts a call), `local-chat-c
 disaggregated one for the generation task, `hf` in this process. Printed: each run's accuracy and exact
 match, and against `hf`: the largest loglikelihood difference, the is_greedy disagreements, the
 generated answers that differ. --smoke: writes the tasks and checks them (their YAML and JSONL read back;
-with lm-eval installed, its task manager loads them); no servers, no evaluation.
+with lm-eval installed, its task manager finds them); no servers, no evaluation.
 """
 
 from __future__ import annotations
@@ -144,16 +144,13 @@ def compare(reference: dict, run: dict) -> dict:
 
 
 def smoke() -> dict:
-    """The tasks written and read back: documents per task, and whether lm-eval's task manager (when
-    installed) finds them."""
-    import yaml
-
+    """The tasks written and read back: documents per task (each task's YAML names its JSONL file), and
+    whether lm-eval's task manager (when installed) finds them."""
     folder = Path(tempfile.mkdtemp(prefix="bench-lm-eval-smoke-"))
     write_tasks(folder)
     out = {}
-    for task in ("pdserve_mc", "pdserve_gen"):
-        config = yaml.safe_load((folder / f"{task}.yaml").read_text())
-        data = Path(config["dataset_kwargs"]["data_files"]["test"])
+    for task, data in (("pdserve_mc", folder / "mc.jsonl"), ("pdserve_gen", folder / "gen.jsonl")):
+        assert f"test: {data}" in (folder / f"{task}.yaml").read_text(), task
         out[task] = {"documents": len([json.loads(line) for line in data.read_text().splitlines()])}
     if importlib.util.find_spec("lm_eval") is not None:
         from lm_eval.tasks import TaskManager
