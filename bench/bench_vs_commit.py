@@ -16,8 +16,8 @@ daemons' path (`served_path`: a 1000-token prompt's TTFT through services.decode
 crossings of one request prefilled by a second engine). The measuring code is this tree's for both; only
 `pdserve` differs: the worker loads pdserve/bench/common.py and engine_timing.py of this tree by their
 paths (a baseline's pdserve may have no pdserve.bench). Prints each tree's best figures and the ratios
-this tree / baseline. --smoke: one worker on this tree in this process, the test model, batch 1, 2 steps;
-no baseline.
+this tree / baseline. --smoke: one worker on this tree in this process, the test model, no warmup, batch 1,
+2 steps; no baseline.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def worker(
         model_path = fetch(DEFAULT_MODEL, progress=False)
     engine = LLMEngine.from_model(str(model_path), EngineConfig(**sizes), warmup=False)
     t0 = time.perf_counter()
-    variants = engine.runner.warmup(progress=False)
+    variants = None if smoke else engine.runner.warmup(progress=False)  # smoke: shapes on first use
     result = {
         "warmup_s": time.perf_counter() - t0,
         "variants": variants,
