@@ -1,5 +1,5 @@
-"""Daemons as real processes on loopback ports, and in-process servers on a thread: used by the tests and
-the benchmarks to run the real thing."""
+"""Daemons as real processes on loopback ports, in-process servers on a thread, and reading a daemon's
+metrics (`scrape`): used by the tests and the benchmarks to run the real thing."""
 
 from __future__ import annotations
 

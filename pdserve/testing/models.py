@@ -10,6 +10,8 @@ Two forms, both kept in the cache folder next to the default model:
   tokenizer.json), written by transformers from that GGUF file (the reference extra). It holds the values
   the GGUF loader dequantizes, and a daemon starts on it in a third of the time: reading GGUF metadata (the
   49k-token vocabulary) costs seconds, which every daemon a test starts would pay.
+
+`bench_model(smoke)`: what a benchmark runs on, the test model for its `--smoke` run, else the default.
 """
 
 from __future__ import annotations
