@@ -2,7 +2,7 @@
 same load.
 
     bash bench/clients_env.sh loadgen     # once: .venv-loadgen (guidellm), .venv-aiperf (aiperf)
-    .venv/bin/python bench/bench_clients.py [--json OUT]
+    .venv/bin/python bench/bench_clients.py [--json OUT] [--smoke]
 
 One prefill-server and one decode-server (disaggregated, pdserve.testing.launch, loopback) on the default
 model as a Hugging Face folder, float32. guidellm (`guidellm run`, the openai_http backend) and aiperf
@@ -11,7 +11,8 @@ streams at a time, to /v1/completions and then to /v1/chat/completions; `pdserve
 load over gRPC. Printed for each: errors, the
 prompt and output tokens guidellm counted against what the server counted in the same interval
 (pdserve_prompt_tokens_total, pdserve_generation_tokens_total), and TTFT / ITL medians and p99 in
-milliseconds, guidellm's beside pdserve bench's.
+milliseconds, guidellm's beside pdserve bench's. --smoke: `pdserve bench` only (guidellm and aiperf live in
+their own environments), on the test model, 4 requests of 4 tokens.
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from pdserve.bench.common import report
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 GUIDELLM = ROOT / ".venv-loadgen" / "bin" / "guidellm"
 AIPERF = ROOT / ".venv-aiperf" / "bin" / "aiperf"
 STREAMS, REQUESTS, PROMPT_TOKENS, OUTPUT_TOKENS = 4, 32, 128, 32
@@ -33,7 +35,7 @@ STREAMS, REQUESTS, PROMPT_TOKENS, OUTPUT_TOKENS = 4, 32, 128, 32
 
 def token_counters(address: str) -> tuple[float, float]:
     """The server's (prompt, generated) token counters."""
-    from tests.helpers import scrape
+    from pdserve.testing.launch import scrape
 
     values = scrape(address)
     return tuple(
@@ -140,7 +142,9 @@ def run_aiperf(http: str, model: str, endpoint_type: str, out: Path) -> dict:
     }
 
 
-def run_pdserve_bench(grpc_address: str, out: Path) -> dict:
+def run_pdserve_bench(
+    grpc_address: str, out: Path, requests: int = REQUESTS, output_tokens: int = OUTPUT_TOKENS
+) -> dict:
     command = [
         str(Path(sys.executable).parent / "pdserve"),
         "bench",
@@ -149,11 +153,11 @@ def run_pdserve_bench(grpc_address: str, out: Path) -> dict:
         "--concurrency",
         str(STREAMS),
         "--num-requests",
-        str(REQUESTS),
+        str(requests),
         "--prompt-len",
         f"fixed:{PROMPT_TOKENS}",
         "--output-len",
-        f"fixed:{OUTPUT_TOKENS}",
+        f"fixed:{output_tokens}",
         "--ignore-eos",
         "--no-progress",
         "--json",
@@ -163,43 +167,46 @@ def run_pdserve_bench(grpc_address: str, out: Path) -> dict:
     return json.loads(out.read_text())
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path)
-    args = parser.parse_args()
-    for tool in (GUIDELLM, AIPERF):
+    parser.add_argument("--smoke", action="store_true", help="pdserve bench only, the test model, 4 requests")
+    args = parser.parse_args(argv)
+    for tool in (GUIDELLM, AIPERF) if not args.smoke else ():
         if not tool.exists():
             raise SystemExit(f"{tool} is missing: bash bench/clients_env.sh loadgen")
 
     from pdserve.engine.loading.sources import DEFAULT_MODEL, cache_dir, fetch
     from pdserve.testing.launch import ENGINE_ARGS, decode_server, prefill_server
-    from pdserve.testing.models import hf_folder
+    from pdserve.testing.models import hf_folder, small_model
 
-    folder = hf_folder(
-        fetch(DEFAULT_MODEL, progress=False), cache_dir() / "bench-hf" / "SmolLM2-135M-Instruct"
-    )
+    if args.smoke:
+        folder = small_model()  # (a Hugging Face folder already)
+    else:
+        folder = hf_folder(
+            fetch(DEFAULT_MODEL, progress=False), cache_dir() / "bench-hf" / "SmolLM2-135M-Instruct"
+        )
     work = Path(tempfile.mkdtemp(prefix="bench-clients-"))
     prefill = prefill_server(folder, work, engine_args=ENGINE_ARGS)
     decode = decode_server(folder, prefill.address, work, extra=["--metrics-port", "0"])
     result = {}
     try:
         http, metrics = decode.addresses["http"], decode.addresses["metrics"]
-        for endpoint in ("/v1/completions", "/v1/chat/completions"):
+        for endpoint in ("/v1/completions", "/v1/chat/completions") if not args.smoke else ():
             out = work / f"guidellm{endpoint.replace('/', '_')}.json"
             run = functools.partial(run_guidellm, http, str(folder), endpoint, out)
             result[f"guidellm {endpoint}"] = with_server_tokens(metrics, run)
-        for endpoint_type in ("completions", "chat"):
+        for endpoint_type in ("completions", "chat") if not args.smoke else ():
             out = work / f"aiperf-{endpoint_type}"
             run = functools.partial(run_aiperf, http, str(folder), endpoint_type, out)
             result[f"aiperf {endpoint_type}"] = with_server_tokens(metrics, run)
-        bench = run_pdserve_bench(decode.address, work / "pdserve_bench.json")
-        result["pdserve bench (gRPC)"] = bench
+        sizes = (4, 4) if args.smoke else (REQUESTS, OUTPUT_TOKENS)
+        bench = functools.partial(run_pdserve_bench, decode.address, work / "pdserve_bench.json", *sizes)
+        result["pdserve bench (gRPC)"] = with_server_tokens(metrics, bench) if args.smoke else bench()
     finally:
         decode.terminate()
         prefill.terminate()
-    print(json.dumps(result, indent=2))
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2))
+    report(result, args.json)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Disaggregated vs colocated serving, measured in one run on this machine with real daemons.
 
     .venv/bin/python bench/bench_disagg.py [--quick] [--json OUT] [--kv-cache-dtype fp8|int8] [--lengths 2048]
+        [--smoke]
 
 1. TTFT for prompts of 128, 512, 2048 and 4096 tokens: decode-server -> prefill-server (disaggregated)
    against a decode-server prefilling locally (colocated), both sharing the machine's cores; median of the
@@ -13,13 +14,15 @@
    arrive as a Poisson stream; colocated on both cores (at each `--budgets` step token budget) vs
    disaggregated with each role pinned to its own core (taskset). Issue 14's target: colocated TPOT
    p99 / p50 <= 2.5 at equal or better throughput (tokens streamed in the window).
+
+--smoke: the test model, TTFT of one 128-token prompt, one run; no interference study (its windows are
+fixed at tens of seconds).
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import json
 import statistics
 import tempfile
 import threading
@@ -28,20 +31,18 @@ from pathlib import Path
 
 import numpy as np
 
+from pdserve.bench.common import emit, ratio, report
+from pdserve.bench.prompts import random_prompt
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.loading.sources import DEFAULT_MODEL, fetch, load_model
+from pdserve.engine.loading.sources import load_model
 from pdserve.engine.model.kv_cache import kv_layout
 from pdserve.kvtransfer import plan_frames
 from pdserve.services.client import Client
 from pdserve.testing.launch import decode_server, prefill_server
+from pdserve.testing.models import bench_model
 
 ENGINE_ARGS = ["--max-model-len", "4352", "--num-blocks", "640", "--max-num-seqs", "16"]
 CHUNK_TOKENS = 512  # --max-num-batched-tokens (the default): the prefill server's chunk
-
-
-def prompt(length: int, salt: int) -> list[int]:
-    """Random tokens; prompts of different lengths or salts share no prefix (nothing cached is reused)."""
-    return np.random.default_rng((length, salt)).integers(100, 40000, length).tolist()
 
 
 def ttft_study(gguf: Path, logs: Path, lengths: list[int], runs: int, kv_cache_dtype: str = "auto") -> dict:
@@ -58,30 +59,32 @@ def ttft_study(gguf: Path, logs: Path, lengths: list[int], runs: int, kv_cache_d
         remote, local = Client(disagg.address), Client(coloc.address)
         for length in lengths:  # compile every shape once on both sides
             for client in (remote, local):
-                client.generate(prompt(length, 0), max_tokens=2, ignore_eos=True)
+                client.generate(random_prompt(length, 0), max_tokens=2, ignore_eos=True)
         results = {}
         for length in lengths:
             ttft = {"disaggregated": [], "colocated": []}
             transfer, tail = [], []
             for run in range(runs):
                 before, sender = Client(disagg.address).stats(), Client(pf.address).stats()
-                ttft["disaggregated"].append(remote.generate(prompt(length, run + 1), max_tokens=1).ttft_s)
+                ttft["disaggregated"].append(
+                    remote.generate(random_prompt(length, run + 1), max_tokens=1).ttft_s
+                )
                 after, sent = Client(disagg.address).stats(), Client(pf.address).stats()
                 transfer.append(after.kv_transfer_seconds_total - before.kv_transfer_seconds_total)
                 tail.append(sent.kv_frames_after_compute_total - sender.kv_frames_after_compute_total)
-                ttft["colocated"].append(local.generate(prompt(length, run + 1), max_tokens=1).ttft_s)
+                ttft["colocated"].append(local.generate(random_prompt(length, run + 1), max_tokens=1).ttft_s)
             d, c = statistics.median(ttft["disaggregated"]), statistics.median(ttft["colocated"])
             results[length] = {
                 "ttft_disaggregated_s": d,
                 "ttft_colocated_s": c,
-                "ratio": d / c,
+                "ratio": ratio(d, c),
                 "kv_transfer_s": statistics.median(transfer),
-                "kv_transfer_fraction_of_ttft": statistics.median(transfer) / d,
+                "kv_transfer_fraction_of_ttft": ratio(statistics.median(transfer), d),
                 "frames_after_last_chunk": max(tail),
                 "frames_of_one_chunk": len(plan_frames(layout, min(length, CHUNK_TOKENS))),
                 "kv_transfer_bytes": after.kv_transfer_bytes_total - before.kv_transfer_bytes_total,
             }
-            print(json.dumps({"prompt_tokens": length, **results[length]}), flush=True)
+            emit({"prompt_tokens": length, **results[length]})
         return results
     finally:
         for daemon in (disagg, coloc, pf):
@@ -96,7 +99,7 @@ def interference_run(client: Client, duration_s: float, rate: float, long_len: i
 
     def runner(i: int):
         while not stop.is_set():
-            result = client.generate(prompt(24, 1000 + i), max_tokens=96, ignore_eos=True)
+            result = client.generate(random_prompt(24, 1000 + i), max_tokens=96, ignore_eos=True)
             times = result.token_times_s
             with lock:
                 gaps.extend(np.diff(times).tolist())
@@ -108,7 +111,7 @@ def interference_run(client: Client, duration_s: float, rate: float, long_len: i
         n = 0
         while time.monotonic() < deadline:
             time.sleep(rng.exponential(1 / rate))
-            pool.submit(client.generate, prompt(long_len, 5000 + salt + n), max_tokens=1)
+            pool.submit(client.generate, random_prompt(long_len, 5000 + salt + n), max_tokens=1)
             n += 1
         pool.shutdown(wait=True)
         return n
@@ -137,8 +140,8 @@ def warmed(address: str, long_len: int, rate: float) -> Client:
     the compilations of shapes first met during the run land in the TPOT tail: the grid engine met
     several)."""
     client = Client(address)
-    client.generate(prompt(long_len, 0), max_tokens=2)
-    client.generate(prompt(24, 0), max_tokens=4)
+    client.generate(random_prompt(long_len, 0), max_tokens=2)
+    client.generate(random_prompt(24, 0), max_tokens=4)
     interference_run(client, 15, rate, long_len, salt=100_000)  # other long prompts: none cached
     return client
 
@@ -157,7 +160,7 @@ def interference_study(
             out[f"colocated_2_cores_budget_{budget}"] = interference_run(
                 warmed(coloc.address, long_len, rate), duration_s, rate, long_len
             )
-            print(json.dumps(out), flush=True)
+            emit(out)
         finally:
             coloc.terminate()
     if not disagg:
@@ -171,11 +174,11 @@ def interference_study(
     finally:
         dc.terminate()
         pf.terminate()
-    print(json.dumps(out), flush=True)
+    emit(out)
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json", default=None)
@@ -192,21 +195,23 @@ def main() -> None:
     parser.add_argument(
         "--colocated-only", action="store_true", help="interference: skip the disaggregated run"
     )
-    args = parser.parse_args()
-    gguf = fetch(DEFAULT_MODEL, progress=False)
+    parser.add_argument("--smoke", action="store_true", help="the test model, one short TTFT run")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.lengths, args.skip_interference = "128", True
+    gguf = bench_model(args.smoke)
     logs = Path(tempfile.mkdtemp(prefix="bench-disagg-"))
     result = {}
     if not args.skip_ttft:
         lengths = [int(n) for n in args.lengths.split(",")]
-        result["ttft"] = ttft_study(gguf, logs, lengths, 2 if args.quick else 5, args.kv_cache_dtype)
+        runs = 1 if args.smoke else 2 if args.quick else 5
+        result["ttft"] = ttft_study(gguf, logs, lengths, runs, args.kv_cache_dtype)
     if not args.skip_interference:
         budgets = [int(b) for b in args.budgets.split(",")]
         result["interference"] = interference_study(
             gguf, logs, 15 if args.quick else 40, 0.5, 1024, budgets, not args.colocated_only
         )
-    print(json.dumps(result, indent=2))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+    report(result, args.json)
 
 
 if __name__ == "__main__":

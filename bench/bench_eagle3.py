@@ -2,7 +2,7 @@
 against disaggregated (the regression metric P/D systems lack: a decode server that drafts from other
 state than a colocated engine accepts less).
 
-    .venv/bin/python bench/bench_eagle3.py [--head DIR] [--k 3] [--tokens 96] [--json OUT]
+    .venv/bin/python bench/bench_eagle3.py [--head DIR] [--k 3] [--tokens 96] [--json OUT] [--smoke]
 
 No trained EAGLE-3 head for the default model (SmolLM2-135M-Instruct) is reachable from this machine.
 `--head` takes one (a folder as heads are published); without it the script writes a random head in the
@@ -21,6 +21,9 @@ trained head's: it measures the head's overhead.
    the head given to both, `draft_policy` "all") and through a colocated engine of the same config, one
    request at a time: the spec-decode counters (verifying rows, drafts, accepted, accepted per position)
    and the tokens must be equal.
+
+--smoke: the test model, `seen` only, policy "all" only, batch 1, 8 tokens, one round, no warmup, no
+handoff (it needs the daemons).
 """
 
 from __future__ import annotations
@@ -29,15 +32,12 @@ import argparse
 import collections
 import dataclasses
 import json
-import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bench_speculative import WORKLOADS, chat_prompts, compare  # noqa: E402  bench/ is on the path
-from distill_eagle3 import TASKS, TOPICS  # noqa: E402
+from pdserve.bench.common import emit, write_json
+from pdserve.bench.engine_timing import compare
+from pdserve.bench.prompts import TASKS, TOPICS, WORKLOADS, chat_prompts
 
 # One of distill_eagle3's training instructions: what the engine does with a head that predicts well (a
 # head fits its training answers), not how well a head generalizes
@@ -59,10 +59,11 @@ def overhead(engines, model, args) -> list[dict]:
     params = SamplingParams(temperature=0.0, max_tokens=args.tokens)
     rows = []
     for batch in args.batches:
-        for name, text in (("quote", WORKLOADS["quote"]), ("story", WORKLOADS["story"]), ("seen", SEEN)):
+        workloads = (("quote", WORKLOADS["quote"]), ("story", WORKLOADS["story"]), ("seen", SEEN))
+        for name, text in workloads[-1:] if args.smoke else workloads:
             prompts = chat_prompts(model.tokenizer, text, batch)
             row = {"workload": name, "batch": batch, **compare(engines, prompts, params, args.rounds)}
-            print(json.dumps(row), flush=True)
+            emit(row)
             rows.append(row)
     return rows
 
@@ -108,11 +109,11 @@ def handoff(model, model_path: Path, spec: str, args, log_dir: Path) -> dict:
         "disaggregated": remote,
         "counters_equal": local == remote,
     }
-    print(json.dumps(out), flush=True)
+    emit(out)
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--head", type=Path, help="an EAGLE-3 head's folder (default: a random one)")
     parser.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
@@ -121,14 +122,18 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--skip-handoff", action="store_true")
     parser.add_argument("--json", type=Path)
-    args = parser.parse_args()
+    parser.add_argument("--smoke", action="store_true", help="the test model, tiny sizes, no handoff")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.tokens, args.batches, args.rounds, args.skip_handoff = 8, [1], 1, True
 
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.llm_engine import LLMEngine
-    from pdserve.engine.loading.sources import DEFAULT_MODEL, fetch, load_model
+    from pdserve.engine.loading.sources import load_model
     from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.testing.models import bench_model
 
-    model_path = fetch(DEFAULT_MODEL, progress=False)
+    model_path = bench_model(args.smoke)
     model = load_model(str(model_path)).in_memory()
     base = EngineConfig(
         num_blocks=512,
@@ -143,21 +148,24 @@ def main() -> None:
     if head is None:
         prompts = [p for text in WORKLOADS.values() for p in chat_prompts(model.tokenizer, text, 2)]
         head = write_head(
-            work / "head", model, prompts, engines["off"], SamplingParams(temperature=0, max_tokens=64)
+            work / "head",
+            model,
+            prompts,
+            engines["off"],
+            SamplingParams(temperature=0, max_tokens=args.tokens if args.smoke else 64),
         )
     spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": args.k}
-    for policy in ("cost", "all"):
+    for policy in ("all",) if args.smoke else ("cost", "all"):
         config = dataclasses.replace(base, speculative_config=json.dumps({**spec, "draft_policy": policy}))
         engines[f"eagle3_{policy}"] = LLMEngine(model, config)
-    for engine in engines.values():
+    for engine in engines.values() if not args.smoke else ():
         engine.runner.warmup(progress=False)
     out = {"speculative_config": spec, "head": "given" if args.head else "random", "max_tokens": args.tokens}
     out["overhead"] = overhead(engines, model, args)
     if not args.skip_handoff:
         engines.clear()
         out["handoff"] = handoff(model, model_path, json.dumps({**spec, "draft_policy": "all"}), args, work)
-    if args.json:
-        args.json.write_text(json.dumps(out, indent=2))
+    write_json(out, args.json)
 
 
 if __name__ == "__main__":

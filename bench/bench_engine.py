@@ -1,38 +1,23 @@
 """Engine speed against HF transformers and against the machine, measured in one run.
 
-    .venv/bin/python bench/bench_engine.py [--quick] [--no-hf] [--json OUT]
+    .venv/bin/python bench/bench_engine.py [--quick] [--no-hf] [--json OUT] [--smoke]
 
 Prints absolute figures and the ratios the serving-core issue sets targets for:
   prefill of 512 tokens vs HF (>= 1.3x), decode batch 1 vs HF batch 1 (>= 2x), decode batch 32 tokens/s
   vs HF batch 1 (>= 20x); prefill FLOP/s vs a large float32 matmul (aim >= 80%); decode batch-1 weight
-  bytes/s vs measured memory bandwidth (aim >= 70%); start-up time and peak memory.
+  bytes/s vs measured memory bandwidth (aim >= 70%); start-up time and peak memory. --smoke: the test
+model, no transformers, no warmup, batches 1 and 2, 2 steps, a 64-token prompt, small machine probes.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import resource
 import time
 
 import numpy as np
 
-
-def report(result: dict, json_path: str | None) -> None:
-    """Prints a benchmark's result as JSON, and writes it to `json_path` when given."""
-    print(json.dumps(result, indent=2))
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump(result, f, indent=2)
-
-
-def best_of(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+from pdserve.bench.common import best_of, peak_rss_gib, ratio, report
+from pdserve.bench.engine_timing import pdserve_decode_step
 
 
 def machine_matmul_flops(n: int = 2048, repeats: int = 5) -> float:
@@ -72,76 +57,45 @@ def hf_figures(gguf, prompt_len: int, decode_steps: int) -> dict:
     return {"prefill_s": prefill, "decode_step_s": decode}
 
 
-def decode_step_times(
-    engine,
-    batch: int,
-    steps: int,
-    lora: list[str | None] | None = None,
-    prompt_len: int = 32,
-    params: list | None = None,
-) -> list[float]:
-    """Seconds of each of `steps` decode steps with `batch` running requests (`prompt_len`-token prompts,
-    greedy), sampling included; the requests are aborted afterwards.
-
-    `lora`: the adapter of each request, cycled (default: the base model for all); `params`: each
-    request's SamplingParams, cycled (default: greedy, ignoring EOS)."""
-    from pdserve.engine.sampling_params import SamplingParams
-
-    params = params or [SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)]
-    rng = np.random.default_rng(batch)
-    for i in range(batch):
-        engine.add_request(
-            rng.integers(100, 40000, prompt_len).tolist(),
-            params[i % len(params)],
-            lora=lora[i % len(lora)] if lora else None,
-        )
-    while engine.scheduler.waiting or engine.scheduler.prefilling:
-        engine.step()
-    engine.step()  # first decode step after the last prefill
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - t0)
-    for request in list(engine.scheduler.running):
-        engine.abort(request.request_id)
-    return times
-
-
-def pdserve_decode_step(engine, batch: int, steps: int, lora: list[str | None] | None = None) -> float:
-    """Mean seconds per decode step (see decode_step_times)."""
-    return sum(decode_step_times(engine, batch, steps, lora)) / steps
-
-
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true", help="fewer steps (a smoke run)")
+    parser.add_argument("--quick", action="store_true", help="fewer steps")
     parser.add_argument("--no-hf", action="store_true")
     parser.add_argument("--json", default=None)
     parser.add_argument("--batches", default="1,8,32,64")
-    args = parser.parse_args()
-    steps = 8 if args.quick else 24
+    parser.add_argument("--smoke", action="store_true", help="the test model, tiny sizes, no transformers")
+    args = parser.parse_args(argv)
+    steps = 2 if args.smoke else 8 if args.quick else 24
+    prompt_len = 64 if args.smoke else 512
+    if args.smoke:
+        args.no_hf, args.batches = True, "1,2"
 
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.llm_engine import LLMEngine
-    from pdserve.engine.loading.sources import DEFAULT_MODEL, fetch
     from pdserve.engine.model.weights import weight_bytes
+    from pdserve.testing.models import bench_model
 
-    gguf = fetch(DEFAULT_MODEL, progress=False)
+    gguf = bench_model(args.smoke)
     batches = [int(b) for b in args.batches.split(",")]
     config = EngineConfig(
-        num_blocks=1024, max_model_len=1024, max_num_seqs=max(batches), max_num_batched_tokens=512
+        num_blocks=128 if args.smoke else 1024,
+        max_model_len=1024,
+        max_num_seqs=max(batches),
+        max_num_batched_tokens=prompt_len,
     )
     t0 = time.perf_counter()
     engine = LLMEngine.from_model(str(gguf), config, warmup=False)
     loaded = time.perf_counter()
-    variants = engine.runner.warmup(progress=False)
+    variants = None if args.smoke else engine.runner.warmup(progress=False)  # smoke: shapes on first use
     warm = time.perf_counter()
     result = {
         "startup": {"load_s": loaded - t0, "warmup_s": warm - loaded, "compiled_variants": variants},
-        "machine": {"matmul_flops": machine_matmul_flops(), "bandwidth_bytes_s": machine_bandwidth()},
+        "machine": {
+            "matmul_flops": machine_matmul_flops(256) if args.smoke else machine_matmul_flops(),
+            "bandwidth_bytes_s": machine_bandwidth(16) if args.smoke else machine_bandwidth(),
+        },
     }
-    prompt = np.random.default_rng(0).integers(100, 40000, 512).tolist()
+    prompt = np.random.default_rng(0).integers(100, 40000, prompt_len).tolist()
     prefill_s = best_of(lambda: engine.prompt_logits(prompt), 3)
     cfg = engine.model.config
     matmul_params = cfg.num_layers * (
@@ -149,10 +103,10 @@ def main() -> None:
         + cfg.num_heads * cfg.head_dim * cfg.hidden_size
         + 3 * cfg.hidden_size * cfg.intermediate_size
     )
-    prefill_flops = 2 * matmul_params * 512 + 2 * cfg.hidden_size * cfg.vocab_size
+    prefill_flops = 2 * matmul_params * prompt_len + 2 * cfg.hidden_size * cfg.vocab_size
     decode = {b: pdserve_decode_step(engine, b, steps) for b in batches}
     result["pdserve"] = {
-        "prefill_512_s": prefill_s,
+        f"prefill_{prompt_len}_s": prefill_s,
         "prefill_flops": prefill_flops / prefill_s,
         "decode_step_s": {str(b): s for b, s in decode.items()},
         "decode_tokens_s": {str(b): b / s for b, s in decode.items()},
@@ -160,21 +114,21 @@ def main() -> None:
     }
     m, p = result["machine"], result["pdserve"]
     ratios = {
-        "prefill_flops_vs_matmul": p["prefill_flops"] / m["matmul_flops"],
-        "decode_b1_weight_bandwidth_vs_copy": p["weight_bytes"] / decode[1] / m["bandwidth_bytes_s"]
+        "prefill_flops_vs_matmul": ratio(p["prefill_flops"], m["matmul_flops"]),
+        "decode_b1_weight_bandwidth_vs_copy": ratio(p["weight_bytes"] / decode[1], m["bandwidth_bytes_s"])
         if 1 in decode
         else None,
     }
     if not args.no_hf:
         hf = hf_figures(gguf, 512, steps)
         result["hf"] = hf
-        ratios["prefill_512_speedup_vs_hf"] = hf["prefill_s"] / prefill_s
+        ratios["prefill_512_speedup_vs_hf"] = ratio(hf["prefill_s"], prefill_s)
         if 1 in decode:
-            ratios["decode_b1_speedup_vs_hf_b1"] = hf["decode_step_s"] / decode[1]
+            ratios["decode_b1_speedup_vs_hf_b1"] = ratio(hf["decode_step_s"], decode[1])
         for b in batches:
-            ratios[f"decode_b{b}_tokens_s_vs_hf_b1"] = (b / decode[b]) / (1 / hf["decode_step_s"])
+            ratios[f"decode_b{b}_tokens_s_vs_hf_b1"] = ratio(b / decode[b], 1 / hf["decode_step_s"])
     result["ratios"] = ratios
-    result["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    result["peak_rss_gib"] = peak_rss_gib()
     report(result, args.json)
 
 

@@ -1,7 +1,7 @@
 """Model families against transformers on the same tiny random-weight checkpoints, and the KV bytes each
 family's layout moves per token, measured in one run.
 
-    .venv/bin/python bench/bench_families.py [--families qwen3,gemma3,...] [--steps 16] [--json OUT]
+    .venv/bin/python bench/bench_families.py [--families qwen3,gemma3,...] [--steps 16] [--json OUT] [--smoke]
 
 Per family (the checkpoints of testing.families, written by transformers: hidden 64, 2-3 layers, so the
 figures measure each implementation's per-token overheads more than its arithmetic), in float32 on CPU:
@@ -15,6 +15,7 @@ figures measure each implementation's per-token overheads more than its arithmet
 And, for Gemma 3 4B's layer pattern (34 layers, every sixth full, window 1024, block 16, the default
 512-token budget), the layer-blocks of cache a request of 1k..32k tokens holds through pdserve's KV cache
 manager: hybrid layer groups sharing rows (engine.core.kv_groups) against one table for every layer.
+--smoke: qwen3 only, batches 1 and 2, 2 decode steps, no warmup.
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ import time
 from pathlib import Path
 
 import numpy as np
-from bench_engine import best_of, pdserve_decode_step, report  # noqa: E402  bench/ is on the path
+
+from pdserve.bench.common import best_of, ratio, report
+from pdserve.bench.engine_timing import pdserve_decode_step
 
 PROMPT, TRANSFER_TOKENS = 512, 2048
 
@@ -89,11 +92,11 @@ def hybrid_cache_layer_blocks(lengths=(1024, 4096, 32768)) -> dict:
         one = KVCacheManager(1 << 16, 16)
         assert hybrid.allocate("r", n) and one.allocate("r", n)
         held, before = hybrid.pool.num_used * groups.num_rows, one.pool.num_used * model.num_layers
-        out[n] = {"groups": held, "one_table": before, "ratio": before / held}
+        out[n] = {"groups": held, "one_table": before, "ratio": ratio(before, held)}
     return out
 
 
-def measure(family: str, steps: int, tokenizer, vocab: int) -> dict:
+def measure(family: str, steps: int, tokenizer, vocab: int, batches=(1, 32), warmup: bool = True) -> dict:
     import torch
 
     from pdserve.engine.config import EngineConfig
@@ -102,44 +105,54 @@ def measure(family: str, steps: int, tokenizer, vocab: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         model = write_family(family, Path(tmp), vocab)
         config = EngineConfig(
-            num_blocks=1024, max_model_len=1024, max_num_seqs=32, max_num_batched_tokens=512
+            num_blocks=1024, max_model_len=1024, max_num_seqs=max(batches), max_num_batched_tokens=512
         )
         engine = engine_of(Path(tmp), tokenizer, config)
-    engine.runner.warmup(progress=False)
+    if warmup:
+        engine.runner.warmup(progress=False)
     prompt = np.random.default_rng(0).integers(0, vocab, PROMPT).tolist()
     ids = torch.tensor([prompt])
     with torch.no_grad():
         hf_prefill = best_of(lambda: model(ids), 3)
     pd_prefill = best_of(lambda: engine.prompt_logits(prompt), 3)
     result = {"prefill_512_s": {"pdserve": pd_prefill, "transformers": hf_prefill}}
-    for batch in (1, 32):
+    for batch in batches:
         pd = pdserve_decode_step(engine, batch, steps)
         hf = hf_decode_step(model, batch, steps, vocab)
         result[f"decode_b{batch}_tokens_s"] = {"pdserve": batch / pd, "transformers": batch / hf}
     result["ratios_pdserve_vs_transformers"] = {
-        "prefill_512": hf_prefill / pd_prefill,
+        "prefill_512": ratio(hf_prefill, pd_prefill),
         **{
-            f"decode_b{b}": result[f"decode_b{b}_tokens_s"]["pdserve"]
-            / result[f"decode_b{b}_tokens_s"]["transformers"]
-            for b in (1, 32)
+            f"decode_b{b}": ratio(
+                result[f"decode_b{b}_tokens_s"]["pdserve"], result[f"decode_b{b}_tokens_s"]["transformers"]
+            )
+            for b in batches
         },
     }
     result["kv_transfer"] = kv_bytes_per_token(engine, TRANSFER_TOKENS)
     return result
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--families", default="qwen3,gemma3,gemma2,qwen3_moe,mixtral,deepseek_v2")
     parser.add_argument("--steps", type=int, default=16, help="decode steps measured per batch size")
     parser.add_argument("--json", default=None)
-    args = parser.parse_args()
+    parser.add_argument("--smoke", action="store_true", help="qwen3, batches 1 and 2, 2 steps, no warmup")
+    args = parser.parse_args(argv)
+    batches = (1, 2) if args.smoke else (1, 32)
+    if args.smoke:
+        args.families, args.steps = "qwen3", 2
 
     from pdserve.engine.loading.sources import load_model
+    from pdserve.testing.models import bench_model
 
-    default = load_model()  # its tokenizer and vocabulary (the tiny checkpoints have none)
+    # its tokenizer and vocabulary (the tiny checkpoints have none); the test model has the same ones
+    default = load_model(str(bench_model(args.smoke)))
     results = {
-        family: measure(family, args.steps, default.tokenizer, default.config.vocab_size)
+        family: measure(
+            family, args.steps, default.tokenizer, default.config.vocab_size, batches, warmup=not args.smoke
+        )
         for family in args.families.split(",")
     }
     results["gemma3_4b_cache_layer_blocks"] = hybrid_cache_layer_blocks()

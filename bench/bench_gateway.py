@@ -2,7 +2,7 @@
 router polls every 50 ms) and its KV cache events published to a subscriber (the router's precise prefix
 scorer), each against the same server without it, measured in one run with alternating rounds.
 
-    .venv/bin/python bench/bench_gateway.py [--rounds N] [--json OUT]
+    .venv/bin/python bench/bench_gateway.py [--rounds N] [--json OUT] [--smoke]
 
 Three colocated decode-servers on this machine, one publishing KV events (--kv-events=plain; a ZMQ
 subscriber here reads every message, as the router does) and two without, a decode server's default (the
@@ -13,7 +13,8 @@ publisher has work) on each, once with a thread here scraping the loaded server'
 First, the CPU a scrape costs the server to render (/metrics and PICKER_PATH, no HTTP). Then the
 figures: decode tokens/s (after the last first token), medians over rounds; ratios scraped / not scraped
 and events on / off, per round (the same minutes of this noisy machine), their median and range (targets:
-median >= 0.98).
+median >= 0.98). --smoke: the scrape's rendering cost only (the rest needs the daemons), on the test
+model, 20 renders.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ from pathlib import Path
 
 import numpy as np
 import zmq
-from bench_engine import report  # bench/ is on the path when a script of it runs
 
+from pdserve.bench.common import report
 from pdserve.engine.loading.sources import DEFAULT_MODEL, fetch
 from pdserve.services.client import Client
 from pdserve.services.metrics import PICKER_PATH
@@ -175,7 +176,7 @@ def study(rounds: int) -> dict:
             daemon.terminate()
 
 
-def scrape_cost(repeats: int = 500) -> dict:
+def scrape_cost(repeats: int = 500, smoke: bool = False) -> dict:
     """CPU of rendering one scrape in the server (no HTTP), /metrics vs PICKER_PATH, after 1000 requests'
     histograms are filled; and what it is at 20 Hz in % of one core."""
     import timeit
@@ -188,8 +189,9 @@ def scrape_cost(repeats: int = 500) -> dict:
     from pdserve.services.admin import Counters
     from pdserve.services.engine_loop import EngineLoop
     from pdserve.services.metrics import Metrics
+    from pdserve.testing.models import bench_model
 
-    engine = LLMEngine(load_model(fetch(DEFAULT_MODEL, progress=False)), EngineConfig(num_blocks=512))
+    engine = LLMEngine(load_model(bench_model(smoke)), EngineConfig(num_blocks=512))
     metrics = Metrics("decode", EngineLoop(engine), Counters())
     for _ in range(1000):
         metrics.observe_request([0.05 * j for j in range(64)], 0.0)
@@ -200,15 +202,18 @@ def scrape_cost(repeats: int = 500) -> dict:
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--json", help="also write the result here")
     parser.add_argument("--scrape-cost-only", action="store_true", help="only the rendering cost of a scrape")
-    args = parser.parse_args()
-    result = {"scrape_cost": scrape_cost()}
+    parser.add_argument("--smoke", action="store_true", help="the scrape cost only, test model, 20 renders")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.scrape_cost_only = True
+    result = {"scrape_cost": scrape_cost(20, smoke=True) if args.smoke else scrape_cost()}
     if not args.scrape_cost_only:
         result |= study(args.rounds)
     report(result, args.json)

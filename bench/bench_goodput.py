@@ -1,30 +1,32 @@
 """Goodput under SLOs across request rates: colocated vs disaggregated on the same two cores.
 
-    .venv/bin/python bench/bench_goodput.py [--rates 0.25,0.5,0.75,1.0] [--seconds 36] [--json OUT]
+    .venv/bin/python bench/bench_goodput.py [--rates 0.25,0.5,0.75,1.0] [--seconds 36] [--json OUT] [--smoke]
 
 Colocated: one decode-server prefilling locally, pinned to cores 0,1 (taskset). Disaggregated: a
 prefill-server on core 0 and a decode-server on core 1. Each runs `pdserve bench`'s Python entry point
-(pdserve.loadgen.bench) at each rate with Poisson arrivals, random token-id prompts of uniform:64:1024
+(pdserve.bench.serve.bench) at each rate with Poisson arrivals, random token-id prompts of uniform:64:1024
 tokens and uniform:16:64 output tokens (ignore_eos), the same seed (so the same requests and arrival
 times) for both. Goodput: requests/s with TTFT <= --slo-ttft-ms and TPOT <= --slo-tpot-ms.
 Writes bench/plots/goodput_vs_rate.png, and latency CDFs and throughput over time at one rate.
+--smoke: the test model, one rate, 4 short requests, no warm-up pass, the plots in a temporary folder.
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import json
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-from pdserve.engine.loading.sources import DEFAULT_MODEL, fetch
-from pdserve.loadgen import _pyplot, bench, plot_latency_cdfs, plot_throughput
+from pdserve.bench.common import emit, write_json
+from pdserve.bench.plots import plot_latency_cdfs, plot_throughput, pyplot
+from pdserve.bench.serve import bench
 from pdserve.services.client import Client
 from pdserve.testing.launch import decode_server, prefill_server
+from pdserve.testing.models import bench_model
 
 ENGINE_ARGS = ["--max-model-len", "2048", "--num-blocks", "640", "--max-num-seqs", "16"]
 PLOTS = Path(__file__).parent / "plots"
@@ -82,13 +84,13 @@ def sweep(name: str, address: str, args) -> list[dict]:
             "itl_p99_ms": s["itl_ms"]["p99"],
             "duration_s": s["duration_s"],
         }
-        print(json.dumps(row), flush=True)
+        emit(row)
         results.append({**row, "stats": s, "records": result["records"]})
     return results
 
 
 def plot_goodput(results: dict[str, list[dict]], path: Path, args) -> None:
-    plt = _pyplot()
+    plt = pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.5), dpi=80)
     for name, rows in results.items():
         rates = [r["rate"] for r in rows]
@@ -109,7 +111,7 @@ def plot_goodput(results: dict[str, list[dict]], path: Path, args) -> None:
     plt.close(fig)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument(
         "--rates", type=lambda s: [float(x) for x in s.split(",")], default=[0.25, 0.5, 0.75, 1.0]
@@ -123,15 +125,21 @@ def main() -> None:
     parser.add_argument("--plot-rate", type=float, default=None, help="rate of the CDF plots (default: 2nd)")
     parser.add_argument("--plots", type=Path, default=PLOTS)
     parser.add_argument("--json", default=None)
-    args = parser.parse_args()
-    gguf = fetch(DEFAULT_MODEL, progress=False)
+    parser.add_argument("--smoke", action="store_true", help="the test model, 4 short requests at one rate")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.rates, args.seconds, args.prompt_len, args.output_len = [2.0], 2.0, "uniform:16:64", "fixed:4"
+        if args.plots == PLOTS:
+            args.plots = Path(tempfile.mkdtemp(prefix="bench-goodput-plots-"))
+    gguf = bench_model(args.smoke)
     logs = Path(tempfile.mkdtemp(prefix="bench-goodput-"))
     results: dict[str, list[dict]] = {}
     started = time.perf_counter()
 
     daemon = decode_server(gguf, "local", logs, name="coloc", engine_args=ENGINE_ARGS, cpus="0,1")
     try:
-        print(f"colocated: warm {warm(daemon.address):.1f} s", flush=True)
+        if not args.smoke:
+            print(f"colocated: warm {warm(daemon.address):.1f} s", flush=True)
         results["colocated (cores 0,1)"] = sweep("colocated", daemon.address, args)
     finally:
         daemon.terminate()
@@ -139,7 +147,8 @@ def main() -> None:
     try:
         dc = decode_server(gguf, pf.address, logs, name="decode", engine_args=ENGINE_ARGS, cpus="1")
         try:
-            print(f"disaggregated: warm {warm(dc.address):.1f} s", flush=True)
+            if not args.smoke:
+                print(f"disaggregated: warm {warm(dc.address):.1f} s", flush=True)
             results["disaggregated (prefill 0, decode 1)"] = sweep("disaggregated", dc.address, args)
         finally:
             dc.terminate()
@@ -155,8 +164,7 @@ def main() -> None:
             for name, rows in results.items()
         },
     }
-    if args.json:
-        Path(args.json).write_text(json.dumps(summary, indent=2))
+    write_json(summary, args.json)
     print(
         f"{'setup':<15}{'rate':>6}{'goodput':>9}{'in SLO':>8}{'TTFT p50':>10}{'TTFT p90':>10}"
         f"{'TPOT p50':>10}{'TPOT p90':>10}{'tok/s':>8}"

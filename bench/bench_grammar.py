@@ -2,7 +2,7 @@
 and per-token mask time at batch 32, over the default model's vocabulary (SmolLM2, 49,152 tokens).
 
     .venv/bin/pip install outlines-core==0.2.14 xgrammar==0.2.8 apache-tvm-ffi   # the candidates not chosen
-    .venv/bin/python bench/bench_grammar.py [--steps 64] [--json OUT]
+    .venv/bin/python bench/bench_grammar.py [--steps 64] [--json OUT] [--smoke]
 
 Per library (each one that imports):
   * compile: each test schema (pdserve.testing) compiled cold, p50 / p99 / max, and the one-off
@@ -13,7 +13,8 @@ Per library (each one that imports):
   * what the bitmask is (a numpy int32 array, or a torch tensor), and what installing it pulls in.
 And pdserve's decode step at batch 32 with half the rows constrained by a JSON schema against none, in
 the same run (issue 18's target: >= 0.85x), and TTFT of 512-token prompts through a decode server on a
-prefill server (real daemons) with a constraint and without.
+prefill server (real daemons) with a constraint and without. --smoke: the test model, 4 mask steps,
+pdserve's decode at batch 2 for 2 steps once, no daemons (no TTFT).
 """
 
 from __future__ import annotations
@@ -24,7 +25,10 @@ import time
 from pathlib import Path
 
 import numpy as np
-from bench_engine import report  # noqa: E402  bench/ is on the path
+
+from pdserve.bench.common import ratio, report
+from pdserve.bench.engine_timing import decode_step_times
+from pdserve.bench.prompts import random_prompt
 
 BATCH = 32
 
@@ -116,11 +120,11 @@ def outlines_case(tokenizer, schemas, steps, rng) -> dict:
     from outlines_core import Guide, Index, Vocabulary
     from outlines_core.json_schema import build_regex_from_schema
 
-    from pdserve.engine.tokenizer import _byte_alphabet
+    from pdserve.engine.tokenizer import byte_alphabet
 
     t0 = time.perf_counter()
     eos = min(tokenizer.eos_token_ids)
-    to_byte = {c: b for b, c in _byte_alphabet().items()}  # SmolLM2 is byte-level BPE
+    to_byte = {c: b for b, c in byte_alphabet().items()}  # SmolLM2 is byte-level BPE
     tokens: dict[bytes, list[int]] = {}
     for i in range(tokenizer.vocab_size):
         if i not in tokenizer.special_ids:
@@ -175,33 +179,34 @@ def xgrammar_case(tokenizer, schemas, steps, rng) -> dict:
     )
 
 
-def decode_with_constraints(steps: int) -> dict:
+def decode_with_constraints(steps: int, smoke: bool = False) -> dict:
     """pdserve's decode step at batch 32 with half the rows under a JSON schema (an array of strings of
     at least 200 characters: no row can finish within the steps) against none, alternated 3 times; the
-    ratio of tokens/s (best of each)."""
-    from bench_engine import decode_step_times
-
+    ratio of tokens/s (best of each). `smoke`: the test model at batch 2, once, no warmup."""
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.llm_engine import LLMEngine
-    from pdserve.engine.loading.sources import DEFAULT_MODEL, fetch
     from pdserve.engine.sampling_params import Constraint, SamplingParams
+    from pdserve.testing.models import bench_model
 
-    config = EngineConfig(num_blocks=1024, max_model_len=1024, max_num_seqs=BATCH, max_num_batched_tokens=512)
-    engine = LLMEngine.from_model(str(fetch(DEFAULT_MODEL, progress=False)), config, progress=False)
+    batch, rounds = (2, 1) if smoke else (BATCH, 3)
+    config = EngineConfig(
+        num_blocks=128 if smoke else 1024, max_model_len=1024, max_num_seqs=batch, max_num_batched_tokens=512
+    )
+    engine = LLMEngine.from_model(str(bench_model(smoke)), config, warmup=not smoke, progress=False)
     schema = {"type": "array", "items": {"type": "string", "minLength": 200}}
     free = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
     constrained = SamplingParams(
         temperature=0.0, max_tokens=steps + 8, constraint=Constraint("json_schema", json.dumps(schema))
     )
     best = {"none": float("inf"), "half": float("inf")}
-    for _ in range(3):
+    for _ in range(rounds):
         for name, params in (("none", [free]), ("half", [free, constrained])):
-            times = decode_step_times(engine, BATCH, steps, params=params)
+            times = decode_step_times(engine, batch, steps, params=params)
             best[name] = min(best[name], sum(times) / len(times))
     return {
         "step_ms": {k: v * 1e3 for k, v in best.items()},
-        "tokens_per_s": {k: BATCH / v for k, v in best.items()},
-        "ratio_half_constrained_vs_none": best["none"] / best["half"],
+        "tokens_per_s": {k: batch / v for k, v in best.items()},
+        "ratio_half_constrained_vs_none": ratio(best["none"], best["half"]),
     }
 
 
@@ -211,8 +216,6 @@ def disaggregated_ttft(runs: int, length: int = 512) -> dict:
     constraint and samples the first token under it; the decode server compiles it too, at the door."""
     import statistics
     import tempfile
-
-    from bench_disagg import prompt
 
     from pdserve.engine.loading.sources import DEFAULT_MODEL, fetch
     from pdserve.engine.sampling_params import Constraint
@@ -228,14 +231,20 @@ def disaggregated_ttft(runs: int, length: int = 512) -> dict:
         client = Client(dc.address)
         constraint = Constraint("json_schema", json.dumps(SCHEMAS[3]))  # nested objects
         for kw in ({}, {"constraint": constraint}):  # compile every shape once
-            client.generate(prompt(length, 0), max_tokens=2, **kw)
+            client.generate(random_prompt(length, 0), max_tokens=2, **kw)
         ttft = {"none": [], "json_schema": []}
         for run in range(runs):
-            ttft["none"].append(client.generate(prompt(length, 2 * run + 1), max_tokens=1).ttft_s)
-            constrained = client.generate(prompt(length, 2 * run + 2), max_tokens=1, constraint=constraint)
+            ttft["none"].append(client.generate(random_prompt(length, 2 * run + 1), max_tokens=1).ttft_s)
+            constrained = client.generate(
+                random_prompt(length, 2 * run + 2), max_tokens=1, constraint=constraint
+            )
             ttft["json_schema"].append(constrained.ttft_s)
         medians = {k: statistics.median(v) for k, v in ttft.items()}
-        return {"prompt_tokens": length, "ttft_s": medians, "ratio": medians["json_schema"] / medians["none"]}
+        return {
+            "prompt_tokens": length,
+            "ttft_s": medians,
+            "ratio": ratio(medians["json_schema"], medians["none"]),
+        }
     finally:
         dc.terminate()
         pf.terminate()
@@ -244,24 +253,29 @@ def disaggregated_ttft(runs: int, length: int = 512) -> dict:
 CASES = {"llguidance": llguidance_case, "outlines-core": outlines_case, "xgrammar": xgrammar_case}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--json", default=None)
-    args = parser.parse_args()
+    parser.add_argument("--smoke", action="store_true", help="the test model, 4 steps, no daemons")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.steps = 4
 
     from pdserve.engine.loading.sources import load_model
     from pdserve.testing.constraint_schemas import SCHEMAS
+    from pdserve.testing.models import bench_model
 
-    tokenizer = load_model().tokenizer
+    tokenizer = load_model(str(bench_model(args.smoke))).tokenizer
     results = {}
     for name, case in CASES.items():
         try:
             results[name] = case(tokenizer, SCHEMAS, args.steps, np.random.default_rng(0))
         except ImportError as e:
             results[name] = {"not installed": str(e)}
-    results["pdserve_decode_batch32"] = decode_with_constraints(args.steps // 2)
-    results["disaggregated_ttft"] = disaggregated_ttft(runs=5)
+    results["pdserve_decode_batch32"] = decode_with_constraints(args.steps // 2, args.smoke)
+    if not args.smoke:
+        results["disaggregated_ttft"] = disaggregated_ttft(runs=5)
     report(results, args.json)
 
 

@@ -1,6 +1,6 @@
 """The host-memory KV tier (--kv-offloading-size), on vs off, measured in one run on this machine.
 
-    .venv/bin/python bench/bench_host_tier.py [--quick] [--json OUT]
+    .venv/bin/python bench/bench_host_tier.py [--quick] [--json OUT] [--smoke]
 
 1. Multi-turn chat against a decode-server that prefills locally (the default model, real daemons):
    16 conversations of 6 turns, each with its own 1,024-token system prompt, 64-token user turns and
@@ -19,24 +19,27 @@
 3. The copies themselves, in this process on the default model's cache shape: blocks to host slots and
    back (engine/host_kv.py), GB/s and milliseconds per 1,024 tokens of KV, against prefilling 1,024
    tokens in the same run (what a host hit saves).
+
+--smoke: part 3 only (parts 1 and 2 need the daemons), the test model, one repeat.
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import json
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
-from bench_prefix_cache import tokens
 
+from pdserve.bench.common import emit, ratio, report
+from pdserve.bench.prompts import random_tokens
 from pdserve.engine.loading.sources import DEFAULT_MODEL, fetch
 from pdserve.services.client import Client
 from pdserve.testing.launch import decode_server
+from pdserve.testing.models import bench_model
 
 ENGINE_ARGS = ["--max-model-len", "4096", "--max-num-seqs", "8"]
 HOST_TIER_GIB = "3"  # up to 32 conversations of ~100 blocks of 0.7 MiB (float32 on a CPU)
@@ -48,12 +51,12 @@ def chat(client: Client, conversations: int, turns: int, threads: int, system_to
 
     def one_thread(t: int) -> list[dict]:
         mine = list(range(t, conversations, threads))
-        histories = {c: tokens(system_tokens, np.random.default_rng(1000 + c)) for c in mine}
+        histories = {c: random_tokens(system_tokens, np.random.default_rng(1000 + c)) for c in mine}
         rngs = {c: np.random.default_rng(2000 + c) for c in mine}
         records = []
         for turn in range(turns):
             for c in mine:
-                histories[c] += tokens(64, rngs[c])
+                histories[c] += random_tokens(64, rngs[c])
                 result = client.generate(histories[c], max_tokens=32, ignore_eos=True, temperature=0.0)
                 histories[c] += result.token_ids
                 records.append(
@@ -72,7 +75,7 @@ def chat(client: Client, conversations: int, turns: int, threads: int, system_to
 
 def decode_tpot(client: Client, rng: np.random.Generator) -> float:
     """TPOT p50 of 8 concurrent 64-token streams after random 128-token prompts."""
-    prompts = [tokens(128, rng) for _ in range(8)]
+    prompts = [random_tokens(128, rng) for _ in range(8)]
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         results = list(pool.map(lambda p: client.generate(p, max_tokens=64, ignore_eos=True), prompts))
     return statistics.median(r.tpot_s for r in results)
@@ -127,17 +130,17 @@ def serving_study(
                 "host_offloads": after.num_host_offloads_total - before.num_host_offloads_total,
             }
             tokens_out[k] = sorted((r["turn"], r["tokens"]) for r in records)
-            print(json.dumps({k: results[k]}), flush=True)
+            emit({k: results[k]})
         results["same_tokens"] = tokens_out["on"] == tokens_out["off"]
         on, off = results["on"], results["off"]
-        results["ttft_p50_later_turns_on_over_off"] = (
-            on["ttft_p50_later_turns_s"] / off["ttft_p50_later_turns_s"]
+        results["ttft_p50_later_turns_on_over_off"] = ratio(
+            on["ttft_p50_later_turns_s"], off["ttft_p50_later_turns_s"]
         )
-        results["ttft_p90_later_turns_on_over_off"] = (
-            on["ttft_p90_later_turns_s"] / off["ttft_p90_later_turns_s"]
+        results["ttft_p90_later_turns_on_over_off"] = ratio(
+            on["ttft_p90_later_turns_s"], off["ttft_p90_later_turns_s"]
         )
-        results["prompt_tokens_computed_on_over_off"] = (
-            on["prompt_tokens_computed"] / off["prompt_tokens_computed"]
+        results["prompt_tokens_computed_on_over_off"] = ratio(
+            on["prompt_tokens_computed"], off["prompt_tokens_computed"]
         )
         samples = {k: [] for k in clients}
         rng = np.random.default_rng(7)
@@ -146,17 +149,17 @@ def serving_study(
             for k, client in order if i % 2 else order[::-1]:  # alternate who goes first
                 samples[k].append(decode_tpot(client, rng))
         results["decode_tpot_p50_s"] = {k: statistics.median(v) for k, v in samples.items()}
-        results["decode_tpot_on_over_off"] = statistics.median(samples["on"]) / statistics.median(
-            samples["off"]
+        results["decode_tpot_on_over_off"] = ratio(
+            statistics.median(samples["on"]), statistics.median(samples["off"])
         )
     finally:
         for daemon in daemons.values():
             daemon.terminate()
-    print(json.dumps({k: v for k, v in results.items() if k not in ("on", "off")}), flush=True)
+    emit({k: v for k, v in results.items() if k not in ("on", "off")})
     return results
 
 
-def copy_study(repeats: int) -> dict:
+def copy_study(repeats: int, model_ref: str | None = None) -> dict:
     """Host tier copies on the default model's cache (its float32 rows on this CPU), against a prefill of
     as many tokens in the same process."""
     import jax
@@ -169,13 +172,13 @@ def copy_study(repeats: int) -> dict:
 
     configure_jax()
     config = EngineConfig(max_model_len=2048, num_blocks=512, max_num_seqs=8, kv_offloading_size=0.5)
-    engine = LLMEngine(load_model(None), config)
+    engine = LLMEngine(load_model(model_ref), config)
     runner, store = engine.runner, engine.runner.host
     blocks = list(range(64))  # 1,024 tokens
     pairs = list(zip(blocks, blocks, strict=True))
     rng = np.random.default_rng(3)
     params = SamplingParams(temperature=0, max_tokens=1)
-    engine.generate([tokens(1024, rng)], params)  # compile
+    engine.generate([random_tokens(1024, rng)], params)  # compile
     # (blocks 0-63 hold cached prompts: their bytes go out and come back unchanged; nothing is evicted, so
     # the host slots written are ones the engine does not use)
     out_s, in_s, prefill_s = [], [], []
@@ -190,7 +193,7 @@ def copy_study(repeats: int) -> dict:
         in_s.append(time.perf_counter() - t)
         engine.scheduler.kv.pool.check()
         t = time.perf_counter()
-        engine.generate([tokens(1024, rng)], params)  # a new prompt: computed in full
+        engine.generate([random_tokens(1024, rng)], params)  # a new prompt: computed in full
         prefill_s.append(time.perf_counter() - t)
     bytes_moved = len(blocks) * store.slot_bytes
     out = {
@@ -202,12 +205,12 @@ def copy_study(repeats: int) -> dict:
     }
     out["to_host_gb_per_s"] = bytes_moved / out["to_host_ms"] / 1e6
     out["to_device_gb_per_s"] = bytes_moved / out["to_device_ms"] / 1e6
-    out["load_over_prefill"] = out["to_device_ms"] / out["prefill_1024_tokens_ms"]
-    print(json.dumps(out), flush=True)
+    out["load_over_prefill"] = ratio(out["to_device_ms"], out["prefill_1024_tokens_ms"])
+    emit(out)
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument(
         "--quick",
@@ -222,7 +225,10 @@ def main() -> None:
     )
     parser.add_argument("--skip-serving", action="store_true")
     parser.add_argument("--skip-copies", action="store_true")
-    args = parser.parse_args()
+    parser.add_argument("--smoke", action="store_true", help="the copies only, the test model, one repeat")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.skip_serving = True
     result = {}
     if not args.skip_serving:
         gguf = fetch(DEFAULT_MODEL, progress=False)
@@ -232,10 +238,9 @@ def main() -> None:
         ]
         result["serving"] = serving_study(gguf, logs, *shape, rounds=3 if args.quick else 7)
     if not args.skip_copies:
-        result["copies"] = copy_study(3 if args.quick else 7)
-    print(json.dumps(result, indent=2))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+        model = str(bench_model(True)) if args.smoke else None
+        result["copies"] = copy_study(1 if args.smoke else 3 if args.quick else 7, model)
+    report(result, args.json)
 
 
 if __name__ == "__main__":

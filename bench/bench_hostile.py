@@ -2,7 +2,7 @@
 alone, on real daemons (a prefill-server, and a decode-server with the HTTP API on it); and what
 validating a request costs against its TTFT.
 
-    .venv/bin/python bench/bench_hostile.py [--rounds 3] [--tokens 48] [--json OUT]
+    .venv/bin/python bench/bench_hostile.py [--rounds 3] [--tokens 48] [--json OUT] [--smoke]
 
 Rounds alternate alone / hostile, so that the shared machine's drift hits both alike. Each round runs 8
 greedy streams of `--tokens` tokens (128-token prompts, no shared prefix) over gRPC; their inter-token gaps
@@ -33,6 +33,8 @@ again (TTFT and inter-token gaps: p50 and p99) alone and beside each attacker in
   * long_prompt: the control of prompt_logprobs, the same 4,000-token prompt without logprobs or n, back
     to back, each a new prompt (what any long prompt costs the victim: the prefill server's token budget,
     the KV inserted).
+
+--smoke: the test model, one round of 4-token streams (with --fanout too: then the tests' engine sizes).
 """
 
 from __future__ import annotations
@@ -52,8 +54,10 @@ import timeit
 from pathlib import Path
 
 import numpy as np
-from bench_disagg import prompt  # noqa: E402  bench/ is on the path
-from bench_engine import report  # noqa: E402
+
+from pdserve.bench.common import ratio, report
+from pdserve.bench.prompts import random_prompt
+from pdserve.testing.models import bench_model
 
 STREAMS = 8
 PROMPT_TOKENS = 128
@@ -64,7 +68,9 @@ def _streams(client, tokens: int, salt: int) -> list[float]:
     from pdserve.services.client import build_request
 
     def one(i: int) -> list[float]:
-        request = build_request(prompt(PROMPT_TOKENS, salt * 100 + i), max_tokens=tokens, ignore_eos=True)
+        request = build_request(
+            random_prompt(PROMPT_TOKENS, salt * 100 + i), max_tokens=tokens, ignore_eos=True
+        )
         times = [time.perf_counter() for _ in client.stream(request, timeout=600)]
         return list(np.diff(times[1:]))  # after the first token: the decode steps
 
@@ -124,7 +130,7 @@ class Hostile:
         client = Client(self.decode.address)
         limit, chars = self.limits.max_stop_strings, self.limits.max_stop_string_chars
         stops = [f"{i:03d}" + "z" * (chars - 3) for i in range(limit)] if self.hostile else None
-        text = prompt(PROMPT_TOKENS, 777)
+        text = random_prompt(PROMPT_TOKENS, 777)
         self._loop("stop_lists", lambda: client.generate(text, max_tokens=16, ignore_eos=True, stop=stops))
 
     def _chat_bodies(self) -> None:
@@ -158,7 +164,7 @@ class Hostile:
 
         def read_slowly():
             request = pb.PrefillRequest(
-                request_id="slow-reader", prompt_ids=prompt(768, self.counts["slow_readers"] + 1000)
+                request_id="slow-reader", prompt_ids=random_prompt(768, self.counts["slow_readers"] + 1000)
             )
             request.layout_fingerprint = fingerprint
             stream = call(request, timeout=120)
@@ -274,7 +280,7 @@ class Attacker:
         return "served"
 
     def _logprobs(self) -> str:
-        body = {"prompt": prompt(4000, 7), "max_tokens": 1, "n": 3, "prompt_logprobs": 20}
+        body = {"prompt": random_prompt(4000, 7), "max_tokens": 1, "n": 3, "prompt_logprobs": 20}
         return f"http_{_post(self.decode.addresses['http'], '/v1/completions', body)}"
 
     def _sixteen(self) -> str:
@@ -294,7 +300,7 @@ class Attacker:
 
     def _long(self) -> str:
         self.sent += 1  # a new prompt each time, as prompt logprobs read no prefix cache
-        body = {"prompt": prompt(4000, 1000 + self.sent), "max_tokens": 1}
+        body = {"prompt": random_prompt(4000, 1000 + self.sent), "max_tokens": 1}
         return f"http_{_post(self.decode.addresses['http'], '/v1/completions', body)}"
 
     def _health(self) -> None:
@@ -315,7 +321,9 @@ def _victim(client, rounds: int, tokens: int, salt: int) -> tuple[list[float], l
     ttfts, gaps = [], []
     for r in range(rounds):
         start = time.perf_counter()
-        request = build_request(prompt(PROMPT_TOKENS, salt * 100 + r), max_tokens=tokens, ignore_eos=True)
+        request = build_request(
+            random_prompt(PROMPT_TOKENS, salt * 100 + r), max_tokens=tokens, ignore_eos=True
+        )
         times = [time.perf_counter() for _ in client.stream(request, timeout=900)]
         ttfts.append(times[0] - start)
         gaps += list(np.diff(times))
@@ -324,15 +332,15 @@ def _victim(client, rounds: int, tokens: int, salt: int) -> tuple[list[float], l
 
 def fanout(args) -> dict:
     """The fan-out cases (module docstring), on daemons of default sizes."""
-    from pdserve.engine.loading.sources import DEFAULT_MODEL, fetch
     from pdserve.services.client import Client
-    from pdserve.testing.launch import decode_server, prefill_server
+    from pdserve.testing.launch import ENGINE_ARGS, decode_server, prefill_server
 
-    gguf = fetch(DEFAULT_MODEL, progress=False)
+    gguf = bench_model(args.smoke)
     logs = Path(tempfile.mkdtemp())
     os.sched_setaffinity(0, {0})
-    pf = prefill_server(gguf, logs, engine_args=[], cpus="0")
-    dc = decode_server(gguf, pf.address, logs, engine_args=[], extra=["--http-port", "0"], cpus="1")
+    sizes = ENGINE_ARGS if args.smoke else []
+    pf = prefill_server(gguf, logs, engine_args=sizes, cpus="0")
+    dc = decode_server(gguf, pf.address, logs, engine_args=sizes, extra=["--http-port", "0"], cpus="1")
     try:
         client = Client(dc.address)
         _victim(client, 1, 4, 0)  # compile the victim's shapes once
@@ -356,9 +364,9 @@ def fanout(args) -> dict:
             results[kind] = {
                 "ttft": t,
                 "itl": g,
-                "ttft_p50_ratio": t["p50_ms"] / a_ttft["p50_ms"],
-                "itl_p50_ratio": g["p50_ms"] / a_gap["p50_ms"],
-                "itl_p99_ratio": g["p99_ms"] / a_gap["p99_ms"],
+                "ttft_p50_ratio": ratio(t["p50_ms"], a_ttft["p50_ms"]),
+                "itl_p50_ratio": ratio(g["p50_ms"], a_gap["p50_ms"]),
+                "itl_p99_ratio": ratio(g["p99_ms"], a_gap["p99_ms"]),
                 "attacker_outcomes": outcomes,
                 **({"health_max_s": max(health), "health_probes": len(health)} if health else {}),
             }
@@ -369,7 +377,7 @@ def fanout(args) -> dict:
         pf.terminate()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=48)
@@ -377,20 +385,23 @@ def main() -> None:
     parser.add_argument("--only", nargs="+", choices=Hostile.KINDS, default=Hostile.KINDS, help="these kinds")
     parser.add_argument("--json", default=None)
     parser.add_argument("--fanout", nargs="*", choices=FANOUT, help="issue 48's fan-out cases instead")
-    args = parser.parse_args()
+    parser.add_argument("--smoke", action="store_true", help="the test model, one round of 4 tokens")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.rounds, args.tokens = 1, 4
     if args.fanout is not None:
         args.fanout = args.fanout or list(FANOUT)
         report(fanout(args), args.json)
         return
 
     from pdserve.engine.config import EngineConfig
-    from pdserve.engine.loading.sources import DEFAULT_MODEL, fetch, load_model
+    from pdserve.engine.loading.sources import load_model
     from pdserve.engine.model.kv_cache import kv_layout
     from pdserve.services.client import Client
     from pdserve.services.sampling import Limits
     from pdserve.testing.launch import ENGINE_ARGS, decode_server, prefill_server
 
-    gguf = fetch(DEFAULT_MODEL, progress=False)
+    gguf = bench_model(args.smoke)
     logs = Path(tempfile.mkdtemp())
     config = dataclasses.replace(EngineConfig(max_model_len=1024, num_blocks=192), dtype="float32")
     layout = kv_layout(load_model(gguf).config, config)
@@ -418,14 +429,14 @@ def main() -> None:
             hostile += gaps
             counts = {k: counts.get(k, 0) + v for k, v in seen.items()}
         ttft = statistics.median(
-            client.generate(prompt(PROMPT_TOKENS, 500 + i), max_tokens=1).ttft_s for i in range(5)
+            client.generate(random_prompt(PROMPT_TOKENS, 500 + i), max_tokens=1).ttft_s for i in range(5)
         )
         a, b = _percentiles(alone), _percentiles(hostile)
         results = {
             "alone": a,
             "hostile": b,
-            "ratio_p50": b["p50_ms"] / a["p50_ms"],
-            "ratio_p99": b["p99_ms"] / a["p99_ms"],
+            "ratio_p50": ratio(b["p50_ms"], a["p50_ms"]),
+            "ratio_p99": ratio(b["p99_ms"], a["p99_ms"]),
             "hostile_requests": counts,
             "still_serving": client.generate("ok", max_tokens=1).completion_tokens == 1,
             "validation": validation_cost(limits, ttft),

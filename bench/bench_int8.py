@@ -1,7 +1,7 @@
 """Weight-only int8 (`--quantization int8`: per output channel, symmetric) against float32 and bfloat16
 weights: accuracy, decode speed, and what XLA makes of the int8 matmul on this machine.
 
-    .venv/bin/python bench/bench_int8.py [--layers 8] [--steps 16] [--json OUT]
+    .venv/bin/python bench/bench_int8.py [--layers 8] [--steps 16] [--json OUT] [--smoke]
 
 1. The default model (its whole 30 layers), one engine per weight format (float32; bfloat16 weights and
    cache; int8 projections with float32 activations and cache), on the reference fixtures' prompts (the
@@ -15,49 +15,61 @@ weights: accuracy, decode speed, and what XLA makes of the int8 matmul on this m
    step (its memory analysis), whether a convert of the whole stack appears in the compiled module, and
    steps per second at 1 and 32 tokens. Temporaries near one layer's expanded weights mean the int8 path
    expands a layer at a time inside the loop; near the whole stack, that XLA expands every layer at once.
+
+--smoke: the test model, float32 and int8 only, 2 short prompts, 4 tokens, batches 1 and 2, 2 steps; a
+2-layer MLP stack of hidden size 64 timed for a tenth of a second.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
+from pdserve.bench.common import ratio, report
+from pdserve.bench.engine_timing import decode_step_times
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+FIXTURES = ROOT / "tests/fixtures/reference_smollm2.npz"  # the reference prompts (data, not code)
 
 
-def engines_compared(steps: int) -> dict:
-    from bench_engine import decode_step_times  # bench/ is on the path when a script of it runs
-
+def engines_compared(steps: int, smoke: bool = False) -> dict:
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.llm_engine import LLMEngine
-    from pdserve.engine.loading.sources import DEFAULT_MODEL, fetch, load_model
+    from pdserve.engine.loading.sources import load_model
     from pdserve.engine.model.weights import weight_bytes
     from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.testing.models import bench_model
 
-    data = np.load(ROOT / "tests/fixtures/reference_smollm2.npz")
+    data = np.load(FIXTURES)
     prompts = [data[k].tolist() for k in sorted(data.files) if k.startswith("prompt_")]
-    model = load_model(str(fetch(DEFAULT_MODEL, progress=False))).in_memory()
-    base = EngineConfig(num_blocks=512, max_model_len=1024, max_num_seqs=32, max_num_batched_tokens=512)
-    greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    model = load_model(str(bench_model(smoke))).in_memory()
+    batches = (1, 2) if smoke else (1, 32)
+    base = EngineConfig(
+        num_blocks=128 if smoke else 512,
+        max_model_len=1024,
+        max_num_seqs=max(batches),
+        max_num_batched_tokens=512,
+    )
+    greedy = SamplingParams(temperature=0.0, max_tokens=4 if smoke else 32, ignore_eos=True)
     formats = {
         "float32": base,
         "bfloat16": dataclasses.replace(base, dtype="bfloat16"),
         "int8": dataclasses.replace(base, quantization="int8"),
     }
+    if smoke:
+        prompts = sorted(prompts, key=len)[:2]
+        del formats["bfloat16"]
     out, reference = {}, None
     for name, config in formats.items():
         engine = LLMEngine(model, config)
         tokens = [r.token_ids for r in engine.generate(prompts, greedy)]
         logprobs = [x - np.logaddexp.reduce(x) for x in (engine.prompt_logits(p) for p in prompts)]
         row = {"weights_bytes": weight_bytes(engine.runner.weights)}
-        for batch in (1, 32):
+        for batch in batches:
             times = decode_step_times(engine, batch, steps)
             row[f"decode_tokens_per_s_b{batch}"] = batch * len(times) / sum(times[1:] + times[:1])
         if reference is None:
@@ -75,20 +87,19 @@ def engines_compared(steps: int) -> dict:
         out[name] = row
         del engine
     for row in out.values():
-        row["weights_vs_float32"] = row["weights_bytes"] / out["float32"]["weights_bytes"]
-        for batch in (1, 32):
+        row["weights_vs_float32"] = ratio(row["weights_bytes"], out["float32"]["weights_bytes"])
+        for batch in batches:
             key = f"decode_tokens_per_s_b{batch}"
-            row[f"decode_b{batch}_vs_float32"] = row[key] / out["float32"][key]
+            row[f"decode_b{batch}_vs_float32"] = ratio(row[key], out["float32"][key])
     return out
 
 
-def xla(layers: int) -> dict:
+def xla(layers: int, hidden: int = 2048, inter: int = 5632, seconds: float = 2.0) -> dict:
     import jax
     import jax.numpy as jnp
 
     from pdserve.engine.model.quantized import Int8Weight, project, quantize
 
-    hidden, inter = 2048, 5632
     rng = np.random.default_rng(0)
     gate_up = rng.standard_normal((layers, hidden, 2 * inter), np.float32) * 0.02
     down = rng.standard_normal((layers, inter, hidden), np.float32) * 0.02
@@ -127,7 +138,7 @@ def xla(layers: int) -> dict:
                 row["converts_hoisted_out_of_the_loop"] = _hoisted(compiled.as_text(), layers)
             compiled(x, stack).block_until_ready()
             runs, start = 0, time.perf_counter()
-            while runs < 5 or time.perf_counter() - start < 2.0:
+            while runs < 5 or time.perf_counter() - start < seconds:
                 compiled(x, stack).block_until_ready()
                 runs += 1
             row[f"steps_per_s_t{tokens}"] = runs / (time.perf_counter() - start)
@@ -135,10 +146,12 @@ def xla(layers: int) -> dict:
         del stack
     f32 = out["float32"]
     for row in out.values():
-        row["weights_vs_float32"] = row["weights_bytes"] / f32["weights_bytes"]
-        row["temp_vs_float32_weights"] = row["step_temp_bytes"] / f32["weights_bytes"]
+        row["weights_vs_float32"] = ratio(row["weights_bytes"], f32["weights_bytes"])
+        row["temp_vs_float32_weights"] = ratio(row["step_temp_bytes"], f32["weights_bytes"])
         for tokens in (1, 32):
-            row[f"speed_vs_float32_t{tokens}"] = row[f"steps_per_s_t{tokens}"] / f32[f"steps_per_s_t{tokens}"]
+            row[f"speed_vs_float32_t{tokens}"] = ratio(
+                row[f"steps_per_s_t{tokens}"], f32[f"steps_per_s_t{tokens}"]
+            )
     return out
 
 
@@ -148,16 +161,18 @@ def _hoisted(hlo: str, layers: int) -> bool:
     return any(f"f32[{layers}," in line and "convert" in line for line in hlo.splitlines())
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--steps", type=int, default=16, help="decode steps timed per batch size")
     parser.add_argument("--json", type=Path)
-    args = parser.parse_args()
-    result = {"default_model": engines_compared(args.steps), "xla_cpu": xla(args.layers)}
-    print(json.dumps(result, indent=2))
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2))
+    parser.add_argument("--smoke", action="store_true", help="the test model and tiny sizes")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.layers, args.steps = 2, 2
+    mlp = dict(hidden=64, inter=128, seconds=0.1) if args.smoke else {}
+    result = {"default_model": engines_compared(args.steps, args.smoke), "xla_cpu": xla(args.layers, **mlp)}
+    report(result, args.json)
 
 
 if __name__ == "__main__":

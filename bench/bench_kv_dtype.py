@@ -2,7 +2,7 @@
 scale per token and head) against the float32 cache (`auto` on this CPU), in one run, on the default model
 (its whole 30 layers, float32 weights).
 
-    .venv/bin/python bench/bench_kv_dtype.py [--json OUT]
+    .venv/bin/python bench/bench_kv_dtype.py [--json OUT] [--smoke]
 
 For each cache dtype:
 - KV bytes per token (every layer, scales included) and the transfer bytes of a 2,048-token prompt (the
@@ -18,29 +18,31 @@ For each cache dtype:
   earlier ones' KV from the cache), against float32's;
 - decode tokens/s at batch 32 against float32's (the dequantize cost on this CPU).
 A disaggregated run reads exactly what the colocated engine wrote (tests/services/test_disaggregated.py
-checks it token for token), so these figures hold for both.
+checks it token for token), so these figures hold for both. --smoke: the test model, auto and int8, two
+short prompts, 4 tokens, one window of 128 tokens, batch 2 for 2 steps.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
-import sys
 from pathlib import Path
 
 import numpy as np
 
+from pdserve.bench.common import ratio, report
+from pdserve.bench.engine_timing import decode_step_times
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 WINDOW, CHUNK, GREEDY_TOKENS = 1024, 256, 128
+FIXTURES = ROOT / "tests/fixtures/reference_smollm2.npz"  # the reference prompts (data, not code)
 
 
-def text_windows(tokenizer) -> list[list[int]]:
+def text_windows(tokenizer, window: int = WINDOW, count: int = 4) -> list[list[int]]:
     text = (ROOT / "README.md").read_text() + "\n" + (ROOT / "docs/architecture.md").read_text()
     ids = tokenizer.encode(text)
-    return [ids[i : i + WINDOW] for i in range(0, len(ids) - WINDOW + 1, WINDOW)][:4]
+    return [ids[i : i + window] for i in range(0, len(ids) - window + 1, window)][:count]
 
 
 def scored(engine, prompts, params, ranks=None) -> list[list[float]]:
@@ -52,28 +54,37 @@ def scored(engine, prompts, params, ranks=None) -> list[list[float]]:
     return [[lp.logprob for lp in r.prompt_logprobs[1:]] for r in results]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path)
-    args = parser.parse_args()
-
-    from bench_engine import decode_step_times  # bench/ is on the path when a script of it runs
+    parser.add_argument("--smoke", action="store_true", help="the test model, auto and int8, tiny sizes")
+    args = parser.parse_args(argv)
 
     from pdserve import kvtransfer
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.llm_engine import LLMEngine
-    from pdserve.engine.loading.sources import DEFAULT_MODEL, fetch, load_model
+    from pdserve.engine.loading.sources import load_model
     from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.testing.models import bench_model
 
-    data = np.load(ROOT / "tests/fixtures/reference_smollm2.npz")
+    data = np.load(FIXTURES)
     prompts = [data[k].tolist() for k in sorted(data.files) if k.startswith("prompt_")]
-    model = load_model(str(fetch(DEFAULT_MODEL, progress=False))).in_memory()
-    windows = text_windows(model.tokenizer)
-    base = EngineConfig(num_blocks=1024, max_model_len=2048, max_num_seqs=32, max_num_batched_tokens=CHUNK)
-    greedy = SamplingParams(temperature=0.0, max_tokens=GREEDY_TOKENS, ignore_eos=True)
+    model = load_model(str(bench_model(args.smoke))).in_memory()
+    windows = text_windows(model.tokenizer, 128, 1) if args.smoke else text_windows(model.tokenizer)
+    batch, steps = (2, 2) if args.smoke else (32, 16)
+    base = EngineConfig(
+        num_blocks=128 if args.smoke else 1024,
+        max_model_len=2048,
+        max_num_seqs=batch,
+        max_num_batched_tokens=CHUNK,
+    )
+    greedy = SamplingParams(temperature=0.0, max_tokens=4 if args.smoke else GREEDY_TOKENS, ignore_eos=True)
     score = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    names = ("auto", "int8") if args.smoke else ("auto", "fp8_e4m3", "fp8_e5m2", "int8")
+    if args.smoke:
+        prompts = sorted(prompts, key=len)[:2]
     out, reference = {}, None
-    for name in ("auto", "fp8_e4m3", "fp8_e5m2", "int8"):
+    for name in names:
         engine = LLMEngine(model, dataclasses.replace(base, kv_cache_dtype=name))
         layout = engine.kv_layout
         layer_token_bytes = layout.block_bytes // layout.block_size  # one token of one layer
@@ -87,8 +98,8 @@ def main() -> None:
             "transfer_bytes_2048_tokens": layer_token_bytes * sum(p.num_tokens * p.num_layers for p in plan),
             "perplexity": perplexity,
         }
-        times = decode_step_times(engine, 32, 16)
-        row["decode_tokens_per_s_b32"] = 32 * len(times) / sum(times)
+        times = decode_step_times(engine, batch, steps)
+        row[f"decode_tokens_per_s_b{batch}"] = batch * len(times) / sum(times)
         if reference is None:
             reference = {"tokens": tokens, "perplexity": perplexity, "row": row}
             continuations = [p + t for p, t in zip(prompts, tokens, strict=True)]
@@ -116,15 +127,13 @@ def main() -> None:
             )
             row["chosen_logprob_delta_mean"] = float(deltas.mean())
             row["chosen_logprob_delta_max"] = float(deltas.max())
-            row["perplexity_vs_auto"] = perplexity / reference["perplexity"]
-            for key in ("kv_bytes_per_token", "transfer_bytes_2048_tokens", "decode_tokens_per_s_b32"):
-                row[f"{key}_vs_auto"] = row[key] / reference["row"][key]
+            row["perplexity_vs_auto"] = ratio(perplexity, reference["perplexity"])
+            for key in ("kv_bytes_per_token", "transfer_bytes_2048_tokens", f"decode_tokens_per_s_b{batch}"):
+                row[f"{key}_vs_auto"] = ratio(row[key], reference["row"][key])
         out[name] = row
         del engine
     out["text_tokens_scored"] = sum(len(w) - 1 for w in windows)
-    print(json.dumps(out, indent=2))
-    if args.json:
-        args.json.write_text(json.dumps(out, indent=2))
+    report(out, args.json)
 
 
 if __name__ == "__main__":

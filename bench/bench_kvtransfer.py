@@ -4,6 +4,8 @@
 
     .venv/bin/python bench/bench_kvtransfer.py --dtype bfloat16
 
+    .venv/bin/python bench/bench_kvtransfer.py --smoke [--json OUT]
+
 Layout: SmolLM2-135M's cache (30 layers, 3 kv heads, head_dim 64, float32 as the engine keeps it, or
 bfloat16; block size 16), TP 1 on both sides, 4 MiB frames (full chunks: all 30 layers x 5 blocks in
 float32, 11 in bfloat16). Source blocks scattered, destination blocks in runs of 8 (a mixed list).
@@ -17,6 +19,9 @@ The daemons' paths, end to end (class DaemonPaths), with the default model's rea
   raw-bytes gRPC streaming of the same number of bytes between the same two processes, 4 MiB messages.
 - local: `pdserve serve`'s core in this process (LocalPrefiller engine on device 0 -> decode engine on
   device 1). Reference: a numpy copy of the same bytes.
+
+--smoke: the stages only (the paths need the peer process and the default model), 1 MiB once, on a cache
+of 64 blocks; no compiled-variants count.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
+from pdserve.bench.common import best_of, report  # noqa: E402
 from pdserve.kvtransfer import (  # noqa: E402
     FrameAssembler,
     KVLayout,
@@ -47,8 +53,8 @@ from pdserve.kvtransfer import (  # noqa: E402
     insert,
     insert_stream,
 )
-from pdserve.kvtransfer.gather import _gather_kernel  # noqa: E402
-from pdserve.kvtransfer.insert import _insert_kernel, insert_scratch_bytes  # noqa: E402
+from pdserve.kvtransfer.gather import gather_kernel  # noqa: E402
+from pdserve.kvtransfer.insert import insert_kernel, insert_scratch_bytes  # noqa: E402
 from pdserve.kvtransfer.plan import MAX_FRAME_BYTES, chunk_shapes, plan_frames  # noqa: E402
 from pdserve.testing.kv_cache import make_cache  # noqa: E402
 
@@ -67,13 +73,13 @@ def _engine_config():
     return EngineConfig(max_model_len=4096, num_blocks=512, max_num_seqs=4, max_num_batched_tokens=512)
 
 
-def request_blocks(mib: int, seed: int = 0) -> tuple[list[int], list[int], int]:
+def request_blocks(mib: int, seed: int = 0, num_blocks: int = NUM_BLOCKS) -> tuple[list[int], list[int], int]:
     """(source blocks, destination blocks, tokens) of a request holding `mib` MiB of KV."""
     tokens = (mib << 20) // TOKEN_BYTES
     n = -(-tokens // LAYOUT.block_size)
     rng = np.random.default_rng(seed + mib)
-    src = rng.permutation(NUM_BLOCKS)[:n].tolist()
-    runs = rng.permutation(NUM_BLOCKS // 8)[: -(-n // 8)]
+    src = rng.permutation(num_blocks)[:n].tolist()
+    runs = rng.permutation(num_blocks // 8)[: -(-n // 8)]
     dst = [int(r) * 8 + i for r in runs for i in range(8)][:n]
     return src, dst, tokens
 
@@ -129,30 +135,21 @@ def serve() -> None:
     asyncio.run(main())
 
 
-def best_time(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
-
-
 def numpy_copy_time(nbytes: int, repeats: int) -> float:
     src = np.random.default_rng(0).integers(0, 255, nbytes, np.uint8)
     dst = np.empty_like(src)
     np.copyto(dst, src)  # touch the pages first
-    return best_time(lambda: np.copyto(dst, src), repeats)
+    return best_of(lambda: np.copyto(dst, src), repeats)
 
 
 class Bench:
     """kvtransfer's stages on a synthetic cache of the model's layout, between two meshes of this process."""
 
-    def __init__(self, repeats: int):
-        self.repeats = repeats
+    def __init__(self, repeats: int, num_blocks: int = NUM_BLOCKS):
+        self.repeats, self.num_blocks = repeats, num_blocks
         self.src_mesh, self.dst_mesh = mesh_of(0), mesh_of(1)
-        self.src = jax.device_put(make_cache(LAYOUT, NUM_BLOCKS), cache_sharding(self.src_mesh, LAYOUT))
-        host = np.zeros(LAYOUT.cache_shape(NUM_BLOCKS), LAYOUT.np_dtype)
+        self.src = jax.device_put(make_cache(LAYOUT, num_blocks), cache_sharding(self.src_mesh, LAYOUT))
+        host = np.zeros(LAYOUT.cache_shape(num_blocks), LAYOUT.np_dtype)
         self.dst = jax.device_put(host, cache_sharding(self.dst_mesh, LAYOUT))
         self.sharding = chunk_sharding(self.dst_mesh, LAYOUT)
 
@@ -161,7 +158,7 @@ class Bench:
         jax.block_until_ready(self.dst)
 
     def measure(self, mib: int) -> dict:
-        src_blocks, dst_blocks, tokens = request_blocks(mib)
+        src_blocks, dst_blocks, tokens = request_blocks(mib, num_blocks=self.num_blocks)
         nbytes = tokens * TOKEN_BYTES
         r = self.repeats
         state = {}
@@ -193,7 +190,7 @@ class Bench:
             stage()
         row = {"mib": mib, "tokens": tokens, "blocks": len(src_blocks), "frames": len(state["messages"])}
         for stage in stages:
-            row[stage.__name__.removesuffix("_stage")] = nbytes / best_time(stage, r) / 1e9
+            row[stage.__name__.removesuffix("_stage")] = nbytes / best_of(stage, r) / 1e9
         frame_bytes = max(len(m) for m in state["messages"])
         row["scratch_mib"] = (
             max(insert_scratch_bytes(self.dst, c, dst_blocks) for c in state["device"][:2]) / 2**20
@@ -225,8 +222,8 @@ class Bench:
         jax.block_until_ready(self.dst)
         return {
             "chunk_shapes": len(shapes),
-            "gather": _gather_kernel._cache_size(),  # every variant compiled in this process
-            "insert": _insert_kernel._cache_size(),
+            "gather": gather_kernel._cache_size(),  # every variant compiled in this process
+            "insert": insert_kernel._cache_size(),
             "seconds": time.perf_counter() - start,
         }
 
@@ -378,7 +375,7 @@ async def measure_paths(port: int, sizes: list[int], repeats: int) -> list[dict]
         await paths.close()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     import asyncio
 
     parser = argparse.ArgumentParser(
@@ -390,29 +387,38 @@ def main() -> None:
     parser.add_argument("--skip-stages", action="store_true")
     parser.add_argument("--skip-paths", action="store_true")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    parser.add_argument("--json", default=None, help="also write the measured rows here")
+    parser.add_argument("--smoke", action="store_true", help="the stages at 1 MiB once, a small cache")
+    args = parser.parse_args(argv)
     if args.dtype and args.dtype != DTYPE:  # the layout is fixed at import: run again with it
         os.environ["KVBENCH_DTYPE"] = args.dtype
         os.execv(sys.executable, [sys.executable, __file__, *sys.argv[1:]])
     if args.serve:
         return serve()
+    if args.smoke:
+        args.sizes, args.repeats, args.skip_paths = "1", 1, True
     sizes = [int(s) for s in args.sizes.split(",")]
+    result = {"dtype": DTYPE}
     if not args.skip_stages:
-        bench = Bench(args.repeats)
+        bench = Bench(args.repeats, 64) if args.smoke else Bench(args.repeats)
         rows = []
         for mib in sizes:
             rows.append(bench.measure(mib))
             print(f"measured the stages at {mib} MiB", file=sys.stderr, flush=True)
         print(f"{DTYPE}, synthetic cache: stage throughput in GB/s (10^9 B/s) of KV bytes.\n")
         table(rows, STAGE_COLUMNS)
-        variants = bench.compiled_variants()
-        print(
-            f"\nCompiled variants for requests of 1..512 blocks: {variants['chunk_shapes']} chunk shapes, "
-            f"{variants['gather']} gather and {variants['insert']} insert kernels "
-            f"(compiled and run in {variants['seconds']:.1f} s).\n"
-        )
+        result["stages"] = rows
+        if not args.smoke:
+            variants = result["compiled_variants"] = bench.compiled_variants()
+            print(
+                "\nCompiled variants for requests of 1..512 blocks: "
+                f"{variants['chunk_shapes']} chunk shapes, {variants['gather']} gather and "
+                f"{variants['insert']} insert kernels "
+                f"(compiled and run in {variants['seconds']:.1f} s).\n"
+            )
         del bench
     if args.skip_paths:
+        report(result, args.json, echo=False)
         return None
     peer = subprocess.Popen(
         [sys.executable, __file__, "--serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
@@ -425,9 +431,11 @@ def main() -> None:
             " references measured in the same run.\n"
         )
         table(rows, PATH_COLUMNS)
+        result["paths"] = rows
     finally:
         peer.stdin.close()
         peer.wait(timeout=120)
+    report(result, args.json, echo=False)
     return None
 
 

@@ -3,6 +3,7 @@ weights: the default model (as a Hugging Face folder, float32), offline tasks wr
 
     bash bench/clients_env.sh                  # once: .venv-clients with lm-eval[api], torch, transformers
     .venv-clients/bin/python bench/bench_lm_eval.py [--json OUT]
+    .venv/bin/python bench/bench_lm_eval.py --smoke [--json OUT]
 
 Tasks (local JSONL, written into a temporary folder):
 - `pdserve_mc`: 24 multiple-choice questions, scored by loglikelihood (lm-eval sends each context and
@@ -14,19 +15,19 @@ decode-server with `--prefill local` (colocated). Models: `local-completions` on
 requests, the model's own tokenizer, batches of 4 prompts a call), `local-chat-completions` on the
 disaggregated one for the generation task, `hf` in this process. Printed: each run's accuracy and exact
 match, and against `hf`: the largest loglikelihood difference, the is_greedy disagreements, the
-generated answers that differ.
+generated answers that differ. --smoke: writes the tasks and checks them (their YAML and JSONL read back;
+with lm-eval installed, its task manager finds them); no servers, no evaluation.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
-import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from pdserve.bench.common import report
 
 MC = [  # question, choices, index of the answer
     ("What is the capital of France?", ["Paris", "London", "Berlin", "Madrid"], 0),
@@ -142,10 +143,31 @@ def compare(reference: dict, run: dict) -> dict:
     return out
 
 
-def main() -> None:
+def smoke() -> dict:
+    """The tasks written and read back: documents per task (each task's YAML names its JSONL file), and
+    whether lm-eval's task manager (when installed) finds them."""
+    folder = Path(tempfile.mkdtemp(prefix="bench-lm-eval-smoke-"))
+    write_tasks(folder)
+    out = {}
+    for task, data in (("pdserve_mc", folder / "mc.jsonl"), ("pdserve_gen", folder / "gen.jsonl")):
+        assert f"test: {data}" in (folder / f"{task}.yaml").read_text(), task
+        out[task] = {"documents": len([json.loads(line) for line in data.read_text().splitlines()])}
+    if importlib.util.find_spec("lm_eval") is not None:
+        from lm_eval.tasks import TaskManager
+
+        found = TaskManager(include_path=str(folder)).all_tasks
+        out["lm_eval_finds_tasks"] = all(task in found for task in ("pdserve_mc", "pdserve_gen"))
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path)
-    args = parser.parse_args()
+    parser.add_argument("--smoke", action="store_true", help="write and check the tasks; no servers")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        report(smoke(), args.json)
+        return
 
     from pdserve.engine.loading.sources import DEFAULT_MODEL, cache_dir, fetch
     from pdserve.testing.launch import ENGINE_ARGS, decode_server, prefill_server
@@ -195,9 +217,7 @@ def main() -> None:
         for server in servers.values():
             server.terminate()
         prefill.terminate()
-    print(json.dumps(result, indent=2))
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2))
+    report(result, args.json)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Loading a ~1B-parameter bfloat16 checkpoint: host memory and speed of the streaming loader.
 
-    .venv/bin/python bench/bench_load.py [--dir DIR] [--layers 22] [--dtype bfloat16] [--json OUT]
+    .venv/bin/python bench/bench_load.py [--dir DIR] [--layers 22] [--dtype bfloat16] [--json OUT] [--smoke]
 
 Writes a random Llama-architecture checkpoint (TinyLlama-1.1B's shapes by default: hidden 2048,
 intermediate 5632, 22 layers, 32 heads, 4 KV heads, vocabulary 32000, untied head; about 2.2 GB of
@@ -16,6 +16,8 @@ Reported against references measured in the same run:
   are reported too (XLA's memory analysis of the largest step);
 - load GB/s against reading the same shard files from disk in the same run (the page cache warm for
   both: the loader's own cost over the bytes it must read).
+
+--smoke: a 2-layer random Llama of hidden size 64 (the figures mean nothing; the script runs).
 """
 
 from __future__ import annotations
@@ -27,6 +29,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from pdserve.bench.common import ratio, write_json
+
+SMOKE_SIZES = dict(hidden=64, intermediate=128, heads=4, kv_heads=2, vocab=32000)  # and 2 layers
 
 
 def read_files(folder: Path) -> float:
@@ -40,23 +46,24 @@ def read_files(folder: Path) -> float:
     return total / 1e9 / (time.perf_counter() - start)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dir", type=Path, default=None)
     parser.add_argument("--layers", type=int, default=22)
     parser.add_argument("--dtype", default="bfloat16", help="the engine's (the checkpoint is bfloat16)")
     parser.add_argument("--json", default=None)
-    args = parser.parse_args()
+    parser.add_argument("--smoke", action="store_true", help="a tiny random Llama")
+    args = parser.parse_args(argv)
+    sizes = dict(hidden=2048, intermediate=5632, heads=32, kv_heads=4, vocab=32000)
+    if args.smoke:
+        sizes, args.layers = SMOKE_SIZES, 2
 
     from pdserve.testing.load_probe import write_random_llama
 
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         folder = Path(tmp) / "random-llama-1b"
         start = time.perf_counter()
-        stored = write_random_llama(
-            folder, shards=4, hidden=2048, intermediate=5632, layers=args.layers, heads=32, kv_heads=4,
-            vocab=32000,
-        )  # fmt: skip
+        stored = write_random_llama(folder, shards=4, layers=args.layers, **sizes)
         print(f"wrote {stored / 1e9:.2f} GB in {time.perf_counter() - start:.0f} s", file=sys.stderr)
         disk = max(read_files(folder) for _ in range(2))  # the second read: page cache warm, as the load's
         probe = subprocess.run(
@@ -82,11 +89,10 @@ def main() -> None:
         "load_gb_per_s": ckpt / 1e9 / cost["load_seconds"],
         "read_files_gb_per_s": disk,
     }
-    result["load_over_read_speed"] = result["load_gb_per_s"] / disk
+    result["load_over_read_speed"] = ratio(result["load_gb_per_s"], disk)
     for key, value in result.items():
         print(f"{key:45s} {value:.3f}" if isinstance(value, float) else f"{key:45s} {value}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+    write_json(result, args.json)
 
 
 if __name__ == "__main__":

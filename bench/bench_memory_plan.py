@@ -1,6 +1,6 @@
 """Does the memory plan hold at a real size? (issue 48)
 
-    .venv/bin/python bench/bench_memory_plan.py [--dir DIR] [--json OUT]
+    .venv/bin/python bench/bench_memory_plan.py [--dir DIR] [--json OUT] [--smoke]
 
 Writes the random 1.2B-parameter bfloat16 Llama of bench/bench_load.py (2.2 GB in 4 safetensors shards, the
 test model's tokenizer beside it), then serves it from a fresh process for each case
@@ -15,7 +15,8 @@ process's peak resident growth, and peak / planned (goal <= 1.0: the plan holds)
 - `fraction_0.6`: the issue's decode-server, `--gpu-memory-utilization 0.6` of this box's available RAM
   (the plan before this fix counted 13.2 GiB and the process was killed at 23.9 GB).
 
-`--max-num-batched-tokens` (default 512, the daemons') sets the largest step.
+`--max-num-batched-tokens` (default 512, the daemons') sets the largest step. --smoke: a 2-layer random
+Llama of hidden size 64, the `four_x` case only.
 """
 
 from __future__ import annotations
@@ -29,7 +30,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench_engine import report  # noqa: E402  bench/ is on the path
+from pdserve.bench.common import ratio, report
+
+# The random checkpoint: TinyLlama-1.1B's shapes; --smoke: a tiny one of the same architecture
+SIZES = dict(hidden=2048, intermediate=5632, layers=22, heads=32, kv_heads=4, vocab=32000)
+SMOKE_SIZES = dict(hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, vocab=32000)
 
 
 def probe(folder: Path, step_tokens: int, env: dict | None = None, *extra: str) -> dict:
@@ -40,17 +45,20 @@ def probe(folder: Path, step_tokens: int, env: dict | None = None, *extra: str) 
     )  # fmt: skip
     result = json.loads(done.stdout.strip().splitlines()[-1])
     if "planned_bytes" in result:
-        result["peak_over_planned"] = result["peak_growth"] / result["planned_bytes"]
+        result["peak_over_planned"] = ratio(result["peak_growth"], result["planned_bytes"])
     return result
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dir", type=Path, default=None)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--cases", nargs="+", default=["default", "four_x", "fraction_0.6"])
     parser.add_argument("--json", default=None)
-    args = parser.parse_args()
+    parser.add_argument("--smoke", action="store_true", help="a tiny random Llama, the four_x case only")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.cases, args.max_num_batched_tokens = ["four_x"], 64
 
     from pdserve.testing.load_probe import write_random_llama
     from pdserve.testing.models import small_model
@@ -58,9 +66,7 @@ def main() -> None:
     results = {}
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         folder = Path(tmp) / "random-llama-1b"
-        nbytes = write_random_llama(
-            folder, shards=4, hidden=2048, intermediate=5632, layers=22, heads=32, kv_heads=4, vocab=32000
-        )
+        nbytes = write_random_llama(folder, shards=4, **(SMOKE_SIZES if args.smoke else SIZES))
         for name in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copy(small_model() / name, folder / name)
         results["checkpoint_bytes"] = nbytes

@@ -3,7 +3,7 @@ CPU devices, as one process vs as a group of 2 processes x 4 devices (services/g
 operation streamed from the leader to the worker, collectives over gloo between the processes), measured in
 one run with alternating rounds.
 
-    .venv/bin/python bench/bench_multihost.py [--rounds N] [--json OUT]
+    .venv/bin/python bench/bench_multihost.py [--rounds N] [--json OUT] [--smoke]
 
 Figures: TTFT of a 256-token prompt (median), decode tokens/s of 1 stream and of 8 concurrent streams (64
 tokens each), and their ratios (group / single process). Both daemons share this machine's cores.
@@ -17,6 +17,9 @@ operation is sent). Then:
   daemon    = 1-process daemon / 1-process engine (gRPC, the engine thread; for comparison)
   gloo      = 1-process engine with gloo / without: CPU collectives through gloo
   boundary  = 2-process lockstep engines / 1-process engine with gloo: crossing the processes
+
+--smoke: the 1-process engine only (the rest needs daemons or a 2-process job), the test model, one round
+of 4 decode tokens.
 """
 
 from __future__ import annotations
@@ -32,25 +35,20 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-from bench_engine import report  # bench/ is on the path when a script of it runs
-
+from pdserve.bench.common import ratio, report
+from pdserve.bench.prompts import random_prompt
 from pdserve.engine.distributed import add_distributed_args
 from pdserve.engine.loading.sources import DEFAULT_MODEL, fetch
 from pdserve.services.client import Client
 from pdserve.testing.launch import daemon_group, decode_server, free_port
+from pdserve.testing.models import bench_model
 
 ENGINE_ARGS = ["--max-model-len", "1024", "--num-blocks", "256", "--max-num-seqs", "8", "--tp", "8"]
 PROMPT_TOKENS, DECODE_TOKENS = 256, 64
 
 
-def prompt(length: int, salt: int) -> list[int]:
-    """Random tokens; different salts share no prefix (nothing is served from the prefix cache)."""
-    return np.random.default_rng((length, salt)).integers(100, 40000, length).tolist()
-
-
 def ttft(client: Client, salt: int) -> float:
-    return client.generate(prompt(PROMPT_TOKENS, salt), max_tokens=1).ttft_s
+    return client.generate(random_prompt(PROMPT_TOKENS, salt), max_tokens=1).ttft_s
 
 
 def decode_rate(client: Client, streams: int, salt: int) -> float:
@@ -58,7 +56,7 @@ def decode_rate(client: Client, streams: int, salt: int) -> float:
     first token: prefill excluded)."""
 
     def one(i: int) -> tuple[float, float, int]:
-        r = client.generate(prompt(16, salt * 100 + i), max_tokens=DECODE_TOKENS, ignore_eos=True)
+        r = client.generate(random_prompt(16, salt * 100 + i), max_tokens=DECODE_TOKENS, ignore_eos=True)
         return r.token_times_s[0], r.token_times_s[-1], len(r.token_ids) - 1
 
     start = time.perf_counter()
@@ -117,19 +115,21 @@ def lockstep_engine(args: argparse.Namespace) -> None:
     from pdserve.engine.sampling_params import SamplingParams
 
     config = EngineConfig(tp=8, max_model_len=1024, num_blocks=256, max_num_seqs=8)
-    engine = LLMEngine.from_model(None, config, warmup=False, progress=False)
-    decode = SamplingParams(max_tokens=DECODE_TOKENS, temperature=0, ignore_eos=True)
+    model = str(bench_model(True)) if args.smoke else None
+    engine = LLMEngine.from_model(model, config, warmup=False, progress=False)
+    decode_tokens = 4 if args.smoke else DECODE_TOKENS
+    decode = SamplingParams(max_tokens=decode_tokens, temperature=0, ignore_eos=True)
 
     def run(salt: int) -> dict:
         start = time.perf_counter()
-        engine.generate([prompt(PROMPT_TOKENS, salt)], SamplingParams(max_tokens=1))
+        engine.generate([random_prompt(PROMPT_TOKENS, salt)], SamplingParams(max_tokens=1))
         figures = {"ttft_s": time.perf_counter() - start}
         for streams in (1, 8):
-            prompts = [prompt(16, salt * 100 + i) for i in range(streams)]
+            prompts = [random_prompt(16, salt * 100 + i) for i in range(streams)]
             engine.generate(prompts, SamplingParams(max_tokens=1))  # prefilled first: decode alone is timed
             start = time.perf_counter()
             engine.generate(prompts, decode)
-            figures[f"decode_b{streams}_tok_s"] = streams * DECODE_TOKENS / (time.perf_counter() - start)
+            figures[f"decode_b{streams}_tok_s"] = streams * decode_tokens / (time.perf_counter() - start)
         return figures
 
     run(0)
@@ -137,12 +137,19 @@ def lockstep_engine(args: argparse.Namespace) -> None:
     print(json.dumps({f: statistics.median(r[f] for r in runs) for f in FIGURES}), flush=True)
 
 
-def lockstep(num_processes: int, rounds: int, join: bool = True) -> dict:
+def lockstep(num_processes: int, rounds: int, join: bool = True, smoke: bool = False) -> dict:
     """The engine over `num_processes` processes x 8 / num_processes devices, each running the same requests
     (process 0's figures); `join` False (one process): no JAX job, XLA's in-process collectives."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={8 // num_processes}"
-    argv = [sys.executable, __file__, "--lockstep-process", "--rounds", str(rounds)]
+    argv = [
+        sys.executable,
+        __file__,
+        "--lockstep-process",
+        "--rounds",
+        str(rounds),
+        *(["--smoke"] if smoke else []),
+    ]
     if join:
         argv += ["--coordinator-address", f"127.0.0.1:{free_port()}", "--num-processes", str(num_processes)]
     procs = [
@@ -155,17 +162,22 @@ def lockstep(num_processes: int, rounds: int, join: bool = True) -> dict:
     return json.loads(outs[0].strip().splitlines()[-1])
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--lockstep-process", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--smoke", action="store_true", help="the 1-process engine only, the test model")
     add_distributed_args(parser)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.lockstep_process:
         lockstep_engine(args)
+        return
+    if args.smoke:
+        engines = {"single process": lockstep(1, 1, join=False, smoke=True)}
+        report({"config": {"tp": 8, "smoke": True}, "engines": engines}, args.json)
         return
     daemons = daemons_study(args.rounds)
     engines = {
@@ -174,22 +186,22 @@ def main() -> None:
         "2 processes": lockstep(2, args.rounds),
     }
 
-    def ratio(a: dict, b: dict) -> dict:
-        return {f: a[f] / b[f] for f in FIGURES}
+    def ratios_of(a: dict, b: dict) -> dict:
+        return {f: ratio(a[f], b[f]) for f in FIGURES}
 
     config = {"tp": 8, "prompt_tokens": PROMPT_TOKENS, "decode_tokens": DECODE_TOKENS, "rounds": args.rounds}
     ratios = {
-        "2-process daemon / 1-process daemon": ratio(daemons["2 processes"], daemons["single process"]),
-        "stream: 2-process daemon / 2-process lockstep engines": ratio(
+        "2-process daemon / 1-process daemon": ratios_of(daemons["2 processes"], daemons["single process"]),
+        "stream: 2-process daemon / 2-process lockstep engines": ratios_of(
             daemons["2 processes"], engines["2 processes"]
         ),
-        "daemon: 1-process daemon / 1-process engine": ratio(
+        "daemon: 1-process daemon / 1-process engine": ratios_of(
             daemons["single process"], engines["single process"]
         ),
-        "gloo: 1-process engine with gloo / without": ratio(
+        "gloo: 1-process engine with gloo / without": ratios_of(
             engines["single process, gloo"], engines["single process"]
         ),
-        "boundary: 2-process engines / 1-process engine with gloo": ratio(
+        "boundary: 2-process engines / 1-process engine with gloo": ratios_of(
             engines["2 processes"], engines["single process, gloo"]
         ),
     }

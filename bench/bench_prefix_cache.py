@@ -1,6 +1,6 @@
 """Prefix caching, on vs off, measured in one run on this machine.
 
-    .venv/bin/python bench/bench_prefix_cache.py [--quick] [--json OUT]
+    .venv/bin/python bench/bench_prefix_cache.py [--quick] [--json OUT] [--smoke]
 
 1. Multi-turn chat through a prefill-server + decode-server pair (real daemons): 8 conversations of 4
    turns, a 1,024-token system prompt shared by all, 64-token user turns, 32-token answers; each turn's
@@ -14,6 +14,8 @@
 2. No reuse (random prompts), one engine per setting in this process, runs interleaved: prefill
    throughput (batches of 512-token prompts, one token each) and decode throughput (8 streams of 64
    tokens). Target: caching on within 3% of off.
+
+--smoke: part 2 only (part 1 needs the daemons), the test model, one round.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import dataclasses
-import json
 import statistics
 import tempfile
 import threading
@@ -30,15 +31,14 @@ from pathlib import Path
 
 import numpy as np
 
+from pdserve.bench.common import emit, ratio, report
+from pdserve.bench.prompts import random_tokens
 from pdserve.engine.loading.sources import DEFAULT_MODEL, fetch
 from pdserve.services.client import Client
 from pdserve.testing.launch import decode_server, prefill_server
+from pdserve.testing.models import bench_model
 
 ENGINE_ARGS = ["--max-model-len", "2048", "--num-blocks", "1024", "--max-num-seqs", "8"]
-
-
-def tokens(n: int, rng: np.random.Generator) -> list[int]:
-    return rng.integers(100, 40000, n).tolist()
 
 
 def conversations(
@@ -54,7 +54,7 @@ def conversations(
         for turn in range(turns):
             if turn == 1:
                 barrier.wait()
-            history += tokens(64, rng)
+            history += random_tokens(64, rng)
             result = client.generate(history, max_tokens=32, ignore_eos=True, temperature=0.0)
             out.append({"turn": turn + 1, "ttft_s": result.ttft_s, "cached": result.cached_prompt_tokens})
             history += result.token_ids
@@ -81,13 +81,15 @@ def chat_study(gguf: Path, logs: Path, num: int, turns: int) -> dict:
         dc = decode_server(gguf, target, logs, name=f"decode-{setting}", engine_args=args)
         try:
             client, stats_of = Client(dc.address), Client((pf or dc).address)
-            conversations(client, 2, 2, tokens(1024, np.random.default_rng(99)), seed=99)  # compile shapes
+            conversations(
+                client, 2, 2, random_tokens(1024, np.random.default_rng(99)), seed=99
+            )  # compile shapes
             marks = [stats_of.stats(), Client(dc.address).stats()]
             records = conversations(
                 client,
                 num,
                 turns,
-                tokens(1024, np.random.default_rng(1)),
+                random_tokens(1024, np.random.default_rng(1)),
                 seed=1,
                 after_turn1=lambda marks=marks, address=dc.address: marks.append(Client(address).stats()),
             )
@@ -110,17 +112,19 @@ def chat_study(gguf: Path, logs: Path, num: int, turns: int) -> dict:
             "kv_bytes_later_turns": decode_after.kv_transfer_bytes_total
             - decode_turn1.kv_transfer_bytes_total,
         }
-        print(json.dumps({setting: results[setting]}), flush=True)
+        emit({setting: results[setting]})
     on, off = results["caching_on"], results["caching_off"]
-    results["ttft_later_turns_off_over_on"] = off["ttft_p50_later_turns_s"] / on["ttft_p50_later_turns_s"]
+    results["ttft_later_turns_off_over_on"] = ratio(
+        off["ttft_p50_later_turns_s"], on["ttft_p50_later_turns_s"]
+    )
     results["prompt_tokens_computed_saved"] = 1 - on["prompt_tokens_computed"] / off["prompt_tokens_computed"]
     results["kv_bytes_later_turns_saved"] = 1 - on["kv_bytes_later_turns"] / off["kv_bytes_later_turns"]
     colocated = results["colocated_caching_on"]["ttft_p50_later_turns_s"]
-    results["ttft_later_turns_disaggregated_over_colocated"] = on["ttft_p50_later_turns_s"] / colocated
+    results["ttft_later_turns_disaggregated_over_colocated"] = ratio(on["ttft_p50_later_turns_s"], colocated)
     return results
 
 
-def throughput_study(rounds: int) -> dict:
+def throughput_study(rounds: int, model_ref: str | None = None) -> dict:
     """Engines with caching on and off over the same random prompts (no prefix shared), interleaved."""
     from pdserve.engine.compile_cache import configure_jax
     from pdserve.engine.config import EngineConfig
@@ -129,7 +133,7 @@ def throughput_study(rounds: int) -> dict:
     from pdserve.engine.sampling_params import SamplingParams
 
     configure_jax()
-    model = load_model(None)
+    model = load_model(model_ref)
     config = EngineConfig(max_model_len=1024, num_blocks=512, max_num_seqs=8, max_num_batched_tokens=512)
     engines = {
         "on": LLMEngine(model, config),
@@ -140,11 +144,11 @@ def throughput_study(rounds: int) -> dict:
     decode_params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     samples = {(k, s): [] for k in engines for s in ("prefill", "decode")}
     for engine in engines.values():  # compile every shape the runs use
-        engine.generate([tokens(512, rng) for _ in range(4)], prefill_params)
-        engine.generate([tokens(16, rng) for _ in range(8)], decode_params)
+        engine.generate([random_tokens(512, rng) for _ in range(4)], prefill_params)
+        engine.generate([random_tokens(16, rng) for _ in range(8)], decode_params)
     for i in range(rounds):
-        prefill_prompts = [tokens(512, rng) for _ in range(8)]
-        decode_prompts = [tokens(16, rng) for _ in range(8)]
+        prefill_prompts = [random_tokens(512, rng) for _ in range(8)]
+        decode_prompts = [random_tokens(16, rng) for _ in range(8)]
         order = list(engines.items())
         for key, engine in order if i % 2 else order[::-1]:  # alternate who goes first
             t = time.perf_counter()
@@ -155,28 +159,30 @@ def throughput_study(rounds: int) -> dict:
             samples[key, "decode"].append(8 * 64 / (time.perf_counter() - t))
     out = {f"{kind}_tokens_per_s_{key}": statistics.median(v) for (key, kind), v in samples.items()}
     for kind in ("prefill", "decode"):
-        out[f"{kind}_on_over_off"] = out[f"{kind}_tokens_per_s_on"] / out[f"{kind}_tokens_per_s_off"]
-    print(json.dumps(out), flush=True)
+        out[f"{kind}_on_over_off"] = ratio(out[f"{kind}_tokens_per_s_on"], out[f"{kind}_tokens_per_s_off"])
+    emit(out)
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json", default=None)
     parser.add_argument("--skip-chat", action="store_true")
     parser.add_argument("--skip-throughput", action="store_true")
-    args = parser.parse_args()
+    parser.add_argument("--smoke", action="store_true", help="the test model, one round, no daemons")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.skip_chat = True
     result = {}
     if not args.skip_chat:
         gguf = fetch(DEFAULT_MODEL, progress=False)
         logs = Path(tempfile.mkdtemp(prefix="bench-prefix-"))
         result["multi_turn_chat"] = chat_study(gguf, logs, 4 if args.quick else 8, 3 if args.quick else 4)
     if not args.skip_throughput:
-        result["no_reuse"] = throughput_study(3 if args.quick else 7)
-    print(json.dumps(result, indent=2))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+        model = str(bench_model(True)) if args.smoke else None
+        result["no_reuse"] = throughput_study(1 if args.smoke else 3 if args.quick else 7, model)
+    report(result, args.json)
 
 
 if __name__ == "__main__":

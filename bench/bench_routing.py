@@ -1,6 +1,6 @@
 """Prefix-aware vs least-outstanding routing over two prefill replicas, measured in one run with real daemons.
 
-    .venv/bin/python bench/bench_routing.py [--quick] [--json OUT]
+    .venv/bin/python bench/bench_routing.py [--quick] [--json OUT] [--smoke]
 
 Shared-prefix workload: 16 system prompts of 512 tokens (8 with --quick), each asked 12 times (6) with its own
 48-token question, in a shuffled order, 4 requests at a time, through one decode-server over two
@@ -8,23 +8,24 @@ prefill-servers whose caches hold about 60% of the system prompts each (--num-bl
 on freshly started daemons (empty caches) with its own prompts. Reports the prefill-side prefix-cache hit
 rate (prompt tokens found / looked up, over both replicas, from their Admin stats), TTFT p50 and p90, and
 for the prefix policy the prompt tokens the chosen replicas were expected to hold (their KV events) against
-those they held. Targets: hit rate at least 2x least-outstanding's; TTFT p50 lower.
+those they held. Targets: hit rate at least 2x least-outstanding's; TTFT p50 lower. --smoke: the test
+model, 2 system prompts asked twice each.
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import json
 import statistics
 import tempfile
 from pathlib import Path
 
 import numpy as np
 
-from pdserve.engine.loading.sources import DEFAULT_MODEL, fetch
+from pdserve.bench.common import emit, ratio, report
 from pdserve.services.client import Client
 from pdserve.testing.launch import decode_server, prefill_server
+from pdserve.testing.models import bench_model
 
 ENGINE_ARGS = ["--max-model-len", "1024", "--max-num-seqs", "8"]
 IN_FLIGHT_BLOCKS = 3 * 36  # requests of 560 tokens in flight on a replica (4 in all, on 2 replicas)
@@ -80,34 +81,33 @@ def run_policy(gguf: Path, logs: Path, policy: str, prompts: list[list[int]], nu
     result = {
         "requests": len(prompts),
         "requests_per_replica": served,
-        "prefill_hit_rate": found / looked_up,
+        "prefill_hit_rate": ratio(found, looked_up),
         "ttft_p50_s": statistics.median(ttfts),
         "ttft_p90_s": float(np.percentile(ttfts, 90)),
         "expected_hit_tokens": expected,
         "actual_hit_tokens": actual,
     }
-    print(json.dumps({policy: result}), flush=True)
+    emit({policy: result})
     return result
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json", default=None)
-    args = parser.parse_args()
-    gguf = fetch(DEFAULT_MODEL, progress=False)
+    parser.add_argument("--smoke", action="store_true", help="the test model, 2 prefixes asked twice")
+    args = parser.parse_args(argv)
+    gguf = bench_model(args.smoke)
     logs = Path(tempfile.mkdtemp(prefix="bench-routing-"))
-    num_prefixes, asks = (8, 6) if args.quick else (16, 12)
+    num_prefixes, asks = (2, 2) if args.smoke else (8, 6) if args.quick else (16, 12)
     result = {
         policy: run_policy(gguf, logs, policy, workload(num_prefixes, asks, seed), num_prefixes)
         for seed, policy in enumerate(("least-outstanding", "prefix"), start=1)
     }
     lo, px = result["least-outstanding"], result["prefix"]
-    result["hit_rate_prefix_over_least_outstanding"] = px["prefill_hit_rate"] / lo["prefill_hit_rate"]
-    result["ttft_p50_prefix_over_least_outstanding"] = px["ttft_p50_s"] / lo["ttft_p50_s"]
-    print(json.dumps(result, indent=2))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+    result["hit_rate_prefix_over_least_outstanding"] = ratio(px["prefill_hit_rate"], lo["prefill_hit_rate"])
+    result["ttft_p50_prefix_over_least_outstanding"] = ratio(px["ttft_p50_s"], lo["ttft_p50_s"])
+    report(result, args.json)
 
 
 if __name__ == "__main__":

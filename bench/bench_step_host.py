@@ -1,6 +1,6 @@
 """Where a decode step's time goes: the compiled step and sampling kernel against the host work around them.
 
-    .venv/bin/python bench/bench_step_host.py [--batches 1,8,32] [--steps 32] [--json OUT]
+    .venv/bin/python bench/bench_step_host.py [--batches 1,8,32] [--steps 32] [--json OUT] [--smoke]
 
 One engine (default model, float32, the default step buckets), `batch` running requests of 32-token
 prompts, greedy, then `steps` decode steps through `LLMEngine.step()`. Each part of a step is timed by
@@ -11,19 +11,21 @@ batch, copying results to host), and `update_from_output` (tokens appended, bloc
 detokenizing, stop checks). Host share = 1 - (compiled step + sampling kernel) / step. Waiting for each
 kernel removes the little overlap JAX's asynchronous dispatch gives today; the step totals are measured
 in a separate pass without the waits. Streaming to clients (the daemons' EngineLoop and gRPC) is not
-included. Issue 14's baseline: the grid engine before ragged steps.
+included. Issue 14's baseline: the grid engine before ragged steps. --smoke: the test model, small sizes,
+batches 1 and 2, 2 steps, no warmup.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
-import json
 import statistics
 import time
 
 import jax
-from bench_engine import decode_step_times, report  # bench/ is on the path when a script of it runs
+
+from pdserve.bench.common import emit, report
+from pdserve.bench.engine_timing import decode_step_times
 
 
 def timed(table: dict, key: str, fn, wait: bool = False):
@@ -72,28 +74,34 @@ def breakdown(engine, batch: int, steps: int) -> dict:
         "update_from_output_s": med["update_from_output"],
         "host_share": 1 - device / step,
     }
-    print(json.dumps({"batch": batch, **out}), flush=True)
+    emit({"batch": batch, **out})
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--json", default=None)
-    args = parser.parse_args()
+    parser.add_argument("--smoke", action="store_true", help="the test model, small sizes, 2 steps")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.batches, args.steps = "1,2", 2
 
     from pdserve.engine.compile_cache import configure_jax
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.llm_engine import LLMEngine
-    from pdserve.engine.loading.sources import DEFAULT_MODEL, fetch
+    from pdserve.testing.models import bench_model
 
     configure_jax()
     batches = [int(b) for b in args.batches.split(",")]
-    config = EngineConfig(num_blocks=1024, max_model_len=1024, max_num_seqs=max(batches))
-    engine = LLMEngine.from_model(str(fetch(DEFAULT_MODEL, progress=False)), config, warmup=False)
+    sizes = dict(num_blocks=64, max_model_len=256, max_num_batched_tokens=64) if args.smoke else {}
+    config = EngineConfig(
+        **{"num_blocks": 1024, "max_model_len": 1024, **sizes, "max_num_seqs": max(batches)}
+    )
+    engine = LLMEngine.from_model(str(bench_model(args.smoke)), config, warmup=False)
     t0 = time.perf_counter()
-    variants = engine.runner.warmup(progress=False)
+    variants = None if args.smoke else engine.runner.warmup(progress=False)  # smoke: shapes on first use
     result = {
         "warmup": {
             "variants": variants,

@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/bench_vs_commit.py --baseline REV [--batches 1,32] [--contexts 32,480]
         [--rounds 2] [--served] [--json OUT]
+    .venv/bin/python bench/bench_vs_commit.py --smoke [--json OUT]
 
 Checks REV out into a git worktree, lays each tree's pdserve out as it installs (pdserve.testing.packaging:
 so REV must be 9e8f3d1 or later, when engine/ became pdserve.engine), then runs, for each round, one worker
@@ -9,16 +10,20 @@ process per tree (the order alternating from round to round, so that the machine
 the worker imports the `pdserve.engine` of its tree (its layout first on PYTHONPATH), builds the default
 model's engine (`max_model_len` 1024, `num_blocks` 1024, `max_num_seqs` the largest batch), times its
 warmup with an empty compilation cache (every shape compiled), counts the compiled variants, times a
-1000-token prompt's prefill (two chunks), then times decode steps (bench_engine.decode_step_times:
-greedy, sampling included) at each batch and prompt length; with --served, also the daemons' path
-(`served_path`: a 1000-token prompt's TTFT through services.decode.core, and the boundary crossings of one
-request prefilled by a second engine). The measuring code is this tree's bench/ for both; only `pdserve`
-differs. Prints each tree's best figures and the ratios this tree / baseline.
+1000-token prompt's prefill (two chunks), then times decode steps (pdserve.bench.engine_timing's
+decode_step_times: greedy, sampling included) at each batch and prompt length; with --served, also the
+daemons' path (`served_path`: a 1000-token prompt's TTFT through services.decode.core, and the boundary
+crossings of one request prefilled by a second engine). The measuring code is this tree's for both; only
+`pdserve` differs: the worker loads pdserve/bench/common.py and engine_timing.py of this tree by their
+paths (a baseline's pdserve may have no pdserve.bench). Prints each tree's best figures and the ratios
+this tree / baseline. --smoke: one worker on this tree in this process, the test model, no warmup, batch 1,
+2 steps; no baseline.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -26,22 +31,29 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench_engine import decode_step_times, report  # bench/ is on the path when a script of it runs
-
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 SERVED_PROMPT = 600  # tokens of the request counted through the daemons' path (2 prefill chunks)
 
 
-def _timed(fn, *args) -> float:
-    import time
+def this_tree(name: str):
+    """pdserve/bench/`name`.py of this tree, loaded by its path: a worker imports the measured tree's
+    `pdserve` (PYTHONPATH), which for a baseline may have no pdserve.bench, and measures with this tree's
+    code (both modules import only numpy and the standard library at the top)."""
+    spec = importlib.util.spec_from_file_location(
+        f"this_tree_{name}", ROOT / "pdserve" / "bench" / f"{name}.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
-    t0 = time.perf_counter()
-    fn(*args)
-    return time.perf_counter() - t0
+
+common, engine_timing = this_tree("common"), this_tree("engine_timing")
 
 
-def worker(batches: list[int], contexts: list[int], steps: int, served: bool = False) -> dict:
+def worker(
+    batches: list[int], contexts: list[int], steps: int, served: bool = False, smoke: bool = False
+) -> dict:
     import time
 
     from pdserve.engine.config import EngineConfig
@@ -53,11 +65,15 @@ def worker(batches: list[int], contexts: list[int], steps: int, served: bool = F
     )
     sizes = dict(num_blocks=1024, max_model_len=1024, max_num_seqs=max(batches))
     sizes[budget or "max_prefill_tokens"] = 512
-    engine = LLMEngine.from_model(
-        str(fetch(DEFAULT_MODEL, progress=False)), EngineConfig(**sizes), warmup=False
-    )
+    if smoke:  # (this tree only: the test model)
+        from pdserve.testing.models import small_model
+
+        model_path = small_model()
+    else:
+        model_path = fetch(DEFAULT_MODEL, progress=False)
+    engine = LLMEngine.from_model(str(model_path), EngineConfig(**sizes), warmup=False)
     t0 = time.perf_counter()
-    variants = engine.runner.warmup(progress=False)
+    variants = None if smoke else engine.runner.warmup(progress=False)  # smoke: shapes on first use
     result = {
         "warmup_s": time.perf_counter() - t0,
         "variants": variants,
@@ -66,10 +82,10 @@ def worker(batches: list[int], contexts: list[int], steps: int, served: bool = F
     }
     prompt = list(range(1000, 1000 + 1000))  # two chunks of 512 and 488 tokens, the second after a past
     engine.prompt_logits(prompt)  # compiles what warmup left (the grid engine's continued-chunk shape)
-    result["prefill_1000_s"] = min(_timed(engine.prompt_logits, prompt) for _ in range(3))
+    result["prefill_1000_s"] = common.best_of(lambda: engine.prompt_logits(prompt), 3)
     for context in contexts:
         for batch in batches:
-            times = sorted(decode_step_times(engine, batch, steps, prompt_len=context))
+            times = sorted(engine_timing.decode_step_times(engine, batch, steps, prompt_len=context))
             result["decode_tokens_s"][f"b{batch}_ctx{context}"] = batch / times[len(times) // 2]
     if served:
         result.update(served_path(engine, sizes))
@@ -174,7 +190,7 @@ def served_path(engine, sizes: dict) -> dict:
     return result
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--baseline", help="commit to compare with (checked out into a worktree)")
     parser.add_argument("--batches", default="1,32")
@@ -186,11 +202,15 @@ def main() -> None:
         "--served", action="store_true", help="also TTFT and boundary crossings through the daemons' path"
     )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # PYTHONPATH: the tree
-    args = parser.parse_args()
+    parser.add_argument("--smoke", action="store_true", help="one worker here, the test model; no baseline")
+    args = parser.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     contexts = [int(c) for c in args.contexts.split(",")]
     if args.worker:
         print(json.dumps(worker(batches, contexts, args.steps, args.served)))
+        return
+    if args.smoke:
+        common.report({"this tree": worker([1], [32], 2, smoke=True)}, args.json)
         return
     if not args.baseline:
         parser.error("--baseline is required")
@@ -242,20 +262,20 @@ def main() -> None:
         "baseline": args.baseline,
         "best": best,
         "ratios": {
-            "warmup_this_over_baseline": new["warmup_s"] / old["warmup_s"],
-            "prefill_1000_this_over_baseline": new["prefill_1000_s"] / old["prefill_1000_s"],
+            "warmup_this_over_baseline": common.ratio(new["warmup_s"], old["warmup_s"]),
+            "prefill_1000_this_over_baseline": common.ratio(new["prefill_1000_s"], old["prefill_1000_s"]),
             **{
-                f"decode_tokens_s_{k}": new["decode_tokens_s"][k] / old["decode_tokens_s"][k]
+                f"decode_tokens_s_{k}": common.ratio(new["decode_tokens_s"][k], old["decode_tokens_s"][k])
                 for k in new["decode_tokens_s"]
             },
             **(
-                {"ttft_1000_this_over_baseline": new["ttft_1000_s"] / old["ttft_1000_s"]}
+                {"ttft_1000_this_over_baseline": common.ratio(new["ttft_1000_s"], old["ttft_1000_s"])}
                 if args.served
                 else {}
             ),
         },
     }
-    report(result, args.json)
+    common.report(result, args.json)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 
     .venv/bin/python -m pip install optax      # (the `distill` extra)
     .venv/bin/python bench/distill_eagle3.py --out /tmp/head [--prompts 128] [--tokens 160] [--steps 1500]
+        [--smoke]
 
 The data are the model's own greedy answers (chat template) to instructions made of task x topic, none of
 them bench_eagle3's workloads. For each answer the target's residual stream entering layers 2, 15 and 27
@@ -12,7 +13,8 @@ tokens the answers use most, d2t) is trained with Adam (optax) on the cross entr
 ahead, as EAGLE-3 is: a first pass reads the target's states, each later pass the previous pass's outputs
 shifted by a position (an approximation of EAGLE-3's training-time test: the i-th draft learns to read
 the head's own state; it attends to that pass's keys, where drafting attends to the first pass's).
-Attention is dense and causal over each answer.
+Attention is dense and causal over each answer. The instructions are pdserve.bench.prompts' TASKS x
+TOPICS. --smoke: the test model, 4 answers of 8 tokens, 2 training steps of 2 sequences.
 """
 
 from __future__ import annotations
@@ -21,28 +23,12 @@ import argparse
 import collections
 import dataclasses
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from pdserve.bench.prompts import TASKS, TOPICS
 
-TASKS = [
-    "Explain {t} to a ten-year-old.",
-    "Write three facts about {t}.",
-    "Write a short poem about {t}.",
-    "List five questions someone might ask about {t}, one per line.",
-    "Summarize what you know about {t} in two sentences.",
-    "Write a JSON object describing {t} with the keys name, kind and summary.",
-    "Write a Python function that returns a list of words related to {t}.",
-    "Repeat this sentence twice: I would like to learn more about {t}.",
-]
-TOPICS = [
-    "the moon", "volcanoes", "honeybees", "the printing press", "rainbows", "chess", "bicycles", "glaciers",
-    "the piano", "octopuses", "bread baking", "the internet", "deserts", "lighthouses", "tea", "comets",
-]  # fmt: skip
 DRAFT_VOCAB = 4096
 
 
@@ -137,7 +123,7 @@ def make_loss(cfg, embed, passes: int):
     return loss
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--prompts", type=int, default=128)
@@ -146,7 +132,10 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8, help="sequences a step")
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--passes", type=int, default=3, help="drafts deep the loss trains (EAGLE-3's test)")
-    args = parser.parse_args()
+    parser.add_argument("--smoke", action="store_true", help="the test model, 4 answers, 2 steps")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.prompts, args.tokens, args.steps, args.batch = 4, 8, 2, 2
     try:
         import optax
     except ImportError:
@@ -159,11 +148,12 @@ def main() -> None:
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.llm_engine import LLMEngine
     from pdserve.engine.loading.eagle3 import load_eagle3_head
-    from pdserve.engine.loading.sources import DEFAULT_MODEL, fetch, load_model
+    from pdserve.engine.loading.sources import load_model
     from pdserve.testing.eagle3 import write_random_head
+    from pdserve.testing.models import bench_model
 
     t0 = time.perf_counter()
-    model = load_model(str(fetch(DEFAULT_MODEL, progress=False))).in_memory()
+    model = load_model(str(bench_model(args.smoke))).in_memory()
     work = Path(tempfile.mkdtemp(prefix="distill_eagle3_"))
     start = write_random_head(work / "start", model.config, DRAFT_VOCAB, seed=0, scale=0.5)
     spec = json.dumps({"method": "eagle3", "model": str(start), "num_speculative_tokens": 1})

@@ -59,7 +59,7 @@ def read_gguf_metadata(source: str | os.PathLike | Any) -> dict[str, Any]:
     return metadata
 
 
-def _byte_alphabet() -> dict[int, str]:
+def byte_alphabet() -> dict[int, str]:
     """GPT-2's byte -> printable character table used by byte-level BPE vocabularies."""
     bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     cs, n = list(bs), 0
@@ -73,7 +73,7 @@ def _byte_alphabet() -> dict[int, str]:
 
 def _byte_level_backend(tokens: list[str], merges: list[str], pre: str | None) -> tuple[_Backend, dict]:
     """Byte-level BPE with the pre-tokenizer llama.cpp uses for `tokenizer.ggml.pre`."""
-    alphabet = _byte_alphabet()
+    alphabet = byte_alphabet()
     letters = set(alphabet.values())
     respell = lambda t: t if set(t) <= letters else "".join(alphabet[b] for b in t.encode())  # noqa: E731
     vocab = {respell(t): i for i, t in enumerate(tokens)}

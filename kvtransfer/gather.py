@@ -31,7 +31,7 @@ from pdserve.kvtransfer.plan import (
 
 
 @functools.partial(jax.jit, static_argnames=("counts", "bucket", "mode", "head_map"))
-def _gather_kernel(leaves, starts, ids, *, counts, bucket, mode, head_map):
+def gather_kernel(leaves, starts, ids, *, counts, bucket, mode, head_map):
     """-> [sum(counts), bucket * block_size, slots, dim].
 
     mode "slice": blocks ids[0] .. ids[0] + bucket (one contiguous run, in bounds);
@@ -98,7 +98,7 @@ def gather(
         mode = "take"
         ids = np.full(bucket, block_ids[-1], np.int32)
         ids[: len(block_ids)] = block_ids
-    data = _gather_kernel(
+    data = gather_kernel(
         tuple(leaves[s.leaf] for s in spans),
         tuple(s.local_start for s in spans),
         ids,

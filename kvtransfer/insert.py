@@ -35,7 +35,7 @@ def _write(view, piece, start, dst):
 
 
 @functools.partial(jax.jit, static_argnames=("layer_counts",), donate_argnums=(0,))
-def _insert_kernel(leaves, chunk, starts, dst_ids, num_blocks, *, layer_counts):
+def insert_kernel(leaves, chunk, starts, dst_ids, num_blocks, *, layer_counts):
     """Writes chunk [layers, bucket * bs, slots, dim] into the leaves holding its layers (donated):
     block b of the chunk (every layer) -> block dst_ids[b], for b < num_blocks.
 
@@ -97,7 +97,7 @@ def insert(cache, chunk: KVChunk, block_ids: Sequence[int]):
     if chunk.num_tokens == 0:
         return cache
     leaves, treedef, spans, args, kwargs = _kernel_call(cache, chunk, block_ids)
-    for span, leaf in zip(spans, _insert_kernel(*args, **kwargs), strict=True):
+    for span, leaf in zip(spans, insert_kernel(*args, **kwargs), strict=True):
         leaves[span.leaf] = leaf
     return jax.tree.unflatten(treedef, leaves)
 
@@ -106,7 +106,7 @@ def insert_scratch_bytes(cache, chunk: KVChunk, block_ids: Sequence[int]) -> int
     """Scratch memory XLA allocates to insert this chunk (the cache itself is updated in place): the
     extra memory of an insert beyond the chunk. Compiles, does not run."""
     _, _, _, args, kwargs = _kernel_call(cache, chunk, block_ids)
-    return _insert_kernel.lower(*args, **kwargs).compile().memory_analysis().temp_size_in_bytes
+    return insert_kernel.lower(*args, **kwargs).compile().memory_analysis().temp_size_in_bytes
 
 
 def insert_stream(cache, chunks: Iterable[KVChunk], block_ids: Sequence[int]):

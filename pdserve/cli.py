@@ -1,4 +1,4 @@
-"""The `pdserve` command line: `generate`, `serve`, `bench` (load generator), `adapters` and `models`."""
+"""The `pdserve` command line: generate, serve, bench (serve, throughput, latency), adapters, models."""
 
 from __future__ import annotations
 
@@ -198,11 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--decode-devices", default="1", help="device indices of the decode role")
     serve.set_defaults(func=cmd_serve)
 
-    bench = sub.add_parser("bench", help="load generator against a decode-server's Generation API")
-    from pdserve.loadgen import add_bench_args, cmd_bench
+    from pdserve.bench.commands import add_bench_parser
 
-    add_bench_args(bench)
-    bench.set_defaults(func=cmd_bench)
+    add_bench_parser(sub)
 
     adapters = sub.add_parser(
         "adapters", help="list, load or unload a daemon's LoRA adapters (Admin service)"

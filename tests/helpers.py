@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import queue
 import time
-import urllib.request
 from collections.abc import Iterator
 
 from pdserve.services.client import Client, build_request
@@ -78,17 +77,6 @@ class Daemons:
             if not daemon.killed:
                 codes[daemon.name] = code
         return codes
-
-
-def scrape(address: str, path: str = "/metrics") -> dict[str, float]:
-    """A daemon's /metrics (or another path of its metrics port): {'name{labels}': value}."""
-    text = urllib.request.urlopen(f"http://{address}{path}", timeout=10).read().decode()
-    values = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            values[name] = float(value)
-    return values
 
 
 def not_in_use(s: admin_pb2.ServerStats) -> bool:

@@ -15,17 +15,9 @@ import time
 import numpy as np
 import pytest
 
-from pdserve.loadgen import (
-    LengthDist,
-    RequestRecord,
-    compute_stats,
-    distribution,
-    load_dataset,
-    make_workload,
-    meets_slo,
-    run_load,
-    throughput_timeline,
-)
+from pdserve.bench.clients import run_load
+from pdserve.bench.stats import RequestRecord, compute_stats, distribution, meets_slo, throughput_timeline
+from pdserve.bench.workload import LengthDist, load_dataset, make_workload
 from pdserve.v1 import generation_pb2 as pb
 
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
@@ -249,6 +241,40 @@ def test_cli_bad_arguments():
     assert main(["bench", "--server", "127.0.0.1:1", "--rate", "0"]) == 2
     with pytest.raises(SystemExit):
         main(["bench", "--server", "x", "--rate", "1", "--concurrency", "2"])
+
+
+@pytest.mark.fast
+def test_cli_scenarios_and_the_plain_form():
+    """`pdserve bench serve ...` is plain `pdserve bench ...`; throughput and latency check their sizes
+    before building an engine; --server stays required for both serving forms."""
+    from pdserve.bench import offline, serve
+    from pdserve.cli import build_parser, main
+
+    parser = build_parser()
+    plain = parser.parse_args(["bench", "--server", "h:1", "--concurrency", "3"])
+    scenario = parser.parse_args(["bench", "serve", "--server", "h:1", "--concurrency", "3"])
+    assert scenario.func is serve.cmd_bench and scenario.concurrency == plain.concurrency == 3
+    assert parser.parse_args(["bench", "latency", "--batch-size", "2"]).func is offline.cmd_latency
+    assert main(["bench", "serve", "--server", "127.0.0.1:1", "--rate", "0"]) == 2
+    assert main(["bench", "throughput", "--num-prompts", "0"]) == 2
+    assert main(["bench", "latency", "--num-iters", "0"]) == 2
+    for argv in (["bench"], ["bench", "serve"], ["bench", "--rate", "1"]):
+        with pytest.raises(SystemExit):
+            main(argv)
+
+
+@pytest.mark.model
+def test_offline_throughput_and_latency(make_engine):
+    """`pdserve bench throughput|latency`'s measurements on the session's engine: every request generates
+    exactly its output length, and the engine is left without requests."""
+    from pdserve.bench import offline
+
+    engine = make_engine()
+    stats = offline.throughput(engine, num_prompts=3, input_len=8, output_len=4)
+    assert stats["requests"] == 3 and stats["output_tokens"] == 12 and stats["output_token_throughput"] > 0
+    result = offline.latency(engine, batch_size=2, input_len=8, output_len=3, iters_warmup=1, iters=2)
+    assert result["latency_s"]["count"] == 2 and len(result["latencies_s"]) == 2
+    assert not engine.has_unfinished
 
 
 # --------------------------------------------------------------------------------------------------------

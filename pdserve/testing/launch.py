@@ -1,5 +1,5 @@
-"""Daemons as real processes on loopback ports, and in-process servers on a thread: used by the tests and
-the benchmarks to run the real thing."""
+"""Daemons as real processes on loopback ports, in-process servers on a thread, and reading a daemon's
+metrics (`scrape`): used by the tests and the benchmarks to run the real thing."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 from pdserve.engine.config import EngineConfig
@@ -250,3 +251,14 @@ class ServerThread:
         self.thread.join(60)
         if self.error:
             raise self.error
+
+
+def scrape(address: str, path: str = "/metrics") -> dict[str, float]:
+    """A daemon's /metrics (or another path of its metrics port): {'name{labels}': value}."""
+    text = urllib.request.urlopen(f"http://{address}{path}", timeout=10).read().decode()
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    return values

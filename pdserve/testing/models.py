@@ -10,6 +10,8 @@ Two forms, both kept in the cache folder next to the default model:
   tokenizer.json), written by transformers from that GGUF file (the reference extra). It holds the values
   the GGUF loader dequantizes, and a daemon starts on it in a third of the time: reading GGUF metadata (the
   49k-token vocabulary) costs seconds, which every daemon a test starts would pay.
+
+`bench_model(smoke)`: what a benchmark runs on, the test model for its `--smoke` run, else the default.
 """
 
 from __future__ import annotations
@@ -103,3 +105,9 @@ def small_model(num_layers: int = TEST_MODEL_LAYERS) -> Path:
     """The test model: the default model's first `num_layers` layers as a Hugging Face folder."""
     name = f"SmolLM2-135M-Instruct-{num_layers}-layers"
     return hf_folder(small_gguf(num_layers), cache_dir() / f"{DEFAULT_MODEL}-{num_layers}-layers" / name)
+
+
+def bench_model(smoke: bool) -> Path:
+    """The model a benchmark runs on: the test model for a `--smoke` run (it only shows the script still
+    runs), else the default model's GGUF file (fetched once into the cache folder)."""
+    return small_model() if smoke else fetch(DEFAULT_MODEL, progress=False)

@@ -17,7 +17,7 @@ from pdserve.engine.tokenizer import (
     IncrementalDetokenizer,
     StopStringMatcher,
     Tokenizer,
-    _byte_alphabet,
+    byte_alphabet,
     read_gguf_metadata,
 )
 
@@ -201,7 +201,7 @@ def test_sentencepiece_gguf(tmp_path):
 
 
 def byte_token_ids(tok, data: bytes) -> list[int]:
-    alphabet = _byte_alphabet()
+    alphabet = byte_alphabet()
     return [tok.backend.token_to_id(alphabet[b]) for b in data]
 
 

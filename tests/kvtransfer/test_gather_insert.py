@@ -6,8 +6,8 @@ import pytest
 from kvtransfer_testlib import SENTINEL, check_transferred, dst_cache, make_layout, mesh, src_cache, to_host
 
 from pdserve.kvtransfer import gather, insert
-from pdserve.kvtransfer.gather import _gather_kernel
-from pdserve.kvtransfer.insert import _insert_kernel, insert_scratch_bytes
+from pdserve.kvtransfer.gather import gather_kernel
+from pdserve.kvtransfer.insert import insert_kernel, insert_scratch_bytes
 from pdserve.testing.kv_cache import make_cache
 
 pytestmark = pytest.mark.fast
@@ -117,7 +117,7 @@ def test_compiled_variants_stay_bounded_over_request_lengths():
     per bucket: 7 buckets (1..64) here, not 40 lengths."""
     m = mesh(0, 2)
     src, cache = src_cache(LAYOUT, m, num_blocks=64), dst_cache(LAYOUT, m, num_blocks=64)
-    gathers, inserts = _gather_kernel._cache_size(), _insert_kernel._cache_size()
+    gathers, inserts = gather_kernel._cache_size(), insert_kernel._cache_size()
     rng = np.random.default_rng(0)
     for num_blocks in range(1, 41):
         blocks = sorted(rng.choice(64, num_blocks, replace=False).tolist())
@@ -125,8 +125,8 @@ def test_compiled_variants_stay_bounded_over_request_lengths():
         cache = insert(cache, chunk, blocks)
         chunk = gather(src, blocks, num_blocks * 4)
         cache = insert(cache, chunk, list(range(64 - num_blocks, 64)))
-    assert _gather_kernel._cache_size() - gathers <= 2 * 7
-    assert _insert_kernel._cache_size() - inserts <= 7
+    assert gather_kernel._cache_size() - gathers <= 2 * 7
+    assert insert_kernel._cache_size() - inserts <= 7
 
 
 def test_gather_pads_to_a_given_bucket_and_insert_takes_it():

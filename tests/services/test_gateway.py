@@ -18,8 +18,8 @@ import zmq
 
 from pdserve.services.client import Client
 from pdserve.services.metrics import CACHE_NUM_BLOCKS_LABEL, PICKER_PATH, PICKER_SERIES
-from pdserve.testing.launch import free_port
-from tests.helpers import assert_all_free, in_process, scrape
+from pdserve.testing.launch import free_port, scrape
+from tests.helpers import assert_all_free, in_process
 from tests.llmd_index import RouterIndex
 
 pytestmark = pytest.mark.daemon

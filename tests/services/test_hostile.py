@@ -15,7 +15,8 @@ import grpc
 import pytest
 
 from pdserve.services.client import Client, build_request
-from tests.helpers import assert_all_free, scrape
+from pdserve.testing.launch import scrape
+from tests.helpers import assert_all_free
 
 pytestmark = pytest.mark.daemon
 

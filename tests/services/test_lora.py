@@ -177,7 +177,7 @@ def test_adapter_errors(lora_decode, adapter_dir, tmp_path, loaded_model):
 
 
 def test_load_generator_mixes_adapters(lora_decode):
-    from pdserve.loadgen import bench
+    from pdserve.bench.serve import bench
 
     result = bench(
         lora_decode.address,

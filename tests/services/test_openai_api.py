@@ -12,7 +12,7 @@ import urllib.request
 
 import pytest
 
-from tests.helpers import scrape
+from pdserve.testing.launch import scrape
 
 pytestmark = pytest.mark.daemon
 

@@ -12,7 +12,7 @@ import pytest
 
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.services.client import Client
-from tests.helpers import scrape
+from pdserve.testing.launch import scrape
 
 pytestmark = pytest.mark.daemon
 

@@ -1,0 +1,97 @@
+"""What a load run sends: prompt and output length distributions (`fixed:N`, `uniform:A:B`), JSONL
+datasets, and the endless, seeded stream of `RequestSpec`s made from them."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+
+# Prompt token ids are drawn from this range: ordinary vocabulary ids of the Llama-family models, clear of
+# special tokens at the bottom (ids 0-99) and inside every supported model's vocabulary.
+PROMPT_ID_RANGE = (100, 30000)
+
+
+@dataclasses.dataclass(frozen=True)
+class LengthDist:
+    """`fixed:N` or `uniform:A:B` (inclusive)."""
+
+    low: int
+    high: int
+
+    @classmethod
+    def parse(cls, spec: str) -> LengthDist:
+        parts = spec.split(":")
+        try:
+            if parts[0] == "fixed" and len(parts) == 2:
+                low = high = int(parts[1])
+            elif parts[0] == "uniform" and len(parts) == 3:
+                low, high = int(parts[1]), int(parts[2])
+            else:
+                raise ValueError
+        except ValueError:
+            raise ValueError(f"bad length distribution {spec!r}: want fixed:N or uniform:A:B") from None
+        if low < 1 or high < low:
+            raise ValueError(f"bad length distribution {spec!r}: want 1 <= A <= B")
+        return cls(low, high)
+
+    def sample(self, rng: np.random.Generator) -> int:
+        return int(rng.integers(self.low, self.high + 1))
+
+
+@dataclasses.dataclass
+class RequestSpec:
+    """One request to send: its index in the run, its prompt, its max_tokens and its LoRA adapter."""
+
+    index: int
+    prompt: str | list[int]  # token ids (exact lengths) or text
+    max_tokens: int
+    lora_adapter: str = ""  # "": the base model
+
+
+def load_dataset(path: str | Path) -> list[dict]:
+    """JSONL, one object a line: `prompt` (text) or `prompt_ids` (token ids), optional `max_tokens`."""
+    entries = []
+    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        entry = json.loads(line)
+        if not isinstance(entry, dict) or ("prompt" not in entry and "prompt_ids" not in entry):
+            raise ValueError(f"{path}:{number}: want an object with `prompt` or `prompt_ids`")
+        entries.append(entry)
+    if not entries:
+        raise ValueError(f"{path}: no entries")
+    return entries
+
+
+def make_workload(
+    prompt_len: LengthDist | None,
+    output_len: LengthDist,
+    seed: int = 0,
+    dataset: Sequence[dict] | None = None,
+    lora_adapters: Sequence[str] = (),
+) -> Iterator[RequestSpec]:
+    """An endless, reproducible stream of requests: random token-id prompts of `prompt_len` tokens, or the
+    dataset's entries in a seeded order (cycled); `max_tokens` from the entry, else from `output_len`; the
+    LoRA adapter from the entry's `lora_adapter`, else `lora_adapters` in turn ("": the base model)."""
+    rng = np.random.default_rng(seed)
+    order: list[int] = []
+    for index in itertools.count():
+        if dataset:
+            if not order:
+                order = rng.permutation(len(dataset)).tolist()
+            entry = dataset[order.pop()]
+            prompt = entry["prompt_ids"] if "prompt_ids" in entry else entry["prompt"]
+            max_tokens = int(entry.get("max_tokens") or output_len.sample(rng))
+        else:
+            length = prompt_len.sample(rng)
+            prompt = rng.integers(*PROMPT_ID_RANGE, length).tolist()
+            max_tokens = output_len.sample(rng)
+        adapter = lora_adapters[index % len(lora_adapters)] if lora_adapters else ""
+        if dataset:
+            adapter = entry.get("lora_adapter", adapter)
+        yield RequestSpec(index, prompt, max_tokens, adapter)
