@@ -83,7 +83,7 @@ def handoff(model, model_path: Path, spec: str, args, log_dir: Path) -> dict:
         colocated.generate([ids], params_from_request(build_request(ids, **keywords)))[0].token_ids
         for ids in requests
     ]
-    local = speculation_fields(colocated.scheduler.speculation)  # (Admin stats' spec_decode_* fields)
+    local = speculation_fields(colocated.stats().speculation)  # (Admin stats' spec_decode_* fields)
     extra = ["--speculative-config", spec]
     prefill = prefill_server(model_path, log_dir, extra=extra)
     try:

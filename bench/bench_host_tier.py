@@ -173,7 +173,7 @@ def copy_study(repeats: int, model_ref: str | None = None) -> dict:
     configure_jax()
     config = EngineConfig(max_model_len=2048, num_blocks=512, max_num_seqs=8, kv_offloading_size=0.5)
     engine = LLMEngine(load_model(model_ref), config)
-    runner, store = engine.runner, engine.runner.host
+    runner, store = engine.runner, engine.host_tier.store
     blocks = list(range(64))  # 1,024 tokens
     pairs = list(zip(blocks, blocks, strict=True))
     rng = np.random.default_rng(3)

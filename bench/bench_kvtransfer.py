@@ -247,7 +247,7 @@ class DaemonPaths:
         from pdserve.engine.llm_engine import LLMEngine
         from pdserve.engine.loading.sources import load_model
         from pdserve.services.decode.core import GenerationCore
-        from pdserve.services.decode.prefill_pool import LocalPrefiller
+        from pdserve.services.decode.local_prefiller import LocalPrefiller
         from pdserve.services.engine_loop import EngineLoop
         from pdserve.services.grpc_server import channel_options
 

@@ -112,7 +112,11 @@ def served_path(engine, sizes: dict) -> dict:
     from pdserve.engine.sampling_params import SamplingParams
     from pdserve.services import engine_loop
     from pdserve.services.decode.core import GenerationCore
-    from pdserve.services.decode.prefill_pool import LocalPrefiller
+
+    try:
+        from pdserve.services.decode.local_prefiller import LocalPrefiller
+    except ImportError:  # (a tree before issue 49's cut of prefill_pool)
+        from pdserve.services.decode.prefill_pool import LocalPrefiller
 
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 

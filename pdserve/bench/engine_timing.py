@@ -31,22 +31,25 @@ def decode_step_times(
 
     params = params or [SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)]
     rng = np.random.default_rng(batch)
-    for i in range(batch):
+    ids = {
         engine.add_request(
             rng.integers(100, 40000, prompt_len).tolist(),
             params[i % len(params)],
             lora=lora[i % len(lora)] if lora else None,
         )
-    while engine.scheduler.waiting or engine.scheduler.prefilling:
-        engine.step()
+        for i in range(batch)
+    }
+    started: set[str] = set()
+    while started != ids:  # every prompt computed (its first token out)
+        started |= {output.request_id for output in engine.step().tokens}
     engine.step()  # first decode step after the last prefill
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - t0)
-    for request in list(engine.scheduler.running):
-        engine.abort(request.request_id)
+    for request_id in ids:
+        engine.abort(request_id)
     return times
 
 
@@ -87,7 +90,7 @@ def compare(engines: dict, prompts, params, rounds: int) -> dict:
     rate over the rounds."""
     for engine in engines.values():
         timed_together(engine, prompts, params)  # warm-up (the cost policy learns this workload's steps)
-    before = {label: e.scheduler.speculation.snapshot() for label, e in engines.items()}
+    before = {label: e.stats().speculation for label, e in engines.items()}
     results: dict[str, list[dict]] = {label: [] for label in engines}
     for _ in range(rounds):  # interleaved: the machine's drift touches every engine alike
         for label, engine in engines.items():
@@ -100,7 +103,7 @@ def compare(engines: dict, prompts, params, rounds: int) -> dict:
         row[f"tpot_ms_{label}"] = statistics.median(r["tpot_ms"] for r in results[label])
         if label == "off":
             continue
-        now, then = engine.scheduler.speculation, before[label]
+        now, then = engine.stats().speculation, before[label]
         verifying = now.num_drafts - then.num_drafts
         accepted = now.num_accepted_tokens - then.num_accepted_tokens
         drafted = now.num_draft_tokens - then.num_draft_tokens
