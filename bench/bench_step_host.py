@@ -46,18 +46,18 @@ def breakdown(engine, batch: int, steps: int) -> dict:
     runner, scheduler = engine.runner, engine.scheduler
     plain = decode_step_times(engine, batch, steps)  # no waits: the step as it runs
     parts = collections.defaultdict(list)
-    originals = (scheduler.schedule, scheduler.update_from_output, runner._step, runner.forward)
+    originals = (scheduler.schedule, scheduler.update_from_output, runner.step_program, runner.forward)
     original_sample_fn, original_sample = runner_module.sample, runner.sample
     scheduler.schedule = timed(parts, "schedule", scheduler.schedule)
     scheduler.update_from_output = timed(parts, "update_from_output", scheduler.update_from_output)
-    runner._step = timed(parts, "compiled_step", runner._step, wait=True)
+    runner.step_program = timed(parts, "compiled_step", runner.step_program, wait=True)
     runner.forward = timed(parts, "forward", runner.forward)
     runner_module.sample = timed(parts, "sampling_kernel", runner_module.sample, wait=True)
     runner.sample = timed(parts, "sample", runner.sample)
     try:
         waited = decode_step_times(engine, batch, steps)
     finally:
-        scheduler.schedule, scheduler.update_from_output, runner._step, runner.forward = originals
+        scheduler.schedule, scheduler.update_from_output, runner.step_program, runner.forward = originals
         runner_module.sample, runner.sample = original_sample_fn, original_sample
     n = steps  # the last `steps` entries of each part are the timed decode steps
     med = {k: statistics.median(v[-n:]) for k, v in parts.items()}

@@ -84,7 +84,8 @@ class ModelRunner(RunnerCompilation, RunnerKVIO):
         self.attention = attention
         self.draft = draft
         self.aux_layers = () if draft is None else draft.aux_layers
-        self._step = functools.partial(
+        # the compiled step of this model and attention (what run_step calls; bench_step_host times it)
+        self.step_program = functools.partial(
             jitted_step, cfg=model, attention=attention, aux_layers=self.aux_layers
         )
         self._replicated = jax.jit(lambda x: x, out_shardings=named(mesh))
@@ -142,7 +143,7 @@ class ModelRunner(RunnerCompilation, RunnerKVIO):
                 logits_rows=logits_rows,
             )
             self.publish(DeviceOp("step", arrays))
-        logits, self.cache, self.hidden, self.aux = self._step(
+        logits, self.cache, self.hidden, self.aux = self.step_program(
             self.weights,
             self.lora_weights,
             self.cache,
