@@ -19,6 +19,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import gc  # noqa: E402
 import importlib.util  # noqa: E402
 import re  # noqa: E402
+import sys  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -98,6 +99,12 @@ def unexpected_skips() -> list[tuple[str, str]]:
     return [(node, why) for node, why in _skips if not any(re.search(p, why) for p in ALLOWED_SKIPS)]
 
 
+# What a run of fast tests alone must not import: `scripts/test.sh fast` sets up without the reference and
+# plots extras (and fetches no model), so a fast test that needs them fails there.
+HEAVY_FOR_FAST = ("torch", "transformers", "accelerate", "peft", "matplotlib")
+_heavy: list[str] = []  # HEAVY_FOR_FAST modules a run of fast tests alone imported (pytest_sessionfinish)
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     import resource
 
@@ -113,10 +120,18 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         terminalreporter.section("unexpected skips (see ALLOWED_SKIPS in tests/conftest.py)", red=True)
         for node, why in unexpected_skips():
             terminalreporter.line(f"{node}: {why}")
+    if _heavy:
+        terminalreporter.section("fast tests imported an extra's modules (HEAVY_FOR_FAST)", red=True)
+        terminalreporter.line(f"{_heavy}: mark the test that needs them `model`")
 
 
 def pytest_sessionfinish(session, exitstatus):
     if session.config.getoption("--no-unexpected-skips") and unexpected_skips() and exitstatus == 0:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    items = getattr(session, "items", [])
+    if items and all(tier_of(item) == "fast" for item in items):
+        _heavy[:] = [name for name in HEAVY_FOR_FAST if name in sys.modules]
+    if _heavy and exitstatus == 0:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
