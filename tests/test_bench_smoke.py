@@ -2,9 +2,10 @@
 model), so that a refactor cannot break a benchmark silently. The figures of a smoke run mean nothing; what is
 checked is that the script runs to its end and writes its JSON report.
 
-Model-free smokes run in this process in the fast tier; those on the test model in this process in the
-model tier; those that start daemons in a subprocess each, in the daemon tier (standalone: they start
-every daemon they use). bench/README.md says which part of each script its smoke leaves out.
+Model-free smokes run in this process in the fast tier. The others run as a user runs them, `python
+bench/NAME.py --smoke`, each in a process of its own (so a crash or a leak stays with its run): real
+processes, in the daemon tier, marked standalone (none uses the session's daemons), which scripts/test.sh
+runs beside the model tier. bench/README.md says which part of each script its smoke leaves out.
 """
 
 from __future__ import annotations
@@ -82,36 +83,34 @@ def test_model_free_smoke(name, tmp_path):
     run_in_process(name, tmp_path)
 
 
-@pytest.mark.model
-@pytest.mark.parametrize("name", [n for n in MODEL if n != "distill_eagle3"])
-def test_smoke_on_the_test_model(name, tmp_path, model_path):
-    run_in_process(name, tmp_path)
-
-
-@pytest.mark.model
-def test_distill_smoke(tmp_path, model_path):
-    """Trains 2 steps and writes a head; without optax (the `distill` extra), it says what to install."""
-    distill = script("distill_eagle3")
-    argv = ["--smoke", "--out", str(tmp_path / "head")]
-    if importlib.util.find_spec("optax") is None:
-        with pytest.raises(SystemExit, match="needs optax"):
-            distill.main(argv)
-        return
-    distill.main(argv)
-    assert {"config.json", "model.safetensors"} <= {p.name for p in (tmp_path / "head").iterdir()}
-
-
-@pytest.mark.daemon
-@pytest.mark.standalone
-@pytest.mark.parametrize("name", DAEMON)
-def test_smoke_with_daemons(name, tmp_path, model_path):
-    out = tmp_path / f"{name}.json"
-    done = subprocess.run(
-        [sys.executable, str(BENCH / f"{name}.py"), "--smoke", "--json", str(out)],
+def run_script(name: str, tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    """`python bench/NAME.py --smoke ARGS` in a process of its own (the tests' JAX settings inherited)."""
+    return subprocess.run(
+        [sys.executable, str(BENCH / f"{name}.py"), "--smoke", *args],
         capture_output=True,
         text=True,
         timeout=600,
         env={**os.environ, "JAX_PLATFORMS": "cpu"},
     )
+
+
+@pytest.mark.daemon
+@pytest.mark.standalone
+@pytest.mark.parametrize("name", [n for n in MODEL if n != "distill_eagle3"] + DAEMON)
+def test_smoke_run(name, tmp_path, model_path):
+    out = tmp_path / f"{name}.json"
+    done = run_script(name, tmp_path, "--json", str(out))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     check_report(out)
+
+
+@pytest.mark.daemon
+@pytest.mark.standalone
+def test_distill_smoke(tmp_path, model_path):
+    """Trains 2 steps and writes a head; without optax (the `distill` extra), it says what to install."""
+    done = run_script("distill_eagle3", tmp_path, "--out", str(tmp_path / "head"))
+    if importlib.util.find_spec("optax") is None:
+        assert done.returncode != 0 and "needs optax" in done.stderr, done.stderr[-3000:]
+        return
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert {"config.json", "model.safetensors"} <= {p.name for p in (tmp_path / "head").iterdir()}
