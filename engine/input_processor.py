@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import secrets
-import threading
 from collections.abc import Sequence
 
 import numpy as np
@@ -46,7 +45,6 @@ class InputProcessor:
         self.adapters = adapters
         self.masks = masks
         self._ids = itertools.count()
-        self._compiler_lock = threading.Lock()  # the constraint compiler is built once, by one thread
 
     def make_request(
         self,
@@ -113,10 +111,7 @@ class InputProcessor:
             allowed_mask=allowed_mask,
             reasoning=bool(params.reasoning_end) and params.constraint is not None,
         )
-        if params.constraint is not None:
-            with self._compiler_lock:  # (the first constrained request builds the compiler)
-                compiler = self.masks.constraints
-            request.matcher = compiler.matcher(params.constraint)
+        request.matcher = self.masks.matcher(request)
         if config.enable_prefix_caching:  # (the engine thread would otherwise hash at admission)
             request.extend_block_hashes(config.block_size)
         return request

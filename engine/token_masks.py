@@ -10,8 +10,8 @@ matcher.
 
 from __future__ import annotations
 
-import functools
 import logging
+import threading
 from collections.abc import Iterable
 
 import numpy as np
@@ -31,11 +31,18 @@ class TokenMasks:
     def __init__(self, tokenizer: Tokenizer | None, vocab_size: int):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
+        self._compiler: ConstraintCompiler | None = None
+        self._compiler_lock = threading.Lock()  # built once, whichever thread asks first
 
-    @functools.cached_property
+    @property
     def constraints(self) -> ConstraintCompiler:
-        """The constraint compiler for this model's tokenizer."""
-        return ConstraintCompiler(self.tokenizer, self.vocab_size)
+        """The constraint compiler for this model's tokenizer (safe from any thread: the input processor's
+        preparers and the engine thread)."""
+        if self._compiler is None:
+            with self._compiler_lock:
+                if self._compiler is None:
+                    self._compiler = ConstraintCompiler(self.tokenizer, self.vocab_size)
+        return self._compiler
 
     def matcher(self, request: Request):
         """A fresh matcher of the request's constraint (None: unconstrained)."""
