@@ -41,7 +41,15 @@ MODEL = [
     "bench_vs_commit",
     "distill_eagle3",
 ]
-DAEMON = ["bench_clients", "bench_disagg", "bench_goodput", "bench_hostile", "bench_routing", "bench_startup"]
+DAEMON = [
+    "bench_clients",
+    "bench_disagg",
+    "bench_goodput",
+    "bench_hostile",
+    "bench_routing",
+    "bench_startup",
+    "bench_vs_vllm",
+]
 
 
 def script(name: str):

@@ -144,6 +144,11 @@ class Daemon:
         return self.proc.returncode
 
 
+def _lazy(warmup: bool) -> list[str]:
+    """Tests start daemons with shapes compiled on first use (`--no-warmup`); a benchmark warms them up."""
+    return [] if warmup else ["--no-warmup"]
+
+
 def prefill_server(
     gguf: Path,
     log_dir: Path,
@@ -153,10 +158,12 @@ def prefill_server(
     cpus: str | None = None,
     wait_ready: bool = True,
     env: dict[str, str] | None = None,
+    warmup: bool = False,  # compile every shape before serving (benchmarks), as a daemon does by default
+    timeout: float = 240.0,
 ) -> Daemon:
-    argv = ["prefill-server", "--model", str(gguf), "--port", "0", "--no-warmup", *EPHEMERAL_KV_EVENTS]
+    argv = ["prefill-server", "--model", str(gguf), "--port", "0", *_lazy(warmup), *EPHEMERAL_KV_EVENTS]
     argv += [*engine_args, *extra]
-    return Daemon(argv, name, log_dir, cpus=cpus, wait_ready=wait_ready, env=env)
+    return Daemon(argv, name, log_dir, timeout=timeout, cpus=cpus, wait_ready=wait_ready, env=env)
 
 
 def decode_server(
@@ -169,12 +176,15 @@ def decode_server(
     cpus=None,
     wait_ready: bool = True,
     env: dict[str, str] | None = None,
+    warmup: bool = False,  # compile every shape before serving (benchmarks), as a daemon does by default
+    timeout: float = 240.0,
 ) -> Daemon:
-    argv = ["decode-server", "--model", str(gguf), "--port", "0", "--no-warmup", "--prefill", prefill]
+    argv = ["decode-server", "--model", str(gguf), "--port", "0", *_lazy(warmup), "--prefill", prefill]
     return Daemon(
         [*argv, *EPHEMERAL_KV_EVENTS, *EPHEMERAL_HTTP, *engine_args, *extra],
         name,
         log_dir,
+        timeout=timeout,
         cpus=cpus,
         wait_ready=wait_ready,
         env=env,

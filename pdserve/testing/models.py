@@ -83,6 +83,7 @@ def hf_folder(gguf_file: Path, target: Path) -> Path:
         save_file(state, folder / "model.safetensors")
         config = model.config.to_dict()
         config.pop("quantization_config", None)
+        config["architectures"] = [type(model).__name__]  # what loaders other than transformers dispatch on
         (folder / "config.json").write_text(json.dumps(config, indent=1))
         tokenizer.save_pretrained(folder)
         shutil.rmtree(target, ignore_errors=True)  # a folder left without config.json
