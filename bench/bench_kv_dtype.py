@@ -1,10 +1,11 @@
 """A quantized KV cache (`--kv-cache-dtype fp8_e4m3 | fp8_e5m2`, static scale 1.0; `int8`, a bfloat16
-scale per token and head) against the float32 cache (`auto` on this CPU), in one run, on the default model
-(its whole 30 layers, float32 weights).
+scale per token and head), and bfloat16 weights and cache (`--dtype bfloat16`: what `auto` serves on a CPU
+with bfloat16 dot instructions), against float32 weights and cache, in one run, on the default model (its
+whole 30 layers).
 
-    .venv/bin/python bench/bench_kv_dtype.py [--json OUT] [--smoke]
+    .venv/bin/python bench/bench_kv_dtype.py [--variants float32,bfloat16,...] [--json OUT] [--smoke]
 
-For each cache dtype:
+For each variant (VARIANTS; the first, float32, is the reference):
 - KV bytes per token (every layer, scales included) and the transfer bytes of a 2,048-token prompt (the
   frames' payload);
 - greedy agreement with the float32 cache over 128 tokens on the parity prompts (tests/fixtures/
@@ -18,7 +19,8 @@ For each cache dtype:
   earlier ones' KV from the cache), against float32's;
 - decode tokens/s at batch 32 against float32's (the dequantize cost on this CPU).
 A disaggregated run reads exactly what the colocated engine wrote (tests/services/test_disaggregated.py
-checks it token for token), so these figures hold for both. --smoke: the test model, auto and int8, two
+checks it token for token), so these figures hold for both. --smoke: the test model, float32, int8 and
+bfloat16, two
 short prompts, 4 tokens, one window of 128 tokens, batch 2 for 2 steps.
 """
 
@@ -37,6 +39,13 @@ from pdserve.bench.engine_timing import decode_step_times
 ROOT = Path(__file__).resolve().parents[1]
 WINDOW, CHUNK, GREEDY_TOKENS = 1024, 256, 128
 FIXTURES = ROOT / "tests/fixtures/reference_smollm2.npz"  # the reference prompts (data, not code)
+VARIANTS = {  # name -> EngineConfig fields over float32 weights and cache
+    "float32": {},
+    "fp8_e4m3": {"kv_cache_dtype": "fp8_e4m3"},
+    "fp8_e5m2": {"kv_cache_dtype": "fp8_e5m2"},
+    "int8": {"kv_cache_dtype": "int8"},
+    "bfloat16": {"dtype": "bfloat16"},
+}
 
 
 def text_windows(tokenizer, window: int = WINDOW, count: int = 4) -> list[list[int]]:
@@ -57,7 +66,8 @@ def scored(engine, prompts, params, ranks=None) -> list[list[float]]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path)
-    parser.add_argument("--smoke", action="store_true", help="the test model, auto and int8, tiny sizes")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="of VARIANTS, float32 first")
+    parser.add_argument("--smoke", action="store_true", help="the test model, three variants, tiny sizes")
     args = parser.parse_args(argv)
 
     from pdserve import kvtransfer
@@ -73,6 +83,7 @@ def main(argv: list[str] | None = None) -> None:
     windows = text_windows(model.tokenizer, 128, 1) if args.smoke else text_windows(model.tokenizer)
     batch, steps = (2, 2) if args.smoke else (32, 16)
     base = EngineConfig(
+        dtype="float32",
         num_blocks=128 if args.smoke else 1024,
         max_model_len=2048,
         max_num_seqs=batch,
@@ -80,12 +91,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     greedy = SamplingParams(temperature=0.0, max_tokens=4 if args.smoke else GREEDY_TOKENS, ignore_eos=True)
     score = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
-    names = ("auto", "int8") if args.smoke else ("auto", "fp8_e4m3", "fp8_e5m2", "int8")
+    names = ("float32", "int8", "bfloat16") if args.smoke else tuple(args.variants.split(","))
     if args.smoke:
         prompts = sorted(prompts, key=len)[:2]
     out, reference = {}, None
     for name in names:
-        engine = LLMEngine(model, dataclasses.replace(base, kv_cache_dtype=name))
+        engine = LLMEngine(model, dataclasses.replace(base, **VARIANTS[name]))
         layout = engine.kv_layout
         layer_token_bytes = layout.block_bytes // layout.block_size  # one token of one layer
         plan = kvtransfer.plan_frames(layout, 2048, kvtransfer.MAX_FRAME_BYTES)
@@ -127,9 +138,9 @@ def main(argv: list[str] | None = None) -> None:
             )
             row["chosen_logprob_delta_mean"] = float(deltas.mean())
             row["chosen_logprob_delta_max"] = float(deltas.max())
-            row["perplexity_vs_auto"] = ratio(perplexity, reference["perplexity"])
+            row["perplexity_vs_float32"] = ratio(perplexity, reference["perplexity"])
             for key in ("kv_bytes_per_token", "transfer_bytes_2048_tokens", f"decode_tokens_per_s_b{batch}"):
-                row[f"{key}_vs_auto"] = ratio(row[key], reference["row"][key])
+                row[f"{key}_vs_float32"] = ratio(row[key], reference["row"][key])
         out[name] = row
         del engine
     out["text_tokens_scored"] = sum(len(w) - 1 for w in windows)

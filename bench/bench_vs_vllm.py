@@ -57,7 +57,8 @@ MAX_MODEL_LEN = 4096
 # pdserve's engine configurations (EngineConfig fields over the defaults): `default` is `pdserve generate`
 # with no flags
 CONFIGS: dict[str, dict] = {
-    "default": {},
+    "default": {},  # on a CPU with bfloat16 dot instructions (and jax 0.12): bfloat16, else float32
+    "float32": {"dtype": "float32"},
     "int8": {"quantization": "int8"},
     "bfloat16": {"dtype": "bfloat16"},
     "int8-kv-int8": {"quantization": "int8", "kv_cache_dtype": "int8"},
@@ -153,6 +154,8 @@ class PdserveEngine:
 
         config = EngineConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len, **fields)
         self.engine = LLMEngine.from_model(str(folder), config, progress=False)
+        summary = self.engine.summary()
+        self.settings = {k: summary.get(k) for k in ("dtype", "kv_dtype", "quantization")}  # as resolved
 
     def generate(self, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:
         from pdserve.engine.sampling_params import SamplingParams
@@ -371,7 +374,7 @@ def served_study(folder: Path, tokenizer: Path, smoke: bool, with_vllm: bool) ->
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--pdserve", default="default,int8", help=f"configurations, of {sorted(CONFIGS)}")
+    parser.add_argument("--pdserve", default="default,float32,int8", help=f"configurations, of {sorted(CONFIGS)}")
     parser.add_argument("--no-served", action="store_true", help="the engine study only")
     parser.add_argument("--no-engine", action="store_true", help="the served study only")
     parser.add_argument("--json", default=None)
@@ -410,6 +413,9 @@ def main() -> None:
                 engines[f"pdserve_{label}"] = PdserveEngine(
                     folder, CONFIGS[label], max(batches), MAX_MODEL_LEN if not args.smoke else 256
                 )
+            result["pdserve_settings"] = {
+                label: e.settings for label, e in engines.items() if isinstance(e, PdserveEngine)
+            }
             result["engine"] = engine_study(engines, batches, lengths, decode_tokens, rounds, args.smoke)
         finally:
             if "vllm" in engines:

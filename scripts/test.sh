@@ -2,8 +2,8 @@
 # Quick start, command 2: set up with the dev + reference + plots extras, lint, check generated code and
 # import layering, fetch the default model, then run the tests in three tiers, each in its own pytest
 # process (fast: model-free units; model: real weights in the test process; daemon: real processes): fast
-# beside model, then daemon. Beside the model tier it also runs scripts/compat.sh (pdserve on Python 3.12
-# and the newest JAX). It prints the XLA cache's size before each tier and every tier's time.
+# beside model, then daemon. Beside the model tier it also runs scripts/compat.sh (pdserve on Python 3.11
+# and the oldest JAX it supports). It prints the XLA cache's size before each tier and every tier's time.
 #   bash scripts/test.sh                  # everything (what CI runs)
 #   bash scripts/test.sh fast [ARGS...]   # one tier (fast, model or daemon); ARGS go to pytest
 # The fast tier alone sets up with the dev extra only and fetches no model (it uses neither): no torch.

@@ -15,6 +15,9 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# --dtype auto on a CPU is float32 in every test process and daemon (the references are float32), whatever
+# this CPU computes natively (engine.config.CPU_DTYPE_ENV; bfloat16 tests name their dtype)
+os.environ["PDSERVE_CPU_DTYPE"] = "float32"
 
 import gc  # noqa: E402
 import importlib.util  # noqa: E402

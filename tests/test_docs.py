@@ -64,7 +64,8 @@ def _files(suffix: str) -> list[Path]:
     found = []
     for path in REPO.rglob(f"*{suffix}"):
         rel = path.relative_to(REPO)
-        if SKIP_DIRS & set(rel.parts) or str(rel).startswith(GENERATED):
+        venvs = any(part.startswith(".venv") for part in rel.parts)  # .venv-compat, .venv-vllm, ...
+        if venvs or SKIP_DIRS & set(rel.parts) or str(rel).startswith(GENERATED):
             continue
         found.append(path)
     return sorted(found)

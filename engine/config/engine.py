@@ -5,6 +5,9 @@ compiled shape buckets (bucket_for), and SizingError for sizes that do not fit."
 from __future__ import annotations
 
 import dataclasses
+import functools
+import os
+from pathlib import Path
 from typing import Any
 
 from pdserve.engine.config.speculative import SpeculativeConfig
@@ -23,6 +26,42 @@ KV_CACHE_DTYPES = {
     "auto": "", "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2", "int8": "int8"
 }  # fmt: skip
 QUANTIZATIONS = ("none", "int8")  # EngineConfig.quantization (engine.model.quantized)
+# What --dtype auto means on a CPU, where set (float32 or bfloat16): the tests set float32, their references'
+# dtype, so that no test's outcome depends on the CPU it runs on. Unset: cpu_auto_dtype().
+CPU_DTYPE_ENV = "PDSERVE_CPU_DTYPE"
+# /proc/cpuinfo flags of CPUs with bfloat16 dot-product instructions (x86: AVX512-BF16, AMX; Arm: BF16)
+BFLOAT16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_has_bfloat16_dots() -> bool:
+    """Whether this host's CPU has bfloat16 dot-product instructions (Linux /proc/cpuinfo's flags)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    flags = set()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            flags.update(value.split())
+    return bool(flags & BFLOAT16_CPU_FLAGS)
+
+
+def cpu_auto_dtype() -> str:
+    """--dtype auto on a CPU: $PDSERVE_CPU_DTYPE where set; else bfloat16 where the CPU has bfloat16 dot
+    instructions and XLA:CPU uses them (jax 0.12 and newer: bfloat16 weights with float32 accumulation run
+    the default model's decode step 1.5-1.6x faster than float32 there, BENCHMARKS.md), float32 elsewhere
+    (jax 0.10's XLA:CPU converted bfloat16 weights to float32 in every step: 5-8x slower)."""
+    given = os.environ.get(CPU_DTYPE_ENV)
+    if given:
+        if given not in DTYPES[1:]:
+            raise ValueError(f"${CPU_DTYPE_ENV}={given!r}: one of {DTYPES[1:]}")
+        return given
+    import jax
+
+    native = jax.__version_info__ >= (0, 12) and cpu_has_bfloat16_dots()
+    return "bfloat16" if native else "float32"
 
 
 def _powers_of_two(start: int, stop: int) -> tuple[int, ...]:
@@ -75,7 +114,10 @@ class EngineConfig:
     max_prefill_seqs: int = 4  # prompts being computed at once (chunks in one step)
     tp: int = flag(1, "tensor-parallel degree (devices)")
     dtype: str = flag(
-        "auto", "weights and KV cache (auto: bfloat16 on TPUs and GPUs, float32 on CPUs)", choices=DTYPES
+        "auto",
+        "weights and KV cache (auto: bfloat16 on TPUs and GPUs, and on CPUs with bfloat16 dot instructions; "
+        "else float32)",
+        choices=DTYPES,
     )
     kv_cache_dtype: str = flag(
         "auto",
@@ -148,10 +190,10 @@ class EngineConfig:
 
     def on_platform(self, platform: str) -> EngineConfig:
         """This config with "auto" dtype resolved for devices of `platform` (jax.Device.platform):
-        bfloat16 on TPUs and GPUs, float32 on CPUs (the reference, and what parity tests compare)."""
+        bfloat16 on TPUs and GPUs; on CPUs cpu_auto_dtype() (bfloat16 where the CPU computes it natively)."""
         if self.dtype != "auto":
             return self
-        return dataclasses.replace(self, dtype="float32" if platform == "cpu" else "bfloat16")
+        return dataclasses.replace(self, dtype=cpu_auto_dtype() if platform == "cpu" else "bfloat16")
 
     @property
     def cache_dtype(self) -> str:

@@ -395,7 +395,7 @@ def test_tls_secrets_are_mounted_where_the_flags_point():
 def test_dockerfile():
     text = (DEPLOY / "Dockerfile").read_text()
     lines = [line.strip() for line in text.splitlines() if line.strip() and not line.startswith("#")]
-    assert lines[0].startswith("FROM python:3.11-slim")
+    assert lines[0].startswith("FROM python:3.12-slim")  # constraints.txt pins Python 3.12's set
     for package in ("pyproject.toml", "constraints.txt", "pdserve", "engine", "kvtransfer", "services"):
         assert any(line.startswith("COPY") and package in line.split()[1:-1] for line in lines), package
     assert any(

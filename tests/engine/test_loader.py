@@ -357,11 +357,32 @@ def test_dtype_auto_is_bfloat16_on_accelerators_and_float32_on_cpu():
     assert [EngineConfig().on_platform(p).dtype for p in ("tpu", "gpu", "cpu")] == [
         "bfloat16",
         "bfloat16",
-        "float32",
+        "float32",  # the tests' $PDSERVE_CPU_DTYPE (tests/conftest.py)
     ]
     assert EngineConfig(dtype="float32").on_platform("tpu").dtype == "float32"  # given: kept
     with pytest.raises(ValueError, match="dtype"):
         EngineConfig(dtype="float16")
+
+
+def test_dtype_auto_on_a_cpu_follows_its_bfloat16_instructions_and_jax(monkeypatch):
+    import jax
+
+    from pdserve.engine.config import EngineConfig, engine
+
+    monkeypatch.delenv(engine.CPU_DTYPE_ENV)
+    for has_dots, version, expected in [
+        (True, (0, 12, 0), "bfloat16"),
+        (False, (0, 12, 0), "float32"),
+        (True, (0, 10, 2), "float32"),  # XLA:CPU before jax 0.12 widened bfloat16 weights in every step
+    ]:
+        monkeypatch.setattr(engine, "cpu_has_bfloat16_dots", lambda has_dots=has_dots: has_dots)
+        monkeypatch.setattr(jax, "__version_info__", version)
+        assert EngineConfig().on_platform("cpu").dtype == expected
+    monkeypatch.setenv(engine.CPU_DTYPE_ENV, "bfloat16")
+    assert EngineConfig().on_platform("cpu").dtype == "bfloat16"
+    monkeypatch.setenv(engine.CPU_DTYPE_ENV, "float16")
+    with pytest.raises(ValueError, match="PDSERVE_CPU_DTYPE"):
+        EngineConfig().on_platform("cpu")
 
 
 def _fp8_folder(path: Path, config: dict) -> Path:
