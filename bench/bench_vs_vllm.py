@@ -374,7 +374,9 @@ def served_study(folder: Path, tokenizer: Path, smoke: bool, with_vllm: bool) ->
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--pdserve", default="default,float32,int8", help=f"configurations, of {sorted(CONFIGS)}")
+    parser.add_argument(
+        "--pdserve", default="default,float32,int8", help=f"configurations, of {sorted(CONFIGS)}"
+    )
     parser.add_argument("--no-served", action="store_true", help="the engine study only")
     parser.add_argument("--no-engine", action="store_true", help="the served study only")
     parser.add_argument("--json", default=None)

@@ -9,12 +9,14 @@
 """
 
 from pdserve.engine.config.engine import (
+    CPU_DTYPE_ENV,
     DTYPES,
     KV_CACHE_DTYPES,
     QUANTIZATIONS,
     EngineConfig,
     SizingError,
     bucket_for,
+    cpu_auto_dtype,
     flag,
 )
 from pdserve.engine.config.hf import (
@@ -34,6 +36,7 @@ from pdserve.engine.config.speculative import (
 
 __all__ = [
     "ACTIVATIONS",
+    "CPU_DTYPE_ENV",
     "DRAFT_POLICIES",
     "DTYPES",
     "GEMMA",
@@ -49,5 +52,6 @@ __all__ = [
     "SpeculativeConfig",
     "UnsupportedModelError",
     "bucket_for",
+    "cpu_auto_dtype",
     "flag",
 ]
