@@ -195,7 +195,7 @@ def engine_study(engines: dict, batches, lengths, decode_tokens: int, rounds: in
                 samples[label].setdefault(f"ttft_s_{length}", []).append(seconds)
     result = {label: {k: statistics.median(v) for k, v in s.items()} for label, s in samples.items()}
     if "vllm" in engines:
-        shared = [random_prompt(PROMPT_LEN, -i - 1) for i in range(2 if smoke else AGREEMENT_PROMPTS)]
+        shared = [random_prompt(PROMPT_LEN, (1 << 30) + i) for i in range(2 if smoke else AGREEMENT_PROMPTS)]
         _, reference = engines["vllm"].generate(shared, AGREEMENT_TOKENS)
         for label, engine in engines.items():
             if label == "vllm":
@@ -320,7 +320,8 @@ def served_study(folder: Path, tokenizer: Path, smoke: bool, with_vllm: bool) ->
             with (logs / "vllm-serve.log").open("w") as log:
                 proc = subprocess.Popen(
                     [str(VLLM), "serve", str(folder), *name, "--dtype", "bfloat16", "--host", "127.0.0.1"]
-                    + ["--port", str(port), "--max-model-len", str(MAX_MODEL_LEN), "--seed", "0"],
+                    + ["--port", str(port), "--max-model-len", str(MAX_MODEL_LEN), "--seed", "0"]
+                    + ["--gpu-memory-utilization", "0.5"],  # of the RAM (its default, 0.92, is refused)
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     env=env,
@@ -387,7 +388,7 @@ def main() -> None:
     if args.peer_worker:
         return peer_worker(args.peer_worker, args.peer_dtype)
 
-    from pdserve.bench.common import report
+    from pdserve.bench.common import emit, report
     from pdserve.testing.models import DEFAULT_MODEL, cache_dir, fetch, hf_folder, small_model
 
     if args.smoke:
@@ -419,6 +420,7 @@ def main() -> None:
                 label: e.settings for label, e in engines.items() if isinstance(e, PdserveEngine)
             }
             result["engine"] = engine_study(engines, batches, lengths, decode_tokens, rounds, args.smoke)
+            emit({"engine": result["engine"]})  # kept in the log should the served study fail
         finally:
             if "vllm" in engines:
                 engines["vllm"].close()
