@@ -154,6 +154,10 @@ class EngineConfig:
     )
     # Host slots of that tier, one block each (engine.memory.plan resolves it from kv_offloading_size)
     num_host_blocks: int = 0
+    # The fewest tokens a step is compiled for (on_platform resolves it): 2 for 16-bit weights
+    # on a CPU, where XLA:CPU computes a one-row bfloat16 dot on a slow single-threaded path (the 49k-row
+    # output projection: 34 ms at one row, 4 ms at two), so a lone request's step pads to two rows
+    min_step_tokens: int = 1
     speculative_config: str = flag(
         "",
         "speculative decoding, a JSON object with vLLM's keys: method (ngram or eagle3), "
@@ -189,11 +193,14 @@ class EngineConfig:
         return SpeculativeConfig.parse(self.speculative_config)
 
     def on_platform(self, platform: str) -> EngineConfig:
-        """This config with "auto" dtype resolved for devices of `platform` (jax.Device.platform):
-        bfloat16 on TPUs and GPUs; on CPUs cpu_auto_dtype() (bfloat16 where the CPU computes it natively)."""
-        if self.dtype != "auto":
-            return self
-        return dataclasses.replace(self, dtype=cpu_auto_dtype() if platform == "cpu" else "bfloat16")
+        """This config resolved for devices of `platform` (jax.Device.platform): "auto" dtype is bfloat16
+        on TPUs and GPUs, on CPUs cpu_auto_dtype() (bfloat16 where the CPU computes it natively); and
+        min_step_tokens."""
+        dtype = self.dtype
+        if dtype == "auto":
+            dtype = cpu_auto_dtype() if platform == "cpu" else "bfloat16"
+        min_step = 2 if platform == "cpu" and dtype != "float32" else 1
+        return dataclasses.replace(self, dtype=dtype, min_step_tokens=max(self.min_step_tokens, min_step))
 
     @property
     def cache_dtype(self) -> str:
@@ -214,7 +221,9 @@ class EngineConfig:
     @property
     def token_buckets(self) -> tuple[int, ...]:
         """Token counts a step is compiled for: one shape per bucket (engine.runner)."""
-        return _powers_of_two(1, self.max_num_batched_tokens)
+        return _powers_of_two(
+            min(self.min_step_tokens, self.max_num_batched_tokens), self.max_num_batched_tokens
+        )
 
     def seq_bucket(self, num_tokens: int) -> int:
         """Sequence slots of the step of `num_tokens` tokens (a sequence has at least one token)."""

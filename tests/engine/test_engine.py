@@ -53,6 +53,16 @@ def test_tensor_parallel_gives_the_same_tokens(make_engine, tp):
     assert [r.token_ids for r in engine.generate(PROMPTS, GREEDY)] == reference
 
 
+def test_a_lone_request_padded_to_two_rows_gives_the_same_tokens(make_engine):
+    """bfloat16 on a CPU compiles no one-row step (EngineConfig.min_step_tokens): the padding row changes
+    nothing (float32 here, for exact equality)."""
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    reference = alone(make_engine(), PROMPTS[:2], params)
+    padded = make_engine(min_step_tokens=2)
+    assert padded.config.token_buckets[0] == 2
+    assert alone(padded, PROMPTS[:2], params) == reference
+
+
 def test_stops_and_finish_reasons(full_engine):
     """On the whole default model: its answer ends with EOS."""
     engine = full_engine

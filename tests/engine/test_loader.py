@@ -385,6 +385,17 @@ def test_dtype_auto_on_a_cpu_follows_its_bfloat16_instructions_and_jax(monkeypat
         EngineConfig().on_platform("cpu")
 
 
+def test_sixteen_bit_steps_on_a_cpu_are_compiled_for_two_rows_at_least():
+    """XLA:CPU's one-row bfloat16 dots take a slow path: a lone request's step pads to two rows there."""
+    from pdserve.engine.config import EngineConfig
+
+    for dtype, platform, smallest in [("bfloat16", "cpu", 2), ("float32", "cpu", 1), ("bfloat16", "tpu", 1)]:
+        config = EngineConfig(dtype=dtype, max_num_batched_tokens=64).on_platform(platform)
+        assert config.token_buckets == (smallest, *(b for b in (2, 4, 8, 16, 32, 64) if b > smallest))
+    config = EngineConfig(dtype="bfloat16", max_num_seqs=1, max_num_batched_tokens=1).on_platform("cpu")
+    assert config.token_buckets == (1,)  # never past the budget
+
+
 def _fp8_folder(path: Path, config: dict) -> Path:
     """A tiny folder as llm-compressor writes FP8 checkpoints: F8_E4M3 weights beside float32 scales."""
     import ml_dtypes
