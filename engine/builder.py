@@ -73,13 +73,18 @@ def build_runner(
 
 
 def _default_attention(model: ModelConfig, config: EngineConfig, mesh, platform: str) -> AttentionFn:
-    """jax's Pallas kernel over `mesh` on a TPU where it applies, else the reference."""
+    """jax's Pallas kernel over `mesh` on a TPU where it applies, else the reference (with speculative
+    decoding, reading a verification row of 1 + k tokens in its decode loop, not in a prefill window)."""
+    reference = ragged_paged_attention_reference
+    if config.speculation.num_speculative_tokens:
+        short_rows = 1 + config.speculation.num_speculative_tokens
+        reference = functools.partial(ragged_paged_attention_reference, short_rows=short_rows)
     if platform != "tpu":
-        return ragged_paged_attention_reference
+        return reference
     unsupported = kernel_unsupported(model, config.tp, config.dtype, config.cache_dtype)
     if unsupported:
         log.warning("TPU attention kernel not used (%s): the reference attends", unsupported)
-        return ragged_paged_attention_reference
+        return reference
     return kernel_attention(model, mesh)
 
 

@@ -18,9 +18,10 @@ The reference runs everywhere and is what the tests pin down. Its cost follows t
 shape: three parts share one softmax (flash-attention style running max and sum), each looping only as
 far as the step's longest context:
   * new tokens over new tokens (causal, same sequence): one [T, T] masked product;
-  * single-token sequences (decodes) over their past: all sequences at once, a tile of their block
-    tables per iteration (decode_tile_blocks);
-  * multi-token sequences (prefill chunks after a cached or computed head) over their past: one window
+  * short sequences (decodes, and with `short_rows` = 1 + k the verification rows of speculative
+    decoding) over their past: all sequences at once, each with `short_rows` query rows, a tile of
+    their block tables per iteration (decode_tile_blocks), so a row's cost follows its tokens;
+  * longer sequences (prefill chunks after a cached or computed head) over their past: one window
     of Q_WINDOW queries at a time, CHUNK_TILE_BLOCKS of the sequence's past blocks per iteration.
 The prefill-window part is skipped at run time when the step has no such sequence.
 The static shape is (tokens, sequences, block-table width); the number of past blocks read is not part
@@ -131,6 +132,7 @@ def ragged_paged_attention_reference(
     soft_cap: float | None = None,  # scores -> soft_cap * tanh(scores / soft_cap) (None: as they are)
     latent: bool = False,  # MLA: the cache holds one latent "head" a token, the key; the value is its
     # first v_new.shape[-1] dims (k_new [T, 1, head_dim], v_new [T, 1, value dims], kv_heads 1)
+    short_rows: int = 1,  # sequences of up to this many new tokens attend to their past in the decode loop
 ) -> jax.Array:  # [T, kv_heads, group, value dims]; rows of padding tokens are finite garbage
     t, kvh, g, d = q.shape
     dv = v_new.shape[-1]
@@ -159,32 +161,54 @@ def ragged_paged_attention_reference(
     m, s, o = attend(q.reshape(kvh, g * t, d), k_new.transpose(1, 0, 2), v_new.transpose(1, 0, 2), mask)
     state = m.reshape(kvh, g, t), s.reshape(kvh, g, t), o.reshape(kvh, g, t, dv)
 
-    # single-token sequences (decodes) over their past, all sequences at once; the loop starts at the
-    # first tile any of their windows reaches
-    single = (q_lens == 1) & (past > 0)
+    # short sequences (decodes; verification rows of 1 + k tokens, up to `short_rows`) over their past,
+    # all sequences at once, row r of a sequence at position past + r; the loop starts at the first tile
+    # any of their windows reaches
+    single = (q_lens >= 1) & (q_lens <= short_rows) & (past > 0)
     single_past = jnp.where(single, past, 0)
-    single_from = jnp.where(single, jnp.maximum(past + 1 - reach, 0), _NO_WINDOW)  # first key position seen
-    first = jnp.where(single, cu_q_lens[:-1], t)  # out of range: dropped by the scatter below
-    q_single = jnp.take(q, jnp.minimum(first, t - 1), axis=2).transpose(2, 0, 1, 3)  # [S, kv_heads, group, d]
-
-    def single_tile(j, acc):
-        k, v = past_tile_of(cache, layer, block_tables, j, decode_blocks)  # [S, kv_heads, tile, d]
-        pos = j * decode_tile + jnp.arange(decode_tile)
-        seen = (pos < single_past[:, None, None, None]) & (pos >= single_from[:, None, None, None])
-        return _merge(acc, attend(q_single, k, v, seen))
-
+    single_from = jnp.where(
+        single, jnp.maximum(past + 1 - reach, 0), _NO_WINDOW
+    )  # the first query's first key
     num_tiles = -(-jnp.max(single_past) // decode_tile)
     first_tile = jnp.minimum(jnp.min(single_from) // decode_tile, num_tiles)
-    m, s, o = jax.lax.fori_loop(first_tile, num_tiles, single_tile, _empty((num_seqs, kvh, g), dv, dtype))
-    at = (slice(None), slice(None), first)  # merged in place at the decode tokens
-    merged = _merge(
-        tuple(x[at] for x in state), (m.transpose(1, 2, 0), s.transpose(1, 2, 0), o.transpose(1, 2, 0, 3))
-    )
-    state = tuple(x.at[at].set(y, mode="drop") for x, y in zip(state, merged, strict=True))
 
-    # multi-token sequences (prefill chunks after a head in the cache) over their past, Q_WINDOW
+    def short_pass(rows_per_seq, state):  # every short sequence has at most rows_per_seq tokens
+        rows = jnp.arange(rows_per_seq)
+        row_from = jnp.maximum(past[:, None] + rows + 1 - reach, 0)  # [S, R] first key position each row sees
+        row_at = jnp.where(single[:, None] & (rows < q_lens[:, None]), cu_q_lens[:-1, None] + rows, t)
+        row_at = row_at.reshape(-1)  # the rows' tokens (t: none, dropped by the scatter below)
+        q_rows = jnp.take(q, jnp.minimum(row_at, t - 1), axis=2)  # [kv_heads, group, S * R, d]
+        q_rows = q_rows.reshape(kvh, g, num_seqs, rows_per_seq, d).transpose(2, 0, 1, 3, 4)
+        q_rows = q_rows.reshape(num_seqs, kvh, g * rows_per_seq, d)  # each sequence's rows, group-major
+
+        def tile(j, acc):
+            k, v = past_tile_of(cache, layer, block_tables, j, decode_blocks)  # [S, kv_heads, tile, d]
+            pos = j * decode_tile + jnp.arange(decode_tile)
+            seen = (pos < single_past[:, None, None]) & (pos >= row_from[:, :, None])  # [S, R, tile]
+            seen = jnp.broadcast_to(seen[:, None, None], (num_seqs, 1, g, rows_per_seq, decode_tile))
+            return _merge(acc, attend(q_rows, k, v, seen.reshape(num_seqs, 1, g * rows_per_seq, decode_tile)))
+
+        empty = _empty((num_seqs, kvh, g * rows_per_seq), dv, dtype)
+        m, s, o = jax.lax.fori_loop(first_tile, num_tiles, tile, empty)
+
+        def as_tokens(x):  # [S, kv_heads, group * R, ...] -> [kv_heads, group, S * R, ...]
+            x = x.reshape(num_seqs, kvh, g, rows_per_seq, *x.shape[3:])
+            return jnp.moveaxis(x, 0, 2).reshape(kvh, g, num_seqs * rows_per_seq, *x.shape[4:])
+
+        at = (slice(None), slice(None), row_at)  # merged in place at the rows' tokens
+        merged = _merge(tuple(x[at] for x in state), (as_tokens(m), as_tokens(s), as_tokens(o)))
+        return tuple(x.at[at].set(y, mode="drop") for x, y in zip(state, merged, strict=True))
+
+    if short_rows == 1:
+        state = short_pass(1, state)
+    else:  # a step of decodes only pays for one row a sequence
+        longest = jnp.max(jnp.where(single, q_lens, 0))
+        passes = functools.partial(short_pass, 1), functools.partial(short_pass, short_rows)
+        state = jax.lax.cond(longest > 1, passes[1], passes[0], state)
+
+    # longer sequences (prefill chunks after a head in the cache) over their past, Q_WINDOW
     # queries at a time: window i belongs to the sequence whose running count of windows passes i
-    windows = jnp.where((q_lens > 1) & (past > 0), -(-q_lens // Q_WINDOW), 0)
+    windows = jnp.where((q_lens > short_rows) & (past > 0), -(-q_lens // Q_WINDOW), 0)
     ends = jnp.cumsum(windows)
     pad = ((0, 0), (0, 0), (0, Q_WINDOW))  # a window starting near the end stays in bounds
     q_pad = jnp.pad(q, (*pad, (0, 0)))
