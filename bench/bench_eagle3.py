@@ -136,6 +136,7 @@ def main(argv: list[str] | None = None) -> None:
     model_path = bench_model(args.smoke)
     model = load_model(str(model_path)).in_memory()
     base = EngineConfig(
+        dtype="float32",  # every step shape computes alike: speculation changes no greedy token
         num_blocks=512,
         max_model_len=1024,
         max_num_seqs=8,

