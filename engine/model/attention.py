@@ -164,18 +164,17 @@ def ragged_paged_attention_reference(
     # short sequences (decodes; verification rows of 1 + k tokens, up to `short_rows`) over their past,
     # all sequences at once, row r of a sequence at position past + r; the loop starts at the first tile
     # any of their windows reaches
-    single = (q_lens >= 1) & (q_lens <= short_rows) & (past > 0)
-    single_past = jnp.where(single, past, 0)
-    single_from = jnp.where(
-        single, jnp.maximum(past + 1 - reach, 0), _NO_WINDOW
-    )  # the first query's first key
-    num_tiles = -(-jnp.max(single_past) // decode_tile)
-    first_tile = jnp.minimum(jnp.min(single_from) // decode_tile, num_tiles)
+    short = (q_lens >= 1) & (q_lens <= short_rows) & (past > 0)
+    short_past = jnp.where(short, past, 0)
+    # the first key position a sequence's first row sees (beyond any: not a short sequence)
+    short_from = jnp.where(short, jnp.maximum(past + 1 - reach, 0), _NO_WINDOW)
+    num_tiles = -(-jnp.max(short_past) // decode_tile)
+    first_tile = jnp.minimum(jnp.min(short_from) // decode_tile, num_tiles)
 
     def short_pass(rows_per_seq, state):  # every short sequence has at most rows_per_seq tokens
         rows = jnp.arange(rows_per_seq)
         row_from = jnp.maximum(past[:, None] + rows + 1 - reach, 0)  # [S, R] first key position each row sees
-        row_at = jnp.where(single[:, None] & (rows < q_lens[:, None]), cu_q_lens[:-1, None] + rows, t)
+        row_at = jnp.where(short[:, None] & (rows < q_lens[:, None]), cu_q_lens[:-1, None] + rows, t)
         row_at = row_at.reshape(-1)  # the rows' tokens (t: none, dropped by the scatter below)
         q_rows = jnp.take(q, jnp.minimum(row_at, t - 1), axis=2)  # [kv_heads, group, S * R, d]
         q_rows = q_rows.reshape(kvh, g, num_seqs, rows_per_seq, d).transpose(2, 0, 1, 3, 4)
@@ -184,7 +183,7 @@ def ragged_paged_attention_reference(
         def tile(j, acc):
             k, v = past_tile_of(cache, layer, block_tables, j, decode_blocks)  # [S, kv_heads, tile, d]
             pos = j * decode_tile + jnp.arange(decode_tile)
-            seen = (pos < single_past[:, None, None]) & (pos >= row_from[:, :, None])  # [S, R, tile]
+            seen = (pos < short_past[:, None, None]) & (pos >= row_from[:, :, None])  # [S, R, tile]
             seen = jnp.broadcast_to(seen[:, None, None], (num_seqs, 1, g, rows_per_seq, decode_tile))
             return _merge(acc, attend(q_rows, k, v, seen.reshape(num_seqs, 1, g * rows_per_seq, decode_tile)))
 
@@ -202,9 +201,9 @@ def ragged_paged_attention_reference(
     if short_rows == 1:
         state = short_pass(1, state)
     else:  # a step of decodes only pays for one row a sequence
-        longest = jnp.max(jnp.where(single, q_lens, 0))
-        passes = functools.partial(short_pass, 1), functools.partial(short_pass, short_rows)
-        state = jax.lax.cond(longest > 1, passes[1], passes[0], state)
+        longest = jnp.max(jnp.where(short, q_lens, 0))
+        one_row, all_rows = functools.partial(short_pass, 1), functools.partial(short_pass, short_rows)
+        state = jax.lax.cond(longest > 1, all_rows, one_row, state)
 
     # longer sequences (prefill chunks after a head in the cache) over their past, Q_WINDOW
     # queries at a time: window i belongs to the sequence whose running count of windows passes i
