@@ -1,16 +1,17 @@
 """The engine of this tree against the engine of another commit, measured by one script in one run.
 
     .venv/bin/python bench/bench_vs_commit.py --baseline REV [--batches 1,32] [--contexts 32,480]
-        [--rounds 2] [--served] [--json OUT]
+        [--prefill-tokens 1000] [--budget 512] [--rounds 2] [--served] [--json OUT]
     .venv/bin/python bench/bench_vs_commit.py --smoke [--json OUT]
 
 Checks REV out into a git worktree, lays each tree's pdserve out as it installs (pdserve.testing.packaging:
 so REV must be 9e8f3d1 or later, when engine/ became pdserve.engine), then runs, for each round, one worker
 process per tree (the order alternating from round to round, so that the machine's drift falls on both):
 the worker imports the `pdserve.engine` of its tree (its layout first on PYTHONPATH), builds the default
-model's engine (`max_model_len` 1024, `num_blocks` 1024, `max_num_seqs` the largest batch), times its
-warmup with an empty compilation cache (every shape compiled), counts the compiled variants, times a
-1000-token prompt's prefill (two chunks), then times decode steps (pdserve.bench.engine_timing's
+model's engine (`max_model_len` 1024 or the prompt's, `num_blocks` 1024, `max_num_seqs` the largest batch,
+the token budget --budget), times its warmup with an empty compilation cache (every shape compiled), counts
+the compiled variants, times a --prefill-tokens prompt's prefill (1000 at the budget of 512: two chunks),
+then times decode steps (pdserve.bench.engine_timing's
 decode_step_times: greedy, sampling included) at each batch and prompt length; with --served, also the
 daemons' path (`served_path`: a 1000-token prompt's TTFT through services.decode.core, and the boundary
 crossings of one request prefilled by a second engine). The measuring code is this tree's for both; only
@@ -52,7 +53,13 @@ common, engine_timing = this_tree("common"), this_tree("engine_timing")
 
 
 def worker(
-    batches: list[int], contexts: list[int], steps: int, served: bool = False, smoke: bool = False
+    batches: list[int],
+    contexts: list[int],
+    steps: int,
+    served: bool = False,
+    smoke: bool = False,
+    prefill_tokens: int = 1000,
+    budget_tokens: int = 512,
 ) -> dict:
     import time
 
@@ -63,8 +70,9 @@ def worker(
     budget = (
         "max_num_batched_tokens" if "max_num_batched_tokens" in EngineConfig.__dataclass_fields__ else None
     )
-    sizes = dict(num_blocks=1024, max_model_len=1024, max_num_seqs=max(batches))
-    sizes[budget or "max_prefill_tokens"] = 512
+    model_len = max(1024, -(-(prefill_tokens + 1) // 1024) * 1024)
+    sizes = dict(num_blocks=max(1024, model_len // 16), max_model_len=model_len, max_num_seqs=max(batches))
+    sizes[budget or "max_prefill_tokens"] = budget_tokens
     if smoke:  # (this tree only: the test model)
         from pdserve.testing.models import small_model
 
@@ -80,9 +88,9 @@ def worker(
         "step_shapes": len(engine.runner.step_shapes()),
         "decode_tokens_s": {},
     }
-    prompt = list(range(1000, 1000 + 1000))  # two chunks of 512 and 488 tokens, the second after a past
+    prompt = list(range(1000, 1000 + prefill_tokens))  # (1000 at 512: chunks of 512 and 488 tokens)
     engine.prompt_logits(prompt)  # compiles what warmup left (the grid engine's continued-chunk shape)
-    result["prefill_1000_s"] = common.best_of(lambda: engine.prompt_logits(prompt), 3)
+    result["prefill_s"] = common.best_of(lambda: engine.prompt_logits(prompt), 3)
     for context in contexts:
         for batch in batches:
             times = sorted(engine_timing.decode_step_times(engine, batch, steps, prompt_len=context))
@@ -200,6 +208,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batches", default="1,32")
     parser.add_argument("--contexts", default="32,480", help="prompt lengths of the decoding requests")
     parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--prefill-tokens", type=int, default=1000, help="the timed prefill's prompt")
+    parser.add_argument("--budget", type=int, default=512, help="the engines' max_num_batched_tokens")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--json", default=None)
     parser.add_argument(
@@ -211,7 +221,8 @@ def main(argv: list[str] | None = None) -> None:
     batches = [int(b) for b in args.batches.split(",")]
     contexts = [int(c) for c in args.contexts.split(",")]
     if args.worker:
-        print(json.dumps(worker(batches, contexts, args.steps, args.served)))
+        sizes = dict(prefill_tokens=args.prefill_tokens, budget_tokens=args.budget)
+        print(json.dumps(worker(batches, contexts, args.steps, args.served, **sizes)))
         return
     if args.smoke:
         common.report({"this tree": worker([1], [32], 2, smoke=True)}, args.json)
@@ -234,6 +245,7 @@ def main(argv: list[str] | None = None) -> None:
             for name in list(trees)[:: 1 if r % 2 == 0 else -1]:
                 cmd = [sys.executable, __file__, "--worker", "--batches", args.batches]
                 cmd += ["--contexts", args.contexts, "--steps", str(args.steps)]
+                cmd += ["--prefill-tokens", str(args.prefill_tokens), "--budget", str(args.budget)]
                 cmd += ["--served"] if args.served else []
                 env = {**os.environ, "PYTHONPATH": str(layouts[name])}
                 env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2"
@@ -247,7 +259,7 @@ def main(argv: list[str] | None = None) -> None:
     best = {
         name: {
             "warmup_s": min(x["warmup_s"] for x in rs),
-            "prefill_1000_s": min(x["prefill_1000_s"] for x in rs),
+            "prefill_s": min(x["prefill_s"] for x in rs),
             "variants": rs[0]["variants"],
             "step_shapes": rs[0]["step_shapes"],
             "decode_tokens_s": {
@@ -264,10 +276,12 @@ def main(argv: list[str] | None = None) -> None:
     new, old = best["this tree"], best["baseline"]
     result = {
         "baseline": args.baseline,
+        "prefill_tokens": args.prefill_tokens,
+        "budget": args.budget,
         "best": best,
         "ratios": {
             "warmup_this_over_baseline": common.ratio(new["warmup_s"], old["warmup_s"]),
-            "prefill_1000_this_over_baseline": common.ratio(new["prefill_1000_s"], old["prefill_1000_s"]),
+            "prefill_this_over_baseline": common.ratio(new["prefill_s"], old["prefill_s"]),
             **{
                 f"decode_tokens_s_{k}": common.ratio(new["decode_tokens_s"][k], old["decode_tokens_s"][k])
                 for k in new["decode_tokens_s"]

@@ -55,6 +55,11 @@ AGREEMENT_PROMPTS, AGREEMENT_TOKENS = 8, 32
 # Served load: random prompts of SERVED_INPUT tokens for SERVED_OUTPUT tokens (ignore_eos), Poisson arrivals
 SERVED_RATE, SERVED_REQUESTS, SERVED_INPUT, SERVED_OUTPUT = 2.0, 48, 256, 64
 MAX_MODEL_LEN = 4096
+# Before each timed call the other engines are let go quiet: vLLM's processes keep a core busy for 1-1.5 s
+# after each of its calls returns (measured from /proc: 100% of a core, then ~0), which took that core
+# from whichever engine was measured next. Quiet: a window of QUIET_WINDOW_S using under QUIET_SHARE of
+# a core.
+QUIET_WINDOW_S, QUIET_SHARE, QUIET_TIMEOUT_S = 0.25, 0.05, 10.0
 # pdserve's engine configurations (EngineConfig fields over the defaults): `default` is `pdserve generate`
 # with no flags
 CONFIGS: dict[str, dict] = {
@@ -144,8 +149,35 @@ class VllmEngine:
                 reply = json.loads(line)
                 return reply["s"], reply["tokens"]
 
+    def settle(self) -> None:
+        """Returns once this engine's processes are quiet (QUIET_WINDOW_S), or after QUIET_TIMEOUT_S."""
+        group = os.getpgid(self.proc.pid)
+        deadline = time.monotonic() + QUIET_TIMEOUT_S
+        before = group_cpu_seconds(group)
+        while time.monotonic() < deadline:
+            time.sleep(QUIET_WINDOW_S)
+            now = group_cpu_seconds(group)
+            if now - before < QUIET_SHARE * QUIET_WINDOW_S:
+                return
+            before = now
+
     def close(self) -> None:
         kill_group(self.proc)
+
+
+def group_cpu_seconds(group: int) -> float:
+    """CPU seconds (user + system) used so far by the live processes of a process group (Linux /proc)."""
+    total = 0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # exited meanwhile
+            continue
+        if int(fields[2]) == group:  # pgrp; utime and stime follow at 11 and 12
+            total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 def kill_group(proc: subprocess.Popen) -> None:
@@ -198,19 +230,25 @@ def engine_study(engines: dict, batches, lengths, decode_tokens: int, rounds: in
     for engine in engines.values():  # a first pass of each shape, off the record
         for batch in batches:
             engine.generate(prompts(batch, PROMPT_LEN), decode_tokens + 1)
+
+    def timed(engine, *args) -> float:  # seconds of one generate call, every engine quiet before it
+        for other in engines.values():
+            getattr(other, "settle", lambda: None)()
+        return engine.generate(*args)[0]
+
     samples: dict = {label: {} for label in engines}
     for _ in range(rounds):
         for batch in batches:
             batch_prompts = [prompts(batch, PROMPT_LEN) for _ in range(2)]
             for label, engine in engines.items():
-                one, _ = engine.generate(batch_prompts[0], 1)
-                full, _ = engine.generate(batch_prompts[1], decode_tokens + 1)
+                one = timed(engine, batch_prompts[0], 1)
+                full = timed(engine, batch_prompts[1], decode_tokens + 1)
                 rate = batch * decode_tokens / max(full - one, 1e-9)
                 samples[label].setdefault(f"decode_tokens_per_s_b{batch}", []).append(rate)
         for length in lengths:
             prompt = prompts(1, length)
             for label, engine in engines.items():
-                seconds, _ = engine.generate(prompt, 1)
+                seconds = timed(engine, prompt, 1)
                 samples[label].setdefault(f"ttft_s_{length}", []).append(seconds)
     result = {label: {k: statistics.median(v) for k, v in s.items()} for label, s in samples.items()}
     if "vllm" in engines:

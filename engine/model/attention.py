@@ -17,7 +17,10 @@ that is the key and, its first dims, the value.
 The reference runs everywhere and is what the tests pin down. Its cost follows the work, not the static
 shape: three parts share one softmax (flash-attention style running max and sum), each looping only as
 far as the step's longest context:
-  * new tokens over new tokens (causal, same sequence): one [T, T] masked product;
+  * new tokens over new tokens (causal, same sequence): one [T, T] masked product in a step of up to
+    NEW_TILE tokens; in a longer one, tiles of NEW_TILE queries over tiles of as many keys, each query
+    tile over the key tiles from its first sequence's start (or its window's) up to its own, as far as
+    the step's tokens go: the upper half of the square and other sequences' tiles are skipped;
   * short sequences (decodes, and with `short_rows` = 1 + k the verification rows of speculative
     decoding) over their past: all sequences at once, each with `short_rows` query rows, a tile of
     their block tables per iteration (decode_tile_blocks), so a row's cost follows its tokens;
@@ -68,6 +71,9 @@ def decode_tile_blocks(num_seqs: int) -> int:
 
 
 Q_WINDOW = 128  # queries of a prefill chunk attended to its past together
+# Tokens of a new-over-new tile: a step of more tokens attends to its own in tiles (causal: the tiles above
+# the diagonal are skipped). Measured on CPU at 2,048 tokens of one prompt: see docs/benchmark-history.md.
+NEW_TILE = 256
 
 
 def token_sequences(cu_q_lens: jax.Array, num_tokens: int) -> tuple[jax.Array, jax.Array]:
@@ -117,6 +123,50 @@ def _past_tile(cache, layer, block_tables, j, tile_blocks, value_dim=None):
     return kv[..., 0, :, :], kv[..., 1, :, :]
 
 
+def _new_over_new(q, k_new, v_new, seq, valid, cu_q_lens, reach, attend, tile):
+    """The new tokens over the new tokens (causal, same sequence) as a partial state [kv_heads, group, T]:
+    q [kv_heads, group, T, d] (scaled), k_new and v_new [T, kv_heads, dims]; `tile` tokens a tile."""
+    kvh, g, t, d = q.shape
+    k, v = k_new.transpose(1, 0, 2), v_new.transpose(1, 0, 2)  # [kv_heads, T, dims]
+    tok = jnp.arange(t)
+
+    def masked(q_pos, k_pos):  # [Q] and [K] token indices -> [group * Q, K]
+        causal = (k_pos[None, :] <= q_pos[:, None]) & (q_pos[:, None] - k_pos[None, :] < reach)
+        mask = (seq[q_pos][:, None] == seq[k_pos][None, :]) & causal & valid[k_pos][None, :]
+        return jnp.broadcast_to(mask, (g, *mask.shape)).reshape(g * q_pos.shape[0], k_pos.shape[0])
+
+    if t <= tile:  # one product
+        m, s, o = attend(q.reshape(kvh, g * t, d), k, v, masked(tok, tok))
+        return m.reshape(kvh, g, t), s.reshape(kvh, g, t), o.reshape(kvh, g, t, -1)
+    padded = -(-t // tile) * tile
+    q = jnp.pad(q, ((0, 0), (0, 0), (0, padded - t), (0, 0)))
+    k, v = (jnp.pad(x, ((0, 0), (0, padded - t), (0, 0))) for x in (k, v))
+    seq, valid = jnp.pad(seq, (0, padded - t), constant_values=-1), jnp.pad(valid, (0, padded - t))
+
+    def query_tile(i, state):
+        q_pos = i * tile + jnp.arange(tile)
+        qi = jax.lax.dynamic_slice_in_dim(q, i * tile, tile, axis=2).reshape(kvh, g * tile, d)
+        # the first key any of its queries sees: its first sequence's start, or the first query's window
+        first_key = jnp.maximum(cu_q_lens[seq[i * tile]], i * tile + 1 - reach)
+
+        def key_tile(j, acc):
+            k_pos = j * tile + jnp.arange(tile)
+            kj, vj = (jax.lax.dynamic_slice_in_dim(x, j * tile, tile, axis=1) for x in (k, v))
+            return _merge(acc, attend(qi, kj, vj, masked(q_pos, k_pos)))
+
+        empty = _empty((kvh, g * tile), v.shape[-1], jnp.float32)
+        part = jax.lax.fori_loop(jnp.maximum(first_key, 0) // tile, i + 1, key_tile, empty)
+        part = [x.reshape(kvh, g, tile, *x.shape[2:]) for x in part]
+        return tuple(
+            jax.lax.dynamic_update_slice_in_dim(x, p, i * tile, axis=2)
+            for x, p in zip(state, part, strict=True)
+        )
+
+    state = _empty((kvh, g, padded), v.shape[-1], jnp.float32)  # tiles past the step's tokens stay empty
+    state = jax.lax.fori_loop(0, -(-cu_q_lens[-1] // tile), query_tile, state)
+    return tuple(x[:, :, :t] for x in state)
+
+
 def ragged_paged_attention_reference(
     q: jax.Array,  # [T, kv_heads, group, head_dim] new tokens' queries, sequences back to back
     k_new: jax.Array,  # [T, kv_heads, head_dim]
@@ -133,6 +183,7 @@ def ragged_paged_attention_reference(
     latent: bool = False,  # MLA: the cache holds one latent "head" a token, the key; the value is its
     # first v_new.shape[-1] dims (k_new [T, 1, head_dim], v_new [T, 1, value dims], kv_heads 1)
     short_rows: int = 1,  # sequences of up to this many new tokens attend to their past in the decode loop
+    new_tile: int = NEW_TILE,  # tokens of a new-over-new tile
 ) -> jax.Array:  # [T, kv_heads, group, value dims]; rows of padding tokens are finite garbage
     t, kvh, g, d = q.shape
     dv = v_new.shape[-1]
@@ -154,12 +205,7 @@ def ragged_paged_attention_reference(
     attend = functools.partial(_attend, cap=soft_cap)
 
     # new over new: causal within each sequence; each KV head's query rows (group x tokens) form one matrix
-    tok = jnp.arange(t)
-    causal = (tok[None, :] <= tok[:, None]) & (tok[:, None] - tok[None, :] < reach)
-    mask = (seq[:, None] == seq[None, :]) & causal & valid[None, :]
-    mask = jnp.broadcast_to(mask, (g, t, t)).reshape(g * t, t)
-    m, s, o = attend(q.reshape(kvh, g * t, d), k_new.transpose(1, 0, 2), v_new.transpose(1, 0, 2), mask)
-    state = m.reshape(kvh, g, t), s.reshape(kvh, g, t), o.reshape(kvh, g, t, dv)
+    state = _new_over_new(q, k_new, v_new, seq, valid, cu_q_lens, reach, attend, new_tile)
 
     # short sequences (decodes; verification rows of 1 + k tokens, up to `short_rows`) over their past,
     # all sequences at once, row r of a sequence at position past + r; the loop starts at the first tile
@@ -246,7 +292,7 @@ def ragged_paged_attention_reference(
     if t > 1:  # a step of one token holds no chunk: not even the branch is compiled
         state = jax.lax.cond(ends[-1] > 0, chunks, lambda state: state, state)
     m, s, o = state
-    out = o / s[..., None]
+    out = o / jnp.where(s > 0, s, 1.0)[..., None]  # (a padding token past the new-over-new tiles: s == 0)
     return out.transpose(2, 0, 1, 3).astype(out_dtype)
 
 

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.fast
 
 LAYERS, BLOCKS, BS, KVH, G, D = 2, 720, 4, 2, 3, 8
 T, WIDTH = 3 * Q_WINDOW, 8 * KV_TILE_BLOCKS  # one compiled shape per sequence-slot count
-_jitted = jax.jit(ragged_paged_attention_reference, static_argnames="short_rows")
+_jitted = jax.jit(ragged_paged_attention_reference, static_argnames=("short_rows", "new_tile"))
 
 
 def naive(q, k_new, v_new, cache, layer, seqs, scale=D**-0.5, window=None, cap=None):
@@ -47,17 +47,21 @@ SEQ = st.tuples(st.integers(0, 3 * KV_TILE_BLOCKS * BS + 5), st.integers(1, Q_WI
 
 
 @settings(max_examples=12, deadline=None)
-# the decode loop's tile: 8, 4 and 2 blocks; its rows per sequence: 1 (decodes) or up to 1 + k tokens
-@pytest.mark.parametrize(("slots", "short_rows"), [(2, 1), (6, 4), (32, 1), (32, 3)])
+# the decode loop's tile: 8, 4 and 2 blocks; its rows per sequence: 1 (decodes) or up to 1 + k tokens;
+# new over new: one product (a tile past T), tiles that divide T, tiles that leave a padded one
+@pytest.mark.parametrize(
+    ("slots", "short_rows", "new_tile"), [(2, 1, 512), (6, 4, 64), (32, 1, 128), (32, 3, 80)]
+)
 @given(
     seqs=st.lists(SEQ, min_size=1, max_size=8),
     window=st.integers(0, 3 * KV_TILE_BLOCKS * BS),  # 0: full attention (None, the models' default: below)
     cap=st.sampled_from([None, 3.0]),
     rnd=st.randoms(),
 )
-def test_matches_per_sequence_attention(slots, short_rows, seqs, window, cap, rnd):
+def test_matches_per_sequence_attention(slots, short_rows, new_tile, seqs, window, cap, rnd):
     """Also with a sliding window (Gemma, Mistral), a soft cap on the scores (Gemma 2) and another scale;
-    rows of 2 to 5 tokens read their past in the decode loop up to `short_rows`, beyond it in windows."""
+    rows of 2 to 5 tokens read their past in the decode loop up to `short_rows`, beyond it in windows;
+    the new tokens over each other in one product or in tiles of `new_tile` (sequences across tiles)."""
     rng = np.random.default_rng(rnd.randint(0, 2**32))
     kinds = [rnd.random() for _ in seqs[:slots]]  # about 0.4 decodes, 0.3 short rows, 0.3 chunks
     seqs = [
@@ -85,7 +89,14 @@ def test_matches_per_sequence_attention(slots, short_rows, seqs, window, cap, rn
     scale = rnd.uniform(0.1, 0.5)
     args = (q, k_new, v_new, cache, np.int32(1), kv_lens, tables, cu)
     got = np.asarray(
-        _jitted(*args, sm_scale=scale, sliding_window=window, soft_cap=cap, short_rows=short_rows)
+        _jitted(
+            *args,
+            sm_scale=scale,
+            sliding_window=window,
+            soft_cap=cap,
+            short_rows=short_rows,
+            new_tile=new_tile,
+        )
     )
     expected = naive(q, k_new, v_new, cache, 1, layout, scale, window, cap)
     np.testing.assert_allclose(got[:total], expected[:total], atol=2e-5)
