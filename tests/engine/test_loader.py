@@ -396,6 +396,20 @@ def test_sixteen_bit_steps_on_a_cpu_are_compiled_for_two_rows_at_least():
     assert config.token_buckets == (1,)  # never past the budget
 
 
+@pytest.mark.parametrize("budget", [1, 64, 256, 300, 512, 2048, 3000])
+def test_step_buckets_double_then_add_half_steps_from_256_tokens(budget):
+    """A step pays for its bucket: from HALF_STEPS_FROM tokens on, no bucket is more than 1.5x the one
+    below it (a 256-token chunk with a few decodes runs in 384, not 512); below, powers of two."""
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.config.engine import HALF_STEPS_FROM
+
+    buckets = EngineConfig(max_num_batched_tokens=budget, max_num_seqs=1).token_buckets
+    assert buckets[-1] == budget and list(buckets) == sorted(set(buckets))
+    for below, above in zip(buckets, buckets[1:], strict=False):
+        assert above <= (2 * below if below < HALF_STEPS_FROM else below * 3 // 2)
+    assert all(b & (b - 1) == 0 for b in buckets[:-1] if b <= HALF_STEPS_FROM)  # powers of two
+
+
 def _fp8_folder(path: Path, config: dict) -> Path:
     """A tiny folder as llm-compressor writes FP8 checkpoints: F8_E4M3 weights beside float32 scales."""
     import ml_dtypes
