@@ -15,7 +15,7 @@ what `pdserve generate` runs with no flags; the others change dtype, weight quan
    `--rounds` rounds, the engines interleaved within each round so that the machine's drift touches all:
    * decode tokens/s at batch 1, 8, 32 and 64: `batch` random 32-token prompts, greedy, `ignore_eos`;
      (time for 65 tokens - time for 1 token) is the time of 64 decode steps, each run on fresh prompts
-     (no prefix-cache hit);
+     (no prefix-cache hit); and at batch 8 and 32 over 512-token prompts (`_ctx512`);
    * TTFT at 128, 512 and 2,048 prompt tokens: one fresh prompt, 1 output token;
    * greedy agreement: how many of the first 32 tokens each pdserve configuration shares with vLLM's on
      8 prompts (vLLM computes in bfloat16, so float32 diverges after a while; this is not a parity check).
@@ -51,6 +51,9 @@ VLLM_CLI = [str(VLLM_PYTHON), str(Path(__file__).resolve()), "--peer-cli"]
 SERVED_NAME = "smollm2"  # the model name every server answers to (the client asks for it)
 PROMPT_LEN, DECODE_TOKENS = 32, 64
 BATCHES, TTFT_LENGTHS = (1, 8, 32, 64), (128, 512, 2048)
+# decode over a longer context too: LONG_PROMPT_LEN-token prompts at these batches (attention's share of a
+# decode step grows with the context: at 480 tokens it is half or more of pdserve's step)
+LONG_PROMPT_LEN, LONG_BATCHES = 512, (8, 32)
 AGREEMENT_PROMPTS, AGREEMENT_TOKENS = 8, 32
 # Served load: random prompts of SERVED_INPUT tokens for SERVED_OUTPUT tokens (ignore_eos), Poisson arrivals
 SERVED_RATE, SERVED_REQUESTS, SERVED_INPUT, SERVED_OUTPUT = 2.0, 48, 256, 64
@@ -237,14 +240,17 @@ def engine_study(engines: dict, batches, lengths, decode_tokens: int, rounds: in
         return engine.generate(*args)[0]
 
     samples: dict = {label: {} for label in engines}
+    decodes = [(batch, PROMPT_LEN, f"b{batch}") for batch in batches]
+    if not smoke:
+        decodes += [(batch, LONG_PROMPT_LEN, f"b{batch}_ctx{LONG_PROMPT_LEN}") for batch in LONG_BATCHES]
     for _ in range(rounds):
-        for batch in batches:
-            batch_prompts = [prompts(batch, PROMPT_LEN) for _ in range(2)]
+        for batch, prompt_len, key in decodes:
+            batch_prompts = [prompts(batch, prompt_len) for _ in range(2)]
             for label, engine in engines.items():
                 one = timed(engine, batch_prompts[0], 1)
                 full = timed(engine, batch_prompts[1], decode_tokens + 1)
                 rate = batch * decode_tokens / max(full - one, 1e-9)
-                samples[label].setdefault(f"decode_tokens_per_s_b{batch}", []).append(rate)
+                samples[label].setdefault(f"decode_tokens_per_s_{key}", []).append(rate)
         for length in lengths:
             prompt = prompts(1, length)
             for label, engine in engines.items():
