@@ -155,7 +155,7 @@ def _new_over_new(q, k_new, v_new, seq, valid, cu_q_lens, reach, attend, tile):
             return _merge(acc, attend(qi, kj, vj, masked(q_pos, k_pos)))
 
         empty = _empty((kvh, g * tile), v.shape[-1], jnp.float32)
-        part = jax.lax.fori_loop(jnp.maximum(first_key, 0) // tile, i + 1, key_tile, empty)
+        part = jax.lax.fori_loop(first_key // tile, i + 1, key_tile, empty)
         part = [x.reshape(kvh, g, tile, *x.shape[2:]) for x in part]
         return tuple(
             jax.lax.dynamic_update_slice_in_dim(x, p, i * tile, axis=2)
