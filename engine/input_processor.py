@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from pdserve.engine.config import EngineConfig, ModelConfig
+from pdserve.engine.core.output import OutputStream
 from pdserve.engine.core.request import Request
 from pdserve.engine.lora import AdapterRegistry
 from pdserve.engine.model.sampler import token_mask
@@ -55,6 +56,7 @@ class InputProcessor:
         lora_fingerprint: str | None = None,
         seed: int | None = None,
         cache_salt: str | None = None,
+        resume_token_ids: Sequence[int] = (),
     ) -> Request:
         """Validates and tokenizes (a text prompt gets the model's special tokens, its BOS, as vLLM and
         transformers add them; token ids are taken as they are); raises InvalidRequestError naming the bad
@@ -64,6 +66,11 @@ class InputProcessor:
         adapter) the adapter loaded here must have the same weights (AdapterMismatchError otherwise).
         `seed`: the resolved seed a peer drew (default: params.seed, else a random one).
         `cache_salt`: the tenant's salt (Request.cache_salt; None or empty: unsalted).
+        `resume_token_ids`: the output a client already received of this request from a server that went
+        away (Request.num_resumed): it continues at the position after them, with their KV computed here;
+        with the same seed it draws the tokens the uninterrupted run would have (the sampler's key depends on
+        the seed and the position only). One sequence at a time (n == 1); prompt logprobs, which the first
+        output carried, are not scored again.
         """
         if cache_salt is not None and len(cache_salt) > MAX_CACHE_SALT_CHARS:
             raise InvalidRequestError("cache_salt", f"at most {MAX_CACHE_SALT_CHARS} characters")
@@ -78,6 +85,8 @@ class InputProcessor:
                     f"{len(prompt_ids)} prompt tokens x {params.prompt_logprobs + 1} logprobs x "
                     f"n={params.n}: the limit is {MAX_PROMPT_LOGPROB_ENTRIES} entries",
                 )
+        if resume_token_ids:
+            params = self._resumable(params, prompt_ids, resume_token_ids)
         if params.n > config.max_num_seqs:
             raise InvalidRequestError(
                 "n", f"{params.n} sequences: max_num_seqs ({config.max_num_seqs}) decode together"
@@ -112,9 +121,45 @@ class InputProcessor:
             reasoning=bool(params.reasoning_end) and params.constraint is not None,
         )
         request.matcher = self.masks.matcher(request)
+        if resume_token_ids:
+            self._resume(request, resume_token_ids)
         if config.enable_prefix_caching:  # (the engine thread would otherwise hash at admission)
             request.extend_block_hashes(config.block_size)
         return request
+
+    def _resumable(
+        self, params: SamplingParams, prompt_ids: list[int], resumed: Sequence[int]
+    ) -> SamplingParams:
+        """The checks of a resumption that need no request yet; `params` without prompt logprobs."""
+        field, vocab = "resume_token_ids", self.model.vocab_size
+        if params.n != 1:
+            raise InvalidRequestError(field, f"n={params.n}: a request resumes one sequence at a time")
+        if any(not 0 <= int(t) < vocab for t in resumed):
+            raise InvalidRequestError(field, f"token ids must be in [0, {vocab})")
+        if len(resumed) >= params.max_tokens:
+            raise InvalidRequestError(field, f"{len(resumed)} tokens: the output was complete at max_tokens")
+        if len(prompt_ids) + len(resumed) >= self.config.max_model_len:
+            raise InvalidRequestError(field, "the output was complete at the model length")
+        return dataclasses.replace(params, prompt_logprobs=None)
+
+    def _resume(self, request: Request, resumed: Sequence[int]) -> None:
+        """Takes the resumed output in (Request.num_resumed): the constraint's matcher and the reasoning
+        flag stand where they stood after it, as the scheduler left them; refused when the output had
+        ended there (a stop token, a stop string) or its constraint refuses it."""
+        field = "resume_token_ids"
+        request.output_ids = [int(t) for t in resumed]
+        request.num_resumed = len(request.output_ids)
+        if set(request.output_ids) & request.stop_token_ids:
+            raise InvalidRequestError(field, "the output was complete at a stop token")
+        end = list(request.params.reasoning_end)
+        for i, token in enumerate(request.output_ids):
+            if request.reasoning:
+                request.reasoning = request.output_ids[max(0, i + 1 - len(end)) : i + 1] != end
+            elif request.matcher is not None and not request.matcher.consume_token(token):
+                raise InvalidRequestError(field, f"token {i} ({token}) is not allowed by the constraint")
+        stops = self.tokenizer is not None and request.params.stop
+        if stops and OutputStream(request, self.tokenizer).stopped:
+            raise InvalidRequestError(field, "the output was complete at a stop string")
 
     def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
         """The prompt's token ids: a text tokenized (refused past max_prompt_chars before any work), ids

@@ -57,6 +57,21 @@ class OutputStream:
         self.request = request
         self.detokenizer = IncrementalDetokenizer(tokenizer, request.params.skip_special_tokens)
         self.matcher = StopStringMatcher(request.params.stop)
+        self._replay(request.output_ids[: request.num_resumed])
+
+    def _replay(self, tokens: list[int]) -> None:
+        """A resumed request's output from elsewhere (Request.num_resumed), taken in as it was shown: the
+        detokenizer and the stop-string matcher stand where they stood after it (the text a partial stop
+        string held back is still held), and nothing of it is shown again."""
+        for i, token in enumerate(tokens, 1):
+            delta = self.detokenizer.add(token)
+            if i > self.request.params.min_tokens:
+                self.matcher.feed(delta)
+
+    @property
+    def stopped(self) -> bool:
+        """A stop string has matched (in the output so far, resumed tokens included)."""
+        return self.matcher.stopped
 
     def on_tokens(self, tokens: list[int], logprobs: list[TokenLogprobs | None]) -> RequestOutput:
         """The client's view of the tokens a step appended to the request (one, or a run of accepted
@@ -92,9 +107,9 @@ class OutputStream:
             num_prompt_tokens=len(r.prompt_ids),
             num_output_tokens=first + shown,
             num_cached_tokens=r.num_cached_tokens,
-            prompt_logprobs=r.prompt_logprobs if first == 0 else None,
+            prompt_logprobs=r.prompt_logprobs if first == r.num_resumed else None,
             queue_s=r.scheduled_time - r.arrival_time
-            if first == 0 and r.scheduled_time is not None
+            if first == r.num_resumed and r.scheduled_time is not None
             else None,
         )
 

@@ -53,6 +53,10 @@ class Request:
     params: SamplingParams
     seed: int  # resolved seed (params.seed or a random one drawn at arrival)
     output_ids: list[int] = dataclasses.field(default_factory=list)
+    # Resumed (a stream that broke elsewhere, continued here): its first `num_resumed` output tokens were
+    # generated elsewhere and already shown to its client; they are computed with the prompt, never shown
+    # again, and it samples on at the position they reach (engine.input_processor.InputProcessor.make_request)
+    num_resumed: int = 0
     logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)
     # With params.prompt_logprobs: one entry per prompt position, None at the first (and where not yet
     # computed); the first output carries them

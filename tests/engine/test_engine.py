@@ -53,6 +53,18 @@ def test_tensor_parallel_gives_the_same_tokens(make_engine, tp):
     assert [r.token_ids for r in engine.generate(PROMPTS, GREEDY)] == reference
 
 
+def test_a_request_resumed_on_an_engine_of_another_tp_continues_with_the_same_tokens(make_engine):
+    """Exact resumption (tests/engine/test_resume.py) from a TP 1 engine's output to a TP 2 engine's."""
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=5, max_tokens=16, ignore_eos=True)
+    full = make_engine().generate([PROMPTS[2]], params)[0].token_ids
+    engine = make_engine(devices=jax.devices()[:2], tp=2)  # (the module's, from the test above)
+    request = engine.make_request(PROMPTS[2], params, resume_token_ids=full[:9])
+    engine.add_prepared_request(request)
+    while engine.has_unfinished:
+        engine.step()
+    assert request.output_ids == full
+
+
 def test_a_lone_request_padded_to_two_rows_gives_the_same_tokens(make_engine):
     """bfloat16 on a CPU compiles no one-row step (EngineConfig.min_step_tokens): the padding row changes
     nothing (float32 here, for exact equality)."""
