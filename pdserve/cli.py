@@ -187,7 +187,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_generate_args(gen)
     gen.add_argument("--warmup", action="store_true", help="compile every serving shape first")
     gen.add_argument("--adapter", default=None, metavar="NAME", help="LoRA adapter to generate with")
-    add_client_flags(gen, "ADDR of a decode-server: stream from it instead")
+    add_client_flags(
+        gen,
+        "ADDR of a decode-server: stream from it instead (ADDR,ADDR,...: a stream that breaks resumes on the "
+        "next, exactly)",
+    )
     gen.add_argument("prompt")
     gen.set_defaults(func=cmd_generate)
 

@@ -33,6 +33,8 @@ class Completion:
     cached_prompt_tokens: int = 0  # of prompt_tokens, found in a prefix cache (not computed again)
     completion_tokens: int = 0
     token_times_s: list[float] = dataclasses.field(default_factory=list)  # each token's arrival since start
+    seed: int | None = None  # the seed it sampled with (its own, or the one its server drew)
+    num_resumes: int = 0  # times its stream broke and was resumed on another server (Client)
     logprobs: list = dataclasses.field(default_factory=list)  # TokenLogprobs per token, when asked for
     prompt_logprobs: list = dataclasses.field(
         default_factory=list
@@ -52,6 +54,8 @@ class Completion:
     def add(self, response: pb.GenerateResponse, now_s: float) -> None:
         """Folds one streamed response in, `now_s` after the request started."""
         self.request_id = response.request_id or self.request_id
+        if response.HasField("seed"):
+            self.seed = response.seed
         self.prompt_ids += response.prompt_ids
         self.token_ids += response.token_ids
         self.token_times_s += [now_s] * len(response.token_ids)
@@ -141,20 +145,60 @@ def build_request(
     return set_request_fields(request, sampling_fields)
 
 
-class Client:
-    """Blocking client; thread-safe (one channel, many concurrent calls).
+# A stream that ends with one of these after it started broke on the server's side (it died, or it was
+# drained past its grace period): the request is resumed on the next target. Others are answers (a bad
+# request, the engine failing on this one, a deadline) and are raised.
+RESUMABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED})
+RESUME_BACKOFF_S = (0.2, 0.5, 1.0, 2.0)  # before each further attempt (the last one repeats)
 
+
+def resumption(
+    request: pb.GenerateRequest, received: Completion | None, seed: int | None
+) -> pb.GenerateRequest:
+    """`request` sent again after its stream broke: with the tokens `received` so far (none: it starts
+    over) to resume from, and the `seed` its first server reported when it had none of its own."""
+    again = pb.GenerateRequest()
+    again.CopyFrom(request)
+    if received is not None and received.token_ids:
+        again.resume_token_ids[:] = received.token_ids
+        again.return_prompt_ids = False  # (the first message brought them)
+    if seed is not None and not request.sampling.HasField("seed"):
+        again.sampling.seed = seed
+    return again
+
+
+class Client:
+    """Blocking client; thread-safe (one channel per target, many concurrent calls).
+
+    `target`: ADDR, dns:///NAME:PORT, or several of them separated by commas. A request whose stream
+    breaks (RESUMABLE: its server died or went away) is sent again, to the next target (the same one when
+    there is one: a Service's address reaches another pod), up to `max_resumes` times; after tokens came,
+    as a resumption (GenerateRequest.resume_token_ids) with the seed the first server reported, so the
+    caller sees one uninterrupted output (greedy and seeded: the very tokens; a request of n > 1 sequences
+    is not resumed). Stats, model info and adapters go to the first target.
     `credentials`: TLS (services.security.channel_credentials; None: plaintext); `token`: a bearer token
     sent with every call.
     """
 
     def __init__(
-        self, target: str, credentials: grpc.ChannelCredentials | None = None, token: str | None = None
+        self,
+        target: str,
+        credentials: grpc.ChannelCredentials | None = None,
+        token: str | None = None,
+        max_resumes: int = 3,
     ):
-        self.channel = ChannelSecurity(credentials).open(target, channel_options())
+        targets = [t.strip() for t in target.split(",") if t.strip()]
+        if not targets:
+            raise ValueError(f"no target in {target!r}")
+        security = ChannelSecurity(credentials)
+        self.channels = [security.open(t, channel_options()) for t in targets]
+        self.channel = self.channels[0]
         self.metadata = bearer_metadata(token)
-        self.stub = pb_grpc.GenerationStub(self.channel)
+        self.stubs = [pb_grpc.GenerationStub(c) for c in self.channels]
+        self.stub = self.stubs[0]
         self.admin = admin_pb2_grpc.AdminStub(self.channel)
+        self.max_resumes = max_resumes
+        self.num_resumes = 0  # streams resumed elsewhere so far (all calls)
 
     @classmethod
     def connect(
@@ -194,14 +238,40 @@ class Client:
     def generate_sequences(
         self, request: pb.GenerateRequest, timeout: float | None = None, on_response=None
     ) -> list[Completion]:
-        """Runs a built request to completion: one Completion per sequence (its n, in index order)."""
+        """Runs a built request to completion: one Completion per sequence (its n, in index order),
+        resumed on another target if its stream breaks (see the class)."""
         start = time.perf_counter()
         completions: dict[int, Completion] = {}
-        for response in self.stream(request, timeout=timeout):
-            completions.setdefault(response.index, Completion()).add(response, time.perf_counter() - start)
-            if on_response is not None:
-                on_response(response)
-        return [completions[i] for i in sorted(completions)]
+        seed, target, attempt = None, 0, request
+        for resumes in range(self.max_resumes + 1):
+            remaining = None if timeout is None else max(0.0, timeout - (time.perf_counter() - start))
+            try:
+                for response in self.stubs[target].Generate(
+                    attempt, timeout=remaining, metadata=self.metadata
+                ):
+                    if response.HasField("seed") and seed is None:  # (a resumption's: the same)
+                        seed = response.seed
+                    completions.setdefault(response.index, Completion()).add(
+                        response, time.perf_counter() - start
+                    )
+                    if on_response is not None:
+                        on_response(response)
+                return [completions[i] for i in sorted(completions)]
+            except grpc.RpcError as e:
+                received = any(c.token_ids for c in completions.values())
+                if (
+                    e.code() not in RESUMABLE
+                    or resumes == self.max_resumes
+                    or (received and request.sampling.n > 1)
+                ):
+                    raise
+            time.sleep(RESUME_BACKOFF_S[min(resumes, len(RESUME_BACKOFF_S) - 1)])
+            target = (target + 1) % len(self.stubs)
+            attempt = resumption(request, completions.get(0), seed)
+            self.num_resumes += 1
+            for completion in completions.values():
+                completion.num_resumes += 1
+        raise AssertionError("unreachable")
 
     def stats(self, timeout: float | None = 30.0) -> admin_pb2.ServerStats:
         """The daemon's Admin.GetStats: blocks used and free, queues, requests and transfer totals."""
@@ -222,4 +292,5 @@ class Client:
         return self.admin.ListLoraAdapters(admin_pb2.ListLoraAdaptersRequest(), metadata=self.metadata)
 
     def close(self) -> None:
-        self.channel.close()
+        for channel in self.channels:
+            channel.close()

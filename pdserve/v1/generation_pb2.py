@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpdserve/v1/generation.proto\x12\npdserve.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"1\n\x04\x43hat\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\"\xe2\x04\n\x12SamplingParameters\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x01\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x02\x88\x01\x01\x12\x15\n\x08logprobs\x18\t \x01(\rH\x03\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\n \x01(\x08H\x04\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0b \x01(\rH\x05\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x0c \x01(\r\x12\x41\n\nlogit_bias\x18\r \x03(\x0b\x32-.pdserve.v1.SamplingParameters.LogitBiasEntry\x12\x0e\n\x01n\x18\x0e \x01(\rH\x06\x88\x01\x01\x12\x19\n\x11\x61llowed_token_ids\x18\x0f \x03(\x05\x12\x11\n\tbad_words\x18\x10 \x03(\t\x12\x15\n\rreasoning_end\x18\x11 \x03(\x05\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokensB\x12\n\x10_prompt_logprobsB\x04\n\x02_n\"J\n\x0eStopConditions\x12\x0c\n\x04stop\x18\x01 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x02 \x03(\x05\x12\x12\n\nignore_eos\x18\x03 \x01(\x08\"\xed\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12 \n\x04\x63hat\x18\x04 \x01(\x0b\x32\x10.pdserve.v1.ChatH\x00\x12\x30\n\x08sampling\x18\x05 \x01(\x0b\x32\x1e.pdserve.v1.SamplingParameters\x12\x12\n\nmax_tokens\x18\x06 \x01(\r\x12(\n\x04stop\x18\x07 \x01(\x0b\x32\x1a.pdserve.v1.StopConditions\x12\x14\n\x0clora_adapter\x18\x08 \x01(\t\x12\x19\n\x11return_prompt_ids\x18\t \x01(\x08\x12*\n\nconstraint\x18\n \x01(\x0b\x32\x16.pdserve.v1.Constraint\x12\x12\n\ncache_salt\x18\x0b \x01(\tB\x08\n\x06prompt\"\x8d\x01\n\nConstraint\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12%\n\x06\x63hoice\x18\x05 \x01(\x0b\x32\x13.pdserve.v1.ChoicesH\x00\x42\x06\n\x04kind\"\x19\n\x07\x43hoices\x12\x0e\n\x06values\x18\x01 \x03(\t\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"e\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\x12\x0c\n\x04rank\x18\x04 \x01(\r\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\x9e\x02\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x12\n\nprompt_ids\x18\x07 \x03(\x05\x12\x32\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\r\n\x05index\x18\t \x01(\r\"\x15\n\x13GetModelInfoRequest\"\x9f\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x15\n\rlora_adapters\x18\x04 \x03(\t\x12\x14\n\x0cprefill_mode\x18\x05 \x01(\t\x12\x12\n\nnum_layers\x18\x06 \x01(\r\x12\x17\n\x0ftensor_parallel\x18\x07 \x01(\r*\x9f\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12%\n!FINISH_REASON_CONSTRAINT_DEAD_END\x10\x04\x32\x9d\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12\x46\n\x0cGetModelInfo\x12\x1f.pdserve.v1.GetModelInfoRequest\x1a\x15.pdserve.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpdserve/v1/generation.proto\x12\npdserve.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"1\n\x04\x43hat\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\"\xe2\x04\n\x12SamplingParameters\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x01\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x02\x88\x01\x01\x12\x15\n\x08logprobs\x18\t \x01(\rH\x03\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\n \x01(\x08H\x04\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0b \x01(\rH\x05\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x0c \x01(\r\x12\x41\n\nlogit_bias\x18\r \x03(\x0b\x32-.pdserve.v1.SamplingParameters.LogitBiasEntry\x12\x0e\n\x01n\x18\x0e \x01(\rH\x06\x88\x01\x01\x12\x19\n\x11\x61llowed_token_ids\x18\x0f \x03(\x05\x12\x11\n\tbad_words\x18\x10 \x03(\t\x12\x15\n\rreasoning_end\x18\x11 \x03(\x05\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokensB\x12\n\x10_prompt_logprobsB\x04\n\x02_n\"J\n\x0eStopConditions\x12\x0c\n\x04stop\x18\x01 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x02 \x03(\x05\x12\x12\n\nignore_eos\x18\x03 \x01(\x08\"\x87\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12 \n\x04\x63hat\x18\x04 \x01(\x0b\x32\x10.pdserve.v1.ChatH\x00\x12\x30\n\x08sampling\x18\x05 \x01(\x0b\x32\x1e.pdserve.v1.SamplingParameters\x12\x12\n\nmax_tokens\x18\x06 \x01(\r\x12(\n\x04stop\x18\x07 \x01(\x0b\x32\x1a.pdserve.v1.StopConditions\x12\x14\n\x0clora_adapter\x18\x08 \x01(\t\x12\x19\n\x11return_prompt_ids\x18\t \x01(\x08\x12*\n\nconstraint\x18\n \x01(\x0b\x32\x16.pdserve.v1.Constraint\x12\x12\n\ncache_salt\x18\x0b \x01(\t\x12\x18\n\x10resume_token_ids\x18\x0c \x03(\x05\x42\x08\n\x06prompt\"\x8d\x01\n\nConstraint\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12%\n\x06\x63hoice\x18\x05 \x01(\x0b\x32\x13.pdserve.v1.ChoicesH\x00\x42\x06\n\x04kind\"\x19\n\x07\x43hoices\x12\x0e\n\x06values\x18\x01 \x03(\t\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"e\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\x12\x0c\n\x04rank\x18\x04 \x01(\r\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xba\x02\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x12\n\nprompt_ids\x18\x07 \x03(\x05\x12\x32\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\r\n\x05index\x18\t \x01(\r\x12\x11\n\x04seed\x18\n \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"\x15\n\x13GetModelInfoRequest\"\x9f\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x15\n\rlora_adapters\x18\x04 \x03(\t\x12\x14\n\x0cprefill_mode\x18\x05 \x01(\t\x12\x12\n\nnum_layers\x18\x06 \x01(\r\x12\x17\n\x0ftensor_parallel\x18\x07 \x01(\r*\x9f\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12%\n!FINISH_REASON_CONSTRAINT_DEAD_END\x10\x04\x32\x9d\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12\x46\n\x0cGetModelInfo\x12\x1f.pdserve.v1.GetModelInfoRequest\x1a\x15.pdserve.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMETERS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMETERS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2109
-  _globals['_FINISHREASON']._serialized_end=2268
+  _globals['_FINISHREASON']._serialized_start=2163
+  _globals['_FINISHREASON']._serialized_end=2322
   _globals['_TOKENIDS']._serialized_start=43
   _globals['_TOKENIDS']._serialized_end=66
   _globals['_CHATMESSAGE']._serialized_start=68
@@ -48,23 +48,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STOPCONDITIONS']._serialized_start=778
   _globals['_STOPCONDITIONS']._serialized_end=852
   _globals['_GENERATEREQUEST']._serialized_start=855
-  _globals['_GENERATEREQUEST']._serialized_end=1220
-  _globals['_CONSTRAINT']._serialized_start=1223
-  _globals['_CONSTRAINT']._serialized_end=1364
-  _globals['_CHOICES']._serialized_start=1366
-  _globals['_CHOICES']._serialized_end=1391
-  _globals['_TOPLOGPROB']._serialized_start=1393
-  _globals['_TOPLOGPROB']._serialized_end=1440
-  _globals['_TOKENLOGPROBS']._serialized_start=1442
-  _globals['_TOKENLOGPROBS']._serialized_end=1543
-  _globals['_USAGE']._serialized_start=1545
-  _globals['_USAGE']._serialized_end=1632
-  _globals['_GENERATERESPONSE']._serialized_start=1635
-  _globals['_GENERATERESPONSE']._serialized_end=1921
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1923
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1944
-  _globals['_MODELINFO']._serialized_start=1947
-  _globals['_MODELINFO']._serialized_end=2106
-  _globals['_GENERATION']._serialized_start=2271
-  _globals['_GENERATION']._serialized_end=2428
+  _globals['_GENERATEREQUEST']._serialized_end=1246
+  _globals['_CONSTRAINT']._serialized_start=1249
+  _globals['_CONSTRAINT']._serialized_end=1390
+  _globals['_CHOICES']._serialized_start=1392
+  _globals['_CHOICES']._serialized_end=1417
+  _globals['_TOPLOGPROB']._serialized_start=1419
+  _globals['_TOPLOGPROB']._serialized_end=1466
+  _globals['_TOKENLOGPROBS']._serialized_start=1468
+  _globals['_TOKENLOGPROBS']._serialized_end=1569
+  _globals['_USAGE']._serialized_start=1571
+  _globals['_USAGE']._serialized_end=1658
+  _globals['_GENERATERESPONSE']._serialized_start=1661
+  _globals['_GENERATERESPONSE']._serialized_end=1975
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1977
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1998
+  _globals['_MODELINFO']._serialized_start=2001
+  _globals['_MODELINFO']._serialized_end=2160
+  _globals['_GENERATION']._serialized_start=2325
+  _globals['_GENERATION']._serialized_end=2482
 # @@protoc_insertion_point(module_scope)

@@ -96,7 +96,7 @@ class StopConditions(_message.Message):
     def __init__(self, stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "chat", "sampling", "max_tokens", "stop", "lora_adapter", "return_prompt_ids", "constraint", "cache_salt")
+    __slots__ = ("request_id", "text", "token_ids", "chat", "sampling", "max_tokens", "stop", "lora_adapter", "return_prompt_ids", "constraint", "cache_salt", "resume_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -108,6 +108,7 @@ class GenerateRequest(_message.Message):
     RETURN_PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    RESUME_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIds
@@ -119,7 +120,8 @@ class GenerateRequest(_message.Message):
     return_prompt_ids: bool
     constraint: Constraint
     cache_salt: str
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParameters, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Union[StopConditions, _Mapping]] = ..., lora_adapter: _Optional[str] = ..., return_prompt_ids: _Optional[bool] = ..., constraint: _Optional[_Union[Constraint, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    resume_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParameters, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Union[StopConditions, _Mapping]] = ..., lora_adapter: _Optional[str] = ..., return_prompt_ids: _Optional[bool] = ..., constraint: _Optional[_Union[Constraint, _Mapping]] = ..., cache_salt: _Optional[str] = ..., resume_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Constraint(_message.Message):
     __slots__ = ("json_schema", "json_object", "regex", "grammar", "choice")
@@ -172,7 +174,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("token_ids", "text", "finish_reason", "logprobs", "usage", "request_id", "prompt_ids", "prompt_logprobs", "index")
+    __slots__ = ("token_ids", "text", "finish_reason", "logprobs", "usage", "request_id", "prompt_ids", "prompt_logprobs", "index", "seed")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -182,6 +184,7 @@ class GenerateResponse(_message.Message):
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     finish_reason: FinishReason
@@ -191,7 +194,8 @@ class GenerateResponse(_message.Message):
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
     index: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., index: _Optional[int] = ...) -> None: ...
+    seed: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., index: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class GetModelInfoRequest(_message.Message):
     __slots__ = ()

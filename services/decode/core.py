@@ -131,10 +131,13 @@ class GenerationCore:
         self.loop.stop()
         self.preparer.close()
 
-    def make_request(self, prompt, params, label: str = "", lora: str = "", cache_salt: str = "") -> Request:
+    def make_request(
+        self, prompt, params, label: str = "", lora: str = "", cache_salt: str = "", resume_token_ids=()
+    ) -> Request:
         """Checks the limits, validates and tokenizes (InvalidRequestError names the field); refuses while
         draining. Blocking CPU work by the size of the request: call it through `prepare`. `cache_salt`:
-        the tenant's (engine.core.request.Request.cache_salt; empty: none).
+        the tenant's (engine.core.request.Request.cache_salt; empty: none). `resume_token_ids`: the output
+        its client already received from a server that went away (a resumption, Request.num_resumed).
 
         The engine's key is this server's own, unique whatever clients send: the client's `label` (its
         request id, checked by the caller) and a random suffix, so that two requests of one id never meet.
@@ -147,7 +150,12 @@ class GenerationCore:
         suffix = uuid.uuid4().hex[:12]  # the key stays within the limit a prefill server checks it against
         key = f"{label[: limits.max_request_id_chars - 13]}-{suffix}" if label else uuid.uuid4().hex
         return self.engine.make_request(
-            prompt, params, request_id=key, lora=lora or None, cache_salt=cache_salt or None
+            prompt,
+            params,
+            request_id=key,
+            lora=lora or None,
+            cache_salt=cache_salt or None,
+            resume_token_ids=resume_token_ids,
         )
 
     def check_params(self, params):
@@ -206,7 +214,9 @@ class GenerationCore:
         outputs = self.loop.open_stream(rid)
         routed: dict = {}  # where it was prefilled, for the log line
         try:
-            if self.pool is None:  # colocated
+            # colocated; or a resumption, whose output so far is computed here with its prompt (a prefill
+            # server samples a first token, not the next of an output it has not seen)
+            if self.pool is None or engine_request.num_resumed:
                 await self._enqueue(engine_request)
             else:
                 await self._enqueue(engine_request, receive_kv=True)
@@ -244,6 +254,7 @@ class GenerationCore:
                     "outcome": outcome,
                     "prompt_tokens": len(engine_request.prompt_ids),
                     "output_tokens": len(token_times),
+                    "resumed_tokens": engine_request.num_resumed,
                     **routed,
                 },
             )

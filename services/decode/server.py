@@ -71,7 +71,9 @@ class GenerationService(pb_grpc.GenerationServicer):
         prompt = wire.prompt_from_proto(
             request, self.engine.tokenizer, config.limits, self.engine.config.max_prompt_chars
         )
-        return self.core.make_request(prompt, params, label, request.lora_adapter, request.cache_salt)
+        return self.core.make_request(
+            prompt, params, label, request.lora_adapter, request.cache_salt, request.resume_token_ids
+        )
 
     async def Generate(self, request: pb.GenerateRequest, context):
         if isinstance(request, wire.Unparsable):
@@ -83,12 +85,15 @@ class GenerationService(pb_grpc.GenerationServicer):
             engine_request = await self.core.prepare(lambda: self._make_request(request, params, label))
             label = label or engine_request.request_id
             prompt_ids = engine_request.prompt_ids if request.return_prompt_ids else ()
+            first = True
             async for output in self.core.stream(engine_request, context.time_remaining(), hint, label):
                 if output.prompt_logprobs is None:
-                    yield wire.output_to_response(output, label, prompt_ids)
+                    response = wire.output_to_response(output, label, prompt_ids)
                 else:  # (a message by the prompt's size: made off the event loop)
-                    yield await asyncio.to_thread(wire.output_to_response, output, label, prompt_ids)
-                prompt_ids = ()  # on the first message only
+                    response = await asyncio.to_thread(wire.output_to_response, output, label, prompt_ids)
+                if first:  # on the first message only
+                    response.seed, prompt_ids, first = engine_request.seed, (), False
+                yield response
         except InvalidRequestError as e:  # INVALID_ARGUMENT; NOT_FOUND for an adapter not loaded here
             await context.abort(grpc.StatusCode[e.status], str(e))
         except ServiceError as e:

@@ -1,0 +1,61 @@
+"""Exact resumption after a crash, with real processes: a decode server SIGKILLed mid-stream, and the
+Python client resumes each broken stream on another decode server (GenerateRequest.resume_token_ids);
+the whole output equals an uninterrupted colocated run's, greedy and sampled (the seed the first
+server drew, reported on the first message)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+
+import grpc
+import pytest
+
+from pdserve.services.client import Client, build_request
+from tests.helpers import assert_all_free
+
+pytestmark = pytest.mark.daemon
+
+PROMPTS = ["Once upon a time, in a quiet village by the sea,", "The recipe for a good loaf of bread is"]
+
+
+def test_streams_broken_by_a_killed_decode_server_resume_exactly_on_another(
+    prefill, decode, daemons, colocated
+):
+    doomed = daemons.decode(prefill.address, "decode-doomed")
+    client = Client(f"{doomed.address},{decode.address}")
+    jobs = [dict(max_tokens=40, ignore_eos=True), dict(max_tokens=40, ignore_eos=True, temperature=0.9)]
+    started = threading.Barrier(len(jobs) + 1)
+
+    def one(prompt, kw):
+        seen = []
+
+        def on_response(response):  # both streams have tokens before the server dies
+            seen.extend(response.token_ids)
+            if len(seen) >= 4 and not getattr(on_response, "told", False):
+                on_response.told = True
+                started.wait(timeout=120)
+
+        return client.generate_request(build_request(prompt, **kw), timeout=300, on_response=on_response)
+
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        futures = [pool.submit(one, p, kw) for p, kw in zip(PROMPTS, jobs, strict=True)]
+        started.wait(timeout=120)
+        doomed.kill()
+        results = [f.result() for f in futures]
+    greedy, sampled = results
+    assert all(r.num_resumes == 1 and r.finish_reason == "length" for r in results)
+    assert greedy.token_ids == colocated(PROMPTS[0], **jobs[0])
+    assert sampled.seed is not None  # drawn by the doomed server, reported, used by the other
+    assert sampled.token_ids == colocated(PROMPTS[1], seed=sampled.seed, **jobs[1])
+    assert sampled.completion_tokens == 40  # usage counts the whole output
+    assert_all_free(decode.address, prefill.address)
+
+
+def test_a_resumption_that_cannot_be_is_invalid_argument_naming_the_field(decode):
+    request = build_request(PROMPTS[0], max_tokens=8, n=2)
+    request.resume_token_ids[:] = [1, 2]
+    with pytest.raises(grpc.RpcError) as refused:
+        list(Client(decode.address).stream(request, timeout=60))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "resume_token_ids" in refused.value.details()
