@@ -59,3 +59,35 @@ def test_a_resumption_that_cannot_be_is_invalid_argument_naming_the_field(decode
         list(Client(decode.address).stream(request, timeout=60))
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "resume_token_ids" in refused.value.details()
+
+
+def test_a_proxy_resumes_a_streamed_http_completion_with_the_ids_and_seed_it_relayed(decode, openai):
+    """The HTTP extension, through the openai SDK as a proxy would call it: with `return_token_ids` each
+    chunk carries its token ids, X-Pdserve-Seed says the seed drawn, and the body resent with that seed and
+    `resume_token_ids` (the first 10 tokens relayed) streams the rest of the very output, text included."""
+    http = openai.OpenAI(base_url=f"http://{decode.addresses['http']}/v1", api_key="unused", max_retries=0)
+    model = http.models.list().data[0].id
+    body = dict(model=model, prompt=PROMPTS[1], max_tokens=24, temperature=0.9, stream=True)
+
+    def streamed(**extra):
+        raw = http.completions.with_raw_response.create(
+            **body, extra_body={"ignore_eos": True, "return_token_ids": True, **extra}
+        )
+        chunks = [
+            (c.choices[0].model_extra["token_ids"], c.choices[0].text) for c in raw.parse() if c.choices
+        ]
+        return int(raw.headers["x-pdserve-seed"]), chunks
+
+    seed, chunks = streamed()
+    ids = [t for chunk_ids, _ in chunks for t in chunk_ids]
+    assert len(ids) == 24
+    relayed, shown = [], ""  # what the proxy relayed before the stream "broke": 10 tokens and their text
+    for chunk_ids, text in chunks:
+        if len(relayed) + len(chunk_ids) > 10:
+            break
+        relayed, shown = relayed + chunk_ids, shown + text
+    assert len(relayed) == 10
+    again_seed, rest = streamed(seed=seed, resume_token_ids=relayed)
+    assert again_seed == seed
+    assert relayed + [t for chunk_ids, _ in rest for t in chunk_ids] == ids
+    assert shown + "".join(text for _, text in rest) == "".join(text for _, text in chunks)

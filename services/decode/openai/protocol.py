@@ -45,6 +45,8 @@ BODY_TYPES: dict[str, tuple[type, ...]] = {
     "chat_template_kwargs": (dict,),
     "lora_adapter": (str,),
     "cache_salt": (str,),  # vLLM's: a tenant's prefix-cache salt
+    "return_token_ids": (bool,),  # vLLM's: each choice (and streamed chunk) carries its token ids
+    "resume_token_ids": (list,),  # pdserve's: the output already relayed (check_resumption)
     "user": (str,),
     "guided_json": (str, dict),
     "guided_regex": (str,),
@@ -180,6 +182,20 @@ def constraint_field(body: dict) -> str:
     if body.get("structured_outputs"):
         return "structured_outputs"
     return next((k for k in GUIDED if body.get(k) is not None), "response_format")
+
+
+def check_resumption(body: dict) -> None:
+    """`resume_token_ids` (pdserve's extension, GenerateRequest.resume_token_ids: the output a client or
+    proxy already relayed of this call from a server that went away) is a list of token ids, for a call of
+    one prompt (the engine checks the rest)."""
+    resumed = body.get("resume_token_ids")
+    if resumed is None:
+        return
+    if not token_ids(resumed):
+        raise InvalidRequestError("resume_token_ids", "must be a list of token ids")
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and not token_ids(prompt) and len(prompt) > 1:
+        raise InvalidRequestError("resume_token_ids", "a call of one prompt resumes (one request)")
 
 
 def token_ids(value: Any) -> bool:

@@ -27,6 +27,9 @@ from pdserve.services.decode.tools import ToolChoice
 
 REQUEST_ID_HEADER = "X-Request-Id"  # the client's id of the request: in the log line (vLLM's header)
 TIMEOUT_HEADER = "X-Request-Timeout"  # seconds the client will wait (at most the server's --http-timeout)
+# The seed each prompt's request samples with (its own, or one drawn here), comma-separated in prompt order:
+# what a proxy resends with `resume_token_ids` to resume a broken stream elsewhere exactly (docs/usage.md)
+SEED_HEADER = "X-Pdserve-Seed"
 
 REFUSALS = (ModelNotFound, InvalidRequestError, ServiceError)  # what a handler answers with an error
 
@@ -82,6 +85,7 @@ class Collected:
     texts: list[list[str]]
     logprobs: list[list]
     prompt_lps: list  # each choice's prompt logprobs (the n choices of a prompt share one list)
+    token_ids: list[list[int]]  # each choice's generated token ids (`return_token_ids`)
 
 
 class Serving(abc.ABC):
@@ -155,6 +159,7 @@ class Serving(abc.ABC):
         outputs = [
             streams.until(self.service.stream(r, timeout_s, hint, label), timeout_s) for r in call.requests
         ]
+        headers = {SEED_HEADER: ",".join(str(r.seed) for r in call.requests)}
         if body.get("stream"):
             decode = responses.memoized(self.service.engine.tokenizer.decode)
             return await streams.send_events(
@@ -165,8 +170,12 @@ class Serving(abc.ABC):
                 call.model,
                 body.get("stream_options") or {},
                 lambda index: self.choice_stream(call, index, decode),
+                headers,
+                bool(body.get("return_token_ids")),
             )
-        return await self._complete(outputs, rid, call)
+        response = await self._complete(outputs, rid, call)
+        response.headers.update(headers)
+        return response
 
     async def render(self, request: web.Request) -> web.Response:
         """The prompts' token ids as a generation would compute them: the same parsing, validation and
@@ -199,9 +208,10 @@ class Serving(abc.ABC):
         return min(seconds, self.timeout_s)
 
     def precheck(self, body: dict) -> None:
-        """The checks that cost next to nothing (the sampling knobs), on the event loop: a bad body is
-        refused before it waits for a preparation thread."""
+        """The checks that cost next to nothing (the sampling knobs, the resumption's shape), on the event
+        loop: a bad body is refused before it waits for a preparation thread."""
         self.service.check_params(protocol.knobs(body, self.chat, self.sampling_defaults))
+        protocol.check_resumption(body)
 
     def sampling_params(self, body: dict) -> SamplingParams:
         """The body's sampling parameters, constraint included (protocol.sampling_params)."""
@@ -213,7 +223,8 @@ class Serving(abc.ABC):
         tool call's, tool_choice)."""
         try:
             adapter, salt = self.models.adapter(body), body.get("cache_salt") or ""
-            return self.service.make_request(prompt, params, label, lora=adapter, cache_salt=salt)
+            resumed = body.get("resume_token_ids") or ()
+            return self.service.make_request(prompt, params, label, adapter, salt, resumed)
         except InvalidRequestError as e:
             if e.field != "constraint":
                 raise
@@ -228,11 +239,13 @@ class Serving(abc.ABC):
             [[] for _ in range(num_choices)],
             [[] for _ in range(num_choices)],
             [None] * num_choices,  # each choice's prompt logprobs, if asked
+            [[] for _ in range(num_choices)],
         )
         try:
             async for index, output in streams.merged(outputs, call.n):
                 got.texts[index].append(output.text)
                 got.logprobs[index] += output.logprobs
+                got.token_ids[index] += output.new_token_ids
                 if output.prompt_logprobs is not None:
                     got.prompt_lps[index] = output.prompt_logprobs
                 if output.finished:
@@ -255,4 +268,7 @@ class Serving(abc.ABC):
             "usage": responses.usage([f for f in got.finals if f is not None]),
         }
         response.update(self.answer_fields(call, got, decode))
+        if call.body.get("return_token_ids"):  # (vLLM's extension)
+            for choice, ids in zip(response["choices"], got.token_ids, strict=True):
+                choice["token_ids"] = ids
         return responses.json_bytes(response)

@@ -45,12 +45,18 @@ async def send_events(
     model: str,
     options: dict,
     choice_stream: Callable[[int], ChoiceStream],
+    headers: dict[str, str] | None = None,
+    return_token_ids: bool = False,
 ) -> web.StreamResponse:
     """Server-sent chunks as `outputs` (merged: (choice index, output)) arrive, each of id `rid`, object
     `kind` and model `model`, its choices rendered by `choice_stream(index)` (one per choice); with `options`
     (stream_options) include_usage, a last chunk of no choices carrying the usage (continuous_usage_stats:
-    every chunk carries its choice's so far). A ServiceError ends the stream with an error event."""
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    every chunk carries its choice's so far). `headers`: the answer's own; `return_token_ids` (vLLM's
+    extension): each choice's chunk carries the token ids generated since its last one. A ServiceError ends
+    the stream with an error event."""
+    response = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **(headers or {})}
+    )
     await response.prepare(request)
     created = int(time.time())
     include_usage = options.get("include_usage", True) if options else False
@@ -66,6 +72,7 @@ async def send_events(
 
     streams: dict[int, ChoiceStream] = {}
     finals = []
+    pending: dict[int, list[int]] = {}  # token ids not yet in a chunk, by choice (`return_token_ids`)
     try:
         async for index, output in outputs:
             so_far = (
@@ -78,7 +85,10 @@ async def send_events(
             stream = streams.get(index)
             if stream is None:
                 stream = streams[index] = choice_stream(index)
+            pending.setdefault(index, []).extend(output.new_token_ids)
             async for chunk in stream.chunks(output, so_far):
+                if return_token_ids:
+                    chunk.choice["token_ids"], pending[index] = pending[index], []
                 await send([chunk.choice], chunk.usage, chunk.large)
         if include_usage:
             await send([], responses.usage(finals))
