@@ -17,6 +17,9 @@ both halves):
                               KV chunk
     RemoteKVDone(...)         its KV is in: start with the first token sampled elsewhere
     RemoteKVFailed(id)        no KV will arrive: prefill it here
+    Detach(id)                a drain's migration: take a decoding request's sequences out of the steps,
+                              blocks held (DetachedSequence each); ExportKV(...) gathers one's KV;
+                              Reattach(ids) lets them decode here again (else Abort ends them)
     Utility(method, args)     adapters, stats, KV events (UTILITY_METHODS)
 
 No callable crosses: every field is data, so the boundary can be logged, replayed and tested without a
@@ -34,13 +37,18 @@ from pdserve.engine.core.kv_events import KVEvent
 from pdserve.engine.core.output import RequestOutput
 from pdserve.engine.core.request import Request, TokenLogprobs
 from pdserve.engine.core.speculation import SpeculationStats
-from pdserve.kvtransfer import KVChunk
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kvtransfer import MAX_FRAME_BYTES, KVChunk
 
 __all__ = [
     "Abort",
     "AdapterState",
     "AddRequest",
     "Command",
+    "Detach",
+    "DetachedSequence",
+    "ExportKV",
+    "Reattach",
     "EngineOutputs",
     "EngineStats",
     "InsertKV",
@@ -94,10 +102,12 @@ class RemoteKVDone:
     """The request's prompt KV is in its blocks (every InsertKV of attempt `transfer` ran before) and
     `token` is its first token, sampled where the prompt was computed (`num_cached_tokens` of it found in
     that prefix cache): it starts decoding. Its token's output is among the engine's next outputs
-    (take_outputs, which the engine loop hands out before its next step, or that step's)."""
+    (take_outputs, which the engine loop hands out before its next step, or that step's). A resumed
+    request moved here with its KV (Request.num_resumed: all but its last output's) has no token (None):
+    it decodes on from its last output."""
 
     request_id: str
-    token: int
+    token: int | None
     logprobs: TokenLogprobs | None = None
     num_cached_tokens: int = 0
     transfer: int = 0
@@ -113,6 +123,55 @@ class RemoteKVFailed:
     """No KV will arrive for the request: it is prefilled here, in the blocks it holds."""
 
     request_id: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Detach:
+    """Takes a decoding request's sequences (it and its forks) out of the steps, their blocks held, to move
+    them to a peer. Result: a DetachedSequence per sequence still running, or () when one of them is not
+    decoding now (its prompt still computing, its KV arriving): nothing is detached then."""
+
+    request_id: str
+
+
+@dataclasses.dataclass(frozen=True)
+class DetachedSequence:
+    """A sequence Detach took out: what a peer needs to go on with it (make_request with these tokens as
+    resume_token_ids, its seed, adapter and salt; then its KV, ExportKV)."""
+
+    request_id: str  # this engine's key of the sequence (ExportKV, Reattach, Abort)
+    index: int  # which of its request's n sequences
+    prompt_ids: tuple[int, ...]
+    output_ids: tuple[int, ...]
+    params: SamplingParams
+    seed: int  # the sequence's own (a fork's: child_seed of the request's)
+    lora_name: str | None
+    lora_fingerprint: str | None
+    cache_salt: str | None
+    num_kv_tokens: int  # tokens whose KV it holds: all but its last output
+
+    @property
+    def transfer_digest_ids(self) -> tuple[int, ...]:
+        """The tokens its KV was computed for (the prompt and every output but the last)."""
+        return (*self.prompt_ids, *self.output_ids)[: self.num_kv_tokens]
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportKV:
+    """The KV of a detached sequence from block `first_block` on (the peer holds those before), gathered
+    into kvtransfer chunks of this engine's layout in the frame plan of `max_frame_bytes`. Result: the
+    chunks (device arrays: the caller moves them to the host)."""
+
+    request_id: str
+    first_block: int = 0
+    max_frame_bytes: int = MAX_FRAME_BYTES
+
+
+@dataclasses.dataclass(frozen=True)
+class Reattach:
+    """Detached sequences decode here again (their move failed); ids no longer detached are skipped."""
+
+    request_ids: tuple[str, ...]
 
 
 # LLMEngine's utility methods: adapters, the stats snapshot, the KV events switch
@@ -131,7 +190,9 @@ class Utility:
             raise ValueError(f"unknown engine utility {self.method!r} (one of {UTILITY_METHODS})")
 
 
-Command = AddRequest | Abort | InsertKV | RemoteKVDone | RemoteKVFailed | Utility
+Command = (
+    AddRequest | Abort | InsertKV | RemoteKVDone | RemoteKVFailed | Detach | ExportKV | Reattach | Utility
+)
 
 
 class QueueFull(RuntimeError):

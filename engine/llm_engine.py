@@ -26,16 +26,21 @@ from collections.abc import Sequence
 
 import jax
 
+from pdserve import kvtransfer
 from pdserve.engine.boundary import (
     Abort,
     AdapterState,
     AddRequest,
     Command,
+    Detach,
+    DetachedSequence,
     EngineOutputs,
     EngineStats,
+    ExportKV,
     InsertKV,
     KVInsertError,
     QueueFull,
+    Reattach,
     RemoteKVDone,
     RemoteKVFailed,
     Utility,
@@ -61,7 +66,7 @@ from pdserve.engine.multihost import Publish
 from pdserve.engine.offline import OfflineAPI
 from pdserve.engine.sampling_params import InvalidRequestError, SamplingParams
 from pdserve.engine.token_masks import TokenMasks
-from pdserve.kvtransfer import KVLayout
+from pdserve.kvtransfer import KVChunk, KVLayout
 
 log = logging.getLogger(__name__)
 
@@ -239,6 +244,12 @@ class LLMEngine(OfflineAPI):
                 return self._remote_kv_done(command)
             case RemoteKVFailed(request_id=request_id):
                 return self.scheduler.remote_kv_failed(request_id)
+            case Detach(request_id=request_id):
+                return tuple(_detached(r) for r in self.scheduler.detach(request_id))
+            case ExportKV():
+                return self._export_kv(command)
+            case Reattach(request_ids=request_ids):
+                return self.scheduler.reattach(request_ids)
             case Utility(method=method, args=args):
                 return self._utilities[method](*args)
         raise TypeError(f"not an engine command: {command!r}")
@@ -246,7 +257,7 @@ class LLMEngine(OfflineAPI):
     def stats(self) -> EngineStats:
         """A snapshot of the blocks, queues and adapters (engine thread)."""
         s, kv = self.scheduler, self.scheduler.kv
-        running = [*s.running, *s.prefilling, *s.remote]
+        running = [*s.running, *s.prefilling, *s.remote, *s.detached]
         slots = self.lora_slots
         host = kv.host
 
@@ -430,6 +441,9 @@ class LLMEngine(OfflineAPI):
         if error is not None:
             raise KVInsertError(f"inserting the KV failed here: {error}")
         request = self.scheduler.requests[done.request_id]
+        if done.token is None:  # a resumed request: it decodes on from its last output
+            self.scheduler.remote_kv_arrived(done.request_id, None)
+            return
         if len(done.forks) != (request.params.n - 1 if request.forks_pending else 0):
             raise ValueError(f"{len(done.forks)} forked first tokens for a request of n={request.params.n}")
         forks = []
@@ -442,6 +456,26 @@ class LLMEngine(OfflineAPI):
         token = SampledToken(done.token, done.logprobs, finish, forks=tuple(forks))
         self.scheduler.remote_kv_arrived(done.request_id, token, done.num_cached_tokens, done.prompt_logprobs)
         self._copy_blocks()
+
+    def _export_kv(self, export: ExportKV) -> tuple[KVChunk, ...]:
+        """A detached sequence's KV from block `first_block` on, as kvtransfer chunks of this layout."""
+        request = self.scheduler.requests.get(export.request_id)
+        if request is None or request.status is not Status.DETACHED:
+            raise ValueError(f"request {export.request_id!r} is not detached")
+        num_tokens = request.num_computed - export.first_block * self.config.block_size
+        if num_tokens <= 0:
+            return ()
+        plan = kvtransfer.plan_frames(self.kv_layout, num_tokens, export.max_frame_bytes)
+        tables = self.scheduler.block_tables(request.request_id)[export.first_block :]
+        chunks = self.runner.gather_kv(
+            self.kv_layout,
+            tables,
+            num_tokens,
+            max_frame_bytes=export.max_frame_bytes,
+            head_map=None,
+            frames=plan,
+        )
+        return tuple(chunks)
 
     def _insert_kv(self, insert: InsertKV) -> bool:
         """Writes one arriving KV chunk into the request's blocks; False (nothing written) when the request
@@ -458,3 +492,19 @@ class LLMEngine(OfflineAPI):
             self.kv_connector.insert_failed(insert.request_id, insert.transfer, f"{type(e).__name__}: {e}")
             return False
         return True
+
+
+def _detached(request: Request) -> DetachedSequence:
+    """What a peer needs of a sequence Detach took out (engine.boundary.DetachedSequence)."""
+    return DetachedSequence(
+        request_id=request.request_id,
+        index=request.index,
+        prompt_ids=tuple(request.prompt_ids),
+        output_ids=tuple(request.output_ids),
+        params=request.params,
+        seed=request.seed,
+        lora_name=request.lora.name if request.lora else None,
+        lora_fingerprint=request.lora.fingerprint if request.lora else None,
+        cache_salt=request.cache_salt,
+        num_kv_tokens=request.num_computed,
+    )

@@ -257,7 +257,7 @@ class DecodeConnector(KVConnector):
     def num_external_tokens(self, request: Request, num_cached_tokens: int) -> int:
         if request.request_id not in self._expected:
             return 0
-        uncached = len(request.prompt_ids) - num_cached_tokens
+        uncached = request.num_transfer_tokens - num_cached_tokens
         if uncached < self.local_below or (num_cached_tokens and uncached <= self.block_size):
             return 0
         return uncached
@@ -268,7 +268,7 @@ class DecodeConnector(KVConnector):
         rid = request.request_id
         if rid in self._expected:
             self._expected.discard(rid)
-            first_block = (len(request.prompt_ids) - num_external_tokens) // self.block_size
+            first_block = (request.num_transfer_tokens - num_external_tokens) // self.block_size
             first_block = first_block if num_external_tokens else 0
             self._ready.append(TransferReady(rid, num_external_tokens, first_block))
 

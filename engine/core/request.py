@@ -22,6 +22,9 @@ class Status(enum.Enum):
     RUNNING = "running"  # holds blocks: its prompt is being computed (in chunks), then it decodes
     PREEMPTED = "preempted"  # gave its blocks back under block pressure; queued first, recomputed
     FINISHED_SENDING = "finished_sending"  # prefill role: finished, its KV is being handed to a sender
+    # decode role: a decoding request taken out of the steps, its blocks held, while it moves to a peer
+    # (a drain's migration); it ends here once it has moved (Abort), or decodes here again (reattach)
+    DETACHED = "detached"
     FINISHED = "finished"
 
 
@@ -145,6 +148,12 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_transfer_tokens(self) -> int:
+        """Tokens whose KV a transfer brings it: its prompt (a prefill server samples the first token after
+        it), or for a resumed request every token but its last output, which it feeds next."""
+        return self.num_tokens - 1 if self.num_resumed else len(self.prompt_ids)
 
     @property
     def num_uncomputed(self) -> int:

@@ -156,6 +156,7 @@ class Scheduler:
         self.running: list[Request] = []  # RUNNING, decoding
         self.remote: list[Request] = []  # WAITING_FOR_REMOTE_KV
         self.sending: list[Request] = []  # FINISHED_SENDING
+        self.detached: list[Request] = []  # DETACHED
         # Requests admitted with blocks found in the host tier, until the engine has copied them in
         # (kv_loaded): no step reads their blocks before. Each admission's load has its own number: a
         # request preempted and admitted again waits for its new load, not the one that was under way
@@ -178,7 +179,7 @@ class Scheduler:
         """Sequence slots taken toward max_num_seqs: requests holding blocks, and the sequences that a
         request with n > 1 will fork into once its first tokens are out."""
         pending = sum(r.fork_slots for r in (*self.prefilling, *self.remote) if r.forks_pending)
-        return len(self.running) + len(self.prefilling) + len(self.remote) + pending
+        return len(self.running) + len(self.prefilling) + len(self.remote) + len(self.detached) + pending
 
     def block_ids(self, request_id: str) -> list[int]:
         return self.kv.block_ids(request_id)
@@ -233,28 +234,34 @@ class Scheduler:
     def remote_kv_arrived(
         self,
         request_id: str,
-        sampled: SampledToken,
+        sampled: SampledToken | None,
         num_cached_tokens: int = 0,
         prompt_logprobs: Sequence[TokenLogprobs | None] | None = None,
     ) -> list[tuple[Request, list[SampledToken]]]:
         """Decode role: the prompt's KV is in the request's blocks and its first token was sampled
         elsewhere: record the token and start decoding (the request may already be finished by it), with
         the prompt tokens the sender found cached and, if it asked for them, the prompt logprobs it scored
-        (from the second position on).
+        (from the second position on). A resumed request (moved here with its KV: Request.num_resumed)
+        has all but its last output's KV and no token to record (`sampled` None): it decodes on.
         Returns the request and its token, then its forked sequences' (with n > 1); their client's views
         go to the output sink."""
         request = self.requests[request_id]
         if request.status is not Status.WAITING_FOR_REMOTE_KV:
             raise ValueError(f"request {request_id!r} is {request.status.value}, not waiting for KV")
+        if (sampled is None) != bool(request.num_resumed):
+            raise ValueError(f"request {request_id!r}: a first token is for a request that is not resumed")
         self.remote.remove(request)
-        request.num_cached_tokens = num_cached_tokens
+        if sampled is not None:  # (a resumed request keeps the hits its admission here found)
+            request.num_cached_tokens = num_cached_tokens
         if prompt_logprobs is not None and request.prompt_logprobs is not None:
             request.prompt_logprobs = [None, *prompt_logprobs]
-        request.num_computed = len(request.prompt_ids)
+        request.num_computed = request.num_transfer_tokens
         request.cacheable = not self.windowed_transfers
         self._cache_blocks(request)
         request.status = Status.RUNNING
         self.running.append(request)
+        if sampled is None:
+            return []
         appended = self._append_token(request, sampled)
         self._emit(appended)
         return appended
@@ -268,6 +275,36 @@ class Scheduler:
         self.remote.remove(request)
         request.status = Status.RUNNING
         self.prefilling.append(request)
+
+    def detach(self, request_id: str) -> list[Request]:
+        """Decode role: takes the request's sequences out of the steps (DETACHED), their blocks held, to
+        move them to a peer; the request itself first, then its forks by index. Only when every one of
+        them is decoding now (its KV computed up to its last output, none being loaded); else detaches
+        nothing and returns []. Sequences that finished are not among them."""
+        request = self.requests.get(request_id)
+        sequences = [r for r in self.requests.values() if r.parent_id == request_id]
+        sequences = ([request] if request is not None else []) + sorted(sequences, key=lambda r: r.index)
+        decoding = all(
+            r in self.running and r.num_computed == r.num_tokens - 1 and r.request_id not in self.loading
+            for r in sequences
+        )
+        if not sequences or not decoding:
+            return []
+        for r in sequences:
+            self.running.remove(r)
+            r.proposed = []  # (drafts for a step it will not have here)
+            r.status = Status.DETACHED
+            self.detached.append(r)
+        return sequences
+
+    def reattach(self, request_ids: Sequence[str]) -> None:
+        """Detached sequences decode here again (their move failed); others are left as they are."""
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is not None and request.status is Status.DETACHED:
+                self.detached.remove(request)
+                request.status = Status.RUNNING
+                self.running.append(request)
 
     def kv_loaded(self, loads: Sequence[tuple[str, int]]) -> None:
         """The engine copied these loads (request id, its number in `loading`) in: their requests' steps
@@ -463,7 +500,7 @@ class Scheduler:
         return None
 
     def _finish(self, request: Request, send: bool) -> None:
-        for queue in (self.prefilling, self.running, self.remote, self.sending):
+        for queue in (self.prefilling, self.running, self.remote, self.sending, self.detached):
             if request in queue:
                 queue.remove(request)
         if request in self.waiting:
@@ -530,8 +567,9 @@ class Scheduler:
                 external = self.connector.num_external_tokens(request, num_cached)
             if not external and len(self.prefilling) >= self.config.max_prefill_seqs:
                 break
-            # arriving KV fills the blocks after the cached ones; one more slot for the first token
-            num_tokens = len(request.prompt_ids) + 1 if external else request.num_tokens
+            # arriving KV fills the blocks after the cached ones; one more slot for the first token (or a
+            # resumed request's last output, fed next)
+            num_tokens = request.num_transfer_tokens + 1 if external else request.num_tokens
             if not self.kv.can_allocate(rid, num_tokens, cached) or not self.connector.admits(request):
                 break
             self.waiting.popleft()

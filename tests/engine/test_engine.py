@@ -5,6 +5,17 @@ from __future__ import annotations
 import jax
 import pytest
 
+from pdserve import kvtransfer
+from pdserve.engine.boundary import (
+    AddRequest,
+    Detach,
+    ExportKV,
+    InsertKV,
+    Reattach,
+    ReceiveKV,
+    RemoteKVDone,
+)
+from pdserve.engine.core.kv_connector import DecodeConnector, KVConnector
 from pdserve.engine.core.request import FinishReason
 from pdserve.engine.sampling_params import InvalidRequestError, SamplingParams
 
@@ -63,6 +74,62 @@ def test_a_request_resumed_on_an_engine_of_another_tp_continues_with_the_same_to
     while engine.has_unfinished:
         engine.step()
     assert request.output_ids == full
+
+
+def test_a_detached_request_moves_with_its_kv_to_an_engine_of_another_tp(make_engine):
+    """A drain's migration at the engine level: a request decoding on a TP 1 engine is detached at output
+    position 9, its KV exported, framed, reassembled for a TP 2 engine's layout and inserted there, and it
+    decodes on from its last output to the uninterrupted run's tokens; a detached request reattached
+    instead goes on where it was."""
+    params = SamplingParams(temperature=0.8, seed=12, max_tokens=20, ignore_eos=True)
+    prompt = "Rome is the capital of Italy. " + PROMPTS[2]  # (cached on neither engine)
+    source = make_engine()
+    full = source.generate([prompt], params)[0].token_ids
+
+    def decode_to(k):
+        request = source.make_request(prompt, params)
+        source.add_prepared_request(request)
+        while len(request.output_ids) < k:
+            source.step()
+        return request
+
+    stay = decode_to(5)  # detached, then reattached: a failed move leaves it decoding here
+    assert len(source.apply(Detach(stay.request_id))) == 1 and source.step().tokens == []
+    source.apply(Reattach((stay.request_id,)))
+    while source.has_unfinished:
+        source.step()
+    assert stay.output_ids == full
+
+    moving = decode_to(9)
+    (state,) = source.apply(Detach(moving.request_id))
+    assert state.output_ids == tuple(full[:9]) and state.num_kv_tokens == len(state.prompt_ids) + 8
+    dest = make_engine(devices=jax.devices()[:2], tp=2)  # (the module's, from the tests above)
+    dest.set_kv_connector(DecodeConnector(dest.config.block_size))
+    try:
+        request = dest.make_request(
+            list(state.prompt_ids), params, seed=state.seed, resume_token_ids=full[:9]
+        )
+        dest.apply(AddRequest(request, ReceiveKV()))
+        (ready,) = dest.step().transfers
+        chunks = list(source.apply(ExportKV(state.request_id, ready.first_block)))
+        assert source.abort(state.request_id) and source.scheduler.kv.pool.num_used == 0
+        assert ready.num_external_tokens == state.num_kv_tokens - ready.first_block * dest.config.block_size
+        frames = kvtransfer.encode_request("moving", source.kv_layout, ready.num_external_tokens, chunks)
+        sharding = kvtransfer.chunk_sharding(dest.mesh, dest.kv_layout)
+        assembler = kvtransfer.FrameAssembler(
+            "moving", ready.num_external_tokens, source.kv_layout, dest.kv_layout, sharding
+        )
+        for data in frames:
+            chunk = assembler.add(kvtransfer.deserialize_frame(data))
+            assert dest.apply(InsertKV(request.request_id, chunk, ready.first_block))
+        assembler.finish()
+        dest.apply(RemoteKVDone(request.request_id, None))
+        while dest.has_unfinished:
+            dest.step()
+        assert request.output_ids == full
+    finally:
+        dest.abort(request.request_id)
+        dest.set_kv_connector(KVConnector())
 
 
 def test_a_lone_request_padded_to_two_rows_gives_the_same_tokens(make_engine):
