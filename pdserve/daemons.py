@@ -393,6 +393,14 @@ def decode_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="decode-server", description="pdserve decode server")
     common_args(parser)
     decode_args(parser)
+    parser.add_argument(
+        "--migrate-to",
+        default="",
+        metavar="ADDR[,ADDR...]|dns:///NAME:PORT",
+        help="decode servers to move running requests to, with their KV, when this one drains (SIGTERM); "
+        "reached with the --prefill-tls-* and --prefill-auth-token-file settings (default: none, they "
+        "finish here within the grace period)",
+    )
     tls = parser.add_argument_group("TLS to the prefill servers (default: plaintext)")
     tls.add_argument("--prefill-tls-ca", metavar="PEM", help="CA of the prefill servers' certificates")
     tls.add_argument("--prefill-tls-cert", metavar="PEM", help="this server's client certificate (mTLS)")
@@ -431,6 +439,10 @@ def decode_main(argv: list[str] | None = None, engine_class=None) -> int:
         prefill_security=prefill_security,
         routing=routing,
     )
+    if args.migrate_to:
+        from pdserve.services.decode.migration import Migrator
+
+        core.migrator = Migrator(core, [t for t in args.migrate_to.split(",") if t], prefill_security)
     run_decode_server(core, args, security, leader)
     return 0
 

@@ -142,6 +142,10 @@ class RunningServer:
         await set_serving(health_servicer, service_names, True)
         return cls(server, health_servicer, service_names, bound)
 
+    async def not_serving(self) -> None:
+        """NOT_SERVING for probes, calls still served (a drain's first step: migrations before stop)."""
+        await set_serving(self.health, self.service_names, False)
+
     async def stop(self, grace_s: float, linger_s: float = 0.0) -> None:
         """Drain: NOT_SERVING for probes (and `linger_s` seconds in which calls are still answered, as
         they are by a failed engine: UNAVAILABLE), then running calls get `grace_s` to finish."""

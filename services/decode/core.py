@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 
 import grpc
 
@@ -39,6 +41,18 @@ from pdserve.services.sampling import check_knobs
 from pdserve.services.security import PLAINTEXT, ChannelSecurity
 
 log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class ActiveStream:
+    """A request this server streams now (GenerationCore.active): its engine request, the queue its
+    outputs come in on (the engine's, or a peer's relayed: services.decode.migration), its client's id, and
+    what to run when the stream ends."""
+
+    request: Request
+    outputs: asyncio.Queue
+    label: str
+    on_close: list[Callable[[], object]] = dataclasses.field(default_factory=list)
 
 
 class GenerationCore:
@@ -65,6 +79,9 @@ class GenerationCore:
         self.transfers = None if pool is None else KVTransfers(loop, pool, config, self.counters)
         self.draining = False
         self.preparer = Preparer(max_waiting=config.max_preparing, name="decode-prepare")
+        self.server_id = uuid.uuid4().hex  # (a draining server never moves a request to itself)
+        self.active: dict[str, ActiveStream] = {}  # by engine key
+        self.migrator = None  # services.decode.migration.Migrator with --migrate-to
 
     @classmethod
     def for_engine(
@@ -128,16 +145,26 @@ class GenerationCore:
     async def close(self) -> None:
         if self.pool is not None:
             await self.pool.close()
+        if self.migrator is not None:
+            await self.migrator.close()
         self.loop.stop()
         self.preparer.close()
 
     def make_request(
-        self, prompt, params, label: str = "", lora: str = "", cache_salt: str = "", resume_token_ids=()
+        self,
+        prompt,
+        params,
+        label: str = "",
+        lora: str = "",
+        cache_salt: str = "",
+        resume_token_ids=(),
+        lora_fingerprint: str | None = None,
     ) -> Request:
         """Checks the limits, validates and tokenizes (InvalidRequestError names the field); refuses while
         draining. Blocking CPU work by the size of the request: call it through `prepare`. `cache_salt`:
         the tenant's (engine.core.request.Request.cache_salt; empty: none). `resume_token_ids`: the output
-        its client already received from a server that went away (a resumption, Request.num_resumed).
+        its client already received from a server that went away (a resumption, Request.num_resumed);
+        `lora_fingerprint`: the adapter's weights as a peer holds them (they must be this server's).
 
         The engine's key is this server's own, unique whatever clients send: the client's `label` (its
         request id, checked by the caller) and a random suffix, so that two requests of one id never meet.
@@ -154,6 +181,7 @@ class GenerationCore:
             params,
             request_id=key,
             lora=lora or None,
+            lora_fingerprint=lora_fingerprint,
             cache_salt=cache_salt or None,
             resume_token_ids=resume_token_ids,
         )
@@ -198,11 +226,14 @@ class GenerationCore:
         time_remaining: float | None = None,
         prefill_hint: str | None = None,
         label: str = "",
+        receive: Callable[[asyncio.Queue], Awaitable[None]] | None = None,
     ):
         """Runs one request: prefill (remote or here), decode; yields its RequestOutputs (of its n
         sequences, interleaved: RequestOutput.index; it ends when all have finished). `prefill_hint`:
         the replica an endpoint picker chose (`prefill_hint()`), preferred when it is one of the pool's;
-        `label`: the client's id of it, for the log line (default: the engine's key).
+        `label`: the client's id of it, for the log line (default: the engine's key). `receive(outputs)`:
+        how its KV arrives instead (a sequence moved here: services.decode.migration), once it is queued
+        to receive KV. While it runs it is in `active` (a drain moves it to a peer from there).
 
         Raises ServiceError (RESOURCE_EXHAUSTED, UNAVAILABLE; INTERNAL when the engine failed on this
         request; UNAVAILABLE when the engine stopped); cancelling the consumer frees everything.
@@ -212,11 +243,15 @@ class GenerationCore:
         start, token_times, outcome = time.monotonic(), [], "abort"
         unfinished = set(range(engine_request.params.n))
         outputs = self.loop.open_stream(rid)
+        active = self.active[rid] = ActiveStream(engine_request, outputs, label or rid)
         routed: dict = {}  # where it was prefilled, for the log line
         try:
+            if receive is not None:
+                await self._enqueue(engine_request, receive_kv=True)
+                await receive(outputs)
             # colocated; or a resumption, whose output so far is computed here with its prompt (a prefill
             # server samples a first token, not the next of an output it has not seen)
-            if self.pool is None or engine_request.num_resumed:
+            elif self.pool is None or engine_request.num_resumed:
                 await self._enqueue(engine_request)
             else:
                 await self._enqueue(engine_request, receive_kv=True)
@@ -243,6 +278,9 @@ class GenerationCore:
             outcome = e.code.name.lower()
             raise
         finally:  # finished, cancelled, deadline, failed: free whatever the request still holds
+            self.active.pop(rid, None)
+            for close in active.on_close:  # (relays from a peer: cancelled, the peer drops its copy)
+                close()
             self.loop.close_stream(rid)
             self.loop.submit(Abort(rid))
             self.counters.count_outcome(outcome)

@@ -18,7 +18,10 @@ class ServiceError(Exception):
 
 
 def checked(item):
-    """A stream's item, unless it says the engine stopped (EngineStopped)."""
+    """A stream's item, unless it says the engine stopped (EngineStopped) or is a ServiceError (a relay
+    from a peer that failed: services.decode.migration), raised."""
     if isinstance(item, EngineFailure):
         raise EngineStopped(item.message)
+    if isinstance(item, ServiceError):
+        raise item
     return item

@@ -33,12 +33,14 @@ from pdserve.services.admin import SERVICE_NAME as ADMIN_SERVICE
 from pdserve.services.admin import AdminService
 from pdserve.services.decode.core import PREFILL_HINT_HEADER, GenerationCore
 from pdserve.services.decode.errors import ServiceError
+from pdserve.services.decode.migration import SERVICE_NAME as MIGRATION_SERVICE
+from pdserve.services.decode.migration import MigrationService
 from pdserve.services.decode.openai.server import OpenAIFrontend
 from pdserve.services.engine_loop import FAILED_GRACE_S, STEP_TIMEOUT_S, EngineStopped, until_stopped
 from pdserve.services.grpc_server import RunningServer, service_handler
 from pdserve.services.kv_events_zmq import KVEventsConfig, start_publishing
 from pdserve.services.security import ServerSecurity
-from pdserve.v1 import admin_pb2_grpc
+from pdserve.v1 import admin_pb2_grpc, migration_pb2_grpc
 from pdserve.v1 import generation_pb2 as pb
 from pdserve.v1 import generation_pb2_grpc as pb_grpc
 
@@ -173,8 +175,10 @@ async def serve(
     def register(server: grpc.aio.Server) -> None:
         add_to_server(server, GenerationService(core))
         admin_pb2_grpc.add_AdminServicer_to_server(admin, server)
+        migration_pb2_grpc.add_MigrationServicer_to_server(MigrationService(core), server)
 
-    running = await RunningServer.start([SERVICE_NAME, ADMIN_SERVICE], register, host, port, security)
+    names = [SERVICE_NAME, ADMIN_SERVICE, MIGRATION_SERVICE]
+    running = await RunningServer.start(names, register, host, port, security)
     bound = running.port
     publisher = None
     if kv_events is not None:
@@ -190,6 +194,9 @@ async def serve(
     if stats is not None:
         stats.cancel()
     core.draining = True
+    if failure is None and core.migrator is not None:  # running requests move to peers, then drain
+        await running.not_serving()
+        await core.migrator.migrate_all(timeout_s=grace_s / 2)
     await (running.stop(0, linger_s=FAILED_GRACE_S) if failure else running.stop(grace_s))
     if http is not None:
         await http.stop()

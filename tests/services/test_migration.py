@@ -1,0 +1,60 @@
+"""Live migration on drain, with real processes: a decode server given SIGTERM while it streams moves its
+running requests, with their KV, to a peer decode server (--migrate-to) and relays the peer's tokens: no
+client sees an error or a gap in its output, every output equals the uninterrupted colocated run's, the
+draining server exits 0 within its grace period, and no server keeps a block."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+
+import pytest
+
+from pdserve.services.client import Client, build_request
+from pdserve.services.sampling import params_from_request
+from tests.helpers import assert_all_free
+
+pytestmark = pytest.mark.daemon
+
+PROMPT = "Once upon a time, in a quiet village by the sea,"
+JOBS = [  # (Client keywords, the colocated reference's)
+    dict(max_tokens=40, ignore_eos=True),
+    dict(max_tokens=40, ignore_eos=True, temperature=0.9, seed=7),
+    dict(max_tokens=40, ignore_eos=True, temperature=0.8, seed=3, n=2),
+    dict(max_tokens=40, ignore_eos=True, temperature=0.7, seed=5, frequency_penalty=0.5, logprobs=2),
+]
+
+
+def test_sigterm_moves_running_streams_with_their_kv_to_a_peer(prefill, decode, daemons, colocated):
+    draining = daemons.decode(prefill.address, "decode-draining", extra=["--migrate-to", decode.address])
+    client = Client(draining.address, max_resumes=0)  # (a break would raise: nothing may resume)
+    before = Client(decode.address).stats().num_requests_total
+    started = threading.Barrier(len(JOBS) + 1)
+
+    def one(kw):
+        seen = []
+
+        def on_response(response):  # every stream has tokens before the drain starts
+            seen.extend(response.token_ids)
+            if len(seen) >= 4 and not getattr(on_response, "told", False):
+                on_response.told = True
+                started.wait(timeout=120)
+
+        request = build_request(PROMPT, **kw)
+        return client.generate_sequences(request, timeout=300, on_response=on_response)
+
+    with concurrent.futures.ThreadPoolExecutor(len(JOBS)) as pool:
+        futures = [pool.submit(one, kw) for kw in JOBS]
+        started.wait(timeout=120)
+        draining.proc.send_signal(15)
+        results = [f.result() for f in futures]
+    for kw, sequences in zip(JOBS, results, strict=True):
+        params = params_from_request(build_request("", **kw))  # (n = 2: a sequence of each index)
+        reference = [f.token_ids for f in colocated.engine.generate([PROMPT], params)]
+        assert [s.token_ids for s in sequences] == reference, kw
+        assert all(s.finish_reason == "length" and s.num_resumes == 0 for s in sequences)
+    assert draining.terminate() == 0  # exited on its own, within the grace period
+    assert Client(decode.address).stats().num_requests_total >= before + 5  # 5 sequences moved there
+    log = draining.log_path.read_text()
+    assert "moved 5 sequences to peers, 0 stay here" in log
+    assert_all_free(decode.address, prefill.address)
