@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import logging
 import os
 import sys
@@ -407,6 +408,10 @@ def decode_parser() -> argparse.ArgumentParser:
     tls.add_argument("--prefill-tls-key", metavar="PEM", help="its private key")
     tls.add_argument("--prefill-tls-server-name", help="name to check their certificates against")
     tls.add_argument(
+        "--migrate-tls-server-name",
+        help="name to check the --migrate-to peers' certificates against (default: the prefill servers')",
+    )
+    tls.add_argument(
         "--prefill-auth-token-file",
         metavar="FILE",
         help="the bearer token (the file's first) presented to prefill servers run with --auth-token-file",
@@ -442,7 +447,10 @@ def decode_main(argv: list[str] | None = None, engine_class=None) -> int:
     if args.migrate_to:
         from pdserve.services.decode.migration import Migrator
 
-        core.migrator = Migrator(core, [t for t in args.migrate_to.split(",") if t], prefill_security)
+        peers = prefill_security
+        if args.migrate_tls_server_name:
+            peers = dataclasses.replace(peers, server_name=args.migrate_tls_server_name)
+        core.migrator = Migrator(core, [t for t in args.migrate_to.split(",") if t], peers)
     run_decode_server(core, args, security, leader)
     return 0
 

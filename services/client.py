@@ -172,7 +172,8 @@ class Client:
 
     `target`: ADDR, dns:///NAME:PORT, or several of them separated by commas. A request whose stream
     breaks (RESUMABLE: its server died or went away) is sent again, to the next target (the same one when
-    there is one: a Service's address reaches another pod), up to `max_resumes` times; after tokens came,
+    there is one: a Service's address reaches another pod), up to `max_resumes` times (default: 3 with
+    several targets, none with one, whose errors are the caller's to see); after tokens came,
     as a resumption (GenerateRequest.resume_token_ids) with the seed the first server reported, so the
     caller sees one uninterrupted output (greedy and seeded: the very tokens; a request of n > 1 sequences
     is not resumed). Stats, model info and adapters go to the first target.
@@ -185,7 +186,7 @@ class Client:
         target: str,
         credentials: grpc.ChannelCredentials | None = None,
         token: str | None = None,
-        max_resumes: int = 3,
+        max_resumes: int | None = None,
     ):
         targets = [t.strip() for t in target.split(",") if t.strip()]
         if not targets:
@@ -197,7 +198,7 @@ class Client:
         self.stubs = [pb_grpc.GenerationStub(c) for c in self.channels]
         self.stub = self.stubs[0]
         self.admin = admin_pb2_grpc.AdminStub(self.channel)
-        self.max_resumes = max_resumes
+        self.max_resumes = max_resumes if max_resumes is not None else (3 if len(targets) > 1 else 0)
         self.num_resumes = 0  # streams resumed elsewhere so far (all calls)
 
     @classmethod

@@ -46,6 +46,7 @@ DAEMON = [
     "bench_disagg",
     "bench_goodput",
     "bench_hostile",
+    "bench_migration",
     "bench_routing",
     "bench_startup",
     "bench_vs_vllm",

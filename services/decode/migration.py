@@ -229,6 +229,7 @@ class Migrator:
         self.layout: KVLayout = core.engine.kv_layout
         self._channels: list = []
         self.moved = self.kept = 0  # sequences moved, and those that stayed (counted at drain)
+        self.bytes_sent = 0  # KV frames' bytes sent to peers
 
     async def peers(self) -> list[Peer]:
         """The targets that answer Hello, accept, fit this layout and are not this server."""
@@ -265,7 +266,12 @@ class Migrator:
                 await asyncio.gather(*moves)
         except TimeoutError:
             log.warning("draining: moving requests took over %g s; the rest stay here", timeout_s)
-        log.info("draining: moved %d sequences to peers, %d stay here", self.moved, self.kept)
+        log.info(
+            "draining: moved %d sequences to peers, %d stay here; %d bytes of KV sent",
+            self.moved,
+            self.kept,
+            self.bytes_sent,
+        )
 
     async def _move_request(self, rid: str, peer: Peer) -> None:
         stream = self.core.active.get(rid)
@@ -364,6 +370,7 @@ class Migrator:
         )
         await call.done_writing()
         self.core.counters.kv_transfer_bytes_total += num_bytes
+        self.bytes_sent += num_bytes
         reply = await call.read()
         if reply is grpc.aio.EOF or reply.WhichOneof("kind") != "output":
             raise RuntimeError("the peer ended the move without an output")

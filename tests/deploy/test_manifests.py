@@ -308,6 +308,28 @@ def test_decode_dials_the_headless_prefill_service(overlay):
     }
 
 
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_a_draining_decode_pod_moves_its_requests_to_the_other_decode_pods(overlay):
+    """--migrate-to is a headless Service of the decode pods on their gRPC port (ready pods only: a
+    draining one has dropped readiness); under TLS the peers' certificate name is the decode one; the
+    grace period covers the move and the relay after it."""
+    docs = render(overlay)
+    [decode] = [t for _, t in pod_templates(docs) if role(t) == "decode"]
+    [container] = decode["spec"]["containers"]
+    [target] = [a.split("=", 1)[1] for a in container["args"] if a.startswith("--migrate-to=")]
+    m = re.fullmatch(r"dns:///([a-z0-9-]+):(\d+)", target)
+    assert m, target
+    service = one(docs, "Service", m.group(1))["spec"]
+    assert service["clusterIP"] == "None" and not service.get("publishNotReadyAddresses")
+    assert service["selector"].items() <= decode["metadata"]["labels"].items()
+    assert service["selector"]["app.kubernetes.io/component"] == "decode"
+    assert int(m.group(2)) == 50052 == service["ports"][0]["port"]
+    assert decode["spec"]["terminationGracePeriodSeconds"] > 30  # the daemon's drain: move, then relay
+    names = [a.split("=", 1)[1] for a in container["args"] if a.startswith("--migrate-tls-server-name=")]
+    tls = any(a.startswith("--prefill-tls-ca=") for a in container["args"])
+    assert names == (["pdserve-decode"] if tls else [])
+
+
 @pytest.mark.parametrize("overlay", TPU_OVERLAYS)
 def test_tpu_pods_request_chips_and_select_tpu_nodes(overlay):
     docs = render(overlay)

@@ -58,3 +58,25 @@ def test_sigterm_moves_running_streams_with_their_kv_to_a_peer(prefill, decode, 
     log = draining.log_path.read_text()
     assert "moved 5 sequences to peers, 0 stay here" in log
     assert_all_free(decode.address, prefill.address)
+
+
+def test_peers_that_refuse_leave_the_requests_to_finish_where_they_are(
+    prefill, full_daemons, daemons, colocated
+):
+    """A peer serving another model (its KV layout refused at Hello) and a server without the Migration
+    service (a prefill server): nothing moves, the stream finishes on the draining server, exit 0."""
+    _, other_model = full_daemons
+    peers = f"{prefill.address},{other_model.address}"
+    draining = daemons.decode(prefill.address, "decode-refused", extra=["--migrate-to", peers])
+    client = Client(draining.address, max_resumes=0)
+    kw = dict(max_tokens=40, ignore_eos=True, temperature=0.9, seed=11)
+    call = client.stub.Generate(build_request(PROMPT, **kw), timeout=300)
+    stream = iter(call)
+    tokens = list(next(stream).token_ids)
+    draining.proc.send_signal(15)
+    tokens += [t for r in stream for t in r.token_ids]
+    assert tokens == colocated(PROMPT, **kw)
+    assert draining.terminate() == 0
+    log = draining.log_path.read_text()
+    assert "no peer to move 1 requests to" in log and "FAILED_PRECONDITION" in log
+    assert_all_free(prefill.address)
