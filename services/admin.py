@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -15,6 +16,8 @@ from pdserve.engine.lora import LoraLoadError
 from pdserve.services.engine_loop import EngineLoop
 from pdserve.v1 import admin_pb2 as pb
 from pdserve.v1 import admin_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Admin"].full_name
 
@@ -60,7 +63,8 @@ class AdminService(pb_grpc.AdminServicer):
     """`lora_root`: LoadLoraAdapter reads only adapter folders inside it (a path relative to it, or an
     absolute one inside it; NOT_FOUND otherwise, the same for a path outside as for a missing one);
     without it run-time loads are off (FAILED_PRECONDITION).
-    `mirrors`: engines of the same process that load and unload the same adapters (`pdserve serve`)."""
+    `mirrors`: engines of the same process that load and unload the same adapters (`pdserve serve`).
+    `drain`: the daemon's stop event (Drain sets it, as SIGTERM does)."""
 
     def __init__(
         self,
@@ -69,10 +73,20 @@ class AdminService(pb_grpc.AdminServicer):
         counters: Counters,
         lora_root: str | None = None,
         mirrors: Sequence[EngineLoop] = (),
+        drain: asyncio.Event | None = None,
     ):
         self.role, self.loop, self.counters = role, loop, counters
         self.lora_root = Path(lora_root).resolve() if lora_root else None
         self.mirrors = list(mirrors)
+        self.drain = drain
+
+    async def Drain(self, request: pb.DrainRequest, context) -> pb.DrainResponse:
+        if self.drain is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this daemon drains on SIGTERM only")
+        already = self.drain.is_set()
+        self.drain.set()
+        log.warning("drain asked for over Admin.Drain")
+        return pb.DrainResponse(already_draining=already)
 
     async def LoadLoraAdapter(self, request: pb.LoadLoraAdapterRequest, context) -> pb.LoraAdapterInfo:
         if not request.name or not request.path:

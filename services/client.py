@@ -278,6 +278,11 @@ class Client:
         """The daemon's Admin.GetStats: blocks used and free, queues, requests and transfer totals."""
         return self.admin.GetStats(admin_pb2.GetStatsRequest(), timeout=timeout, metadata=self.metadata)
 
+    def drain(self, timeout: float | None = 30.0) -> admin_pb2.DrainResponse:
+        """The daemon's Admin.Drain: it drains as on SIGTERM (a decode server with --migrate-to moves its
+        running requests to its peers) and exits once drained."""
+        return self.admin.Drain(admin_pb2.DrainRequest(), timeout=timeout, metadata=self.metadata)
+
     def model_info(self) -> pb.ModelInfo:
         return self.stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=self.metadata)
 

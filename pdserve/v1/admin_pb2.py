@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16pdserve/v1/admin.proto\x12\npdserve.v1\"4\n\x16LoadLoraAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\"z\n\x0fLoraAdapterInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x16\n\x0etarget_modules\x18\x04 \x03(\t\x12\x13\n\x0b\x66ingerprint\x18\x05 \x01(\t\x12\x10\n\x08resident\x18\x06 \x01(\x08\"(\n\x18UnloadLoraAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x1b\n\x19UnloadLoraAdapterResponse\"\x19\n\x17ListLoraAdaptersRequest\"e\n\x0fLoraAdapterList\x12-\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x1b.pdserve.v1.LoraAdapterInfo\x12\x11\n\tnum_slots\x18\x02 \x01(\r\x12\x10\n\x08max_rank\x18\x03 \x01(\r\"\x11\n\x0fGetStatsRequest\"\xfb\x07\n\x0bServerStats\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\r\x12\x13\n\x0bnum_running\x18\x04 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\r\x12\x1a\n\x12num_requests_total\x18\x06 \x01(\x04\x12\x14\n\x0cnum_incoming\x18\x07 \x01(\r\x12\x1b\n\x13num_transfers_total\x18\x08 \x01(\x04\x12!\n\x19kv_transfer_seconds_total\x18\t \x01(\x01\x12\x1f\n\x17kv_transfer_bytes_total\x18\n \x01(\x04\x12#\n\x1bnum_transfer_failures_total\x18\x0b \x01(\x04\x12\x19\n\x11num_cached_blocks\x18\x0c \x01(\r\x12\"\n\x1aprefix_cache_queries_total\x18\r \x01(\x04\x12\x1f\n\x17prefix_cache_hits_total\x18\x0e \x01(\x04\x12$\n\x1cprefix_cache_evictions_total\x18\x0f \x01(\x04\x12\x1c\n\x14kv_frames_sent_total\x18\x10 \x01(\x04\x12%\n\x1dkv_frames_after_compute_total\x18\x11 \x01(\x04\x12\'\n\x1froute_expected_hit_tokens_total\x18\x12 \x01(\x04\x12%\n\x1droute_actual_hit_tokens_total\x18\x13 \x01(\x04\x12\x33\n\x06\x65ngine\x18\x14 \x03(\x0b\x32#.pdserve.v1.ServerStats.EngineEntry\x12$\n\x1cspec_decode_num_drafts_total\x18\x15 \x01(\x04\x12*\n\"spec_decode_num_draft_tokens_total\x18\x16 \x01(\x04\x12-\n%spec_decode_num_accepted_tokens_total\x18\x17 \x01(\x04\x12/\n\'spec_decode_accepted_per_position_total\x18\x18 \x03(\x04\x12\x17\n\x0fnum_host_blocks\x18\x19 \x01(\r\x12\x1e\n\x16num_host_cached_blocks\x18\x1a \x01(\r\x12\x1e\n\x16num_host_staged_blocks\x18\x1b \x01(\r\x12$\n\x1cprefix_cache_host_hits_total\x18\x1c \x01(\x04\x12\x1f\n\x17num_host_offloads_total\x18\x1d \x01(\x04\x1a-\n\x0b\x45ngineEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x32\xd5\x02\n\x05\x41\x64min\x12@\n\x08GetStats\x12\x1b.pdserve.v1.GetStatsRequest\x1a\x17.pdserve.v1.ServerStats\x12R\n\x0fLoadLoraAdapter\x12\".pdserve.v1.LoadLoraAdapterRequest\x1a\x1b.pdserve.v1.LoraAdapterInfo\x12`\n\x11UnloadLoraAdapter\x12$.pdserve.v1.UnloadLoraAdapterRequest\x1a%.pdserve.v1.UnloadLoraAdapterResponse\x12T\n\x10ListLoraAdapters\x12#.pdserve.v1.ListLoraAdaptersRequest\x1a\x1b.pdserve.v1.LoraAdapterListb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16pdserve/v1/admin.proto\x12\npdserve.v1\"\x0e\n\x0c\x44rainRequest\")\n\rDrainResponse\x12\x18\n\x10\x61lready_draining\x18\x01 \x01(\x08\"4\n\x16LoadLoraAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\"z\n\x0fLoraAdapterInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x16\n\x0etarget_modules\x18\x04 \x03(\t\x12\x13\n\x0b\x66ingerprint\x18\x05 \x01(\t\x12\x10\n\x08resident\x18\x06 \x01(\x08\"(\n\x18UnloadLoraAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x1b\n\x19UnloadLoraAdapterResponse\"\x19\n\x17ListLoraAdaptersRequest\"e\n\x0fLoraAdapterList\x12-\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x1b.pdserve.v1.LoraAdapterInfo\x12\x11\n\tnum_slots\x18\x02 \x01(\r\x12\x10\n\x08max_rank\x18\x03 \x01(\r\"\x11\n\x0fGetStatsRequest\"\xfb\x07\n\x0bServerStats\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\r\x12\x13\n\x0bnum_running\x18\x04 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\r\x12\x1a\n\x12num_requests_total\x18\x06 \x01(\x04\x12\x14\n\x0cnum_incoming\x18\x07 \x01(\r\x12\x1b\n\x13num_transfers_total\x18\x08 \x01(\x04\x12!\n\x19kv_transfer_seconds_total\x18\t \x01(\x01\x12\x1f\n\x17kv_transfer_bytes_total\x18\n \x01(\x04\x12#\n\x1bnum_transfer_failures_total\x18\x0b \x01(\x04\x12\x19\n\x11num_cached_blocks\x18\x0c \x01(\r\x12\"\n\x1aprefix_cache_queries_total\x18\r \x01(\x04\x12\x1f\n\x17prefix_cache_hits_total\x18\x0e \x01(\x04\x12$\n\x1cprefix_cache_evictions_total\x18\x0f \x01(\x04\x12\x1c\n\x14kv_frames_sent_total\x18\x10 \x01(\x04\x12%\n\x1dkv_frames_after_compute_total\x18\x11 \x01(\x04\x12\'\n\x1froute_expected_hit_tokens_total\x18\x12 \x01(\x04\x12%\n\x1droute_actual_hit_tokens_total\x18\x13 \x01(\x04\x12\x33\n\x06\x65ngine\x18\x14 \x03(\x0b\x32#.pdserve.v1.ServerStats.EngineEntry\x12$\n\x1cspec_decode_num_drafts_total\x18\x15 \x01(\x04\x12*\n\"spec_decode_num_draft_tokens_total\x18\x16 \x01(\x04\x12-\n%spec_decode_num_accepted_tokens_total\x18\x17 \x01(\x04\x12/\n\'spec_decode_accepted_per_position_total\x18\x18 \x03(\x04\x12\x17\n\x0fnum_host_blocks\x18\x19 \x01(\r\x12\x1e\n\x16num_host_cached_blocks\x18\x1a \x01(\r\x12\x1e\n\x16num_host_staged_blocks\x18\x1b \x01(\r\x12$\n\x1cprefix_cache_host_hits_total\x18\x1c \x01(\x04\x12\x1f\n\x17num_host_offloads_total\x18\x1d \x01(\x04\x1a-\n\x0b\x45ngineEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x32\x93\x03\n\x05\x41\x64min\x12@\n\x08GetStats\x12\x1b.pdserve.v1.GetStatsRequest\x1a\x17.pdserve.v1.ServerStats\x12R\n\x0fLoadLoraAdapter\x12\".pdserve.v1.LoadLoraAdapterRequest\x1a\x1b.pdserve.v1.LoraAdapterInfo\x12`\n\x11UnloadLoraAdapter\x12$.pdserve.v1.UnloadLoraAdapterRequest\x1a%.pdserve.v1.UnloadLoraAdapterResponse\x12T\n\x10ListLoraAdapters\x12#.pdserve.v1.ListLoraAdaptersRequest\x1a\x1b.pdserve.v1.LoraAdapterList\x12<\n\x05\x44rain\x12\x18.pdserve.v1.DrainRequest\x1a\x19.pdserve.v1.DrainResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,24 +33,28 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SERVERSTATS_ENGINEENTRY']._loaded_options = None
   _globals['_SERVERSTATS_ENGINEENTRY']._serialized_options = b'8\001'
-  _globals['_LOADLORAADAPTERREQUEST']._serialized_start=38
-  _globals['_LOADLORAADAPTERREQUEST']._serialized_end=90
-  _globals['_LORAADAPTERINFO']._serialized_start=92
-  _globals['_LORAADAPTERINFO']._serialized_end=214
-  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_start=216
-  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_end=256
-  _globals['_UNLOADLORAADAPTERRESPONSE']._serialized_start=258
-  _globals['_UNLOADLORAADAPTERRESPONSE']._serialized_end=285
-  _globals['_LISTLORAADAPTERSREQUEST']._serialized_start=287
-  _globals['_LISTLORAADAPTERSREQUEST']._serialized_end=312
-  _globals['_LORAADAPTERLIST']._serialized_start=314
-  _globals['_LORAADAPTERLIST']._serialized_end=415
-  _globals['_GETSTATSREQUEST']._serialized_start=417
-  _globals['_GETSTATSREQUEST']._serialized_end=434
-  _globals['_SERVERSTATS']._serialized_start=437
-  _globals['_SERVERSTATS']._serialized_end=1456
-  _globals['_SERVERSTATS_ENGINEENTRY']._serialized_start=1411
-  _globals['_SERVERSTATS_ENGINEENTRY']._serialized_end=1456
-  _globals['_ADMIN']._serialized_start=1459
-  _globals['_ADMIN']._serialized_end=1800
+  _globals['_DRAINREQUEST']._serialized_start=38
+  _globals['_DRAINREQUEST']._serialized_end=52
+  _globals['_DRAINRESPONSE']._serialized_start=54
+  _globals['_DRAINRESPONSE']._serialized_end=95
+  _globals['_LOADLORAADAPTERREQUEST']._serialized_start=97
+  _globals['_LOADLORAADAPTERREQUEST']._serialized_end=149
+  _globals['_LORAADAPTERINFO']._serialized_start=151
+  _globals['_LORAADAPTERINFO']._serialized_end=273
+  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_start=275
+  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_end=315
+  _globals['_UNLOADLORAADAPTERRESPONSE']._serialized_start=317
+  _globals['_UNLOADLORAADAPTERRESPONSE']._serialized_end=344
+  _globals['_LISTLORAADAPTERSREQUEST']._serialized_start=346
+  _globals['_LISTLORAADAPTERSREQUEST']._serialized_end=371
+  _globals['_LORAADAPTERLIST']._serialized_start=373
+  _globals['_LORAADAPTERLIST']._serialized_end=474
+  _globals['_GETSTATSREQUEST']._serialized_start=476
+  _globals['_GETSTATSREQUEST']._serialized_end=493
+  _globals['_SERVERSTATS']._serialized_start=496
+  _globals['_SERVERSTATS']._serialized_end=1515
+  _globals['_SERVERSTATS_ENGINEENTRY']._serialized_start=1470
+  _globals['_SERVERSTATS_ENGINEENTRY']._serialized_end=1515
+  _globals['_ADMIN']._serialized_start=1518
+  _globals['_ADMIN']._serialized_end=1921
 # @@protoc_insertion_point(module_scope)

@@ -6,6 +6,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class DrainRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DrainResponse(_message.Message):
+    __slots__ = ("already_draining",)
+    ALREADY_DRAINING_FIELD_NUMBER: _ClassVar[int]
+    already_draining: bool
+    def __init__(self, already_draining: _Optional[bool] = ...) -> None: ...
+
 class LoadLoraAdapterRequest(_message.Message):
     __slots__ = ("name", "path")
     NAME_FIELD_NUMBER: _ClassVar[int]

@@ -54,6 +54,11 @@ class AdminStub:
                 request_serializer=pdserve_dot_v1_dot_admin__pb2.ListLoraAdaptersRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_admin__pb2.LoraAdapterList.FromString,
                 _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/pdserve.v1.Admin/Drain',
+                request_serializer=pdserve_dot_v1_dot_admin__pb2.DrainRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_admin__pb2.DrainResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -88,6 +93,14 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Drain(self, request, context):
+        """Starts the daemon's drain, as SIGTERM does (a decode server with --migrate-to first moves its running
+        requests to its peers), and returns at once; the process exits once drained.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -110,6 +123,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.ListLoraAdapters,
                     request_deserializer=pdserve_dot_v1_dot_admin__pb2.ListLoraAdaptersRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_admin__pb2.LoraAdapterList.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=pdserve_dot_v1_dot_admin__pb2.DrainRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_admin__pb2.DrainResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -220,6 +238,33 @@ class Admin:
             '/pdserve.v1.Admin/ListLoraAdapters',
             pdserve_dot_v1_dot_admin__pb2.ListLoraAdaptersRequest.SerializeToString,
             pdserve_dot_v1_dot_admin__pb2.LoraAdapterList.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Admin/Drain',
+            pdserve_dot_v1_dot_admin__pb2.DrainRequest.SerializeToString,
+            pdserve_dot_v1_dot_admin__pb2.DrainResponse.FromString,
             options,
             channel_credentials,
             insecure,

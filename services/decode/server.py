@@ -170,7 +170,9 @@ async def serve(
         http_bound = await http.start(host, http_port)
         print(f"http on {host}:{http_bound}", flush=True)
     # `pdserve serve`: adapters loaded at run time go into the local prefill engine too
-    admin = AdminService("decode", core.loop, core.counters, lora_root=lora_root, mirrors=core.mirror_loops)
+    admin = AdminService(
+        "decode", core.loop, core.counters, lora_root=lora_root, mirrors=core.mirror_loops, drain=stop
+    )
 
     def register(server: grpc.aio.Server) -> None:
         add_to_server(server, GenerationService(core))

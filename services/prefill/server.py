@@ -314,7 +314,7 @@ async def serve(
     loop.start()
     if metrics_port is not None:
         print(f"metrics on {host}:{await service.metrics.start(metrics_port, host)}", flush=True)
-    admin = AdminService("prefill", loop, counters, lora_root=lora_root)
+    admin = AdminService("prefill", loop, counters, lora_root=lora_root, drain=stop)
 
     def register(server: grpc.aio.Server) -> None:
         add_to_server(server, service)

@@ -64,7 +64,8 @@ def test_peers_that_refuse_leave_the_requests_to_finish_where_they_are(
     prefill, full_daemons, daemons, colocated
 ):
     """A peer serving another model (its KV layout refused at Hello) and a server without the Migration
-    service (a prefill server): nothing moves, the stream finishes on the draining server, exit 0."""
+    service (a prefill server): nothing moves, the stream finishes on the draining server (drained over
+    Admin.Drain), exit 0."""
     _, other_model = full_daemons
     peers = f"{prefill.address},{other_model.address}"
     draining = daemons.decode(prefill.address, "decode-refused", extra=["--migrate-to", peers])
@@ -73,7 +74,7 @@ def test_peers_that_refuse_leave_the_requests_to_finish_where_they_are(
     call = client.stub.Generate(build_request(PROMPT, **kw), timeout=300)
     stream = iter(call)
     tokens = list(next(stream).token_ids)
-    draining.proc.send_signal(15)
+    assert not Client(draining.address).drain().already_draining  # Admin.Drain: as SIGTERM
     tokens += [t for r in stream for t in r.token_ids]
     assert tokens == colocated(PROMPT, **kw)
     assert draining.terminate() == 0
