@@ -106,7 +106,10 @@ async def set_serving(health_servicer, service_names: list[str], serving: bool) 
 
 
 def run_until_signal(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
-    """Runs `main(stop_event)` on uvloop; SIGTERM/SIGINT set the event (main drains, then returns)."""
+    """Runs `main(stop_event)` on uvloop; SIGTERM/SIGINT set the event (main drains, then returns).
+    Once main has returned the process is exiting: later signals are ignored, so a SIGTERM sent while it
+    tears down (after an Admin.Drain, or a second one from an orchestrator) does not turn a clean exit
+    into a kill."""
     import uvloop
 
     async def runner():
@@ -114,7 +117,12 @@ def run_until_signal(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        await main(stop)
+        try:
+            await main(stop)
+        finally:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)  # (restores the default action: ignore at once)
+                signal.signal(sig, signal.SIG_IGN)
 
     uvloop.run(runner())
 
