@@ -118,6 +118,14 @@ def common_args(parser: argparse.ArgumentParser) -> None:
         metavar="S",
         help="a step running longer means a hung engine: NOT_SERVING, then exit 4",
     )
+    parser.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="on SIGTERM, how long running requests (a decode server's relayed ones too) may still finish "
+        "before they are cut (keep the pod's terminationGracePeriodSeconds above it)",
+    )
     add_limit_flags(parser)
     events = parser.add_argument_group("KV cache events (ZMQ, vLLM's format: llm-d's router reads them)")
     events.add_argument(
@@ -297,6 +305,7 @@ def serve_options(args: argparse.Namespace, security, role: str) -> dict:
         step_timeout_s=args.engine_step_timeout,
         served_model_names=tuple(args.served_model_name or [args.model]),
         stats_interval_s=args.log_stats_interval,
+        grace_s=args.drain_timeout,
     )
 
 
