@@ -41,9 +41,20 @@ class Counters:
     routes: dict[str, int] = dataclasses.field(default_factory=dict)
     route_expected_hit_tokens_total: int = 0  # prompt tokens the chosen replicas held, per their events
     route_actual_hit_tokens_total: int = 0  # prompt tokens they found in their prefix caches
+    # decode: live migration (services.decode.migration), sequences by (direction, outcome): ("out",
+    # "moved" | "stayed"), ("in", "accepted" | "refused" | "failed"); the KV bytes moved by direction
+    migrations: dict[tuple[str, str], int] = dataclasses.field(default_factory=dict)
+    migration_kv_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
+    drain_handoff_seconds: float | None = None  # from the drain's start until every move was decided
+    resumptions_total: int = 0  # requests a client resumed here (resume_token_ids; moved ones not counted)
 
     def count_outcome(self, outcome: str) -> None:
         self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
+
+    def count_migration(self, direction: str, outcome: str, sequences: int = 1, kv_bytes: int = 0) -> None:
+        key = (direction, outcome)
+        self.migrations[key] = self.migrations.get(key, 0) + sequences
+        self.migration_kv_bytes[direction] = self.migration_kv_bytes.get(direction, 0) + kv_bytes
 
     def count_route(self, reason: str, expected_hit_tokens: int, actual_hit_tokens: int) -> None:
         self.routes[reason] = self.routes.get(reason, 0) + 1

@@ -195,6 +195,8 @@ class _StateCollector:
             yield counter(name, doc, getattr(c, field))
         if stats.speculation is not None:
             yield from _speculation_counters(role, stats.speculation)
+        if role == "decode":
+            yield from _migration_series(role, c)
         for name, doc, label, values in (
             ("pdserve_prefill_routes", "prefills routed to a replica, by reason", "reason", c.routes),
             ("pdserve_requests", "finished requests by outcome", "outcome", c.outcomes),
@@ -203,6 +205,41 @@ class _StateCollector:
             for value, count in sorted(values.items()):
                 family.add_metric([role, value], count)
             yield family
+
+
+def _migration_series(role: str, c: Counters):
+    """Live migration (a decode server): sequences moved out and in by outcome, the KV bytes of the moves,
+    and once a drain has handed its requests off, how long that took; resumptions clients asked for."""
+    moves = CounterMetricFamily(
+        "pdserve_migrations",
+        "sequences moved to peers on drain (direction out: moved, stayed) or taken over (in: accepted, "
+        "refused, failed)",
+        labels=["role", "direction", "outcome"],
+    )
+    for (direction, outcome), count in sorted(c.migrations.items()):
+        moves.add_metric([role, direction, outcome], count)
+    yield moves
+    moved = CounterMetricFamily(
+        "pdserve_migration_kv_bytes",
+        "KV bytes of moved sequences, by direction",
+        labels=["role", "direction"],
+    )
+    for direction, count in sorted(c.migration_kv_bytes.items()):
+        moved.add_metric([role, direction], count)
+    yield moved
+    if c.drain_handoff_seconds is not None:
+        yield _gauge(
+            "pdserve_drain_handoff_seconds",
+            "seconds from the drain's start until every running request had moved or stayed",
+            role,
+            c.drain_handoff_seconds,
+        )
+    yield _counter(
+        "pdserve_resumptions",
+        "requests resumed here from the output a client received",
+        role,
+        c.resumptions_total,
+    )
 
 
 def _log_speculation(now: SpeculationStats, before: SpeculationStats | None) -> None:

@@ -252,6 +252,7 @@ class GenerationCore:
             # colocated; or a resumption, whose output so far is computed here with its prompt (a prefill
             # server samples a first token, not the next of an output it has not seen)
             elif self.pool is None or engine_request.num_resumed:
+                self.counters.resumptions_total += bool(engine_request.num_resumed)
                 await self._enqueue(engine_request)
             else:
                 await self._enqueue(engine_request, receive_kv=True)

@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import time
 
 import grpc
 import numpy as np
@@ -57,6 +58,9 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Migration"].full_name
 REASONS = {name: FinishReason(name) for name in wire.FINISH_NAMES.values()}
+# requests moving at once when a server drains: the rest keep decoding here until their turn, so each
+# stream pauses for its own move only, not for all of them (docs/benchmark-history.md "Live migration")
+MOVES_IN_FLIGHT = 2
 
 
 # ---- the state on the wire --------------------------------------------------------------------------------
@@ -130,10 +134,13 @@ class MigrationService(pb_grpc.MigrationServicer):
             kvtransfer.head_map(src, self.layout)  # raises LayoutMismatchError when it cannot convert
             engine_request, label = await self._request(header)
         except kvtransfer.LayoutMismatchError as e:
+            self.core.counters.count_migration("in", "refused")
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except (ValueError, KeyError, TypeError) as e:  # InvalidRequestError included
+            self.core.counters.count_migration("in", "refused")
             await context.abort(grpc.StatusCode[getattr(e, "status", "INVALID_ARGUMENT")], str(e))
         except ServiceError as e:
+            self.core.counters.count_migration("in", "refused")
             await context.abort(e.code, e.message)
 
         async def receive(outputs: asyncio.Queue) -> None:
@@ -173,8 +180,16 @@ class MigrationService(pb_grpc.MigrationServicer):
 
     async def _receive(self, request: Request, label: str, src: KVLayout, outputs, messages, context) -> None:
         """The KV of an admitted resumption: says what it lacks, inserts the frames (named by the draining
-        server's `label` of the request), starts it."""
-        rid, loop = request.request_id, self.core.loop
+        server's `label` of the request), starts it. Counted as accepted (with its KV bytes) or failed."""
+        try:
+            num_bytes = await self._insert(request, label, src, outputs, messages, context)
+        except BaseException:
+            self.core.counters.count_migration("in", "failed")
+            raise
+        self.core.counters.count_migration("in", "accepted", kv_bytes=num_bytes)
+
+    async def _insert(self, request: Request, label: str, src: KVLayout, outputs, messages, context) -> int:
+        rid, loop, num_bytes = request.request_id, self.core.loop, 0
         ready = checked(await outputs.get())
         if not isinstance(ready, TransferReady):
             raise RuntimeError(f"{type(ready).__name__} before the request's blocks were allocated")
@@ -191,6 +206,7 @@ class MigrationService(pb_grpc.MigrationServicer):
         async for message in messages:
             kind = message.WhichOneof("kind")
             if kind == "kv_frame" and assembler is not None:
+                num_bytes += len(message.kv_frame)
                 try:
                     frame = kvtransfer.deserialize_frame(message.kv_frame)
                     chunk = await asyncio.to_thread(assembler.add, frame)
@@ -204,12 +220,13 @@ class MigrationService(pb_grpc.MigrationServicer):
         else:
             raise ServiceError(grpc.StatusCode.CANCELLED, "the draining server went away mid-transfer")
         if assembler is None:
-            return  # (computed here: DecodeConnector found it cheaper than a transfer)
+            return 0  # (computed here: DecodeConnector found it cheaper than a transfer)
         try:
             assembler.finish()
             await loop.call(RemoteKVDone(rid, None))
         except (kvtransfer.FrameError, KVInsertError) as e:
             raise ServiceError(grpc.StatusCode.INTERNAL, f"the moved KV: {e}") from None
+        return num_bytes
 
 
 # ---- the draining side -------------------------------------------------------------------------------------
@@ -251,35 +268,56 @@ class Migrator:
         return peers
 
     async def migrate_all(self, timeout_s: float = 30.0) -> None:
-        """Moves every request streaming now to a peer (round robin), for at most `timeout_s`; those that
-        cannot move (or not in time) stay."""
+        """Moves every request streaming now to a peer (round robin), MOVES_IN_FLIGHT at a time (the
+        others decode here meanwhile: each stream pauses only for its own move), for at most `timeout_s`;
+        those that cannot move (or not in time) stay. Logs each move and the drain's total."""
         active = dict(self.core.active)
         if not active:
             return
+        began = time.monotonic()
         peers = await self.peers()
         if not peers:
             log.warning("draining: no peer to move %d requests to; they finish here", len(active))
+            self._count("stayed", sum(stream.request.params.n for stream in active.values()))
             return
-        moves = [self._move_request(rid, peers[i % len(peers)]) for i, rid in enumerate(active)]
+        log.info("draining: moving %d requests to %d peers", len(active), len(peers))
+        gate = asyncio.Semaphore(MOVES_IN_FLIGHT)
+
+        async def move(rid: str, peer: Peer) -> None:
+            async with gate:
+                await self._move_request(rid, peer)
+
+        moves = [move(rid, peers[i % len(peers)]) for i, rid in enumerate(active)]
         try:
             async with asyncio.timeout(timeout_s):
                 await asyncio.gather(*moves)
         except TimeoutError:
             log.warning("draining: moving requests took over %g s; the rest stay here", timeout_s)
+        self.core.counters.drain_handoff_seconds = seconds = time.monotonic() - began
         log.info(
-            "draining: moved %d sequences to peers, %d stay here; %d bytes of KV sent",
+            "draining: moved %d sequences to peers, %d stay here; %d bytes of KV sent in %.2f s",
             self.moved,
             self.kept,
             self.bytes_sent,
+            seconds,
         )
 
     async def _move_request(self, rid: str, peer: Peer) -> None:
         stream = self.core.active.get(rid)
         if stream is None:
             return
-        states = await self.core.loop.call(Detach(rid))
+        began = time.monotonic()
+        detaching = asyncio.ensure_future(self.core.loop.call(Detach(rid)))
+        try:
+            states = await asyncio.shield(detaching)
+        except asyncio.CancelledError:  # out of time while the engine detached it: it decodes here again
+            states = await detaching
+            if states:
+                await self.core.loop.call(Reattach(tuple(s.request_id for s in states)))
+                self._count("stayed", len(states))
+            raise
         if not states:  # (its prompt still computing, its KV arriving: it stays)
-            self.kept += 1
+            self._count("stayed", 1)
             return
         started = [asyncio.get_running_loop().create_future() for _ in states]
         decided = asyncio.get_running_loop().create_future()
@@ -301,12 +339,32 @@ class Migrator:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             await self.core.loop.call(Reattach(tuple(s.request_id for s in states)))
-            self.kept += len(states)
+            self._count("stayed", len(states))
             decided.set_result(False)
             return
         self.core.loop.submit(Abort(rid))  # it runs on the peers now: free it here
-        self.moved += len(states)
+        num_bytes, transfer_s = sum(r[0] for r in results), max(r[1] for r in results)
+        self._count("moved", len(states), num_bytes)
         decided.set_result(True)
+        log.info(
+            "request moved to a peer",
+            extra={
+                "request_id": stream.label,
+                "peer": peer.name,
+                "sequences": len(states),
+                "kv_bytes": num_bytes,
+                "transfer_s": round(transfer_s, 3),  # its KV: exported, encoded, sent
+                "move_s": round(time.monotonic() - began, 3),  # from its detach to the peer's first output
+            },
+        )
+
+    def _count(self, outcome: str, sequences: int, num_bytes: int = 0) -> None:
+        if outcome == "moved":
+            self.moved += sequences
+            self.bytes_sent += num_bytes
+        else:
+            self.kept += sequences
+        self.core.counters.count_migration("out", outcome, sequences, num_bytes)
 
     async def _move_sequence(
         self,
@@ -320,13 +378,13 @@ class Migrator:
         request moved: `decided`) its outputs into the request's stream until it ends."""
         call = peer.stub.Migrate(metadata=self.security.metadata)
         try:
-            first = await self._transfer(call, state, stream.label)
+            first, num_bytes, transfer_s = await self._transfer(call, state, stream.label)
         except BaseException as e:  # noqa: BLE001 - any failure keeps the sequence here
             call.cancel()
             if not started.done():
                 started.set_exception(e if isinstance(e, Exception) else RuntimeError("cancelled"))
             return
-        started.set_result(True)
+        started.set_result((num_bytes, transfer_s))
         if not await decided:
             call.cancel()
             return
@@ -347,13 +405,16 @@ class Migrator:
         finally:
             call.cancel()
 
-    async def _transfer(self, call, state: DetachedSequence, label: str) -> pb.MigrateReply:
-        """Header, ready, frames, trailer; returns the peer's first output (it decodes the sequence)."""
+    async def _transfer(
+        self, call, state: DetachedSequence, label: str
+    ) -> tuple[pb.MigrateReply, int, float]:
+        """Header, ready, frames, trailer; returns the peer's first output (it decodes the sequence), the
+        KV bytes sent and the seconds their export, encoding and sending took."""
         await call.write(pb.MigrateMessage(header=header_of(state, self.layout, label)))
         reply = await call.read()
         if reply is grpc.aio.EOF or reply.WhichOneof("kind") != "ready":
             raise RuntimeError("the peer did not say which KV it lacks")
-        ready, num_frames, num_bytes = reply.ready, 0, 0
+        ready, num_frames, num_bytes, began = reply.ready, 0, 0, time.monotonic()
         if ready.num_tokens:
             block_size = self.layout.block_size
             if ready.num_tokens != state.num_kv_tokens - ready.first_block * block_size:
@@ -369,12 +430,11 @@ class Migrator:
             pb.MigrateMessage(trailer=pb.MigrateTrailer(num_frames=num_frames, num_bytes=num_bytes))
         )
         await call.done_writing()
-        self.core.counters.kv_transfer_bytes_total += num_bytes
-        self.bytes_sent += num_bytes
+        transfer_s = time.monotonic() - began
         reply = await call.read()
         if reply is grpc.aio.EOF or reply.WhichOneof("kind") != "output":
             raise RuntimeError("the peer ended the move without an output")
-        return reply
+        return reply, num_bytes, transfer_s
 
     async def close(self) -> None:
         for channel in self._channels:

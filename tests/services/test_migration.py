@@ -15,6 +15,7 @@ import pytest
 from pdserve.engine.sampling_params import Constraint
 from pdserve.services.client import Client, build_request
 from pdserve.services.sampling import params_from_request
+from pdserve.testing.launch import scrape
 from tests.helpers import assert_all_free
 
 pytestmark = pytest.mark.daemon
@@ -32,7 +33,7 @@ JOBS = [  # Client keywords
 
 
 def test_sigterm_moves_running_streams_with_their_kv_to_a_peer_of_another_tp(prefill, daemons, colocated):
-    peer = daemons.decode(prefill.address, "decode-peer-tp2", extra=["--tp", "2"])
+    peer = daemons.decode(prefill.address, "decode-peer-tp2", extra=["--tp", "2", "--metrics-port", "0"])
     draining = daemons.decode(prefill.address, "decode-draining", extra=["--migrate-to", peer.address])
     client = Client(draining.address, max_resumes=0)  # (a break would raise: nothing may resume)
     going = [threading.Event() for _ in JOBS]  # each stream has tokens (or has ended) before the drain
@@ -65,8 +66,13 @@ def test_sigterm_moves_running_streams_with_their_kv_to_a_peer_of_another_tp(pre
         assert all(s.num_resumes == 0 for s in sequences)
     assert draining.terminate() == 0  # exited on its own, within the grace period
     log = draining.log_path.read_text()
-    moved = re.search(r"moved (\d+) sequences to peers, 0 stay here", log)
+    moved = re.search(r"moved (\d+) sequences to peers, 0 stay here; (\d+) bytes of KV sent", log)
     assert moved and int(moved.group(1)) >= 5, log[-2000:]  # (the stop string's may have ended before)
+    assert log.count("request moved to a peer") >= 4  # (one line a request: n = 2 moves 2 sequences)
+    metrics = scrape(peer.addresses["metrics"])
+    taken = metrics['pdserve_migrations_total{direction="in",outcome="accepted",role="decode"}']
+    assert taken == int(moved.group(1))
+    assert metrics['pdserve_migration_kv_bytes_total{direction="in",role="decode"}'] == int(moved.group(2))
     assert_all_free(peer.address, prefill.address)
 
 

@@ -12,6 +12,7 @@ import grpc
 import pytest
 
 from pdserve.services.client import Client, build_request
+from pdserve.testing.launch import scrape
 from tests.helpers import assert_all_free
 
 pytestmark = pytest.mark.daemon
@@ -23,6 +24,8 @@ def test_streams_broken_by_a_killed_decode_server_resume_exactly_on_another(
     prefill, decode, daemons, colocated
 ):
     doomed = daemons.decode(prefill.address, "decode-doomed")
+    resumptions = 'pdserve_resumptions_total{role="decode"}'
+    before = scrape(decode.addresses["metrics"])[resumptions]
     client = Client(f"{doomed.address},{decode.address}")
     jobs = [dict(max_tokens=40, ignore_eos=True), dict(max_tokens=40, ignore_eos=True, temperature=0.9)]
     started = threading.Barrier(len(jobs) + 1)
@@ -49,6 +52,7 @@ def test_streams_broken_by_a_killed_decode_server_resume_exactly_on_another(
     assert sampled.seed is not None  # drawn by the doomed server, reported, used by the other
     assert sampled.token_ids == colocated(PROMPTS[1], seed=sampled.seed, **jobs[1])
     assert sampled.completion_tokens == 40  # usage counts the whole output
+    assert scrape(decode.addresses["metrics"])[resumptions] == before + 2
     assert_all_free(decode.address, prefill.address)
 
 
