@@ -17,7 +17,9 @@ fi
 source scripts/python.sh
 python=$(find_python 3.12)
 prefix=$("$python" -c 'import sys; print(sys.base_prefix)')
-mirror=$(grep -rhoE 'https?://[^ ]+' /etc/apt/sources.list /etc/apt/sources.list.d/ 2>/dev/null | head -1)
+# the Debian mirror apt uses (deb822 or one-line sources), else Debian's own
+mirror=$(cat /etc/apt/sources.list.d/*.sources /etc/apt/sources.list 2>/dev/null |
+  grep -oE 'https?://[^ ]+/debian/?$|https?://[^ ]+/debian ' | head -1 | tr -d ' ' || true)
 mirror=${mirror:-http://deb.debian.org/debian}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT

@@ -48,7 +48,7 @@ def docker(*args: str, check: bool = True, capture: bool = True) -> str:
 
 
 def ip_of(name: str) -> str:
-    return docker("inspect", "-f", f"{{{{.NetworkSettings.Networks.{NETWORK}.IPAddress}}}}", name)
+    return docker("inspect", "-f", f'{{{{(index .NetworkSettings.Networks "{NETWORK}").IPAddress}}}}', name)
 
 
 def wait_serving(address: str, timeout: float) -> None:
