@@ -16,7 +16,7 @@ import urllib.request
 import grpc
 import pytest
 
-from pdserve.services.client import Client
+from pdserve.services.client import Client, build_request
 from pdserve.testing.launch import decode_server, prefill_server, serve_daemon
 from pdserve.testing.lora import write_random_adapter
 from pdserve.v1 import admin_pb2
@@ -270,3 +270,40 @@ def test_run_time_loads_are_off_without_a_lora_root(decode, adapter_dir):
     """The session's decode server has no --lora-root: Admin loads nothing, whatever the path."""
     error = rpc_error(lambda: load(decode.address, "x", adapter_dir / "beta"))
     assert error.code() == grpc.StatusCode.FAILED_PRECONDITION and "--lora-root" in error.details()
+
+
+def test_a_drain_moves_a_request_with_its_adapter_and_keeps_one_the_peer_lacks(
+    model_path, log_dir, lora_prefill, lora_decode, adapter_dir, colocated_lora
+):
+    """A decode server with alpha and "solo" (gamma's weights under a name no other daemon has) drains
+    into lora_decode: the alpha request moves (the peer checks the adapter's weights by fingerprint), the
+    solo one finishes where it is; both streams unbroken and equal to the colocated engine's."""
+    extra = [
+        *LORA_ARGS,
+        "--lora",
+        f"alpha={adapter_dir / 'alpha'}",
+        "--lora",
+        f"solo={adapter_dir / 'gamma'}",
+    ]
+    extra += ["--migrate-to", lora_decode.address]
+    draining = decode_server(
+        model_path, lora_prefill.address, log_dir, name="decode-lora-draining", extra=extra
+    )
+    try:
+        client = Client(draining.address, max_resumes=0)
+        kw = dict(max_tokens=32, temperature=0.9, seed=9, ignore_eos=True)
+        calls = [
+            client.stub.Generate(build_request(TEXTS[0], lora_adapter=a, **kw), timeout=300)
+            for a in ("alpha", "solo")
+        ]
+        streams = [iter(call) for call in calls]
+        tokens = [list(next(stream).token_ids) for stream in streams]  # both decoding
+        draining.proc.send_signal(15)
+        for got, stream in zip(tokens, streams, strict=True):
+            got += [t for r in stream for t in r.token_ids]
+        for got, adapter in zip(tokens, ("alpha", "gamma"), strict=True):  # (solo: gamma's weights)
+            assert got == colocated_lora(TEXTS[0], lora_adapter=adapter, **kw), adapter
+        assert draining.terminate() == 0
+        assert "moved 1 sequences to peers, 1 stay here" in draining.log_path.read_text()
+    finally:
+        draining.terminate()
