@@ -206,6 +206,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_parser(sub)
 
+    from pdserve.planner.commands import add_planner_parsers
+
+    add_planner_parsers(sub)
+
     adapters = sub.add_parser(
         "adapters", help="list, load or unload a daemon's LoRA adapters (Admin service)"
     )

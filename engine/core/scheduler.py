@@ -33,7 +33,7 @@ import dataclasses
 import itertools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from pdserve.engine.config import EngineConfig
@@ -129,15 +129,17 @@ class Scheduler:
         release_window: int = 0,
         ring_blocks: Sequence[int] = (),
         outputs: OutputSink | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ):
         """`outputs`: where each appended run of tokens goes as its client's view (None: nowhere; a stop
-        string then ends nothing). `windowed_transfers`: the model has sliding-window layers, so KV
+        string then ends nothing). `clock`: what stamps a request's admission (a simulation's own time:
+        pdserve.planner.simulator). `windowed_transfers`: the model has sliding-window layers, so KV
         received by transfer fills those layers' blocks only within the window (and those blocks never
         enter the prefix cache).
         `release_window`: every layer attends within this many tokens (0: some layer to all), so a request's
         blocks wholly before its last `release_window` tokens are given back as it advances.
         `ring_blocks`: a hybrid model's rings (engine.core.kv_groups.KVGroups.ring_blocks)."""
-        self.config = config
+        self.config, self.clock = config, clock
         self.windowed_transfers = windowed_transfers
         self.release_window = release_window
         self.kv = KVCacheManager(
@@ -581,7 +583,7 @@ class Scheduler:
             if loaded:
                 self.loading[rid] = next(self._loads_admitted)
             if request.scheduled_time is None:
-                request.scheduled_time = time.monotonic()
+                request.scheduled_time = self.clock()
             request.num_computed = num_cached
             if request.status is Status.WAITING:
                 request.num_cached_tokens = num_cached

@@ -97,7 +97,8 @@ def add_latency_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-iters", type=int, default=3, help="timed runs")
 
 
-def _engine(args: argparse.Namespace):
+def engine_of(args: argparse.Namespace):
+    """The engine of add_engine_args' flags in this process (`--warmup`: every shape compiled first)."""
     from pdserve.engine.compile_cache import configure_jax
     from pdserve.engine.llm_engine import LLMEngine
 
@@ -120,7 +121,7 @@ def cmd_throughput(args: argparse.Namespace) -> int:
         return 2
     result = {
         "config": {k: getattr(args, k) for k in ("model", "num_prompts", "input_len", "output_len", "seed")},
-        "stats": throughput(_engine(args), args.num_prompts, args.input_len, args.output_len, args.seed),
+        "stats": throughput(engine_of(args), args.num_prompts, args.input_len, args.output_len, args.seed),
     }
     report(result, args.json_path)
     return 0
@@ -132,7 +133,7 @@ def cmd_latency(args: argparse.Namespace) -> int:
         return 2
     keys = ("model", "batch_size", "input_len", "output_len", "num_iters_warmup", "num_iters", "seed")
     stats = latency(
-        _engine(args),
+        engine_of(args),
         args.batch_size,
         args.input_len,
         args.output_len,

@@ -316,8 +316,12 @@ class Migrator:
                 await self.core.loop.call(Reattach(tuple(s.request_id for s in states)))
                 self._count("stayed", len(states))
             raise
-        if not states:  # (its prompt still computing, its KV arriving: it stays)
-            self._count("stayed", 1)
+        if not states:  # finished meanwhile (nothing to move), or its prompt still computing: it stays
+            if stream.request.finish_reason is None:
+                log.info(
+                    "request %s stays: not decoding yet", stream.label, extra={"request_id": stream.label}
+                )
+                self._count("stayed", stream.request.params.n)
             return
         started = [asyncio.get_running_loop().create_future() for _ in states]
         decided = asyncio.get_running_loop().create_future()

@@ -1,8 +1,9 @@
 """Live migration on drain, with real processes: a decode server given SIGTERM while it streams moves its
 running requests, with their KV, to a peer decode server of another TP (--migrate-to) and relays the peer's
 tokens: no client sees an error or a break in its output, every output (greedy, seeded, n = 2, penalties
-with logprobs, a stop string, a JSON schema) equals the uninterrupted colocated run's, tokens and text, the
-draining server exits 0 within its grace period, and no server keeps a block."""
+with logprobs, a stop string, a JSON schema; and an OpenAI streamed completion over HTTP) equals the
+uninterrupted colocated run's, tokens and text, the draining server exits 0 within its grace period, and
+no server keeps a block."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from tests.helpers import assert_all_free
 pytestmark = pytest.mark.daemon
 
 PROMPT = "Once upon a time, in a quiet village by the sea,"
+IGNORE_EOS = {"ignore_eos": True}
 SCHEMA = '{"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}'
 JOBS = [  # Client keywords
     dict(max_tokens=40, ignore_eos=True),
@@ -32,11 +34,28 @@ JOBS = [  # Client keywords
 ]
 
 
-def test_sigterm_moves_running_streams_with_their_kv_to_a_peer_of_another_tp(prefill, daemons, colocated):
+def test_sigterm_moves_running_streams_with_their_kv_to_a_peer_of_another_tp(
+    prefill, daemons, colocated, openai
+):
     peer = daemons.decode(prefill.address, "decode-peer-tp2", extra=["--tp", "2", "--metrics-port", "0"])
-    draining = daemons.decode(prefill.address, "decode-draining", extra=["--migrate-to", peer.address])
+    extra = ["--migrate-to", peer.address, "--http-port", "0"]
+    draining = daemons.decode(prefill.address, "decode-draining", extra=extra)
     client = Client(draining.address, max_resumes=0)  # (a break would raise: nothing may resume)
-    going = [threading.Event() for _ in JOBS]  # each stream has tokens (or has ended) before the drain
+    going = [threading.Event() for _ in range(len(JOBS) + 1)]  # each stream has tokens before the drain
+    http = openai.OpenAI(base_url=f"http://{draining.addresses['http']}/v1", api_key="-", max_retries=0)
+
+    def over_http():  # a streamed completion of the OpenAI API, relayed the same way
+        text, model = "", http.models.list().data[0].id
+        try:
+            for chunk in http.completions.create(
+                model=model, prompt=PROMPT, stream=True, max_tokens=40, temperature=0, extra_body=IGNORE_EOS
+            ):
+                text += "".join(choice.text for choice in chunk.choices)
+                if len(text) >= 8:
+                    going[-1].set()
+        finally:
+            going[-1].set()
+        return text
 
     def one(i, kw):
         seen = []
@@ -53,11 +72,13 @@ def test_sigterm_moves_running_streams_with_their_kv_to_a_peer_of_another_tp(pre
         finally:
             going[i].set()
 
-    with concurrent.futures.ThreadPoolExecutor(len(JOBS)) as pool:
+    with concurrent.futures.ThreadPoolExecutor(len(JOBS) + 1) as pool:
         futures = [pool.submit(one, i, kw) for i, kw in enumerate(JOBS)]
+        streamed = pool.submit(over_http)
         assert all(event.wait(timeout=120) for event in going)
         draining.proc.send_signal(15)
         results = [f.result() for f in futures]
+        assert streamed.result() == colocated(PROMPT, max_tokens=40, ignore_eos=True, field="text")
     for kw, sequences in zip(JOBS, results, strict=True):
         params = params_from_request(build_request("", **kw))  # (n = 2: a sequence of each index)
         reference = colocated.engine.generate([PROMPT], params)
@@ -67,8 +88,10 @@ def test_sigterm_moves_running_streams_with_their_kv_to_a_peer_of_another_tp(pre
     assert draining.terminate() == 0  # exited on its own, within the grace period
     log = draining.log_path.read_text()
     moved = re.search(r"moved (\d+) sequences to peers, 0 stay here; (\d+) bytes of KV sent", log)
-    assert moved and int(moved.group(1)) >= 5, log[-2000:]  # (the stop string's may have ended before)
-    assert log.count("request moved to a peer") >= 4  # (one line a request: n = 2 moves 2 sequences)
+    # moves go two at a time: a request that ends before its turn (the stop string's, the schema's, or
+    # on a fast box any) has nothing left to move
+    assert moved and int(moved.group(1)) >= 1, log[-2000:]
+    assert log.count("request moved to a peer") >= 1 and "stays" not in log
     metrics = scrape(peer.addresses["metrics"])
     taken = metrics['pdserve_migrations_total{direction="in",outcome="accepted",role="decode"}']
     assert taken == int(moved.group(1))

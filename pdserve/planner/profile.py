@@ -1,0 +1,70 @@
+"""Measuring a profile: the engine in this process runs a mixed workload (prompts of several lengths
+arriving while others decode, so steps hold decode rows, prefill chunks over past context, or both), every
+step is timed to its end, and the cost model (planner.costs.StepCosts) is fitted to the steps; the fit's
+errors on the same steps and on held-out ones (every fifth) go in the profile with the engine's summary."""
+
+from __future__ import annotations
+
+import platform
+import time
+
+import numpy as np
+
+from pdserve.planner.costs import Profile, RowShape, StepCosts
+
+PROMPT_LENGTHS = (16, 64, 200, 480)
+BATCHES = (1, 4, 16, 32)
+
+
+def measure_steps(engine, rounds: int = 2, seed: int = 0) -> list[tuple[list[RowShape], float]]:
+    """(rows, seconds) of every step of a workload on `engine`: for each batch size, that many requests
+    of mixed prompt lengths arriving one per step, each generating 24 tokens. The first round warms up
+    (compiles) and is not returned."""
+    import jax
+
+    from pdserve.engine.sampling_params import SamplingParams
+
+    rng = np.random.default_rng(seed)
+    measured: list[tuple[list[RowShape], float]] = []
+    for round_ in range(rounds + 1):
+        for batch in BATCHES:
+            waiting = [
+                rng.integers(100, 20000, int(rng.choice(PROMPT_LENGTHS))).tolist() for _ in range(batch)
+            ]
+            params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+            while waiting or engine.has_unfinished:
+                if waiting:
+                    engine.add_request(waiting.pop(), params)
+                scheduled = engine.schedule_step()
+                if scheduled is None:  # (nothing runnable: only before the next arrival)
+                    if not waiting:
+                        break
+                    continue
+                start = time.perf_counter()
+                engine.run_step(scheduled)
+                jax.block_until_ready(engine.runner.cache)
+                seconds = time.perf_counter() - start
+                if round_:
+                    measured.append(([RowShape(len(r.tokens), r.num_past) for r in scheduled.rows], seconds))
+    return measured
+
+
+def profile_engine(engine, rounds: int = 2) -> Profile:
+    """A profile of `engine`: its steps measured, the costs fitted on four of five, checked on all."""
+    steps = measure_steps(engine, rounds)
+    held_out = steps[4::5]
+    fitted = [s for i, s in enumerate(steps) if i % 5 != 4]
+    costs = StepCosts.fit(fitted)
+
+    def errors(some):
+        e = np.abs(costs.relative_errors(some))
+        return {"steps": len(some), "p50": float(np.median(e)), "p90": float(np.percentile(e, 90))}
+
+    fit = {"fitted": errors(fitted), "held_out": errors(held_out)}
+    engine_info = {
+        **engine.summary(),
+        "max_num_batched_tokens": engine.config.max_num_batched_tokens,
+        "block_size": engine.config.block_size,
+        "host": platform.processor() or platform.machine(),
+    }
+    return Profile(costs, engine=engine_info, fit=fit)

@@ -1,0 +1,114 @@
+"""The simulator on the real scheduler: workloads whose answer is computable by hand (fixed step costs,
+deterministic arrivals) give exactly those TTFT / TPOT figures; chunking, preemption, prefix hits and
+n-forks appear in the trace as the scheduler makes them; the cost model's fit recovers known costs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pdserve.bench.stats import compute_stats
+from pdserve.engine.config import EngineConfig
+from pdserve.planner.costs import Profile, RowShape, StepCosts
+from pdserve.planner.simulator import Arrival, simulate
+
+pytestmark = pytest.mark.fast
+
+CONFIG = EngineConfig(
+    block_size=4,
+    num_blocks=64,
+    max_num_seqs=8,
+    max_model_len=128,
+    max_num_batched_tokens=16,
+    max_prefill_seqs=4,
+)
+TENTH = StepCosts(fixed_s=0.1)  # every step 100 ms, whatever it holds
+
+
+def prompt(n: int, start: int = 1000) -> tuple[int, ...]:
+    return tuple(range(start, start + n))
+
+
+def test_fixed_costs_give_the_figures_by_hand():
+    """Two 8-token prompts at 0 s: one step computes both (first tokens at 0.1 s), then one decode step
+    a token. A third arriving at 0.15 s waits for the step running then (to 0.2 s) and is computed in the
+    next: its first token at 0.3 s, TTFT 0.15 s."""
+    work = [Arrival(0.0, prompt(8), 4), Arrival(0.0, prompt(8, 2000), 4), Arrival(0.15, prompt(8, 3000), 4)]
+    result = simulate(CONFIG, TENTH, work)
+    a, b, c = result.records
+    assert a.token_times_s == pytest.approx([0.1, 0.2, 0.3, 0.4]) and b.token_times_s == a.token_times_s
+    assert c.token_times_s == pytest.approx([0.15, 0.25, 0.35, 0.45])  # since its arrival at 0.15
+    assert [r.ttft_s for r in (a, b, c)] == pytest.approx([0.1, 0.1, 0.15])
+    assert all(r.tpot_s == pytest.approx(0.1) and r.finish_reason == "length" for r in (a, b, c))
+    stats = compute_stats(result.records, slo_ttft_ms=120, slo_tpot_ms=100.5)
+    assert stats["good_requests"] == 2 and stats["e2e_ms"]["max"] == pytest.approx(450)
+    assert result.steps[0].rows == (("0", 8, 0), ("1", 8, 0))
+    assert result.steps[2].rows == (("0", 1, 9), ("1", 1, 9), ("2", 8, 0))  # decodes first, then the prompt
+
+
+def test_a_prompt_over_the_budget_is_computed_in_chunks_beside_running_decodes():
+    """A 40-token prompt under a 16-token budget, while one request decodes: chunks of 15, 15 and 10
+    (the decode token first in every step), first token after the third chunk."""
+    work = [Arrival(0.0, prompt(4), 10), Arrival(0.05, prompt(40, 5000), 2)]
+    result = simulate(CONFIG, TENTH, work)
+    chunks = [rows for step in result.steps for rid, *rows in step.rows if rid == "1"]
+    assert chunks[:3] == [[15, 0], [15, 15], [10, 30]] and chunks[3] == [1, 40]
+    assert result.records[1].ttft_s == pytest.approx(0.4 - 0.05)
+
+
+def test_costs_follow_the_rows():
+    """The cost of a step is the model's of its rows: a 16-token prefill and a decode step differ."""
+    costs = StepCosts(fixed_s=0.01, per_token_s=0.001, per_kv_read_s=1e-5)
+    result = simulate(CONFIG, costs, [Arrival(0.0, prompt(16), 3)])
+    durations = [s.end_s - s.start_s for s in result.steps]
+    assert durations == pytest.approx([0.01 + 0.016 + 16e-5, 0.01 + 0.001 + 17e-5, 0.01 + 0.001 + 18e-5])
+
+
+def test_a_shared_prefix_hits_the_cache_and_n_forks():
+    """The second of two prompts sharing 12 tokens computes only its own 4 (blocks of 4); n = 3 gives 3
+    records of the request, all of max_tokens."""
+    shared = prompt(12)
+    work = [Arrival(0.0, shared + prompt(4, 7000), 2), Arrival(1.0, shared + prompt(4, 8000), 2, n=3)]
+    result = simulate(CONFIG, TENTH, work)
+    second = [rows for step in result.steps for rid, *rows in step.rows if rid == "1"]
+    assert second[0] == [4, 12]  # 12 cached tokens, 4 computed
+    forks = [r for r in result.records if r.index == 1]
+    assert len(forks) == 3 and all(r.output_tokens == 2 for r in forks)
+
+
+def test_block_pressure_preempts_and_every_request_still_finishes():
+    """Too few blocks for eight growing requests: the scheduler preempts (counted in the trace), and
+    every request finishes with all its tokens."""
+    tight = EngineConfig(
+        block_size=4, num_blocks=24, max_num_seqs=8, max_model_len=64, max_num_batched_tokens=32
+    )
+    work = [Arrival(0.0, prompt(8, 1000 * (i + 1)), 24) for i in range(8)]
+    result = simulate(tight, TENTH, work)
+    assert result.steps[-1].num_preemptions > 0
+    assert [r.output_tokens for r in result.records] == [24] * 8
+
+
+def test_a_request_that_cannot_fit_is_an_error_not_a_hang():
+    tiny = EngineConfig(
+        block_size=4, num_blocks=2, max_num_seqs=2, max_model_len=64, max_num_batched_tokens=16
+    )
+    with pytest.raises(RuntimeError, match="can never be scheduled"):
+        simulate(tiny, TENTH, [Arrival(0.0, prompt(20), 4)])
+
+
+def test_the_fit_recovers_known_costs_and_the_profile_round_trips():
+    truth = StepCosts(fixed_s=0.004, per_token_s=2e-4, per_row_s=3e-4, per_kv_read_s=2e-6, per_pair_s=1e-8)
+    rng = np.random.default_rng(0)
+    steps = []
+    for _ in range(40):
+        rows = [
+            RowShape(int(rng.integers(1, 64)), int(rng.integers(0, 512))) for _ in range(rng.integers(1, 9))
+        ]
+        steps.append((rows, truth.seconds(rows)))
+    fitted = StepCosts.fit(steps)
+    assert np.abs(fitted.relative_errors(steps)).max() < 1e-6
+    assert fitted.vector() == pytest.approx(truth.vector(), rel=1e-4)
+    profile = Profile(fitted, engine={"model": "m", "tp": 1}, fit={"max_rel_error": 0.0})
+    assert Profile.from_json(profile.to_json()) == profile
+    with pytest.raises(ValueError, match="version"):
+        Profile.from_json(profile.to_json().replace('"version": 1', '"version": 99'))
