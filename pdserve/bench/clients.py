@@ -10,10 +10,8 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
-import numpy as np
-
 from pdserve.bench.stats import RequestRecord
-from pdserve.bench.workload import RequestSpec
+from pdserve.bench.workload import RequestSpec, arrival_times
 
 
 def one_request(client, spec: RequestSpec, t0: float, ignore_eos: bool, timeout: float | None):
@@ -99,19 +97,17 @@ def run_load(
         for thread in threads:
             thread.join()
     else:
-        rng = np.random.default_rng(seed + 1_000_003)
+        times = arrival_times(rate, seed) if math.isfinite(rate) else itertools.repeat(0.0)
         workers = max_threads if num_requests is None else max(1, min(num_requests, max_threads))
         with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="bench") as pool:
-            next_at = t0
-            for spec in specs:
+            for spec, at in zip(specs, times, strict=False):
+                next_at = t0 + at
                 if deadline is not None and next_at >= deadline:
                     break
                 delay = next_at - time.perf_counter()
                 if delay > 0:
                     time.sleep(delay)
                 pool.submit(run, spec)
-                if math.isfinite(rate):
-                    next_at += rng.exponential(1.0 / rate)
     wall = time.perf_counter() - t0
     records.sort(key=lambda r: r.start_s)
     return records, wall

@@ -95,3 +95,13 @@ def make_workload(
         if dataset:
             adapter = entry.get("lora_adapter", adapter)
         yield RequestSpec(index, prompt, max_tokens, adapter)
+
+
+def arrival_times(rate: float, seed: int = 0) -> Iterator[float]:
+    """Poisson arrivals at `rate` requests/s, seconds since the start: the first at 0 (the load
+    generator's open loop sends at these times; the simulator replays the same ones for the same seed)."""
+    rng = np.random.default_rng(seed + 1_000_003)
+    at = 0.0
+    while True:
+        yield at
+        at += rng.exponential(1.0 / rate)

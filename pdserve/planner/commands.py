@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import sys
-
-import numpy as np
 
 from pdserve.bench.common import report
 from pdserve.bench.stats import compute_stats, format_summary
-from pdserve.bench.workload import LengthDist, make_workload
+from pdserve.bench.workload import LengthDist, arrival_times, make_workload
 from pdserve.flags import add_engine_args, engine_config
 
 
@@ -71,11 +70,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     )
     if not config.num_blocks or not config.max_model_len:
         raise SystemExit("simulate: give --num-blocks and --max-model-len (the profile names neither)")
-    rng = np.random.default_rng(args.seed)
+    # the arrivals and prompts `pdserve bench serve` sends for the same flags and seed
     specs = make_workload(args.prompt_len, args.output_len, args.seed)
-    times = np.cumsum(rng.exponential(1.0 / args.rate, args.num_requests))
+    times = arrival_times(args.rate, args.seed)
     workload = [
-        Arrival(float(t), tuple(spec.prompt), spec.max_tokens) for t, spec in zip(times, specs, strict=False)
+        Arrival(at, tuple(spec.prompt), spec.max_tokens)
+        for at, spec in itertools.islice(zip(times, specs, strict=False), args.num_requests)
     ]
     result = simulate(config, profile.costs, workload)
     stats = compute_stats(result.records, None, args.slo_ttft_ms, args.slo_tpot_ms)

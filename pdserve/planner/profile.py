@@ -16,10 +16,16 @@ PROMPT_LENGTHS = (16, 64, 200, 480)
 BATCHES = (1, 4, 16, 32)
 
 
-def measure_steps(engine, rounds: int = 2, seed: int = 0) -> list[tuple[list[RowShape], float]]:
-    """(rows, seconds) of every step of a workload on `engine`: for each batch size, that many requests
-    of mixed prompt lengths arriving one per step, each generating 24 tokens. The first round warms up
-    (compiles) and is not returned."""
+def measure_steps(
+    engine,
+    rounds: int = 2,
+    seed: int = 0,
+    batches: tuple[int, ...] = BATCHES,
+    prompt_lengths: tuple[int, ...] = PROMPT_LENGTHS,
+) -> list[tuple[list[RowShape], float]]:
+    """(rows, seconds) of every step of a workload on `engine`: for each of `batches`, that many
+    requests of `prompt_lengths` (drawn at random) arriving one per step, each generating 24 tokens. The
+    first round warms up (compiles) and is not returned."""
     import jax
 
     from pdserve.engine.sampling_params import SamplingParams
@@ -27,9 +33,9 @@ def measure_steps(engine, rounds: int = 2, seed: int = 0) -> list[tuple[list[Row
     rng = np.random.default_rng(seed)
     measured: list[tuple[list[RowShape], float]] = []
     for round_ in range(rounds + 1):
-        for batch in BATCHES:
+        for batch in batches:
             waiting = [
-                rng.integers(100, 20000, int(rng.choice(PROMPT_LENGTHS))).tolist() for _ in range(batch)
+                rng.integers(100, 20000, int(rng.choice(prompt_lengths))).tolist() for _ in range(batch)
             ]
             params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
             while waiting or engine.has_unfinished:
@@ -49,9 +55,10 @@ def measure_steps(engine, rounds: int = 2, seed: int = 0) -> list[tuple[list[Row
     return measured
 
 
-def profile_engine(engine, rounds: int = 2) -> Profile:
-    """A profile of `engine`: its steps measured, the costs fitted on four of five, checked on all."""
-    steps = measure_steps(engine, rounds)
+def profile_engine(engine, rounds: int = 2, **workload) -> Profile:
+    """A profile of `engine`: its steps measured (measure_steps' `workload` keywords), the costs fitted on
+    four of five, checked on the fifth."""
+    steps = measure_steps(engine, rounds, **workload)
     held_out = steps[4::5]
     fitted = [s for i, s in enumerate(steps) if i % 5 != 4]
     costs = StepCosts.fit(fitted)
