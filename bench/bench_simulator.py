@@ -104,7 +104,10 @@ def main(argv: list[str] | None = None) -> None:
         gguf, "local", logs, name="validate", engine_args=ENGINE_ARGS, warmup=not args.smoke
     )
     runs = []
-    try:
+    try:  # a first pass, not measured: the server's first requests pay one-off costs (allocation, caches)
+        bench(
+            server.address, num_requests=8, prompt_len=args.prompt_len, output_len="fixed:8", progress=False
+        )
         for rate in rates:
             kw = dict(prompt_len=args.prompt_len, output_len=args.output_len, seed=0)
             slo = dict(slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms)

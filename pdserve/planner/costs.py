@@ -2,10 +2,11 @@
 and stored, with what it was measured on, as one versioned JSON profile (`pdserve profile` writes it,
 `pdserve simulate` reads it).
 
-A step's time is linear in four kinds of work, each a column of the fit:
+A step's time is linear in five kinds of work, each a column of the fit:
 - `fixed_s`: the step itself (launch, host bookkeeping, the sampler's fixed part);
-- `per_token_s`: each token fed (the weights' matmuls: prefill chunks and decode tokens alike);
-- `per_row_s`: each sequence in the step (sampling, its block table);
+- `per_token_s`: each token the step computes (the weights' matmuls: prefill chunks and decode tokens
+  alike), counted as the engine pads them: up to its token bucket (EngineConfig.token_buckets);
+- `per_row_s`: each sequence slot (sampling, logits): as the engine pads them, min(bucket, max_num_seqs);
 - `per_kv_read_s`: each token of KV a row attends to (its past plus its new tokens), read once per row:
   what a decode step's attention costs;
 - `per_pair_s`: each (query, key) pair of a row's new tokens (tokens x (past + tokens / 2)): what a
@@ -34,13 +35,27 @@ class RowShape:
     num_past: int
 
 
-def work_of(rows: Iterable[RowShape]) -> np.ndarray:
+@dataclasses.dataclass(frozen=True)
+class Padding:
+    """How the engine pads a step (its EngineConfig's token_buckets and max_num_seqs); none: exact."""
+
+    token_buckets: tuple[int, ...] = ()
+    max_num_seqs: int = 0
+
+    def tokens(self, num_tokens: int) -> int:
+        return next((b for b in self.token_buckets if b >= num_tokens), num_tokens)
+
+    def rows(self, num_tokens: int, num_rows: int) -> int:
+        return min(self.tokens(num_tokens), self.max_num_seqs) if self.max_num_seqs else num_rows
+
+
+def work_of(rows: Iterable[RowShape], padding: Padding = Padding()) -> np.ndarray:
     """The step's work in TERMS' order (the fit's columns)."""
     rows = list(rows)
     tokens = sum(r.num_tokens for r in rows)
     kv_read = sum(r.num_past + r.num_tokens for r in rows)
     pairs = sum(r.num_tokens * (r.num_past + (r.num_tokens + 1) / 2) for r in rows)
-    return np.array([1.0, tokens, len(rows), kv_read, pairs])
+    return np.array([1.0, padding.tokens(tokens), padding.rows(tokens, len(rows)), kv_read, pairs])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,30 +67,33 @@ class StepCosts:
     per_row_s: float = 0.0
     per_kv_read_s: float = 0.0
     per_pair_s: float = 0.0
+    padding: Padding = Padding()
 
     def seconds(self, rows: Iterable[RowShape]) -> float:
         """The predicted seconds of a step of `rows`."""
-        return float(work_of(rows) @ self.vector())
+        return float(work_of(rows, self.padding) @ self.vector())
 
     def vector(self) -> np.ndarray:
         return np.array([getattr(self, term) for term in TERMS])
 
     @classmethod
-    def fit(cls, steps: Sequence[tuple[Sequence[RowShape], float]]) -> StepCosts:
+    def fit(
+        cls, steps: Sequence[tuple[Sequence[RowShape], float]], padding: Padding = Padding()
+    ) -> StepCosts:
         """Non-negative least squares over measured steps (rows, seconds), in relative error (each step
         weighted by 1 / its time, so short decode steps count as much as long prefills)."""
         from scipy.optimize import nnls
 
         if len(steps) < len(TERMS):
             raise ValueError(f"a fit of {len(TERMS)} terms needs at least as many steps, got {len(steps)}")
-        work = np.stack([work_of(rows) for rows, _ in steps])
+        work = np.stack([work_of(rows, padding) for rows, _ in steps])
         seconds = np.array([s for _, s in steps])
         if (seconds <= 0).any():
             raise ValueError("every measured step takes a positive time")
         scale = work.max(axis=0)  # (columns of comparable size for the solver)
         scale[scale == 0] = 1.0
         coef, _ = nnls(work / scale / seconds[:, None], np.ones(len(seconds)))
-        return cls(*(coef / scale))
+        return cls(*(coef / scale), padding=padding)
 
     def relative_errors(self, steps: Sequence[tuple[Sequence[RowShape], float]]) -> np.ndarray:
         """(predicted - measured) / measured of each step."""
@@ -92,17 +110,20 @@ class Profile:
     engine: dict = dataclasses.field(default_factory=dict)
     fit: dict = dataclasses.field(default_factory=dict)
     projection: str = ""
+    steps: tuple = ()  # the measured steps: ((num_tokens, num_past) of each row, seconds), for a refit
 
     def to_json(self) -> str:
         return json.dumps(
             {
                 "version": PROFILE_VERSION,
-                "step_costs": dataclasses.asdict(self.costs),
+                "step_costs": {term: getattr(self.costs, term) for term in TERMS},
+                "padding": dataclasses.asdict(self.costs.padding),
                 "engine": self.engine,
                 "fit": self.fit,
                 "projection": self.projection,
+                "steps": [[[[r.num_tokens, r.num_past] for r in rows], s] for rows, s in self.steps],
             },
-            indent=2,
+            indent=1,
         )
 
     @classmethod
@@ -113,11 +134,17 @@ class Profile:
         unknown = set(data["step_costs"]) - set(TERMS)
         if unknown:
             raise ValueError(f"step_costs: unknown terms {sorted(unknown)}")
+        padding = data.get("padding", {})
+        padding = Padding(tuple(padding.get("token_buckets", ())), int(padding.get("max_num_seqs", 0)))
+        steps = tuple(
+            (tuple(RowShape(int(t), int(p)) for t, p in rows), float(s)) for rows, s in data.get("steps", ())
+        )
         return cls(
-            StepCosts(**data["step_costs"]),
+            StepCosts(**data["step_costs"], padding=padding),
             data.get("engine", {}),
             data.get("fit", {}),
             data.get("projection", ""),
+            steps,
         )
 
     @classmethod

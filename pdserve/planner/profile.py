@@ -10,7 +10,7 @@ import time
 
 import numpy as np
 
-from pdserve.planner.costs import Profile, RowShape, StepCosts
+from pdserve.planner.costs import Padding, Profile, RowShape, StepCosts
 
 PROMPT_LENGTHS = (16, 64, 200, 480)
 BATCHES = (1, 4, 16, 32)
@@ -61,7 +61,8 @@ def profile_engine(engine, rounds: int = 2, **workload) -> Profile:
     steps = measure_steps(engine, rounds, **workload)
     held_out = steps[4::5]
     fitted = [s for i, s in enumerate(steps) if i % 5 != 4]
-    costs = StepCosts.fit(fitted)
+    padding = Padding(tuple(engine.config.token_buckets), engine.config.max_num_seqs)
+    costs = StepCosts.fit(fitted, padding)
 
     def errors(some):
         e = np.abs(costs.relative_errors(some))
@@ -74,4 +75,5 @@ def profile_engine(engine, rounds: int = 2, **workload) -> Profile:
         "block_size": engine.config.block_size,
         "host": platform.processor() or platform.machine(),
     }
-    return Profile(costs, engine=engine_info, fit=fit)
+    steps = tuple((tuple(rows), seconds) for rows, seconds in steps)
+    return Profile(costs, engine=engine_info, fit=fit, steps=steps)

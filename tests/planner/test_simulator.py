@@ -9,7 +9,7 @@ import pytest
 
 from pdserve.bench.stats import compute_stats
 from pdserve.engine.config import EngineConfig
-from pdserve.planner.costs import Profile, RowShape, StepCosts
+from pdserve.planner.costs import Padding, Profile, RowShape, StepCosts
 from pdserve.planner.simulator import Arrival, simulate
 
 pytestmark = pytest.mark.fast
@@ -108,7 +108,17 @@ def test_the_fit_recovers_known_costs_and_the_profile_round_trips():
     fitted = StepCosts.fit(steps)
     assert np.abs(fitted.relative_errors(steps)).max() < 1e-6
     assert fitted.vector() == pytest.approx(truth.vector(), rel=1e-4)
-    profile = Profile(fitted, engine={"model": "m", "tp": 1}, fit={"max_rel_error": 0.0})
+    steps = tuple((tuple(rows), seconds) for rows, seconds in steps)
+    profile = Profile(fitted, engine={"model": "m", "tp": 1}, fit={"max_rel_error": 0.0}, steps=steps)
     assert Profile.from_json(profile.to_json()) == profile
     with pytest.raises(ValueError, match="version"):
         Profile.from_json(profile.to_json().replace('"version": 1', '"version": 99'))
+
+
+def test_a_step_costs_what_the_engine_pads_it_to():
+    """Buckets of 4, 8 and 16 tokens, 4 sequence slots: 5 tokens compute as 8 (4 slots), 3 as 4 (4 slots:
+    the padded tokens, capped by the slots)."""
+    padded = StepCosts(per_token_s=1.0, per_row_s=100.0, padding=Padding((4, 8, 16), 4))
+    assert padded.seconds([RowShape(5, 0)]) == 8 + 4 * 100
+    assert padded.seconds([RowShape(1, 9)] * 3) == 4 + 4 * 100
+    assert StepCosts(per_token_s=1.0, per_row_s=100.0).seconds([RowShape(1, 9)] * 3) == 3 + 3 * 100
