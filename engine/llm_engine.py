@@ -307,6 +307,11 @@ class LLMEngine(OfflineAPI):
         commands since the last step produced, and a stats snapshot."""
         return self.run_step(self.schedule_step())
 
+    def synchronize(self) -> None:
+        """Waits until the device has finished every step issued (a step that samples waits for its end
+        already; one that only computes a prompt chunk does not): for timing steps to their end."""
+        jax.block_until_ready(self.runner.cache)
+
     def schedule_step(self) -> SchedulerOutput | None:
         """step()'s first half: the scheduler admits and picks the rows (None: nothing can run). What
         admission produced (a ReceiveKV request's TransferReady) is ready at once (take_outputs), so a

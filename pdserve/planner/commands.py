@@ -62,11 +62,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from pdserve.planner.simulator import Arrival, simulate
 
     profile = Profile.read(args.profile)
-    config = engine_config(args)
+    config, profiled = engine_config(args), profile.engine
     config = dataclasses.replace(  # the profiled engine's cache unless the flags say otherwise
         config,
-        num_blocks=config.num_blocks or int(profile.engine.get("kv_blocks", 0)),
-        max_model_len=config.max_model_len or int(profile.engine.get("max_model_len", 0)),
+        num_blocks=config.num_blocks or int(profiled.get("kv_blocks", 0)),
+        max_model_len=config.max_model_len or int(profiled.get("max_model_len", 0)),
     )
     if not config.num_blocks or not config.max_model_len:
         raise SystemExit("simulate: give --num-blocks and --max-model-len (the profile names neither)")

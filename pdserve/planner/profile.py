@@ -26,8 +26,6 @@ def measure_steps(
     """(rows, seconds) of every step of a workload on `engine`: for each of `batches`, that many
     requests of `prompt_lengths` (drawn at random) arriving one per step, each generating 24 tokens. The
     first round warms up (compiles) and is not returned."""
-    import jax
-
     from pdserve.engine.sampling_params import SamplingParams
 
     rng = np.random.default_rng(seed)
@@ -48,7 +46,7 @@ def measure_steps(
                     continue
                 start = time.perf_counter()
                 engine.run_step(scheduled)
-                jax.block_until_ready(engine.runner.cache)
+                engine.synchronize()
                 seconds = time.perf_counter() - start
                 if round_:
                     measured.append(([RowShape(len(r.tokens), r.num_past) for r in scheduled.rows], seconds))
