@@ -284,8 +284,16 @@ class Migrator:
         gate = asyncio.Semaphore(MOVES_IN_FLIGHT)
 
         async def move(rid: str, peer: Peer) -> None:
-            async with gate:
+            try:
+                await gate.acquire()
+            except asyncio.CancelledError:  # out of time before its turn: it never left, it stays
+                stream = self.core.active.get(rid)
+                self._count("stayed", stream.request.params.n if stream is not None else 0)
+                raise
+            try:
                 await self._move_request(rid, peer)
+            finally:
+                gate.release()
 
         moves = [move(rid, peers[i % len(peers)]) for i, rid in enumerate(active)]
         try:
