@@ -13,8 +13,9 @@ an error or a wrong output (each must equal the same request run alone on B); ea
 between two tokens after the drain began, against the run's TPOT p99 (the gaps before it); with migration,
 the seconds from SIGTERM until every request had left A's engine (A's log line: the accelerator is idle from
 then on, while A relays the peer's tokens until the requests end or the grace period does) and the KV bytes
-moved per request, with each move's time (from its detach to the peer's first token) and its KV's transfer
-(export, encoding, sending: the draining server's `request moved to a peer` log lines). Goal: no client
+moved per request, with each move's time (from its detach to the peer's first token) and its phases: the
+detach (with the KV's gathering), the peer's admission (header to ready) and the KV's transfer (encoding,
+sending: the draining server's `request moved to a peer` log lines). Goal: no client
 error, and the largest gap below 2x TPOT p99 plus the longest transfer of a request's KV.
 
 --smoke: the test model, 2 streams of 16 tokens.
@@ -38,7 +39,8 @@ from pdserve.testing.models import bench_model
 
 PROMPT_TOKENS = 128
 MOVED = re.compile(r"moved (\d+) sequences to peers, (\d+) stay here; (\d+) bytes of KV sent")
-ONE_MOVE = re.compile(r"request moved to a peer .*transfer_s=([0-9.]+) move_s=([0-9.]+)")
+ONE_MOVE = re.compile(r"request moved to a peer (.*)")
+MOVE_PHASES = ("detach_s", "ready_s", "transfer_s", "move_s")  # the line's seconds, in the order of a move
 
 
 def engine_args(streams: int, tokens: int) -> list[str]:
@@ -110,14 +112,13 @@ def drain(args, gguf, logs, prefill, peer, migrate: bool, expected: list[list[in
         sequences, kept, nbytes = map(int, moved.groups())
         line = text[: moved.start()].rsplit("\n", 1)[-1]
         stamp = time.mktime(time.strptime(line[:19], "%Y-%m-%d %H:%M:%S")) + int(line[20:23]) / 1e3
-        transfers = [tuple(map(float, m.groups())) for m in ONE_MOVE.finditer(text)]
+        moves = [dict(re.findall(r"(\w+_s)=([0-9.]+)", m.group(1))) for m in ONE_MOVE.finditer(text)]
         result.update(
             moved=sequences,
             stayed=kept,
             kv_bytes_per_request=nbytes / max(sequences, 1),
             sigterm_to_moved_s=stamp - wall,
-            transfer_s=_spread([t for t, _ in transfers]),
-            move_s=_spread([m for _, m in transfers]),
+            **{phase: _spread([float(m[phase]) for m in moves if phase in m]) for phase in MOVE_PHASES},
         )
     return result
 

@@ -129,9 +129,12 @@ class RemoteKVFailed:
 class Detach:
     """Takes a decoding request's sequences (it and its forks) out of the steps, their blocks held, to move
     them to a peer. Result: a DetachedSequence per sequence still running, or () when one of them is not
-    decoding now (its prompt still computing, its KV arriving): nothing is detached then."""
+    decoding now (its prompt still computing, its KV arriving): nothing is detached then. With `export_kv`,
+    each carries its KV from block 0 (ExportKV's chunks), gathered at the same step boundary: a move that
+    needs all of it waits for no second boundary."""
 
     request_id: str
+    export_kv: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,6 +152,7 @@ class DetachedSequence:
     lora_fingerprint: str | None
     cache_salt: str | None
     num_kv_tokens: int  # tokens whose KV it holds: all but its last output
+    kv: tuple[KVChunk, ...] = ()  # its KV from block 0 when Detach exported it (device arrays)
 
     @property
     def transfer_digest_ids(self) -> tuple[int, ...]:

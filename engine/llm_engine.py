@@ -244,8 +244,13 @@ class LLMEngine(OfflineAPI):
                 return self._remote_kv_done(command)
             case RemoteKVFailed(request_id=request_id):
                 return self.scheduler.remote_kv_failed(request_id)
-            case Detach(request_id=request_id):
-                return tuple(_detached(r) for r in self.scheduler.detach(request_id))
+            case Detach(request_id=request_id, export_kv=export_kv):
+                detached = [_detached(r) for r in self.scheduler.detach(request_id)]
+                if export_kv:
+                    detached = [
+                        dataclasses.replace(d, kv=self._export_kv(ExportKV(d.request_id))) for d in detached
+                    ]
+                return tuple(detached)
             case ExportKV():
                 return self._export_kv(command)
             case Reattach(request_ids=request_ids):

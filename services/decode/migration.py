@@ -2,14 +2,15 @@
 with its KV, to a peer (--migrate-to), which decodes on while the draining server relays its tokens to the
 request's client; the client's stream (gRPC or HTTP) does not break.
 
-The draining side (Migrator): per request, Detach takes its sequences out of the engine's steps (blocks
-held); per sequence, a Migrate call to a peer sends its state as a resumption (GenerateRequest with
-resume_token_ids, its seed, adapter and salt) and, once the peer has said which KV it lacks (MigrateReady,
-after its own prefix cache), that KV in kvtransfer frames of this engine's layout. When every sequence of
-the request runs on its peer (each sent its first output), the request is aborted here and the peers'
-outputs go into its stream (services.decode.core.GenerationCore.stream) as if this engine made them; when
-one cannot move (no peer, a refusal, a failed transfer), none does: the calls are cancelled (the peers
-drop theirs) and the sequences decode here again (Reattach) within the grace period, as without peers.
+The draining side (Migrator): per request, Detach takes its sequences out of the engine's steps (blocks held)
+and gathers their KV at the same step boundary; per sequence, a Migrate call to a peer sends its state as a
+resumption (GenerateRequest with resume_token_ids, its seed, adapter and salt) and, once the peer has said
+which KV it lacks (MigrateReady, after its own prefix cache), that KV in kvtransfer frames of this engine's
+layout. When every sequence of the request runs on its peer (each sent its first output), the request is
+aborted here and the peers' outputs go into its stream (services.decode.core.GenerationCore.stream) as if this
+engine made them; when one cannot move (no peer, a refusal, a failed transfer), none does: the calls are
+cancelled (the peers drop theirs) and the sequences decode here again (Reattach) within the grace period, as
+without peers.
 
 The receiving side (MigrationService): the same path as a prompt from a prefill server: the resumption is
 admitted to receive KV (engine.core.kv_connector.DecodeConnector sizes it: every token but its last
@@ -315,9 +316,10 @@ class Migrator:
         if stream is None:
             return
         began = time.monotonic()
-        detaching = asyncio.ensure_future(self.core.loop.call(Detach(rid)))
+        detaching = asyncio.ensure_future(self.core.loop.call(Detach(rid, export_kv=True)))
         try:
             states = await asyncio.shield(detaching)
+            detach_s = time.monotonic() - began
         except asyncio.CancelledError:  # out of time while the engine detached it: it decodes here again
             states = await detaching
             if states:
@@ -355,7 +357,8 @@ class Migrator:
             decided.set_result(False)
             return
         self.core.loop.submit(Abort(rid))  # it runs on the peers now: free it here
-        num_bytes, transfer_s = sum(r[0] for r in results), max(r[1] for r in results)
+        num_bytes = sum(r[0] for r in results)
+        ready_s, transfer_s = max(r[1] for r in results), max(r[2] for r in results)
         self._count("moved", len(states), num_bytes)
         decided.set_result(True)
         log.info(
@@ -365,6 +368,8 @@ class Migrator:
                 "peer": peer.name,
                 "sequences": len(states),
                 "kv_bytes": num_bytes,
+                "detach_s": round(detach_s, 3),  # out of this engine's steps, its KV gathered
+                "ready_s": round(ready_s, 3),  # from its header to the peer's blocks allocated
                 "transfer_s": round(transfer_s, 3),  # its KV: exported, encoded, sent
                 "move_s": round(time.monotonic() - began, 3),  # from its detach to the peer's first output
             },
@@ -390,20 +395,22 @@ class Migrator:
         request moved: `decided`) its outputs into the request's stream until it ends."""
         call = peer.stub.Migrate(metadata=self.security.metadata)
         try:
-            first, num_bytes, transfer_s = await self._transfer(call, state, stream.label)
+            first, num_bytes, ready_s, transfer_s = await self._transfer(call, state, stream.label)
         except BaseException as e:  # noqa: BLE001 - any failure keeps the sequence here
             call.cancel()
             if not started.done():
                 started.set_exception(e if isinstance(e, Exception) else RuntimeError("cancelled"))
             return
-        started.set_result((num_bytes, transfer_s))
+        started.set_result((num_bytes, ready_s, transfer_s))
+        index = state.index
+        del state  # (its exported KV: device memory, not held while relaying)
         if not await decided:
             call.cancel()
             return
         try:
             reply = first
             while reply is not grpc.aio.EOF:
-                output = output_of(reply.output, state.index)
+                output = output_of(reply.output, index)
                 stream.outputs.put_nowait(output)
                 if output.finished:
                     return
@@ -419,21 +426,27 @@ class Migrator:
 
     async def _transfer(
         self, call, state: DetachedSequence, label: str
-    ) -> tuple[pb.MigrateReply, int, float]:
+    ) -> tuple[pb.MigrateReply, int, float, float]:
         """Header, ready, frames, trailer; returns the peer's first output (it decodes the sequence), the
-        KV bytes sent and the seconds their export, encoding and sending took."""
+        KV bytes sent, the seconds until the peer was ready and those the export, encoding and sending
+        took."""
+        sent = time.monotonic()
         await call.write(pb.MigrateMessage(header=header_of(state, self.layout, label)))
         reply = await call.read()
         if reply is grpc.aio.EOF or reply.WhichOneof("kind") != "ready":
             raise RuntimeError("the peer did not say which KV it lacks")
         ready, num_frames, num_bytes, began = reply.ready, 0, 0, time.monotonic()
+        ready_s = began - sent
         if ready.num_tokens:
             block_size = self.layout.block_size
             if ready.num_tokens != state.num_kv_tokens - ready.first_block * block_size:
                 raise RuntimeError(
                     f"the peer asks for {ready.num_tokens} tokens from block {ready.first_block}"
                 )
-            chunks = await self.core.loop.call(ExportKV(state.request_id, ready.first_block))
+            if ready.first_block == 0 and state.kv:  # exported at its detach: no second step boundary
+                chunks = state.kv
+            else:  # the peer holds its first blocks (prefix cache): only the rest
+                chunks = await self.core.loop.call(ExportKV(state.request_id, ready.first_block))
             frames = await asyncio.to_thread(_encoded, label, self.layout, ready.num_tokens, chunks)
             for data in frames:
                 await call.write(pb.MigrateMessage(kv_frame=data))
@@ -446,7 +459,7 @@ class Migrator:
         reply = await call.read()
         if reply is grpc.aio.EOF or reply.WhichOneof("kind") != "output":
             raise RuntimeError("the peer ended the move without an output")
-        return reply, num_bytes, transfer_s
+        return reply, num_bytes, ready_s, transfer_s
 
     async def close(self) -> None:
         for channel in self._channels:

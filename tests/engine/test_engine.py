@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+import numpy as np
 import pytest
 
 from pdserve import kvtransfer
@@ -101,8 +102,13 @@ def test_a_detached_request_moves_with_its_kv_to_an_engine_of_another_tp(make_en
     assert stay.output_ids == full
 
     moving = decode_to(9)
-    (state,) = source.apply(Detach(moving.request_id))
+    (state,) = source.apply(Detach(moving.request_id, export_kv=True))
     assert state.output_ids == tuple(full[:9]) and state.num_kv_tokens == len(state.prompt_ids) + 8
+    exported = source.apply(ExportKV(state.request_id))  # what the detach gathered, asked for afterwards
+    assert [(c.layer_start, c.token_start, c.num_tokens) for c in state.kv] == [
+        (c.layer_start, c.token_start, c.num_tokens) for c in exported
+    ]
+    assert all(np.array_equal(a.data, b.data) for a, b in zip(state.kv, exported, strict=True))
     dest = make_engine(devices=jax.devices()[:2], tp=2)  # (the module's, from the tests above)
     dest.set_kv_connector(DecodeConnector(dest.config.block_size))
     try:
@@ -111,7 +117,8 @@ def test_a_detached_request_moves_with_its_kv_to_an_engine_of_another_tp(make_en
         )
         dest.apply(AddRequest(request, ReceiveKV()))
         (ready,) = dest.step().transfers
-        chunks = list(source.apply(ExportKV(state.request_id, ready.first_block)))
+        assert ready.first_block == 0  # (the prompt is cached on neither engine)
+        chunks = list(state.kv)
         assert source.abort(state.request_id) and source.scheduler.kv.pool.num_used == 0
         assert ready.num_external_tokens == state.num_kv_tokens - ready.first_block * dest.config.block_size
         frames = kvtransfer.encode_request("moving", source.kv_layout, ready.num_external_tokens, chunks)
