@@ -7,9 +7,15 @@ A profile of the engine measured in this process (pdserve.planner.profile; or --
 with the same engine flags on this box), then, at each rate: `pdserve bench serve` against a colocated
 decode-server (`--prefill local`, the same engine flags; its shapes compiled at start-up) with Poisson
 arrivals, random prompts of uniform:64:256 tokens and 64 output tokens, and `pdserve simulate`'s replay of
-the same arrivals and prompts (the same seed). Printed per rate: each figure measured, predicted, and
+the same arrivals and prompts (the same seed, one per rate: no run's prompts are in the server's prefix
+cache from an earlier one). Printed per rate: each figure measured, predicted, and
 the prediction's relative error (TTFT, TPOT and end-to-end p50 / p90, goodput under the SLO); all rates
 are the validation set, none left out. The profile's own fit errors are reported beside them.
+
+The server writes its step log (--step-log): the profile's error on the served engine's own steps of each
+run (does the step-cost model carry from the profile's workload to served traffic?), and each run
+predicted again from a profile fitted to the served steps of the other runs (none of its own: `pdserve
+profile --from-step-log` on yesterday's log, as an operator would).
 
 --smoke: the test model, one rate, 4 requests of 8 tokens.
 """
@@ -17,14 +23,18 @@ are the validation set, none left out. The profile's own fit errors are reported
 from __future__ import annotations
 
 import argparse
-import itertools
 import tempfile
 from pathlib import Path
+
+import numpy as np
 
 from pdserve.bench.common import report
 from pdserve.bench.serve import bench
 from pdserve.bench.stats import compute_stats
-from pdserve.bench.workload import LengthDist, arrival_times, make_workload
+from pdserve.bench.workload import LengthDist
+from pdserve.engine.step_log import read_step_log
+from pdserve.planner.costs import RowShape
+from pdserve.planner.profile import fit_profile
 from pdserve.testing.launch import decode_server
 from pdserve.testing.models import bench_model
 
@@ -62,9 +72,9 @@ def profile_here(gguf: Path, smoke: bool):
 
 def predicted(profile, rate: float, n: int, prompt_len: str, output_len: str, seed: int) -> dict:
     from pdserve.engine.config import EngineConfig
-    from pdserve.planner.simulator import Arrival, simulate
+    from pdserve.planner.simulator import poisson_workload, simulate
 
-    e = profile.engine
+    e = profile.engine_info
     config = EngineConfig(
         num_blocks=int(e["kv_blocks"]),
         max_model_len=int(e["max_model_len"]),
@@ -72,11 +82,7 @@ def predicted(profile, rate: float, n: int, prompt_len: str, output_len: str, se
         max_num_batched_tokens=int(e["max_num_batched_tokens"]),
         block_size=int(e["block_size"]),
     )
-    specs = make_workload(LengthDist.parse(prompt_len), LengthDist.parse(output_len), seed)
-    work = [
-        Arrival(at, tuple(s.prompt), s.max_tokens)
-        for at, s in itertools.islice(zip(arrival_times(rate, seed), specs, strict=False), n)
-    ]
+    work = poisson_workload(rate, n, LengthDist.parse(prompt_len), LengthDist.parse(output_len), seed)
     return simulate(config, profile.costs, work).records
 
 
@@ -100,26 +106,81 @@ def main(argv: list[str] | None = None) -> None:
 
     profile = Profile.read(args.profile) if args.profile else profile_here(gguf, args.smoke)
     logs = Path(tempfile.mkdtemp())
+    step_log = logs / "steps.jsonl"  # the served engine's own steps (--step-log)
     server = decode_server(
-        gguf, "local", logs, name="validate", engine_args=ENGINE_ARGS, warmup=not args.smoke
+        gguf,
+        "local",
+        logs,
+        name="validate",
+        engine_args=ENGINE_ARGS,
+        extra=["--step-log", str(step_log)],
+        warmup=not args.smoke,
     )
-    runs = []
+    runs, workloads, spans = [], [], []
     try:  # a first pass, not measured: the server's first requests pay one-off costs (allocation, caches)
         bench(
-            server.address, num_requests=8, prompt_len=args.prompt_len, output_len="fixed:8", progress=False
+            server.address,
+            num_requests=8,
+            prompt_len=args.prompt_len,
+            output_len="fixed:8",
+            seed=1000,
+            progress=False,
         )
         for rate in rates:
-            kw = dict(prompt_len=args.prompt_len, output_len=args.output_len, seed=0)
+            # a seed of its own: prompts no earlier run sent, so none is in the server's prefix cache (the
+            # simulator starts each run with an empty one)
+            kw = dict(prompt_len=args.prompt_len, output_len=args.output_len, seed=1 + rates.index(rate))
             slo = dict(slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms)
+            first = len(read_step_log(step_log)[1])
             measured = bench(
                 server.address, rate=rate, num_requests=args.num_requests, progress=False, **kw, **slo
             )["stats"]
+            spans.append((first, len(read_step_log(step_log)[1])))
+            workloads.append((rate, kw, measured))
             records = predicted(profile, rate, args.num_requests, **kw)
             runs.append(_compare(rate, measured, compute_stats(records, None, **slo)))
             print(_line(runs[-1]), flush=True)
     finally:
         server.terminate()
-    report({"profile_fit": profile.fit, "runs": runs}, args.json)
+    engine_info, served = read_step_log(step_log)
+    if not served:
+        raise SystemExit(f"{step_log}: the server logged no step")
+    served = [([RowShape(t, p) for t, p in rows], s) for rows, s in served]
+    # the profile's step costs on the served engine's steps of each run: does the cost model carry over?
+    on_served = [_step_errors(profile, served[a:b]) for a, b in spans]
+    # each run predicted from a profile of the served steps of the other runs (none of its own)
+    from_served = []
+    for i, (rate, kw, measured) in enumerate(workloads):
+        others = [step for j, (a, b) in enumerate(spans) if j != i for step in served[a:b]]
+        if len(others) < 10:  # (one rate, or a smoke run: too few to fit)
+            continue
+        fitted = fit_profile(engine_info, others)
+        records = predicted(fitted, rate, args.num_requests, **kw)
+        from_served.append(_compare(rate, measured, compute_stats(records, None, **slo)))
+        print("from the served steps of the other runs: " + _line(from_served[-1]), flush=True)
+    report(
+        {
+            "profile_fit": profile.fit,
+            "runs": runs,
+            "profile_on_served_steps": on_served,
+            "runs_from_served_steps": from_served,
+        },
+        args.json,
+    )
+
+
+def _step_errors(profile, steps) -> dict:
+    """The profile's relative error on measured steps: median (its bias) and the median and p90 of its
+    size."""
+    if not steps:
+        return {"steps": 0}
+    errors = profile.costs.relative_errors(steps)
+    return {
+        "steps": len(steps),
+        "median": float(np.median(errors)),
+        "abs_p50": float(np.median(np.abs(errors))),
+        "abs_p90": float(np.percentile(np.abs(errors), 90)),
+    }
 
 
 def _compare(rate: float, measured: dict, sim: dict) -> dict:

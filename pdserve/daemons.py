@@ -119,6 +119,12 @@ def common_args(parser: argparse.ArgumentParser) -> None:
         help="a step running longer means a hung engine: NOT_SERVING, then exit 4",
     )
     parser.add_argument(
+        "--step-log",
+        metavar="FILE",
+        help="append each engine step's rows and wall time to FILE, a JSON line each (engine/step_log.py; "
+        "`pdserve profile --from-step-log FILE` fits the planner's step costs to it); default: off",
+    )
+    parser.add_argument(
         "--drain-timeout",
         type=float,
         default=30.0,
@@ -288,6 +294,8 @@ def prefill_main(argv: list[str] | None = None, service_class=None) -> int:
 
     engine, leader = build_engine(args, group, decodes=False)
     service = (service_class or PrefillService).for_engine(engine, limits=limits_from_flags(args))
+    if args.step_log:
+        service.loop.log_steps(args.step_log)
     run_daemon(
         leader, lambda stop: serve(service, args.port, stop, **serve_options(args, security, "prefill"))
     )
@@ -469,6 +477,8 @@ def run_decode_server(core, args: argparse.Namespace, security, leader=None) -> 
     run_daemon)."""
     from pdserve.services.decode.server import serve
 
+    if args.step_log:  # (the decode engine's: a colocated prefill engine beside it logs none)
+        core.loop.log_steps(args.step_log)
     options = serve_options(args, security, "decode")
     http = dict(
         sampling_defaults=sampling_defaults(args.generation_config, core.engine.model.path),

