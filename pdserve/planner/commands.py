@@ -34,7 +34,13 @@ def add_planner_parsers(sub) -> None:
     )
     add_engine_args(simulate)  # (the scheduler's flags; the model's are ignored: the profile has its costs)
     simulate.add_argument("--profile", required=True, metavar="FILE", help="from `pdserve profile`")
-    simulate.add_argument("--rate", type=float, required=True, help="Poisson arrivals, requests/s")
+    workload = simulate.add_mutually_exclusive_group(required=True)
+    workload.add_argument("--rate", type=float, help="Poisson arrivals, requests/s")
+    workload.add_argument(
+        "--replay",
+        metavar="LOG",
+        help="a decode server's log: its requests' arrivals, prompt and output lengths (planner/replay.py)",
+    )
     simulate.add_argument("--num-requests", type=int, default=200)
     simulate.add_argument("--prompt-len", type=LengthDist.parse, default=LengthDist(256, 256))
     simulate.add_argument("--output-len", type=LengthDist.parse, default=LengthDist(128, 128))
@@ -83,11 +89,20 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     )
     if not config.num_blocks or not config.max_model_len:
         raise SystemExit("simulate: give --num-blocks and --max-model-len (the profile names neither)")
-    workload = poisson_workload(args.rate, args.num_requests, args.prompt_len, args.output_len, args.seed)
+    if args.replay:
+        from pdserve.planner.replay import replay_workload
+
+        try:
+            workload = replay_workload(args.replay, args.seed)
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"simulate: --replay: {e}") from None
+    else:
+        workload = poisson_workload(args.rate, args.num_requests, args.prompt_len, args.output_len, args.seed)
     result = simulate(config, profile.costs, workload)
     stats = compute_stats(result.records, None, args.slo_ttft_ms, args.slo_tpot_ms)
     print(format_summary(stats), file=sys.stderr)
-    report({"simulated": True, "profile": args.profile, "rate": args.rate, **stats}, args.json_path)
+    source = {"replay": args.replay} if args.replay else {"rate": args.rate}
+    report({"simulated": True, "profile": args.profile, **source, **stats}, args.json_path)
     return 0
 
 

@@ -33,6 +33,7 @@ from pdserve.services.decode.errors import ServiceError, checked
 from pdserve.services.decode.local_prefiller import LocalPrefiller
 from pdserve.services.decode.prefillers import Prefiller, PrefillError
 from pdserve.services.decode.routing import PrefillPool
+from pdserve.services.decode.timeline import Timeline
 from pdserve.services.decode.transfer import KVTransfers
 from pdserve.services.engine_loop import EngineLoop, EngineStopped
 from pdserve.services.metrics import Metrics
@@ -241,6 +242,7 @@ class GenerationCore:
         rid = engine_request.request_id
         self.counters.num_requests_total += 1
         start, token_times, outcome = time.monotonic(), [], "abort"
+        timeline = Timeline(start)
         unfinished = set(range(engine_request.params.n))
         outputs = self.loop.open_stream(rid)
         active = self.active[rid] = ActiveStream(engine_request, outputs, label or rid)
@@ -256,7 +258,9 @@ class GenerationCore:
                 await self._enqueue(engine_request)
             else:
                 await self._enqueue(engine_request, receive_kv=True)
-                await self.transfers.receive(engine_request, outputs, time_remaining, routed, prefill_hint)
+                await self.transfers.receive(
+                    engine_request, outputs, time_remaining, routed, prefill_hint, timeline
+                )
             while True:
                 output = checked(await outputs.get())
                 if output.finish_reason is FinishReason.ERROR:
@@ -285,15 +289,27 @@ class GenerationCore:
             self.loop.close_stream(rid)
             self.loop.submit(Abort(rid))
             self.counters.count_outcome(outcome)
+            if "admitted" not in timeline.marks and engine_request.scheduled_time is not None:
+                timeline.mark("admitted", engine_request.scheduled_time)  # (the scheduler's monotonic clock)
+            if token_times:
+                timeline.mark("first_output", token_times[0])
+            params = engine_request.params
             log.info(
                 "request ended",
                 extra={
                     "request_id": label or rid,
                     "engine_id": rid,
                     "outcome": outcome,
+                    # when it arrived (unix seconds) and what it asked for: a replay's workload
+                    "arrival": round(time.time() - (time.monotonic() - start), 3),
                     "prompt_tokens": len(engine_request.prompt_ids),
+                    "cached_prompt_tokens": engine_request.num_cached_tokens,
+                    "max_tokens": params.max_tokens,
+                    "n": params.n,
                     "output_tokens": len(token_times),
                     "resumed_tokens": engine_request.num_resumed,
+                    "ttft_s": round(token_times[0] - start, 3) if token_times else None,
+                    **timeline.phases(),
                     **routed,
                 },
             )

@@ -23,6 +23,7 @@ from pdserve.services.decode.config import DecodeConfig
 from pdserve.services.decode.errors import ServiceError, checked
 from pdserve.services.decode.prefillers import FirstToken, PrefillError, check_first_token
 from pdserve.services.decode.routing import PrefillPool, Route
+from pdserve.services.decode.timeline import Timeline
 from pdserve.services.engine_loop import EngineLoop
 
 log = logging.getLogger(__name__)
@@ -47,13 +48,14 @@ class KVTransfers:
         time_remaining: float | None,
         routed: dict,
         hint: str | None = None,
+        timeline: Timeline | None = None,
     ) -> None:
         """For a request queued to receive its KV (GenerationCore's AddRequest with ReceiveKV): streams the
         KV of the prompt blocks it lacks in from a replica (after those found in this engine's prefix
         cache) and starts its decoding: its first token then comes on its stream (`outputs`) like the
         rest. `routed` receives the replica chosen, the prompt tokens it was expected to hold and those it
         did. `hint`: a replica to use first when it is one of the pool's (else ignored, and said so in
-        `routed`).
+        `routed`). `timeline`: its moments (services.decode.timeline) are marked there.
 
         Returns without a transfer when the request is computed here: short or nearly all cached
         (DecodeConnector), or no replica could prefill it (fallback); ServiceError UNAVAILABLE when no
@@ -63,6 +65,8 @@ class KVTransfers:
         ready = checked(await outputs.get())
         if not isinstance(ready, TransferReady):
             raise RuntimeError(f"{type(ready).__name__} before the request's blocks were allocated")
+        timeline = timeline or Timeline(time.monotonic())
+        timeline.mark("admitted")
         if not ready.num_external_tokens:
             return
         num_tokens = len(request.prompt_ids)
@@ -86,7 +90,7 @@ class KVTransfers:
             tried.add(replica.name)
             try:
                 first, started, nbytes = await self._transfer(
-                    route, request, time_remaining, hashes, held, attempt
+                    route, request, time_remaining, hashes, held, attempt, timeline
                 )
                 prompt_logprobs = None if first.prompt_logprobs is None else tuple(first.prompt_logprobs)
                 done = RemoteKVDone(
@@ -99,6 +103,7 @@ class KVTransfers:
                     first.forks,
                     first.draft_aux,
                 )
+                timeline.mark("kv_done")
                 try:
                     await self.loop.call(done)  # after every InsertKV of the attempt
                 except KVInsertError as e:  # the attempt is discarded, the blocks are written again
@@ -114,6 +119,7 @@ class KVTransfers:
                 self.counters.num_transfer_failures_total += 1
                 log.warning("prefill failed: %s", e, extra=where)
                 continue
+            timeline.mark("decoding")
             self._count_route(route, first.num_cached_tokens, hashes, routed)
             self.counters.num_transfers_total += 1
             self.counters.kv_transfer_seconds_total += time.perf_counter() - started
@@ -143,6 +149,7 @@ class KVTransfers:
         hashes: list[int],
         held: list[int],
         attempt: int,
+        timeline: Timeline,
     ) -> tuple[FirstToken, float, int]:
         """One attempt: (first token, perf_counter when the first KV arrived, KV bytes received). Each chunk
         is inserted as it arrives (InsertKV of transfer `attempt`, on the engine thread, in order).
@@ -161,7 +168,9 @@ class KVTransfers:
                     if isinstance(item, FirstToken):
                         first = item
                     else:
-                        started = started or time.perf_counter()
+                        if started is None:
+                            started = time.perf_counter()
+                            timeline.mark("kv_first")
                         nbytes += item.data.nbytes
                         self.loop.submit(InsertKV(rid, item, len(held), attempt))
             if first is None:

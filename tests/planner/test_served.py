@@ -8,6 +8,9 @@ step log, and on this tiny model it is a large share."""
 
 from __future__ import annotations
 
+import json
+import time
+
 import pytest
 
 from pdserve.bench.serve import bench
@@ -17,6 +20,7 @@ from pdserve.engine.step_log import read_step_log
 from pdserve.planner.costs import RowShape
 from pdserve.planner.plan import pool
 from pdserve.planner.profile import fit_profile
+from pdserve.planner.replay import ended_requests, replay_workload
 from pdserve.planner.simulator import Fleet, Transfer, poisson_workload
 
 pytestmark = pytest.mark.daemon
@@ -38,6 +42,7 @@ def test_a_disaggregated_simulation_of_the_served_steps_agrees_with_the_daemons(
         progress=False,
     )
     before = {role: len(read_step_log(path)[1]) for role, path in logs.items()}
+    sent_at = time.time()
     measured = bench(
         decode.address,
         rate=RATE,
@@ -68,3 +73,16 @@ def test_a_disaggregated_simulation_of_the_served_steps_agrees_with_the_daemons(
     }
     for name, (m, s) in figures.items():  # (seen here: 0.63-0.91; what the steps leave out is below)
         assert 0.4 < s / m < 2.5, f"{name}: measured {m:.0f} ms, predicted {s:.0f} ms ({figures})"
+
+    # the decode server's log lines of these requests: a replay's workload, and where their TTFT went
+    lines = [json.loads(line) for line in decode.log_path.read_text().splitlines() if line.startswith("{")]
+    ended = [e for e in lines if e.get("message") == "request ended" and e.get("arrival", 0) >= sent_at]
+    assert len(ended) == NUM_REQUESTS and len(ended_requests(decode.log_path)) >= NUM_REQUESTS
+    for entry in ended:
+        phases = [entry[k] for k in ("queue_s", "prefill_s", "kv_s", "insert_s", "first_output_s")]
+        assert entry["max_tokens"] == 16 and entry["n"] == 1 and entry["output_tokens"] == 16
+        assert sum(phases) == pytest.approx(entry["ttft_s"], abs=0.006), entry  # (each rounded to 1 ms)
+    replayed = [a for a in replay_workload(decode.log_path) if a.max_tokens == 16]
+    assert sorted(len(a.prompt_ids) for a in replayed[-NUM_REQUESTS:]) == sorted(
+        len(a.prompt_ids) for a in work
+    )
