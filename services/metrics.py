@@ -344,6 +344,14 @@ class Metrics:
         self.e2e = hist("pdserve_request_duration_seconds", "request arrival to its last token")
         self.prefill = hist("pdserve_prefill_duration_seconds", "prefill server: arrival to KV gathered")
         self.queue = hist("pdserve_request_queue_time_seconds", "request arrival to its admission (blocks)")
+        self.ttft_phases = Histogram(
+            "pdserve_ttft_phase_seconds",
+            "where time to first token goes, by phase (services/decode/timeline.py: queue, prefill, kv, "
+            "insert, first_output)",
+            ["phase"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
         self.refused_connections = Counter(
             "pdserve_metrics_connections_refused",
             "connections to the metrics port closed on arrival: as many as it serves at once were open",
@@ -398,10 +406,15 @@ class Metrics:
             self.counters.prompt_tokens_total += output.num_prompt_tokens
             self.queue.observe(output.queue_s)
 
-    def observe_request(self, token_times: list[float], start: float) -> None:
-        """`token_times`: monotonic arrival time of each token of a finished request."""
+    def observe_request(
+        self, token_times: list[float], start: float, ttft_phases: dict | None = None
+    ) -> None:
+        """`token_times`: monotonic arrival time of each token of a finished request; `ttft_phases`: its
+        TTFT's phases in seconds (services.decode.timeline.Timeline.phases: `queue_s`, ...)."""
         if not token_times:
             return
+        for phase, seconds in (ttft_phases or {}).items():
+            self.ttft_phases.labels(phase.removesuffix("_s")).observe(seconds)
         self.ttft.observe(token_times[0] - start)
         self.e2e.observe(token_times[-1] - start)
         for a, b in zip(token_times, token_times[1:], strict=False):

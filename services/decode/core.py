@@ -293,7 +293,7 @@ class GenerationCore:
                 timeline.mark("admitted", engine_request.scheduled_time)  # (the scheduler's monotonic clock)
             if token_times:
                 timeline.mark("first_output", token_times[0])
-            params = engine_request.params
+            params, phases = engine_request.params, timeline.phases()
             log.info(
                 "request ended",
                 extra={
@@ -309,12 +309,12 @@ class GenerationCore:
                     "output_tokens": len(token_times),
                     "resumed_tokens": engine_request.num_resumed,
                     "ttft_s": round(token_times[0] - start, 3) if token_times else None,
-                    **timeline.phases(),
+                    **phases,
                     **routed,
                 },
             )
             if self.metrics is not None and outcome in ("stop", "length"):
-                self.metrics.observe_request(token_times, start)
+                self.metrics.observe_request(token_times, start, phases)
 
     async def _enqueue(self, request: Request, receive_kv: bool = False) -> None:
         """Queues the request in the engine's scheduler (RESOURCE_EXHAUSTED past the queue bound). With

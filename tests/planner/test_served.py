@@ -22,6 +22,7 @@ from pdserve.planner.plan import pool
 from pdserve.planner.profile import fit_profile
 from pdserve.planner.replay import ended_requests, replay_workload
 from pdserve.planner.simulator import Fleet, Transfer, poisson_workload
+from pdserve.testing.launch import scrape
 
 pytestmark = pytest.mark.daemon
 
@@ -42,6 +43,7 @@ def test_a_disaggregated_simulation_of_the_served_steps_agrees_with_the_daemons(
         progress=False,
     )
     before = {role: len(read_step_log(path)[1]) for role, path in logs.items()}
+    phase_counts = _phase_counts(decode)
     sent_at = time.time()
     measured = bench(
         decode.address,
@@ -86,3 +88,14 @@ def test_a_disaggregated_simulation_of_the_served_steps_agrees_with_the_daemons(
     assert sorted(len(a.prompt_ids) for a in replayed[-NUM_REQUESTS:]) == sorted(
         len(a.prompt_ids) for a in work
     )
+    # and in its metrics: every phase of a transfer counted once for each of them
+    counted = [a - b for a, b in zip(_phase_counts(decode), phase_counts, strict=True)]
+    assert all(n >= NUM_REQUESTS for n in counted), counted
+
+
+def _phase_counts(decode) -> list[float]:
+    values = scrape(decode.addresses["metrics"])
+    return [
+        values.get(f'pdserve_ttft_phase_seconds_count{{phase="{phase}"}}', 0.0)
+        for phase in ("queue", "prefill", "kv", "insert", "first_output")
+    ]
