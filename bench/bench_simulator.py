@@ -23,7 +23,9 @@ profile --from-step-log` on yesterday's log, as an operator would).
 from __future__ import annotations
 
 import argparse
+import json
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -95,13 +97,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--slo-ttft-ms", type=float, default=1000.0)
     parser.add_argument("--slo-tpot-ms", type=float, default=150.0)
     parser.add_argument("--profile", help="a profile file of this engine configuration on this box")
+    parser.add_argument(
+        "--disaggregated",
+        action="store_true",
+        help="a prefill server on core 0 and a decode server on core 1 (taskset), predicted from their step "
+        "logs of the other rates",
+    )
     parser.add_argument("--json", default=None)
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args(argv)
     rates = [float(r) for r in args.rates.split(",")]
     if args.smoke:
-        rates, args.num_requests, args.output_len = rates[:1], 4, "fixed:8"
+        rates, args.num_requests, args.output_len = rates[:2], 4, "fixed:8"
     gguf = bench_model(args.smoke)
+    if args.disaggregated:
+        report(disaggregated(args, gguf, rates), args.json)
+        return
     from pdserve.planner.costs import Profile
 
     profile = Profile.read(args.profile) if args.profile else profile_here(gguf, args.smoke)
@@ -117,15 +128,8 @@ def main(argv: list[str] | None = None) -> None:
         warmup=not args.smoke,
     )
     runs, workloads, spans = [], [], []
-    try:  # a first pass, not measured: the server's first requests pay one-off costs (allocation, caches)
-        bench(
-            server.address,
-            num_requests=8,
-            prompt_len=args.prompt_len,
-            output_len="fixed:8",
-            seed=1000,
-            progress=False,
-        )
+    try:
+        warm_up(server.address, args.prompt_len)
         for rate in rates:
             # a seed of its own: prompts no earlier run sent, so none is in the server's prefix cache (the
             # simulator starts each run with an empty one)
@@ -169,6 +173,102 @@ def main(argv: list[str] | None = None) -> None:
     )
 
 
+def disaggregated(args, gguf: Path, rates: list[float]) -> dict:
+    """The --disaggregated validation: each rate's run predicted by a 1 + 1 fleet whose prefill and decode
+    profiles are fitted to the steps each server logged in the other rates' runs, and whose KV transfer
+    takes the median `kv_s` (first KV chunk to the first token, services/decode/timeline.py) of those
+    runs' requests."""
+    from pdserve.planner.plan import pool
+    from pdserve.planner.simulator import Fleet, Transfer, poisson_workload
+    from pdserve.testing.launch import prefill_server
+
+    logs = Path(tempfile.mkdtemp())
+    step_logs = {role: logs / f"{role}-steps.jsonl" for role in ("prefill", "decode")}
+    warm = not args.smoke
+    prefill = prefill_server(
+        gguf,
+        logs,
+        engine_args=ENGINE_ARGS,
+        extra=["--step-log", str(step_logs["prefill"])],
+        cpus="0",
+        warmup=warm,
+    )
+    runs = []  # (rate, workload keywords, measured, {role: (first, end) of its steps}, kv_s of its requests)
+    slo = dict(slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms)
+    try:
+        decode = decode_server(
+            gguf,
+            prefill.address,
+            logs,
+            name="validate-decode",
+            engine_args=ENGINE_ARGS,
+            extra=["--step-log", str(step_logs["decode"]), "--log-format", "json"],
+            cpus="1",
+            warmup=warm,
+        )
+        try:
+            warm_up(decode.address, args.prompt_len)
+            for index, rate in enumerate(rates):
+                kw = dict(prompt_len=args.prompt_len, output_len=args.output_len, seed=1 + index)
+                first = {role: len(read_step_log(path)[1]) for role, path in step_logs.items()}
+                sent_at = time.time()
+                measured = bench(
+                    decode.address, rate=rate, num_requests=args.num_requests, progress=False, **kw, **slo
+                )["stats"]
+                spans = {role: (first[role], len(read_step_log(path)[1])) for role, path in step_logs.items()}
+                lines = [json.loads(x) for x in decode.log_path.read_text().splitlines() if x.startswith("{")]
+                kv_s = [
+                    e["kv_s"]
+                    for e in lines
+                    if e.get("message") == "request ended" and e.get("arrival", 0) >= sent_at and "kv_s" in e
+                ]
+                runs.append((rate, kw, measured, spans, kv_s))
+        finally:
+            decode.terminate()
+    finally:
+        prefill.terminate()
+    served = {}
+    for role, path in step_logs.items():
+        engine_info, steps = read_step_log(path)
+        served[role] = (engine_info, [([RowShape(t, p) for t, p in rows], s) for rows, s in steps if rows])
+    results = []
+    for i, (rate, kw, measured, _, _) in enumerate(runs):
+        others = [run for j, run in enumerate(runs) if j != i]
+        profiles = {}
+        for role, (engine_info, steps) in served.items():
+            mine = [step for run in others for step in steps[run[3][role][0] : run[3][role][1]]]
+            if len(mine) < 10:
+                break
+            profiles[role] = fit_profile(engine_info, mine)
+        if len(profiles) < 2:  # (one rate, or a smoke run: too few steps to fit)
+            continue
+        kv_s = [k for run in others for k in run[4]]
+        transfer = Transfer(latency_s=float(np.median(kv_s)) if kv_s else 0.0)
+        budget = {role: int(p.engine_info["max_num_batched_tokens"]) for role, p in profiles.items()}
+        fleet = Fleet(
+            pool(profiles["decode"], budget["decode"], 1),
+            pool(profiles["prefill"], budget["prefill"], 1),
+            transfer,
+        )
+        work = poisson_workload(
+            rate,
+            args.num_requests,
+            LengthDist.parse(kw["prompt_len"]),
+            LengthDist.parse(kw["output_len"]),
+            kw["seed"],
+        )
+        results.append(_compare(rate, measured, compute_stats(fleet.run(work).records, None, **slo)))
+        results[-1]["transfer_s"] = transfer.latency_s
+        print("disaggregated, from the other runs' step logs: " + _line(results[-1]), flush=True)
+    return {"disaggregated": True, "runs": results, "measured": [run[2] for run in runs]}
+
+
+def warm_up(address: str, prompt_len: str) -> None:
+    """A first pass, not measured: a server's first requests pay one-off costs (allocation, caches); its
+    prompts (a seed no run uses) are in no run's way."""
+    bench(address, num_requests=8, prompt_len=prompt_len, output_len="fixed:8", seed=1000, progress=False)
+
+
 def _step_errors(profile, steps) -> dict:
     """The profile's relative error on measured steps: median (its bias) and the median and p90 of its
     size."""
@@ -197,7 +297,7 @@ def _compare(rate: float, measured: dict, sim: dict) -> dict:
 
 
 def _line(run: dict) -> str:
-    cells = [f"{k} {v['measured']:.3g}/{v['predicted']:.3g}" for k, v in run.items() if k != "rate"]
+    cells = [f"{k} {v['measured']:.3g}/{v['predicted']:.3g}" for k, v in run.items() if isinstance(v, dict)]
     return f"rate {run['rate']}: measured/predicted " + ", ".join(cells)
 
 

@@ -27,6 +27,11 @@ def add_planner_parsers(sub) -> None:
         help="fit the costs to a daemon's step log (its --step-log: the served engine's own steps) instead "
         "of measuring here; the engine flags are then ignored",
     )
+    profile.add_argument(
+        "--request-log",
+        metavar="LOG",
+        help="with --from-step-log: a decode server's log, to fit the KV transfer's time to its requests",
+    )
     profile.set_defaults(func=cmd_profile, warmup=False)  # (its first round compiles what it runs)
 
     simulate = sub.add_parser(
@@ -60,6 +65,13 @@ def cmd_profile(args: argparse.Namespace) -> int:
             profile = profile_from_step_log(args.from_step_log)
         except (OSError, ValueError) as e:
             raise SystemExit(f"profile: --from-step-log: {e}") from None
+        if args.request_log:
+            from pdserve.planner.profile import transfer_from_request_log
+
+            transfer = transfer_from_request_log(args.request_log)
+            if not transfer:
+                raise SystemExit(f"profile: --request-log: {args.request_log}: too few transferred requests")
+            profile = dataclasses.replace(profile, transfer=transfer)
     else:
         from pdserve.bench.offline import engine_of
 
@@ -134,8 +146,8 @@ def add_plan_parser(sub) -> None:
     plan.add_argument(
         "--kv-transfer-gbps",
         type=float,
-        default=20.0,
-        help="prefill -> decode KV bandwidth in Gbit/s (measure yours: bench/bench_kvtransfer.py)",
+        help="prefill -> decode KV bandwidth in Gbit/s (default: the decode profile's transfer fit, from "
+        "`pdserve profile --request-log`; without one, 20)",
     )
     plan.add_argument(
         "--kv-bytes-per-token", type=float, help="KV bytes of a token (default: the decode profile's)"
@@ -162,10 +174,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
     budgets = [int(b) for b in args.budgets.split(",") if b] or sorted(
         {int(p.engine_info.get("max_num_batched_tokens", 512)) for p in profiles}
     )
-    kv_bytes = args.kv_bytes_per_token or float(profiles[0].engine_info.get("kv_bytes_per_token", 0))
-    if not kv_bytes and not args.no_disaggregated:
-        raise SystemExit("plan: the profile has no kv_bytes_per_token: give --kv-bytes-per-token")
-    transfer = Transfer(bytes_per_token=kv_bytes, bytes_per_s=args.kv_transfer_gbps * 1e9 / 8)
+    fitted = profiles[0].transfer
+    if fitted and args.kv_transfer_gbps is None:
+        transfer = Transfer(fitted["latency_s"], fitted["seconds_per_token"])
+    else:
+        kv_bytes = args.kv_bytes_per_token or float(profiles[0].engine_info.get("kv_bytes_per_token", 0))
+        if not kv_bytes and not args.no_disaggregated:
+            raise SystemExit("plan: the profile has no kv_bytes_per_token: give --kv-bytes-per-token")
+        transfer = Transfer.over_link(kv_bytes, (args.kv_transfer_gbps or 20.0) * 1e9 / 8)
     workload = planning.Workload(
         args.prompt_len,
         args.output_len,

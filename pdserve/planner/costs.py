@@ -104,13 +104,15 @@ class StepCosts:
 class Profile:
     """A profile file: the step costs of one engine configuration and what it was measured on
     (`engine_info`: the engine's summary, e.g. model, dtype, TP, platform; `fit`: the fit's errors;
-    `projection`: set when the costs were scaled from published chip figures, not measured)."""
+    `projection`: set when the costs were scaled from published chip figures, not measured; `transfer`:
+    the KV transfer's time fitted to a decode server's requests: profile.transfer_from_request_log)."""
 
     costs: StepCosts
     engine_info: dict = dataclasses.field(default_factory=dict)
     fit: dict = dataclasses.field(default_factory=dict)
     projection: str = ""
     steps: tuple = ()  # the measured steps: ((num_tokens, num_past) of each row, seconds), for a refit
+    transfer: dict = dataclasses.field(default_factory=dict)  # the KV transfer's fit (latency_s, ...)
 
     def to_json(self) -> str:
         return json.dumps(
@@ -122,6 +124,7 @@ class Profile:
                 "fit": self.fit,
                 "projection": self.projection,
                 "steps": [[[[r.num_tokens, r.num_past] for r in rows], s] for rows, s in self.steps],
+                "transfer": self.transfer,
             },
             indent=1,
         )
@@ -145,6 +148,7 @@ class Profile:
             data.get("fit", {}),
             data.get("projection", ""),
             steps,
+            data.get("transfer", {}),
         )
 
     @classmethod

@@ -83,3 +83,28 @@ def profile_from_step_log(path: str) -> Profile:
     engine_info, logged = read_step_log(path)
     steps = [([RowShape(t, p) for t, p in rows], seconds) for rows, seconds in logged if rows]
     return fit_profile({**engine_info, "step_log": str(path)}, steps)
+
+
+def transfer_from_request_log(path: str) -> dict:
+    """The KV transfer's time fitted to a decode server's requests (their `request ended` lines:
+    planner/replay.py): `kv_s` (first KV chunk to the first token) = latency_s + seconds_per_token x the
+    prompt tokens sent (those not cached there), non-negative least squares. {} when the log has fewer
+    than 4 transferred requests."""
+    from pdserve.planner.replay import ended_requests
+
+    return fit_transfer(ended_requests(path, TRANSFER_FIELDS))
+
+
+TRANSFER_FIELDS = ("kv_s", "prompt_tokens", "cached_prompt_tokens")  # of a `request ended` line
+
+
+def fit_transfer(rows: list[dict]) -> dict:
+    """transfer_from_request_log's fit over `rows` (dicts of TRANSFER_FIELDS)."""
+    from scipy.optimize import nnls
+
+    if len(rows) < 4:
+        return {}
+    sent = np.array([r["prompt_tokens"] - r["cached_prompt_tokens"] for r in rows])
+    seconds = np.array([r["kv_s"] for r in rows])
+    (latency, per_token), _ = nnls(np.stack([np.ones_like(sent), sent], axis=1), seconds)
+    return {"latency_s": float(latency), "seconds_per_token": float(per_token), "requests": len(rows)}

@@ -24,8 +24,9 @@ _FIELD = re.compile(r"(\w+)=(\S+)")
 FIELDS = ("arrival", "prompt_tokens", "output_tokens", "n")
 
 
-def ended_requests(path: str | Path) -> list[dict]:
-    """The `request ended` lines of a log with FIELDS, as dicts of numbers, in the log's order."""
+def ended_requests(path: str | Path, fields: tuple[str, ...] = FIELDS) -> list[dict]:
+    """The `request ended` lines of a log that have `fields`, as dicts of those numbers, in the log's
+    order."""
     out = []
     with open(path, errors="replace") as f:
         for line in f:
@@ -42,7 +43,7 @@ def ended_requests(path: str | Path) -> list[dict]:
             else:
                 entry = dict(_FIELD.findall(line.split(ENDED, 1)[1]))
             try:
-                out.append({k: float(entry[k]) for k in FIELDS})
+                out.append({k: float(entry[k]) for k in fields})
             except (KeyError, TypeError, ValueError):
                 continue  # (a line of an older pdserve, without the arrival)
     return out

@@ -52,15 +52,20 @@ class Arrival:
 
 @dataclasses.dataclass(frozen=True)
 class Transfer:
-    """A prompt's KV from a prefill replica to a decode replica: `latency_s` plus its bytes (the tokens
-    sent times `bytes_per_token`) at `bytes_per_s`."""
+    """A prompt's KV from a prefill replica to a decode replica: `latency_s` plus `seconds_per_token` for
+    each token sent (fitted to a decode server's requests: planner.profile.transfer_from_request_log, or
+    over_link's bytes at a bandwidth)."""
 
-    bytes_per_token: float = 0.0
-    bytes_per_s: float = 1e9
     latency_s: float = 0.0
+    seconds_per_token: float = 0.0
+
+    @classmethod
+    def over_link(cls, bytes_per_token: float, bytes_per_s: float, latency_s: float = 0.0) -> Transfer:
+        """A token's KV bytes at a link's bandwidth."""
+        return cls(latency_s, bytes_per_token / bytes_per_s)
 
     def seconds(self, num_tokens: int) -> float:
-        return self.latency_s + num_tokens * self.bytes_per_token / self.bytes_per_s
+        return self.latency_s + num_tokens * self.seconds_per_token
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,6 +7,8 @@ import logging
 
 import pytest
 
+from pdserve.planner.costs import Profile, StepCosts
+from pdserve.planner.profile import transfer_from_request_log
 from pdserve.planner.replay import replay_workload
 from pdserve.services.decode.timeline import Timeline
 from pdserve.services.logs import JsonFormatter, TextFormatter
@@ -66,3 +68,28 @@ def test_ttft_phases_are_the_gaps_between_the_moments_passed():
     }
     colocated = Timeline(0.0, {"admitted": 0.5, "first_output": 2.0})
     assert colocated.phases() == {"queue_s": 0.5, "first_output_s": 1.5}
+
+
+def test_the_kv_transfer_fits_to_the_requests_of_a_log(tmp_path):
+    """kv_s = 20 ms + 0.1 ms a prompt token sent (not cached): the fit gives both back, and the profile
+    carries it through its file."""
+    lines = [
+        json.dumps(
+            {
+                "message": "request ended",
+                "kv_s": 0.02 + 1e-4 * (p - c),
+                "prompt_tokens": p,
+                "cached_prompt_tokens": c,
+            }
+        )
+        for p, c in [(100, 0), (300, 0), (500, 64), (800, 128), (50, 16)]
+    ]
+    log = tmp_path / "decode.log"
+    log.write_text("\n".join(lines) + "\n")
+    fit = transfer_from_request_log(str(log))
+    assert fit["latency_s"] == pytest.approx(0.02) and fit["seconds_per_token"] == pytest.approx(1e-4)
+    assert fit["requests"] == 5
+    profile = Profile(StepCosts(fixed_s=0.01), transfer=fit)
+    assert Profile.from_json(profile.to_json()).transfer == fit
+    log.write_text("\n".join(lines[:3]) + "\n")
+    assert transfer_from_request_log(str(log)) == {}  # (too few to fit)

@@ -142,7 +142,7 @@ def test_disaggregated_by_hand():
 
 def test_disaggregated_transfer_time_follows_the_kv_bytes():
     """Transfer: 16 tokens of 1 kB at 1 MB/s is 16 ms beside a 10 ms latency: TTFT 0.1 + 0.026 s."""
-    transfer = Transfer(bytes_per_token=1000, bytes_per_s=1e6, latency_s=0.01)
+    transfer = Transfer.over_link(bytes_per_token=1000, bytes_per_s=1e6, latency_s=0.01)
     fleet = Fleet(Pool(CONFIG, TENTH), Pool(CONFIG, TENTH), transfer)
     assert fleet.run([Arrival(0.0, prompt(16), 2)]).records[0].ttft_s == pytest.approx(0.126)
 
