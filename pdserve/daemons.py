@@ -119,6 +119,13 @@ def common_args(parser: argparse.ArgumentParser) -> None:
         help="a step running longer means a hung engine: NOT_SERVING, then exit 4",
     )
     parser.add_argument(
+        "--otlp-traces-endpoint",
+        metavar="URL",
+        help="export OpenTelemetry traces of each request's phases over OTLP/gRPC to URL (http://HOST:PORT: "
+        "plaintext); the W3C traceparent a caller sends is their parent (services/tracing.py; the tracing "
+        "extra); default: off",
+    )
+    parser.add_argument(
         "--step-log",
         metavar="FILE",
         help="append each engine step's rows and wall time to FILE, a JSON line each (engine/step_log.py; "
@@ -296,10 +303,20 @@ def prefill_main(argv: list[str] | None = None, service_class=None) -> int:
     service = (service_class or PrefillService).for_engine(engine, limits=limits_from_flags(args))
     if args.step_log:
         service.loop.log_steps(args.step_log)
+    service.tracing = tracing_of(args, "pdserve-prefill")
     run_daemon(
         leader, lambda stop: serve(service, args.port, stop, **serve_options(args, security, "prefill"))
     )
     return 0
+
+
+def tracing_of(args: argparse.Namespace, service: str):
+    """The daemon's services.tracing.Tracing with --otlp-traces-endpoint; None (off) without."""
+    if not args.otlp_traces_endpoint:
+        return None
+    from pdserve.services.tracing import Tracing
+
+    return Tracing(args.otlp_traces_endpoint, service)
 
 
 def serve_options(args: argparse.Namespace, security, role: str) -> dict:
@@ -479,6 +496,7 @@ def run_decode_server(core, args: argparse.Namespace, security, leader=None) -> 
 
     if args.step_log:  # (the decode engine's: a colocated prefill engine beside it logs none)
         core.loop.log_steps(args.step_log)
+    core.tracing = tracing_of(args, "pdserve-decode")
     options = serve_options(args, security, "decode")
     http = dict(
         sampling_defaults=sampling_defaults(args.generation_config, core.engine.model.path),

@@ -262,27 +262,39 @@ def log_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def prefill(model_path, log_dir):
-    """A prefill-server with /metrics and a step log (log_dir/prefill-steps.jsonl), shared by every daemon
-    test."""
+def otlp_collector():
+    """The OTLP trace collector the shared daemons export their spans to (tests.helpers.OTLPCollector)."""
+    from tests.helpers import OTLPCollector
+
+    collector = OTLPCollector()
+    yield collector
+    collector.stop()
+
+
+@pytest.fixture(scope="session")
+def prefill(model_path, log_dir, otlp_collector):
+    """A prefill-server with /metrics, a step log (log_dir/prefill-steps.jsonl) and traces (otlp_collector),
+    shared by every daemon test."""
     from pdserve.testing.launch import HOST_TIER_ARGS, prefill_server
 
     extra = ["--metrics-port", "0", *HOST_TIER_ARGS, "--step-log", str(log_dir / "prefill-steps.jsonl")]
+    extra += ["--otlp-traces-endpoint", otlp_collector.endpoint]
     daemon = prefill_server(model_path, log_dir, extra=extra)
     yield daemon
     assert daemon.terminate() == 0
 
 
 @pytest.fixture(scope="session")
-def decode(model_path, prefill, log_dir):
+def decode(model_path, prefill, log_dir, otlp_collector):
     """A decode-server on `prefill` with /metrics, the OpenAI HTTP API (Qwen3's reasoning parser: an output
-    thinks only when it starts with <think>), JSON logs and a step log (log_dir/decode-steps.jsonl), shared by
-    every daemon test that only sends it requests."""
+    thinks only when it starts with <think>), JSON logs, a step log (log_dir/decode-steps.jsonl) and traces
+    (otlp_collector), shared by every daemon test that only sends it requests."""
     from pdserve.testing.launch import HOST_TIER_ARGS, decode_server
 
     extra = ["--max-num-seqs", "32", "--metrics-port", "0", "--http-port", "0", "--log-format", "json"]
     extra += HOST_TIER_ARGS
     extra += ["--reasoning-parser", "qwen3", "--step-log", str(log_dir / "decode-steps.jsonl")]
+    extra += ["--otlp-traces-endpoint", otlp_collector.endpoint]
     daemon = decode_server(model_path, prefill.address, log_dir, extra=extra)
     yield daemon
     assert daemon.terminate() == 0

@@ -123,3 +123,52 @@ def in_process(start) -> Iterator[str]:
         yield ready.get(timeout=120)
     finally:
         server.stop()
+
+
+class OTLPCollector:
+    """An OTLP/gRPC trace collector on a loopback port of the test process (OpenTelemetry's own proto
+    service): the spans daemons export to `endpoint`, as (service name, span) pairs."""
+
+    def __init__(self):
+        from concurrent import futures
+
+        import grpc
+        from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as pb
+        from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc as pb_grpc
+
+        received: queue.Queue = queue.Queue()
+
+        class Collector(pb_grpc.TraceServiceServicer):
+            def Export(self, request, context):  # noqa: N802 - the proto's name
+                received.put(request)
+                return pb.ExportTraceServiceResponse()
+
+        self._received = received
+        self._spans: list = []
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+        pb_grpc.add_TraceServiceServicer_to_server(Collector(), self._server)
+        port = self._server.add_insecure_port("127.0.0.1:0")
+        self._server.start()
+        self.endpoint = f"http://127.0.0.1:{port}"
+
+    def spans(self, trace_id: bytes, until, timeout_s: float = 30.0) -> list:
+        """The (service, span) pairs of trace `trace_id` received, once `until(pairs)` holds (AssertionError
+        after `timeout_s`)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    request = self._received.get_nowait()
+                    for resource_spans in request.resource_spans:
+                        attributes = {a.key: a.value.string_value for a in resource_spans.resource.attributes}
+                        for scope_spans in resource_spans.scope_spans:
+                            self._spans += [(attributes.get("service.name"), s) for s in scope_spans.spans]
+            found = [(service, s) for service, s in self._spans if s.trace_id == trace_id]
+            if until(found):
+                return found
+            if time.monotonic() > deadline:
+                raise AssertionError(f"trace {trace_id.hex()}: {[(svc, s.name) for svc, s in found]}")
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        self._server.stop(0)

@@ -40,6 +40,7 @@ from pdserve.services.metrics import Metrics
 from pdserve.services.prepare import Overloaded, Preparer
 from pdserve.services.sampling import check_knobs
 from pdserve.services.security import PLAINTEXT, ChannelSecurity
+from pdserve.services.tracing import Tracing
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +84,7 @@ class GenerationCore:
         self.server_id = uuid.uuid4().hex  # (a draining server never moves a request to itself)
         self.active: dict[str, ActiveStream] = {}  # by engine key
         self.migrator = None  # services.decode.migration.Migrator with --migrate-to
+        self.tracing: Tracing | None = None  # with --otlp-traces-endpoint (services.tracing)
 
     @classmethod
     def for_engine(
@@ -150,6 +152,8 @@ class GenerationCore:
             await self.migrator.close()
         self.loop.stop()
         self.preparer.close()
+        if self.tracing is not None:
+            self.tracing.shutdown()
 
     def make_request(
         self,
@@ -228,6 +232,7 @@ class GenerationCore:
         prefill_hint: str | None = None,
         label: str = "",
         receive: Callable[[asyncio.Queue], Awaitable[None]] | None = None,
+        traceparent: str | None = None,
     ):
         """Runs one request: prefill (remote or here), decode; yields its RequestOutputs (of its n
         sequences, interleaved: RequestOutput.index; it ends when all have finished). `prefill_hint`:
@@ -235,6 +240,7 @@ class GenerationCore:
         `label`: the client's id of it, for the log line (default: the engine's key). `receive(outputs)`:
         how its KV arrives instead (a sequence moved here: services.decode.migration), once it is queued
         to receive KV. While it runs it is in `active` (a drain moves it to a peer from there).
+        `traceparent`: the caller's span (W3C trace context), the parent of its trace (services.tracing).
 
         Raises ServiceError (RESOURCE_EXHAUSTED, UNAVAILABLE; INTERNAL when the engine failed on this
         request; UNAVAILABLE when the engine stopped); cancelling the consumer frees everything.
@@ -243,6 +249,10 @@ class GenerationCore:
         self.counters.num_requests_total += 1
         start, token_times, outcome = time.monotonic(), [], "abort"
         timeline = Timeline(start)
+        span = None
+        if self.tracing is not None:
+            span = self.tracing.start("generate", traceparent, {"pdserve.request_id": label or rid}, start)
+            timeline.traceparent = self.tracing.traceparent(span)
         unfinished = set(range(engine_request.params.n))
         outputs = self.loop.open_stream(rid)
         active = self.active[rid] = ActiveStream(engine_request, outputs, label or rid)
@@ -315,6 +325,15 @@ class GenerationCore:
             )
             if self.metrics is not None and outcome in ("stop", "length"):
                 self.metrics.observe_request(token_times, start, phases)
+            if span is not None:
+                attributes = {
+                    "pdserve.outcome": outcome,
+                    "pdserve.prompt_tokens": len(engine_request.prompt_ids),
+                    "pdserve.cached_prompt_tokens": engine_request.num_cached_tokens,
+                    "pdserve.output_tokens": len(token_times),
+                    "pdserve.prefill_replica": routed.get("replica"),
+                }
+                self.tracing.end(span, attributes, timeline.intervals())
 
     async def _enqueue(self, request: Request, receive_kv: bool = False) -> None:
         """Queues the request in the engine's scheduler (RESOURCE_EXHAUSTED past the queue bound). With

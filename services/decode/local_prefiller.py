@@ -12,7 +12,7 @@ from pdserve import kvtransfer
 from pdserve.engine.core.request import Request
 from pdserve.engine.sampling_params import InvalidRequestError
 from pdserve.kvtransfer import KVChunk, KVLayout
-from pdserve.services.decode.prefillers import FirstToken, Prefiller, PrefillError
+from pdserve.services.decode.prefillers import FirstToken, PrefillCall, Prefiller, PrefillError
 from pdserve.services.engine_loop import EngineLoop, EngineStopped
 from pdserve.services.prefill_stream import PrefillFailed, PrefillStream, install_connector
 
@@ -32,8 +32,9 @@ class LocalPrefiller(Prefiller):
         install_connector(loop.engine)
 
     async def prefill(
-        self, request: Request, dst: KVLayout, sharding, timeout: float | None = None, held: list[int] = ()
+        self, request: Request, dst: KVLayout, sharding, call: PrefillCall
     ) -> AsyncIterator[FirstToken | KVChunk]:
+        held = call.held  # (no deadline here; in this process, the decode server's span covers it)
         lora = request.lora
         try:
             mine = self.loop.engine.make_request(

@@ -2,11 +2,11 @@
 (`Prefiller`: remote_prefiller.RemotePrefiller over gRPC, local_prefiller.LocalPrefiller in this process),
 what it yields, and the checks the first token it ends with passes before this server uses it.
 
-`Prefiller.prefill(request, dst_layout, dst_sharding, held=...)` yields, in order: KVChunks already placed
-on the decode mesh in the decode layout, carrying the prompt's tokens from block len(held) on (the blocks
-before are the `held` ones, which the decode side has), each as soon as the replica has computed and sent
-it, then the FirstToken, which confirms them all. Any failure raises PrefillError and nothing yielded so
-far may be used: the caller rewrites the same blocks from another replica, or prefills them itself. Which
+`Prefiller.prefill(request, dst_layout, dst_sharding, PrefillCall(held=...))` yields, in order: KVChunks
+already placed on the decode mesh in the decode layout, carrying the prompt's tokens from block len(held) on
+(the blocks before are the `held` ones, which the decode side has), each as soon as the replica has computed
+and sent it, then the FirstToken, which confirms them all. Any failure raises PrefillError and nothing yielded
+so far may be used: the caller rewrites the same blocks from another replica, or prefills them itself. Which
 replica prefills a prompt is routing's choice (services.decode.routing).
 """
 
@@ -16,7 +16,7 @@ import abc
 import dataclasses
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 import numpy as np
 
@@ -37,6 +37,17 @@ class PrefillError(RuntimeError):
         super().__init__(message)
         self.replica_down = replica_down and retry_after_ms is None
         self.retry_after_ms = retry_after_ms
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillCall:
+    """How a prompt is to be prefilled: `timeout`: seconds left of the client's deadline (None: none);
+    `held`: hashes of the prompt's leading blocks the decode side holds (their KV is not sent);
+    `traceparent`: the request's span, the parent of the replica's (services.tracing)."""
+
+    timeout: float | None = None
+    held: Sequence[int] = ()
+    traceparent: str | None = None
 
 
 @dataclasses.dataclass
@@ -81,10 +92,9 @@ class Prefiller(abc.ABC):
 
     @abc.abstractmethod
     def prefill(
-        self, request: Request, dst: KVLayout, sharding, timeout: float | None = None, held: list[int] = ()
+        self, request: Request, dst: KVLayout, sharding, call: PrefillCall
     ) -> AsyncIterator[FirstToken | KVChunk]:
-        """`timeout`: seconds left of the client's deadline (None: none); `held`: hashes of the prompt's
-        leading blocks the decode side holds (their KV is not sent)."""
+        """The prompt of `request` prefilled as `call` says (see the module)."""
 
     async def close(self) -> None:
         return None

@@ -15,11 +15,12 @@ from pdserve import kvtransfer
 from pdserve.engine.core.request import Request
 from pdserve.kvtransfer import KVChunk, KVLayout
 from pdserve.services import sampling, wire
-from pdserve.services.decode.prefillers import FirstToken, Prefiller, PrefillError
+from pdserve.services.decode.prefillers import FirstToken, PrefillCall, Prefiller, PrefillError
 from pdserve.services.decode.prefix_index import ReplicaCache, follow
 from pdserve.services.grpc_server import KEEPALIVE_OPTIONS, channel_options, method_path
 from pdserve.services.kv_events_zmq import CurveKeys, ReaderCredentials
 from pdserve.services.security import PLAINTEXT, ChannelSecurity
+from pdserve.services.tracing import TRACEPARENT
 from pdserve.v1 import prefill_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -165,8 +166,9 @@ class RemotePrefiller(Prefiller):
             log.debug("%s", e)
 
     async def prefill(
-        self, request: Request, dst: KVLayout, sharding, timeout: float | None = None, held: list[int] = ()
+        self, request: Request, dst: KVLayout, sharding, call: PrefillCall
     ) -> AsyncIterator[FirstToken | KVChunk]:
+        held, timeout, traceparent = call.held, call.timeout, call.traceparent
         if self.src is None:
             await self.handshake()
         constraint = request.params.constraint
@@ -186,8 +188,9 @@ class RemotePrefiller(Prefiller):
             constraint_fingerprint=constraint.fingerprint if constraint is not None else "",
         )
         sampling.params_to_request(request.params, message)
+        metadata = self.metadata if traceparent is None else (*self.metadata, (TRACEPARENT, traceparent))
         call = self._prefill(
-            message, timeout=min(self.deadline_s, timeout or self.deadline_s), metadata=self.metadata
+            message, timeout=min(self.deadline_s, timeout or self.deadline_s), metadata=metadata
         )
         assembler, order = None, wire.PrefillStreamOrder()
         try:

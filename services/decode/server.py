@@ -40,6 +40,7 @@ from pdserve.services.engine_loop import FAILED_GRACE_S, STEP_TIMEOUT_S, EngineS
 from pdserve.services.grpc_server import RunningServer, service_handler
 from pdserve.services.kv_events_zmq import KVEventsConfig, start_publishing
 from pdserve.services.security import ServerSecurity
+from pdserve.services.tracing import TRACEPARENT
 from pdserve.v1 import admin_pb2_grpc, migration_pb2_grpc
 from pdserve.v1 import generation_pb2 as pb
 from pdserve.v1 import generation_pb2_grpc as pb_grpc
@@ -82,13 +83,17 @@ class GenerationService(pb_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request: {request.error}")
         try:
             label = self.core.config.limits.check_request_id(request.request_id)
-            hint = self.core.prefill_hint(dict(context.invocation_metadata() or ()).get(PREFILL_HINT_HEADER))
+            metadata = dict(context.invocation_metadata() or ())
+            hint = self.core.prefill_hint(metadata.get(PREFILL_HINT_HEADER))
             params = self.core.check_params(sampling.params_from_request(request))  # cheap: here, first
             engine_request = await self.core.prepare(lambda: self._make_request(request, params, label))
             label = label or engine_request.request_id
             prompt_ids = engine_request.prompt_ids if request.return_prompt_ids else ()
             first = True
-            async for output in self.core.stream(engine_request, context.time_remaining(), hint, label):
+            outputs = self.core.stream(
+                engine_request, context.time_remaining(), hint, label, traceparent=metadata.get(TRACEPARENT)
+            )
+            async for output in outputs:
                 if output.prompt_logprobs is None:
                     response = wire.output_to_response(output, label, prompt_ids)
                 else:  # (a message by the prompt's size: made off the event loop)

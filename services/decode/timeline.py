@@ -32,17 +32,22 @@ class Timeline:
 
     start: float
     marks: dict[str, float] = dataclasses.field(default_factory=dict)
+    traceparent: str | None = None  # the request's span (services.tracing), for the prefill call's metadata
 
     def mark(self, moment: str, at: float | None = None) -> None:
         """`moment` (one of PHASES') happened now, or `at`; a later attempt's replaces an earlier one's."""
         self.marks[moment] = time.monotonic() if at is None else at
 
-    def phases(self) -> dict[str, float]:
-        """Each phase passed, in seconds (rounded to the millisecond), in PHASES' order."""
+    def intervals(self) -> dict[str, tuple[float, float]]:
+        """Each phase passed (its name without `_s`): (start, end) in time.monotonic seconds."""
         out, previous = {}, self.start
         for moment, phase in PHASES:
             at = self.marks.get(moment)
             if at is not None:
-                out[phase] = round(max(at - previous, 0.0), 3)
-                previous = at
+                out[phase.removesuffix("_s")] = (previous, max(at, previous))
+                previous = max(at, previous)
         return out
+
+    def phases(self) -> dict[str, float]:
+        """Each phase passed, in seconds (rounded to the millisecond), in PHASES' order."""
+        return {f"{name}_s": round(end - start, 3) for name, (start, end) in self.intervals().items()}

@@ -21,7 +21,7 @@ from pdserve.kvtransfer import chunk_sharding
 from pdserve.services.admin import Counters
 from pdserve.services.decode.config import DecodeConfig
 from pdserve.services.decode.errors import ServiceError, checked
-from pdserve.services.decode.prefillers import FirstToken, PrefillError, check_first_token
+from pdserve.services.decode.prefillers import FirstToken, PrefillCall, PrefillError, check_first_token
 from pdserve.services.decode.routing import PrefillPool, Route
 from pdserve.services.decode.timeline import Timeline
 from pdserve.services.engine_loop import EngineLoop
@@ -162,7 +162,9 @@ class KVTransfers:
         with route.dispatched(len(request.prompt_ids), hashes):  # (counted against it meanwhile)
             first, started, nbytes = None, None, 0
             async with contextlib.aclosing(
-                replica.prefill(request, self.layout, self.sharding, timeout, held)
+                replica.prefill(
+                    request, self.layout, self.sharding, PrefillCall(timeout, held, timeline.traceparent)
+                )
             ) as items:
                 async for item in items:
                     if isinstance(item, FirstToken):

@@ -61,6 +61,7 @@ from pdserve.services.prefill_stream import PrefillFailed, PrefillStream, instal
 from pdserve.services.prepare import Overloaded, Preparer
 from pdserve.services.sampling import Limits
 from pdserve.services.security import ServerSecurity
+from pdserve.services.tracing import TRACEPARENT, Tracing
 from pdserve.v1 import admin_pb2_grpc
 from pdserve.v1 import prefill_pb2 as pb
 from pdserve.v1 import prefill_pb2_grpc as pb_grpc
@@ -97,6 +98,7 @@ class PrefillService(pb_grpc.PrefillServicer):
         self.draining = False
         self.kv_events: KVEventPublisher | None = None
         self.kv_events_settled = asyncio.Event()  # set once serve() knows whether it publishes
+        self.tracing: Tracing | None = None  # with --otlp-traces-endpoint (services.tracing)
 
     @classmethod
     def for_engine(cls, engine: LLMEngine, **kwargs) -> PrefillService:
@@ -145,7 +147,10 @@ class PrefillService(pb_grpc.PrefillServicer):
         self.num_active += 1
         self.counters.num_requests_total += 1
         self.counters.num_waiting += 1  # in flight: the prefill queue depth
-        outcome = "cancelled"
+        outcome, span = "cancelled", None
+        if self.tracing is not None:  # the child of the decode server's span for the request
+            traceparent = dict(context.invocation_metadata() or ()).get(TRACEPARENT)
+            span = self.tracing.start("prefill", traceparent, {"pdserve.request_id": request.request_id})
         try:
             async for message in self._prefill(request, context):
                 await asyncio.wait_for(context.write(message), self.lease_s)
@@ -165,6 +170,10 @@ class PrefillService(pb_grpc.PrefillServicer):
             self.num_active -= 1
             self.counters.num_waiting -= 1
             self.counters.count_outcome(outcome)
+            if span is not None:
+                self.tracing.end(
+                    span, {"pdserve.outcome": outcome, "pdserve.prompt_tokens": len(request.prompt_ids)}
+                )
 
     def _make_request(self, request: pb.PrefillRequest, params):
         """The engine request of a Prefill call (a thread of the Preparer: a constraint compiles here)."""
@@ -344,5 +353,7 @@ async def serve(
     service.preparer.close()
     if service.kv_events is not None:
         service.kv_events.close()
+    if service.tracing is not None:
+        service.tracing.shutdown()
     if failure is not None:
         raise EngineStopped(failure)

@@ -24,6 +24,7 @@ from pdserve.services.decode.errors import ServiceError
 from pdserve.services.decode.openai import protocol, responses, streams
 from pdserve.services.decode.openai.models import ModelNotFound, ServedModels
 from pdserve.services.decode.tools import ToolChoice
+from pdserve.services.tracing import TRACEPARENT
 
 REQUEST_ID_HEADER = "X-Request-Id"  # the client's id of the request: in the log line (vLLM's header)
 TIMEOUT_HEADER = "X-Request-Timeout"  # seconds the client will wait (at most the server's --http-timeout)
@@ -156,8 +157,10 @@ class Serving(abc.ABC):
             call = await self.prepare(body, label)
         except REFUSALS as e:
             return refusal(e)
+        traceparent = request.headers.get(TRACEPARENT)  # (the caller's span: services.tracing)
         outputs = [
-            streams.until(self.service.stream(r, timeout_s, hint, label), timeout_s) for r in call.requests
+            streams.until(self.service.stream(r, timeout_s, hint, label, traceparent=traceparent), timeout_s)
+            for r in call.requests
         ]
         headers = {SEED_HEADER: ",".join(str(r.seed) for r in call.requests)}
         if body.get("stream"):
