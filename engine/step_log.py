@@ -20,6 +20,18 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 Row = tuple[int, int]  # (tokens fed, tokens of KV before them)
+# the model's sizes a roofline projection computes FLOPs from (pdserve.planner.roofline)
+MODEL_DIMS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "num_experts",
+    "num_experts_per_tok",
+)
 
 
 def engine_description(engine) -> dict:
@@ -30,6 +42,8 @@ def engine_description(engine) -> dict:
     return {
         **engine.summary(),
         "kv_bytes_per_token": memory.block_bytes / config.block_size if memory is not None else 0,
+        "weight_bytes": memory.weight_bytes if memory is not None else 0,
+        "model_dims": {k: getattr(engine.model.config, k) for k in MODEL_DIMS},
         "max_num_batched_tokens": config.max_num_batched_tokens,
         "max_num_seqs": config.max_num_seqs,
         "token_buckets": list(config.token_buckets),

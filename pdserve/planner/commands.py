@@ -12,6 +12,7 @@ from pdserve.bench.common import report
 from pdserve.bench.stats import compute_stats, format_summary
 from pdserve.bench.workload import LengthDist
 from pdserve.flags import add_engine_args, engine_config
+from pdserve.planner.roofline import CHIPS
 
 
 def add_planner_parsers(sub) -> None:
@@ -26,6 +27,21 @@ def add_planner_parsers(sub) -> None:
         metavar="FILE",
         help="fit the costs to a daemon's step log (its --step-log: the served engine's own steps) instead "
         "of measuring here; the engine flags are then ignored",
+    )
+    projection = profile.add_argument_group(
+        "roofline projection: a profile for a chip not at hand (planner/roofline.py), labelled as such"
+    )
+    projection.add_argument("--project", metavar="CHIP", choices=sorted(CHIPS), help="the chip to project to")
+    projection.add_argument(
+        "--from", dest="from_profile", metavar="FILE", help="the measured profile of the model"
+    )
+    projection.add_argument(
+        "--efficiency",
+        metavar="COMPUTE,MEMORY",
+        help="the chip's efficiencies (default: the measured profile's against this host's roofline)",
+    )
+    projection.add_argument(
+        "--host-overhead-ms", type=float, default=2.0, help="the host's share of a step, not scaled"
     )
     profile.add_argument(
         "--request-log",
@@ -60,7 +76,9 @@ def add_planner_parsers(sub) -> None:
 def cmd_profile(args: argparse.Namespace) -> int:
     from pdserve.planner.profile import profile_engine, profile_from_step_log
 
-    if args.from_step_log:
+    if args.project:
+        profile = _projected(args)
+    elif args.from_step_log:
         try:
             profile = profile_from_step_log(args.from_step_log)
         except (OSError, ValueError) as e:
@@ -79,6 +97,9 @@ def cmd_profile(args: argparse.Namespace) -> int:
     with open(args.out, "w") as f:
         f.write(profile.to_json())
     fit = profile.fit
+    if profile.projection:
+        print(f"profile: {profile.projection} -> {args.out}", file=sys.stderr)
+        return 0
     print(
         f"profile: {fit['fitted']['steps']} steps fitted, relative error p50 {fit['fitted']['p50']:.1%}; "
         f"held out {fit['held_out']['steps']}: p50 {fit['held_out']['p50']:.1%}, "
@@ -86,6 +107,29 @@ def cmd_profile(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     return 0
+
+
+def _projected(args: argparse.Namespace):
+    from pdserve.planner.costs import Profile
+    from pdserve.planner.roofline import Efficiencies, host_roofline, measured_efficiencies, project
+
+    if not args.from_profile:
+        raise SystemExit("profile: --project needs --from PROFILE (a measured profile of the model)")
+    measured = Profile.read(args.from_profile)
+    if args.efficiency:
+        try:
+            compute, memory = (float(x) for x in args.efficiency.split(","))
+        except ValueError:
+            raise SystemExit(
+                f"profile: --efficiency {args.efficiency!r}: COMPUTE,MEMORY (two numbers)"
+            ) from None
+        efficiencies = Efficiencies(compute, memory, "given")
+    else:
+        efficiencies = measured_efficiencies(measured, host_roofline())
+    try:
+        return project(measured, CHIPS[args.project], args.tp or 1, efficiencies, args.host_overhead_ms / 1e3)
+    except (KeyError, ValueError) as e:
+        raise SystemExit(f"profile: --project: {e}") from None
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -191,13 +235,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
         args.num_requests,
         args.seed,
     )
-    ranked = sorted(
-        (
+    try:
+        scored = [
             planning.goodput(c, workload, transfer)
             for c in planning.candidates(profiles, budgets, not args.no_disaggregated)
-        ),
-        key=lambda s: (-s.per_chip, s.candidate.chips),
-    )
+        ]
+    except ValueError as e:
+        raise SystemExit(f"plan: {e}") from None
+    ranked = sorted(scored, key=lambda s: (-s.per_chip, s.candidate.chips))
     print(
         f"{'configuration':<58} {'chips':>5} {'goodput/s':>9} {'per chip':>8} {'TTFT p90':>9} {'TPOT p90':>9}"
     )

@@ -29,6 +29,7 @@ from pdserve.planner.simulator import Fleet, Pool, SimulationResult, Transfer, p
 
 RATIOS = ((1, 1), (1, 2), (1, 3), (2, 1), (2, 3))  # (prefill, decode) replicas of a disaggregated unit
 BISECTIONS = 6  # halvings of the bracket around a candidate's goodput
+MAX_DOUBLINGS = 16  # of the rate, from the start: past it the workload is too small to load a candidate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,6 +151,11 @@ def goodput(candidate: Candidate, workload: Workload, transfer: Transfer, start:
     if ok:
         good, best = rate, (stats, result)
         while bad is None:  # above: double until it fails
+            if rate >= start * 2**MAX_DOUBLINGS:
+                raise ValueError(
+                    f"{candidate.label} meets the SLO even with the workload's {workload.num_requests} "
+                    f"requests arriving at {rate:g}/s: too few requests to load it (more --num-requests)"
+                )
             rate *= 2
             ok, stats, result = meets(rate)
             if ok:

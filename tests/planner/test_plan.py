@@ -65,3 +65,10 @@ def test_a_unit_that_never_meets_the_slo_has_no_goodput_and_no_plan():
     scored = goodput(Candidate(PROFILE, 1, 512), workload, Transfer())
     assert scored.goodput == 0.0 and scored.queues == {}
     assert plan([scored], 1.0, 8, workload, Transfer()) is None
+
+
+def test_a_workload_too_small_to_load_a_unit_is_said_so():
+    """Two short requests meet the SLO however fast they come: no goodput can be told from them."""
+    workload = Workload(LengthDist(16, 16), LengthDist(2, 2), 10_000, 1_000, num_requests=2)
+    with pytest.raises(ValueError, match="too few requests to load it"):
+        goodput(Candidate(PROFILE, 1, 512), workload, Transfer())
