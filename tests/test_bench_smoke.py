@@ -48,7 +48,7 @@ DAEMON = [
     "bench_hostile",
     "bench_migration",
     "bench_routing",
-    "bench_simulator",
+    "bench_planner",
     "bench_startup",
     "bench_vs_vllm",
 ]

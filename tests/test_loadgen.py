@@ -17,7 +17,7 @@ import pytest
 
 from pdserve.bench.clients import run_load
 from pdserve.bench.stats import RequestRecord, compute_stats, distribution, meets_slo, throughput_timeline
-from pdserve.bench.workload import LengthDist, load_dataset, make_workload
+from pdserve.bench.workload import LengthDist, SharedPrefix, load_dataset, make_workload
 from pdserve.v1 import generation_pb2 as pb
 
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
@@ -329,3 +329,24 @@ def test_workload_gives_lora_adapters_in_turn(tmp_path):
         s for _, s in zip(range(2), make_workload(None, LengthDist(1, 1), 0, entries, ["y"]), strict=False)
     ]
     assert sorted((s.prompt, s.lora_adapter) for s in specs) == [("a", "x"), ("b", "y")]
+
+
+@pytest.mark.fast
+def test_shared_prefixes_lead_the_prompts_in_turn():
+    """`256:2`: prompts alternate between two prefixes of 16 ids, each followed by its own random tokens of
+    the prompt length; the rest of the stream is what it would be without them; bad specs are refused."""
+    shared = SharedPrefix.parse("16:2")
+    specs = [
+        s
+        for _, s in zip(
+            range(4), make_workload(LengthDist(8, 8), LengthDist(2, 2), 5, shared_prefix=shared), strict=False
+        )
+    ]
+    plain = [s for _, s in zip(range(4), make_workload(LengthDist(8, 8), LengthDist(2, 2), 5), strict=False)]
+    assert all(len(s.prompt) == 24 for s in specs)
+    assert specs[0].prompt[:16] == specs[2].prompt[:16] != specs[1].prompt[:16] == specs[3].prompt[:16]
+    assert [s.prompt[16:] for s in specs] == [s.prompt for s in plain]
+    assert SharedPrefix.parse("") is None
+    for bad in ("16", "0:2", "a:b"):
+        with pytest.raises(ValueError, match="shared prefix"):
+            SharedPrefix.parse(bad)

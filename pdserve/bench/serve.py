@@ -20,7 +20,7 @@ from pdserve.bench.clients import run_load
 from pdserve.bench.common import write_json
 from pdserve.bench.plots import plot_latency_cdfs, plot_throughput, pyplot
 from pdserve.bench.stats import RequestRecord, compute_stats, format_summary, throughput_timeline
-from pdserve.bench.workload import LengthDist, load_dataset, make_workload
+from pdserve.bench.workload import LengthDist, SharedPrefix, load_dataset, make_workload
 from pdserve.services.client import add_client_flags, client_from_flags
 
 
@@ -35,6 +35,7 @@ def bench(
     output_len: str = "fixed:64",
     dataset: str | Path | None = None,
     lora_adapters: Sequence[str] = (),
+    shared_prefix: str = "",
     slo_ttft_ms: float | None = None,
     slo_tpot_ms: float | None = None,
     seed: int = 0,
@@ -61,6 +62,7 @@ def bench(
         seed,
         load_dataset(dataset) if dataset else None,
         lora_adapters,
+        SharedPrefix.parse(shared_prefix),
     )
     own_client = client is None
     client = client or Client(server)
@@ -104,6 +106,7 @@ def bench(
             "output_len": output_len,
             "dataset": str(dataset) if dataset else None,
             "lora_adapters": list(lora_adapters),
+            "shared_prefix": shared_prefix or None,
             "seed": seed,
             "ignore_eos": ignore_eos,
         },
@@ -135,6 +138,12 @@ def add_bench_args(parser: argparse.ArgumentParser, required: bool = True) -> No
     parser.add_argument("--duration", type=float, default=None, help="stop sending after S seconds")
     parser.add_argument("--prompt-len", default="fixed:128", help="fixed:N or uniform:A:B (token ids)")
     parser.add_argument("--output-len", default="fixed:64", help="fixed:N or uniform:A:B (max_tokens)")
+    parser.add_argument(
+        "--shared-prefix",
+        default="",
+        metavar="TOKENS:COUNT",
+        help="every prompt after one of COUNT shared prefixes of TOKENS ids, in turn (default: none)",
+    )
     parser.add_argument(
         "--dataset", help="JSONL: prompt or prompt_ids, optional max_tokens and lora_adapter, a line"
     )
@@ -175,6 +184,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         num_requests = 100
     try:
         LengthDist.parse(args.prompt_len), LengthDist.parse(args.output_len)
+        SharedPrefix.parse(args.shared_prefix)
         if args.dataset:
             load_dataset(args.dataset)
         if args.plots:
@@ -196,6 +206,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             output_len=args.output_len,
             dataset=args.dataset,
             lora_adapters=args.lora_adapters.split(",") if args.lora_adapters else (),
+            shared_prefix=args.shared_prefix,
             slo_ttft_ms=args.slo_ttft_ms,
             slo_tpot_ms=args.slo_tpot_ms,
             seed=args.seed,

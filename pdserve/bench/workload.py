@@ -43,6 +43,27 @@ class LengthDist:
         return int(rng.integers(self.low, self.high + 1))
 
 
+@dataclasses.dataclass(frozen=True)
+class SharedPrefix:
+    """`TOKENS:COUNT`: every prompt starts with one of COUNT prefixes of TOKENS random ids (drawn in turn),
+    its `prompt_len` tokens after it: a system prompt or a few-shot preamble the prefix cache can share."""
+
+    tokens: int
+    count: int = 1
+
+    @classmethod
+    def parse(cls, spec: str) -> SharedPrefix | None:
+        if not spec:
+            return None
+        try:
+            tokens, count = (int(x) for x in spec.split(":"))
+        except ValueError:
+            raise ValueError(f"bad shared prefix {spec!r}: want TOKENS:COUNT") from None
+        if tokens < 1 or count < 1:
+            raise ValueError(f"bad shared prefix {spec!r}: want TOKENS >= 1 and COUNT >= 1")
+        return cls(tokens, count)
+
+
 @dataclasses.dataclass
 class RequestSpec:
     """One request to send: its index in the run, its prompt, its max_tokens and its LoRA adapter."""
@@ -74,11 +95,20 @@ def make_workload(
     seed: int = 0,
     dataset: Sequence[dict] | None = None,
     lora_adapters: Sequence[str] = (),
+    shared_prefix: SharedPrefix | None = None,
 ) -> Iterator[RequestSpec]:
-    """An endless, reproducible stream of requests: random token-id prompts of `prompt_len` tokens, or the
-    dataset's entries in a seeded order (cycled); `max_tokens` from the entry, else from `output_len`; the
-    LoRA adapter from the entry's `lora_adapter`, else `lora_adapters` in turn ("": the base model)."""
+    """An endless, reproducible stream of requests: random token-id prompts of `prompt_len` tokens (after
+    one of `shared_prefix`'s prefixes, in turn), or the dataset's entries in a seeded order (cycled);
+    `max_tokens` from the entry, else from `output_len`; the LoRA adapter from the entry's `lora_adapter`,
+    else `lora_adapters` in turn ("": the base model)."""
     rng = np.random.default_rng(seed)
+    prefixes = [[]]
+    if shared_prefix is not None:  # (their own generator: the prompts after them are those without)
+        drawn = np.random.default_rng((seed, shared_prefix.tokens, shared_prefix.count))
+        prefixes = [
+            drawn.integers(*PROMPT_ID_RANGE, shared_prefix.tokens).tolist()
+            for _ in range(shared_prefix.count)
+        ]
     order: list[int] = []
     for index in itertools.count():
         if dataset:
@@ -89,7 +119,7 @@ def make_workload(
             max_tokens = int(entry.get("max_tokens") or output_len.sample(rng))
         else:
             length = prompt_len.sample(rng)
-            prompt = rng.integers(*PROMPT_ID_RANGE, length).tolist()
+            prompt = prefixes[index % len(prefixes)] + rng.integers(*PROMPT_ID_RANGE, length).tolist()
             max_tokens = output_len.sample(rng)
         adapter = lora_adapters[index % len(lora_adapters)] if lora_adapters else ""
         if dataset:

@@ -12,7 +12,7 @@ from pdserve.bench.common import report
 from pdserve.bench.stats import compute_stats, format_summary
 from pdserve.bench.workload import LengthDist
 from pdserve.flags import add_engine_args, engine_config
-from pdserve.planner.roofline import CHIPS
+from pdserve.planner.roofline import CHIPS, MODELS
 
 
 def add_planner_parsers(sub) -> None:
@@ -34,6 +34,11 @@ def add_planner_parsers(sub) -> None:
     projection.add_argument("--project", metavar="CHIP", choices=sorted(CHIPS), help="the chip to project to")
     projection.add_argument(
         "--from", dest="from_profile", metavar="FILE", help="the measured profile of the model"
+    )
+    projection.add_argument(
+        "--as-model",
+        choices=sorted(MODELS),
+        help="project this model's sizes at the efficiencies measured on the profile's model",
     )
     projection.add_argument(
         "--efficiency",
@@ -111,7 +116,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 def _projected(args: argparse.Namespace):
     from pdserve.planner.costs import Profile
-    from pdserve.planner.roofline import Efficiencies, host_roofline, measured_efficiencies, project
+    from pdserve.planner.roofline import Efficiencies, host_roofline, measured_efficiencies, project, retarget
 
     if not args.from_profile:
         raise SystemExit("profile: --project needs --from PROFILE (a measured profile of the model)")
@@ -126,6 +131,8 @@ def _projected(args: argparse.Namespace):
         efficiencies = Efficiencies(compute, memory, "given")
     else:
         efficiencies = measured_efficiencies(measured, host_roofline())
+    if args.as_model:
+        measured = retarget(measured, args.as_model, MODELS[args.as_model])
     try:
         return project(measured, CHIPS[args.project], args.tp or 1, efficiencies, args.host_overhead_ms / 1e3)
     except (KeyError, ValueError) as e:
@@ -188,6 +195,12 @@ def add_plan_parser(sub) -> None:
     )
     plan.add_argument("--no-disaggregated", action="store_true", help="colocated configurations only")
     plan.add_argument(
+        "--local-prefill-below",
+        default="0",
+        metavar="N[,N...]",
+        help="decode servers' --local-prefill-below values to try in disaggregated units (default: 0)",
+    )
+    plan.add_argument(
         "--kv-transfer-gbps",
         type=float,
         help="prefill -> decode KV bandwidth in Gbit/s (default: the decode profile's transfer fit, from "
@@ -218,6 +231,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     budgets = [int(b) for b in args.budgets.split(",") if b] or sorted(
         {int(p.engine_info.get("max_num_batched_tokens", 512)) for p in profiles}
     )
+    try:
+        local_below = [int(x) for x in args.local_prefill_below.split(",") if x]
+    except ValueError:
+        raise SystemExit(f"plan: --local-prefill-below {args.local_prefill_below!r}: integers") from None
     fitted = profiles[0].transfer
     if fitted and args.kv_transfer_gbps is None:
         transfer = Transfer(fitted["latency_s"], fitted["seconds_per_token"])
@@ -238,7 +255,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     try:
         scored = [
             planning.goodput(c, workload, transfer)
-            for c in planning.candidates(profiles, budgets, not args.no_disaggregated)
+            for c in planning.candidates(profiles, budgets, not args.no_disaggregated, local_below)
         ]
     except ValueError as e:
         raise SystemExit(f"plan: {e}") from None

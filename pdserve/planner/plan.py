@@ -74,7 +74,8 @@ class Candidate:
         if self.prefill is None:
             return f"colocated {decode}, budget {self.budget}"
         prefill = f"{self.prefill_replicas}x prefill TP{tp_of(self.prefill)}"
-        return f"disaggregated {prefill} + {decode}, budget {self.budget}"
+        local = f", prompts < {self.local_prefill_below} on decode" if self.local_prefill_below else ""
+        return f"disaggregated {prefill} + {decode}, budget {self.budget}{local}"
 
     def fleet(self, transfer: Transfer, units: int = 1) -> Fleet:
         """`units` copies of this unit as one fleet on one clock."""
@@ -106,18 +107,22 @@ def pool(profile: Profile, budget: int, replicas: int) -> Pool:
 
 
 def candidates(
-    profiles: Sequence[Profile], budgets: Sequence[int], disaggregated: bool = True
+    profiles: Sequence[Profile],
+    budgets: Sequence[int],
+    disaggregated: bool = True,
+    local_prefill_below: Sequence[int] = (0,),
 ) -> list[Candidate]:
     """Colocated single replicas and the RATIOS' disaggregated units, over every profile (for either
-    role) and budget."""
+    role), budget and `--local-prefill-below` of the decode replicas."""
     out = [Candidate(p, 1, b) for p in profiles for b in budgets]
     if disaggregated:
         out += [
-            Candidate(d, nd, b, prefill=p, prefill_replicas=np_)
+            Candidate(d, nd, b, prefill=p, prefill_replicas=np_, local_prefill_below=below)
             for p in profiles
             for d in profiles
             for np_, nd in RATIOS
             for b in budgets
+            for below in local_prefill_below
         ]
     return out
 

@@ -55,6 +55,33 @@ CHIPS = {
 }
 
 
+# Dense models' sizes (their config.json's), for projecting a model not measured here (retarget)
+MODELS = {
+    "llama-3.1-8b": {
+        "vocab_size": 128256,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_layers": 32,
+        "num_heads": 32,
+        "num_kv_heads": 8,
+        "head_dim": 128,
+        "num_experts": 0,
+        "num_experts_per_tok": 0,
+    },
+    "llama-3.1-70b": {
+        "vocab_size": 128256,
+        "hidden_size": 8192,
+        "intermediate_size": 28672,
+        "num_layers": 80,
+        "num_heads": 64,
+        "num_kv_heads": 8,
+        "head_dim": 128,
+        "num_experts": 0,
+        "num_experts_per_tok": 0,
+    },
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class Efficiencies:
     compute: float
@@ -105,6 +132,18 @@ def measured_efficiencies(profile: Profile, host: tuple[float, float]) -> Effici
         clamp(memory),
         f"measured here: host {flops / 1e9:.0f} GFLOP/s, {bandwidth / 1e9:.1f} GB/s",
     )
+
+
+def retarget(profile: Profile, model: str, dims: dict, dtype_bytes: int = 2) -> Profile:
+    """`profile` with another dense model's sizes (`dims`, as engine.step_log.MODEL_DIMS; bf16 weights and
+    KV of `dtype_bytes`): for projecting a model not measured here, at the efficiencies measured on the
+    profile's own model (measured_efficiencies before retargeting). Its step costs are the measured
+    model's: only a projection of it means anything."""
+    weights = (matmul_params(dims) + dims["hidden_size"] * dims["vocab_size"]) * dtype_bytes  # (+ embeddings)
+    kv = 2 * dims["num_layers"] * dims["num_kv_heads"] * dims["head_dim"] * dtype_bytes
+    info = {**profile.engine_info, "model": model, "model_dims": dict(dims), "weight_bytes": weights}
+    info.update(kv_bytes_per_token=kv, dtype="bfloat16", kv_dtype="bfloat16")
+    return dataclasses.replace(profile, engine_info=info, fit={}, steps=(), transfer={})
 
 
 def project(

@@ -28,7 +28,7 @@ import itertools
 from collections.abc import Callable, Sequence
 
 from pdserve.bench.stats import RequestRecord
-from pdserve.bench.workload import LengthDist, arrival_times, make_workload
+from pdserve.bench.workload import LengthDist, SharedPrefix, arrival_times, make_workload
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.core.kv_connector import DecodeConnector, ReceiveKV
 from pdserve.engine.core.request import Request
@@ -103,11 +103,16 @@ class SimulationResult:
 
 
 def poisson_workload(
-    rate: float, num_requests: int, prompt_len: LengthDist, output_len: LengthDist, seed: int = 0
+    rate: float,
+    num_requests: int,
+    prompt_len: LengthDist,
+    output_len: LengthDist,
+    seed: int = 0,
+    shared_prefix: SharedPrefix | None = None,
 ) -> list[Arrival]:
     """`num_requests` Poisson arrivals at `rate` requests/s: the arrivals and prompts `pdserve bench serve`
-    sends for the same lengths and seed."""
-    specs = make_workload(prompt_len, output_len, seed)
+    sends for the same lengths, shared prefixes and seed."""
+    specs = make_workload(prompt_len, output_len, seed, shared_prefix=shared_prefix)
     times = arrival_times(rate, seed)
     return [
         Arrival(at, tuple(spec.prompt), spec.max_tokens)

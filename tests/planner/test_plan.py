@@ -9,7 +9,7 @@ import pytest
 
 from pdserve.bench.workload import LengthDist
 from pdserve.planner.costs import Padding, Profile, StepCosts
-from pdserve.planner.plan import Candidate, Workload, candidates, goodput, plan
+from pdserve.planner.plan import RATIOS, Candidate, Workload, candidates, goodput, plan
 from pdserve.planner.simulator import Transfer
 
 pytestmark = pytest.mark.fast
@@ -72,3 +72,18 @@ def test_a_workload_too_small_to_load_a_unit_is_said_so():
     workload = Workload(LengthDist(16, 16), LengthDist(2, 2), 10_000, 1_000, num_requests=2)
     with pytest.raises(ValueError, match="too few requests to load it"):
         goodput(Candidate(PROFILE, 1, 512), workload, Transfer())
+
+
+def test_short_prompts_computed_on_decode_replicas_are_candidates_too():
+    """With local_prefill_below 32, a disaggregated unit computes 16-token prompts on its decode replica:
+    no transfer, so the 50 ms link no longer rules it out (its goodput is the colocated replica's, on
+    more chips)."""
+    workload = Workload(LengthDist(16, 16), LengthDist(64, 64), 60, 50, num_requests=40)
+    transfer = Transfer(latency_s=0.05)
+    units = [c for c in candidates([PROFILE], [512], True, (0, 32)) if c.prefill is not None]
+    assert len(units) == 2 * len(RATIOS) and {c.local_prefill_below for c in units} == {0, 32}
+    local = next(
+        c for c in units if c.local_prefill_below == 32 and c.prefill_replicas == 1 and c.decode_replicas == 1
+    )
+    assert "prompts < 32 on decode" in local.label
+    assert goodput(local, workload, transfer).goodput > 0

@@ -8,21 +8,19 @@ import dataclasses
 import pytest
 
 from pdserve.planner.costs import Padding, Profile, RowShape, StepCosts
-from pdserve.planner.roofline import CHIPS, Efficiencies, matmul_params, measured_efficiencies, project
+from pdserve.planner.roofline import (
+    CHIPS,
+    MODELS,
+    Efficiencies,
+    matmul_params,
+    measured_efficiencies,
+    project,
+    retarget,
+)
 
 pytestmark = pytest.mark.fast
 
-DIMS = {
-    "vocab_size": 128256,
-    "hidden_size": 4096,
-    "intermediate_size": 14336,
-    "num_layers": 32,
-    "num_heads": 32,
-    "num_kv_heads": 8,
-    "head_dim": 128,
-    "num_experts": 0,
-    "num_experts_per_tok": 0,
-}
+DIMS = MODELS["llama-3.1-8b"]
 MEASURED = Profile(
     StepCosts(fixed_s=0.05, per_token_s=1e-3, padding=Padding((8, 16, 32, 64, 128, 256, 512), 64)),
     engine_info={
@@ -89,3 +87,17 @@ def test_efficiencies_measured_against_the_host_roofline_are_clamped():
     flops = 512 * 2 * matmul_params(DIMS) / chunk / 0.5  # (a host at which the chunk runs at half its peak)
     between = measured_efficiencies(MEASURED, (flops, 16e9 / decode / 0.25))
     assert (between.compute, between.memory) == (pytest.approx(0.5), pytest.approx(0.25))
+
+
+def test_another_models_sizes_carry_the_measured_efficiencies():
+    """A 135M-class profile retargeted to the 8B dims: the weights (params + embeddings, bf16) and the KV
+    a token (2 x layers x kv heads x head_dim x 2 bytes) follow the dims; its projection is the 8B's."""
+    small = dataclasses.replace(MEASURED, engine_info={**MEASURED.engine_info, "model": "small"})
+    big = retarget(small, "llama-8b", DIMS)
+    assert big.engine_info["weight_bytes"] == (matmul_params(DIMS) + 4096 * 128256) * 2
+    assert big.engine_info["kv_bytes_per_token"] == 2 * 32 * 8 * 128 * 2
+    assert big.engine_info["model"] == "llama-8b" and big.costs == small.costs
+    given = Efficiencies(0.5, 0.8, "given")
+    assert project(big, CHIPS["h100"], 2, given).costs.fixed_s == pytest.approx(
+        big.engine_info["weight_bytes"] / 2 / (3350e9 * 0.8) + 0.002
+    )

@@ -1,7 +1,7 @@
 """The simulator against the session's real daemons (a prefill server and a decode server on loopback):
 a workload sent to them, profiles fitted to the steps each logged while serving it (--step-log), and the
 same workload simulated on a disaggregated fleet of those profiles: the client's figures agree within a
-loose bound (bench/bench_simulator.py holds the tight one, on the default model and a colocated server).
+loose bound (bench/bench_planner.py holds the tight one, on the default model).
 The simulation comes out low (TTFT, TPOT and e2e p50 0.63-0.91 of the measured on the test model): what
 the daemons spend outside their steps (the prefill RPC, KV frames and inserts, the relay) is not in a
 step log, and on this tiny model it is a large share."""
