@@ -23,7 +23,7 @@ engine reaches against this host's roofline (planner.roofline); Llama-3.1-8B's s
 TP 4 and 8 (bf16: 16 GB of weights need more than one 16 GiB chip) are projected with them; `pdserve
 plan`'s search on a chat workload (512-2048-token prompts, 128-512 output tokens; TTFT <= 1 s, TPOT <= 50
 ms at 90%) gives each unit's goodput, the best configuration and the rate it carries on 16 and 64 chips,
-and the break-even: the lowest rate from which the best disaggregated fleet needs no more chips than the
+and the break-even: the lowest rate at which the best disaggregated fleet needs no more chips than the
 best colocated one.
 
 --smoke: the test model, colocated only, one workload at two rates of 4 requests; the projection on a

@@ -141,7 +141,9 @@ def retarget(profile: Profile, model: str, dims: dict, dtype_bytes: int = 2) -> 
     model's: only a projection of it means anything."""
     weights = (matmul_params(dims) + dims["hidden_size"] * dims["vocab_size"]) * dtype_bytes  # (+ embeddings)
     kv = 2 * dims["num_layers"] * dims["num_kv_heads"] * dims["head_dim"] * dtype_bytes
+    measured = profile.engine_info.get("measured_model") or profile.engine_info.get("model", "?")
     info = {**profile.engine_info, "model": model, "model_dims": dict(dims), "weight_bytes": weights}
+    info["measured_model"] = measured  # (whose steps the efficiencies come from)
     info.update(kv_bytes_per_token=kv, dtype="bfloat16", kv_dtype="bfloat16")
     return dataclasses.replace(profile, engine_info=info, fit={}, steps=(), transfer={})
 
@@ -203,8 +205,9 @@ def project(
         f"PROJECTION for {tp} x {chip.name} ({chip.peak_tflops:g} TFLOP/s bf16, {chip.hbm_gbps:g} GB/s HBM, "
         f"{chip.hbm_gib:g} GiB, {chip.interconnect_gbps:g} GB/s interconnect: published figures) at compute "
         f"efficiency {efficiencies.compute:.2f} and memory efficiency {efficiencies.memory:.2f} "
-        f"({efficiencies.source}), host overhead {host_overhead_s * 1e3:g} ms a step; from the profile of "
-        f"{e.get('model', '?')} on {e.get('device_kind', '?')}. Not measured."
+        f"({efficiencies.source}), host overhead {host_overhead_s * 1e3:g} ms a step; {e.get('model', '?')} "
+        f"from the profile of {e.get('measured_model', e.get('model', '?'))} on {e.get('device_kind', '?')}. "
+        "Not measured."
     )
     return Profile(costs, engine_info=engine_info, fit={}, projection=label)
 
