@@ -11,7 +11,10 @@ A step's time is linear in five kinds of work, each a column of the fit:
   what a decode step's attention costs;
 - `per_pair_s`: each (query, key) pair of a row's new tokens (tokens x (past + tokens / 2)): what a
   prefill chunk's attention computes.
-Non-negative least squares over measured (rows -> seconds) points gives the coefficients.
+Non-negative least squares over measured (rows -> seconds) points gives the coefficients; then each
+compiled token bucket with enough steps gets a factor of its own (the median of measured over predicted
+among its steps): a shape's cost is not always linear in its rows (on a CPU, a step of 2 rows costs far
+more than a lone row's, which runs another kernel).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import numpy as np
 
 PROFILE_VERSION = 1
 TERMS = ("fixed_s", "per_token_s", "per_row_s", "per_kv_read_s", "per_pair_s")
+MIN_BUCKET_STEPS = 3  # steps of a token bucket that give it a factor of its own
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,10 +72,18 @@ class StepCosts:
     per_kv_read_s: float = 0.0
     per_pair_s: float = 0.0
     padding: Padding = Padding()
+    # (token bucket, factor): each compiled step shape's cost against the linear terms' (fit: the median
+    # of measured / predicted over its steps); a bucket not listed: 1
+    bucket_factors: tuple[tuple[int, float], ...] = ()
 
     def seconds(self, rows: Iterable[RowShape]) -> float:
         """The predicted seconds of a step of `rows`."""
-        return float(work_of(rows, self.padding) @ self.vector())
+        rows = list(rows)
+        linear = float(work_of(rows, self.padding) @ self.vector())
+        if not self.bucket_factors:
+            return linear
+        bucket = self.padding.tokens(sum(r.num_tokens for r in rows))
+        return linear * dict(self.bucket_factors).get(bucket, 1.0)
 
     def vector(self) -> np.ndarray:
         return np.array([getattr(self, term) for term in TERMS])
@@ -93,7 +105,19 @@ class StepCosts:
         scale = work.max(axis=0)  # (columns of comparable size for the solver)
         scale[scale == 0] = 1.0
         coef, _ = nnls(work / scale / seconds[:, None], np.ones(len(seconds)))
-        return cls(*(coef / scale), padding=padding)
+        linear = cls(*(coef / scale), padding=padding)
+        if not padding.token_buckets:
+            return linear
+        # each compiled shape's own cost: a step of 2 rows can cost far more than twice a lone one's share
+        # (a lone row runs another kernel), which no linear term in the rows gives
+        ratios: dict[int, list[float]] = {}
+        for rows, measured in steps:
+            bucket = padding.tokens(sum(r.num_tokens for r in rows))
+            ratios.setdefault(bucket, []).append(measured / linear.seconds(rows))
+        factors = tuple(
+            (b, float(np.median(r))) for b, r in sorted(ratios.items()) if len(r) >= MIN_BUCKET_STEPS
+        )
+        return dataclasses.replace(linear, bucket_factors=factors)
 
     def relative_errors(self, steps: Sequence[tuple[Sequence[RowShape], float]]) -> np.ndarray:
         """(predicted - measured) / measured of each step."""
@@ -120,6 +144,7 @@ class Profile:
                 "version": PROFILE_VERSION,
                 "step_costs": {term: getattr(self.costs, term) for term in TERMS},
                 "padding": dataclasses.asdict(self.costs.padding),
+                "bucket_factors": [list(bf) for bf in self.costs.bucket_factors],
                 "engine": self.engine_info,
                 "fit": self.fit,
                 "projection": self.projection,
@@ -142,8 +167,9 @@ class Profile:
         steps = tuple(
             (tuple(RowShape(int(t), int(p)) for t, p in rows), float(s)) for rows, s in data.get("steps", ())
         )
+        factors = tuple((int(b), float(f)) for b, f in data.get("bucket_factors", ()))
         return cls(
-            StepCosts(**data["step_costs"], padding=padding),
+            StepCosts(**data["step_costs"], padding=padding, bucket_factors=factors),
             data.get("engine", {}),
             data.get("fit", {}),
             data.get("projection", ""),

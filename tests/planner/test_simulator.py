@@ -4,6 +4,8 @@ n-forks appear in the trace as the scheduler makes them; the cost model's fit re
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -179,3 +181,25 @@ def test_n_forks_on_a_disaggregated_fleet():
     result = Fleet(Pool(CONFIG, TENTH), Pool(CONFIG, TENTH)).run([Arrival(0.0, prompt(8), 3, n=2)])
     assert [r.output_tokens for r in result.records] == [3, 3]
     assert all(r.token_times_s == pytest.approx([0.1, 0.2, 0.3]) for r in result.records)
+
+
+def test_each_compiled_bucket_gets_its_own_factor():
+    """Decode steps of 1-8 rows where the 2-token bucket costs 1.6x what the linear terms give (a lone row
+    runs another kernel): no linear fit matches them all; the fit gives bucket 2 a factor above the
+    others', its steps come out within a few percent, and a bucket it never saw keeps the linear cost."""
+    padding = Padding((1, 2, 4, 8, 16), 16)
+    truth = StepCosts(fixed_s=0.01, per_row_s=0.002, per_kv_read_s=1e-5, padding=padding)
+    rng = np.random.default_rng(2)
+    steps = []
+    for _ in range(120):
+        rows = [RowShape(1, int(rng.integers(10, 400))) for _ in range(int(rng.integers(1, 9)))]
+        seconds = truth.seconds(rows) * (1.6 if len(rows) == 2 else 1.0)
+        steps.append((rows, seconds))
+    fitted = StepCosts.fit(steps, padding)
+    linear = dataclasses.replace(fitted, bucket_factors=())
+    factors = dict(fitted.bucket_factors)
+    assert set(factors) == {1, 2, 4, 8} and factors[2] > 1.3 * max(factors[b] for b in (1, 4, 8))
+    pairs = [step for step in steps if len(step[0]) == 2]
+    assert np.abs(fitted.relative_errors(pairs)).max() < 0.05 < np.abs(linear.relative_errors(pairs)).min()
+    assert fitted.seconds([RowShape(1, 50)] * 12) == linear.seconds([RowShape(1, 50)] * 12)  # (bucket 16)
+    assert Profile.from_json(Profile(fitted).to_json()).costs == fitted
