@@ -181,8 +181,7 @@ def predict(args, runs: list[dict], served: dict) -> list[dict]:
         budget = {role: int(p.engine_info["max_num_batched_tokens"]) for role, p in profiles.items()}
         decode = pool(profiles["decode"], budget["decode"], 1)
         if "prefill" in profiles:
-            fit = fit_transfer([t for r in others for t in r["transfers"]])
-            transfer = Transfer(fit.get("latency_s", 0.0), fit.get("seconds_per_token", 0.0))
+            transfer = Transfer.fitted(fit_transfer([t for r in others for t in r["transfers"]]))
             fleet = Fleet(decode, pool(profiles["prefill"], budget["prefill"], 1), transfer)
         else:
             fleet = Fleet(decode)

@@ -237,7 +237,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise SystemExit(f"plan: --local-prefill-below {args.local_prefill_below!r}: integers") from None
     fitted = profiles[0].transfer
     if fitted and args.kv_transfer_gbps is None:
-        transfer = Transfer(fitted["latency_s"], fitted["seconds_per_token"])
+        transfer = Transfer.fitted(fitted)
     else:
         kv_bytes = args.kv_bytes_per_token or float(profiles[0].engine_info.get("kv_bytes_per_token", 0))
         if not kv_bytes and not args.no_disaggregated:

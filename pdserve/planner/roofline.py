@@ -213,4 +213,7 @@ def project(
 
 
 def _bytes_of(dtype: str) -> int:
-    return {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "fp8": 1, "float8_e4m3fn": 1}.get(dtype, 2)
+    """An element's bytes of a dtype the engine names (kvtransfer's DTYPES; another: bfloat16's)."""
+    from pdserve.kvtransfer.layout import DTYPES  # (here: the command lines are built without JAX)
+
+    return DTYPES.get(dtype, DTYPES["bfloat16"]).itemsize

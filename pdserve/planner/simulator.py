@@ -60,6 +60,11 @@ class Transfer:
     seconds_per_token: float = 0.0
 
     @classmethod
+    def fitted(cls, fit: dict) -> Transfer:
+        """From a fit of a decode server's requests (planner.profile.fit_transfer; {}: free)."""
+        return cls(fit.get("latency_s", 0.0), fit.get("seconds_per_token", 0.0))
+
+    @classmethod
     def over_link(cls, bytes_per_token: float, bytes_per_s: float, latency_s: float = 0.0) -> Transfer:
         """A token's KV bytes at a link's bandwidth."""
         return cls(latency_s, bytes_per_token / bytes_per_s)
