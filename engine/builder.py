@@ -81,6 +81,7 @@ def _default_attention(model: ModelConfig, config: EngineConfig, mesh, platform:
         reference = functools.partial(ragged_paged_attention_reference, short_rows=short_rows)
     if platform != "tpu":
         return reference
+    reference = functools.partial(reference, flat_rows=False)  # a TPU's tiled cache is read block by block
     unsupported = kernel_unsupported(model, config.tp, config.dtype, config.cache_dtype)
     if unsupported:
         log.warning("TPU attention kernel not used (%s): the reference attends", unsupported)

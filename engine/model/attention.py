@@ -109,11 +109,25 @@ def _empty(shape, d, dtype):
     return jnp.full(shape, _NEG_INF, dtype), jnp.zeros(shape, dtype), jnp.zeros((*shape, d), dtype)
 
 
-def _past_tile(cache, layer, block_tables, j, tile_blocks, value_dim=None):
+def _gather_blocks(cache, layer, blocks, flat_rows):
+    """cache[layer, blocks]: [..., block_size, 2 kv_heads (latent: 1), row width]. With `flat_rows` each
+    block is read as one row of the cache seen as [layers * blocks, block bytes]: XLA:CPU's gather copies
+    a whole row at a time, 1.5-1.7x faster for a decode step's attention than gathering [block_size, heads,
+    dims] slices (docs/benchmark-history.md, "Reading the paged cache as rows"). On a TPU the reshape would
+    copy the cache into another tiling, so the kernel's seam reads blocks as they are."""
+    if not flat_rows:
+        return cache[layer, blocks]
+    layers, num_blocks, *block = cache.shape
+    rows = cache.reshape(layers * num_blocks, -1)
+    return jnp.take(rows, blocks + layer * num_blocks, axis=0, mode="clip").reshape(*blocks.shape, *block)
+
+
+def _past_tile(cache, layer, block_tables, j, tile_blocks, value_dim=None, flat_rows=True):
     """Tile j of each listed sequence's past: K, V [..., kv_heads, tile tokens, head_dim] (a latent cache:
     K is the one latent head, V its first value_dim dims)."""
     blocks = jax.lax.dynamic_slice_in_dim(block_tables, j * tile_blocks, tile_blocks, axis=-1)
-    kv = from_cache(cache[layer, blocks])  # [..., tile blocks, block_size, 2 kv_heads (latent: 1), head_dim]
+    # [..., tile blocks, block_size, 2 kv_heads (latent: 1), head_dim]
+    kv = from_cache(_gather_blocks(cache, layer, blocks, flat_rows))
     *lead, nb, bs, h2, d = kv.shape
     if value_dim is not None:
         k = jnp.moveaxis(kv.reshape(*lead, nb * bs, 1, d), -2, -3)
@@ -184,10 +198,11 @@ def ragged_paged_attention_reference(
     # first v_new.shape[-1] dims (k_new [T, 1, head_dim], v_new [T, 1, value dims], kv_heads 1)
     short_rows: int = 1,  # sequences of up to this many new tokens attend to their past in the decode loop
     new_tile: int = NEW_TILE,  # tokens of a new-over-new tile
+    flat_rows: bool = True,  # read past blocks as flat rows of the cache (see _gather_blocks; False on TPUs)
 ) -> jax.Array:  # [T, kv_heads, group, value dims]; rows of padding tokens are finite garbage
     t, kvh, g, d = q.shape
     dv = v_new.shape[-1]
-    past_tile_of = functools.partial(_past_tile, value_dim=dv if latent else None)
+    past_tile_of = functools.partial(_past_tile, value_dim=dv if latent else None, flat_rows=flat_rows)
     out_dtype = q.dtype  # scores, softmax and sums in float32 whatever the weights' and cache's dtype
     q, k_new, v_new = (x.astype(jnp.float32) for x in (q, k_new, v_new))
     num_seqs = kv_lens.shape[0]

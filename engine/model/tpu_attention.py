@@ -86,7 +86,7 @@ def kernel_attention(
     def attend(*args, sm_scale=None, sliding_window=None, soft_cap=None, latent=False):
         """`args`: q, k_new, v_new, cache, layer, kv_lens, block_tables, cu_q_lens (the reference's)."""
         if latent:
-            return ragged_paged_attention_reference(*args, sm_scale=sm_scale, latent=True)
+            return ragged_paged_attention_reference(*args, sm_scale=sm_scale, latent=True, flat_rows=False)
         q, _, _, cache, layer, kv_lens, block_tables, cu_q_lens = args
         t, kv_heads, group, d = q.shape
         rows, num_blocks = cache.shape[:2]  # a row per layer (hybrid models: per layer of a group)
