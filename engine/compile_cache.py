@@ -1,10 +1,16 @@
-"""The persistent XLA compilation cache under pdserve's cache folder."""
+"""The persistent XLA compilation cache under pdserve's cache folder, and the sizes a start keeps in it."""
 
 from __future__ import annotations
 
+import json
+import logging
+import os
+import tempfile
 from pathlib import Path
 
 from pdserve.engine.loading.sources import cache_dir
+
+log = logging.getLogger(__name__)
 
 
 def configure_jax() -> None:
@@ -26,5 +32,53 @@ def cache_state() -> str:
     if not folder:
         return "off"
     path = Path(folder)
-    count = sum(1 for _ in path.iterdir()) if path.is_dir() else 0
+    count = sum(1 for p in path.iterdir() if p.name != SIZES_FILE) if path.is_dir() else 0
     return f"{count} executables in {path}"
+
+
+# What a start remembers beside the executables: the shape-deciding sizes it chose (engine.memory's CPU
+# cache size), so that the next start with the same layout takes the same and finds its executables
+SIZES_FILE = "sizes.json"
+MAX_SIZES = 64
+
+
+def remembered_size(key: str) -> int | None:
+    """The size a previous start stored under `key` beside the compilation cache (None: none, or no cache)."""
+    path = _sizes_path()
+    if path is None:
+        return None
+    try:
+        value = json.loads(path.read_text()).get(key)
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, int) else None
+
+
+def remember_size(key: str, value: int) -> None:
+    """Stores `value` under `key` for the next start (atomically: a concurrent start keeps one of the two
+    files, and at worst compiles once more); nothing without a compilation cache."""
+    path = _sizes_path()
+    if path is None:
+        return
+    try:
+        sizes = json.loads(path.read_text())
+        sizes = sizes if isinstance(sizes, dict) else {}
+    except (OSError, ValueError):
+        sizes = {}
+    sizes.pop(key, None)
+    sizes[key] = int(value)  # last: the file keeps the MAX_SIZES most recently stored
+    sizes = dict(list(sizes.items())[-MAX_SIZES:])
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
+            json.dump(sizes, f, indent=0)
+        os.replace(f.name, path)
+    except OSError as e:  # a read-only cache folder: every start sizes afresh
+        log.debug("could not remember %s=%d in %s: %s", key, value, path, e)
+
+
+def _sizes_path() -> Path | None:
+    import jax
+
+    folder = jax.config.jax_compilation_cache_dir
+    return Path(folder) / SIZES_FILE if folder else None

@@ -12,8 +12,9 @@ On a CPU, where the devices share the host's RAM, the budget comes from the RAM 
 F of it for everything (weights included); without it, the KV cache (and the temporaries that grow with
 it) takes CPU_KV_SHARE of what is left after the weights and the step's fixed temporaries, so that any
 model whose weights fit serves with no sizing flag (as vLLM's CPU backend gives its KV cache a budget of
-its own). On accelerators the fraction (default 0.9, vLLM's) covers everything. The start-up line's
-`sized_by` names the rule.
+its own); that size is kept steady from one start to the next (steady_num_blocks), so that a restart
+finds its executables in the persistent compilation cache. On accelerators the fraction (default 0.9,
+vLLM's) covers everything. The start-up line's `sized_by` names the rule.
 
 `--max-model-len` defaults to the model's context (max_position_embeddings), capped to what the cache
 holds for one request; a larger value than the model's context is refused, and so is a budget that cannot
@@ -32,6 +33,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from pdserve.engine import compile_cache
 from pdserve.engine.config import EngineConfig, ModelConfig, SizingError
 from pdserve.engine.model.kv_cache import cache_shape
 
@@ -45,6 +47,10 @@ ACCELERATOR_FRACTION = 0.9
 # available RAM the weights and those temporaries may take before the model is refused as too large
 CPU_KV_SHARE = 0.1
 CPU_WEIGHTS_SHARE = 0.9
+# Leading bits a CPU's cache size keeps (steady_num_blocks): 5, at most 1/16 of the budget's blocks given
+# up by the rounding, 1/8 by keeping the last start's size (a start's budget moves by a few percent: what
+# the runtime took before sizing varies by a hundred MB, the RAM available by more)
+STEADY_BITS = 5
 # On a CPU, counted with the runtime: the host-side arrays of a step and what the allocator keeps of freed
 # temporaries beyond XLA's accounting (measured: 18 to 30 MiB past a 6.5 GiB plan of a 1.2B bfloat16 model
 # on jax 0.10; on jax 0.12, whose XLA:CPU runs bfloat16 dots in libraries of its own, 142 MiB past the
@@ -254,6 +260,27 @@ def host_blocks(model: ModelConfig, config: EngineConfig) -> int:
     return slots
 
 
+def steady_num_blocks(num_blocks: int, key: str | None = None) -> int:
+    """A CPU's cache size for a budget of `num_blocks`: the size the last start with the same `key` (the
+    sizing rule and the layout) took while that fits and gives up at most 1/2**(STEADY_BITS - 2) of the
+    blocks, else `num_blocks` rounded down to its STEADY_BITS leading bits (at most 1/2**(STEADY_BITS - 1)
+    fewer; remembered under `key` beside the compilation cache). On a CPU the budget is a share of the
+    RAM available at start, which moves from one start to the next, and the cache's size is a dimension
+    of every compiled step: unrounded, no start found the previous one's executables in the persistent
+    compilation cache (a one-shot `pdserve generate` compiled each decode shape again, a daemon's restart
+    its whole warmup); rounded alone, a budget near a step's edge still changed sides between starts."""
+    num_blocks = int(num_blocks)
+    least = num_blocks - num_blocks // 2 ** (STEADY_BITS - 2)
+    last = None if key is None else compile_cache.remembered_size(key)
+    if last is not None and least <= last <= num_blocks:
+        return last
+    granule = 1 << max(0, num_blocks.bit_length() - STEADY_BITS)
+    steady = num_blocks // granule * granule
+    if key is not None:
+        compile_cache.remember_size(key, steady)
+    return steady
+
+
 def agreed_num_blocks(num_blocks: int) -> int:
     """The cache size every process of a multi-process engine takes: each sizes its own from its own
     devices, but all run the same steps on one cache (engine.multihost), so they take the smallest."""
@@ -358,7 +385,12 @@ def plan(
         if rss_at_start is not None:
             runtime += max(0, resident_bytes() - rss_at_start - weight_bytes)
     budget, rule = _budget(mesh, config, weight_bytes, runtime, temps.base)
-    num_blocks = agreed_num_blocks(max(0, (budget - temps.base) // (per_block + temps.per_block)))
+    num_blocks = max(0, (budget - temps.base) // (per_block + temps.per_block))
+    if platform == "cpu":
+        num_blocks = steady_num_blocks(
+            num_blocks, key=f"kv_blocks {rule}, {per_block} B a block, temps {temps.base}+{temps.per_block} B"
+        )
+    num_blocks = agreed_num_blocks(num_blocks)
     activations = temps.at(num_blocks)
     one_request = -(-max_len // bs)
     if num_blocks < one_request:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -9,7 +10,9 @@ import sys
 
 import pytest
 
-from pdserve.testing.launch import ENGINE_ARGS
+from pdserve.engine import memory
+from pdserve.flags import config_argv
+from pdserve.testing.launch import ENGINE_ARGS, TEST_ENGINE
 
 pytestmark = pytest.mark.daemon
 
@@ -86,3 +89,42 @@ def test_generate_with_a_lora_adapter(model_path, loaded_model, make_engine, tmp
     assert bad.returncode == 2 and "expected NAME=PATH" in bad.stderr
     missing = run_cli("generate", "--lora", f"x={tmp_path / 'none'}", "hi", model_path=model_path)
     assert missing.returncode != 0 and "--lora x" in missing.stderr and "not a directory" in missing.stderr
+
+
+@pytest.mark.standalone
+def test_a_second_one_shot_generate_compiles_nothing(model_path, tmp_path):
+    """`pdserve generate` with n-gram speculation and its KV cache sized from the RAM available, twice: the
+    second finds every executable the first used (its prefill, decode and verification steps) in the
+    persistent compilation cache. The cache's size, a dimension of every step, holds from one start to the
+    next (engine.memory.steady_num_blocks), though the budget moves: the RAM reading is pinned here (other
+    tests move it), but what the runtime took before sizing still varies by tens of blocks."""
+    sized_from_memory = config_argv(dataclasses.replace(TEST_ENGINE, num_blocks=0))
+    quote = "Repeat: one two three four five six. one two three four five six. one two three"
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}'
+    watched = (
+        "import sys; from pdserve.testing import compile_watch; from pdserve.cli import main; "
+        "rc = main(sys.argv[1:]); print('misses', compile_watch.persistent_cache_misses()); sys.exit(rc)"
+    )
+    misses, texts = [], []
+    for _ in range(2):
+        env = {
+            **os.environ,
+            "JAX_PLATFORMS": "cpu",
+            "PDSERVE_CACHE_DIR": str(tmp_path),  # a compilation cache of its own: the first run fills it
+            memory.AVAILABLE_RAM_ENV: str(4 * 2**30),
+        }
+        env.pop("XLA_FLAGS", None)
+        args = ["generate", "--json", "--max-tokens", "16", "--speculative-config", spec, quote]
+        done = subprocess.run(
+            [sys.executable, "-c", watched, *args, "--model", str(model_path), *sized_from_memory],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=300,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        record, last = done.stdout.strip().splitlines()[-2:]
+        misses.append(int(last.split()[1]))
+        texts.append(json.loads(record)["text"])
+    assert misses[0] > 0 and misses[1] == 0, misses
+    assert texts[0] == texts[1]

@@ -8,8 +8,6 @@ from pdserve.engine import memory
 from pdserve.engine.config import EngineConfig, SizingError
 from pdserve.engine.llm_engine import LLMEngine
 
-pytestmark = pytest.mark.model
-
 # The tests' step sizes (the largest step is what the profile compiles)
 SIZES = dict(max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=256)
 MIB = 2**20
@@ -22,6 +20,7 @@ def fraction_for(kv_bytes: int, weight_bytes: int) -> float:
     return (kv_bytes + weight_bytes + memory.CPU_RUNTIME_RESERVE + 192 * MIB) / (available + weight_bytes)
 
 
+@pytest.mark.model
 def test_kv_capacity_follows_the_memory_fraction(loaded_model, caplog):
     """Two fractions, two capacities: each cache takes what its fraction leaves beyond the weights and the
     largest step's measured temporaries, and the start-up line says so."""
@@ -35,9 +34,9 @@ def test_kv_capacity_follows_the_memory_fraction(loaded_model, caplog):
         plan = engine.runner.memory
         assert plan.fraction == config.gpu_memory_utilization and plan.activation_bytes > 0
         kv = plan.num_blocks * plan.block_bytes
-        assert (
-            0 <= plan.budget_bytes - plan.activation_bytes - kv < 2 * plan.block_bytes
-        )  # the cache: the rest
+        rest = plan.budget_bytes - plan.activation_bytes  # the cache: the rest, in steady steps
+        assert 0 <= rest - kv < rest / 2 ** (memory.STEADY_BITS - 1) + 2 * plan.block_bytes
+        assert plan.num_blocks == memory.steady_num_blocks(plan.num_blocks)
         assert plan.runtime_bytes >= memory.CPU_RUNTIME_RESERVE
         assert engine.config.num_blocks == plan.num_blocks == engine.scheduler.kv.num_blocks
         assert engine.runner.cache.shape[1] == plan.num_blocks
@@ -51,6 +50,35 @@ def test_kv_capacity_follows_the_memory_fraction(loaded_model, caplog):
     assert info["platform"] == "cpu" and info["max_model_len"] == "1024" and info["compile_cache"]
 
 
+@pytest.mark.fast
+def test_a_cpu_cache_size_holds_across_starts(tmp_path):
+    """The RAM available at start moves between starts; the cache's size (a dimension of every compiled
+    step) rounds down to steps that absorb it, giving up at most 1/16 of the blocks, and a later start with
+    the same layout keeps the last start's size while it fits and gives up at most 1/8."""
+    import jax
+
+    assert memory.steady_num_blocks(6448) == memory.steady_num_blocks(6439) == 6400
+    rounded = [memory.steady_num_blocks(n) for n in (0, 1, 31, 32, 33, 63, 64, 65)]
+    assert rounded == [0, 1, 31, 32, 32, 62, 64, 64]
+    for n in range(1, 5000, 7):
+        steady = memory.steady_num_blocks(n)
+        assert (
+            n - n / 2 ** (memory.STEADY_BITS - 1) < steady <= n and memory.steady_num_blocks(steady) == steady
+        )
+    before = jax.config.jax_compilation_cache_dir
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path))
+    try:
+        assert memory.steady_num_blocks(6401, key="a") == 6400  # near a step's edge
+        assert memory.steady_num_blocks(6390, key="a") == 6144  # the next start's budget is a little less
+        assert memory.steady_num_blocks(6410, key="a") == 6144  # and then more: the last size holds
+        assert memory.steady_num_blocks(6410, key="b") == 6400  # another layout: its own
+        assert memory.steady_num_blocks(6100, key="a") == 5888  # the last no longer fits: sized again
+        assert memory.steady_num_blocks(7000, key="a") == 6912  # far more: no longer within 1/8
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)
+
+
+@pytest.mark.model
 def test_weights_beyond_the_budget_are_refused_before_loading(loaded_model):
     with pytest.raises(SizingError) as refusal:
         LLMEngine(loaded_model, EngineConfig(gpu_memory_utilization=1e-5, **SIZES))
@@ -59,6 +87,7 @@ def test_weights_beyond_the_budget_are_refused_before_loading(loaded_model):
     assert "--tp" in message and "--gpu-memory-utilization" in message
 
 
+@pytest.mark.model
 def test_a_cache_that_cannot_hold_one_request_is_refused_naming_the_numbers_and_flags(loaded_model):
     """engine.memory.plan on the engine's real mesh and weights, the largest step's temporaries given as
     more than the budget (what a long max_model_len's tables cost): no block is left for one request."""
@@ -74,6 +103,7 @@ def test_a_cache_that_cannot_hold_one_request_is_refused_naming_the_numbers_and_
         assert flag in message
 
 
+@pytest.mark.model
 def test_max_model_len_defaults_to_the_model_context(loaded_model):
     """The test model's context is 8192 (max_position_embeddings): the default where the cache holds it,
     capped to the cache otherwise; a longer one is refused before any weight is read."""
@@ -89,6 +119,7 @@ def test_max_model_len_defaults_to_the_model_context(loaded_model):
         LLMEngine(loaded_model, EngineConfig(num_blocks=64, max_model_len=2 * context, **sizes))
 
 
+@pytest.mark.model
 def test_a_quantized_cache_holds_about_four_times_the_float32_blocks(loaded_model, monkeypatch):
     """--kv-cache-dtype fp8: a block is a quarter of float32's bytes, so the same memory budget holds four
     times the blocks (the tokens the start-up line, Admin stats and the KV events report); int8: a quarter
@@ -97,6 +128,7 @@ def test_a_quantized_cache_holds_about_four_times_the_float32_blocks(loaded_mode
 
     # one budget for the three plans: the host's available RAM moves between readings (other tests beside)
     monkeypatch.setenv(memory.AVAILABLE_RAM_ENV, str(memory.available_ram()))
+    monkeypatch.setattr(memory, "STEADY_BITS", 64)  # the blocks the budget holds, not rounded to steady steps
 
     engine = LLMEngine(loaded_model, EngineConfig(num_blocks=64, **SIZES))
     mesh, cfg = engine.runner.mesh, loaded_model.config
