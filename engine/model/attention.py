@@ -112,9 +112,9 @@ def _empty(shape, d, dtype):
 def _gather_blocks(cache, layer, blocks, flat_rows):
     """cache[layer, blocks]: [..., block_size, 2 kv_heads (latent: 1), row width]. With `flat_rows` each
     block is read as one row of the cache seen as [layers * blocks, block bytes]: XLA:CPU's gather copies
-    a whole row at a time, 1.5-1.7x faster for a decode step's attention than gathering [block_size, heads,
-    dims] slices (docs/benchmark-history.md, "Reading the paged cache as rows"). On a TPU the reshape would
-    copy the cache into another tiling, so the kernel's seam reads blocks as they are."""
+    a whole row at a time, and a decode step's attention takes 0.64-0.81x the time it takes gathering
+    [block_size, heads, dims] slices (docs/benchmark-history.md, "Reading the paged cache as rows"). On a
+    TPU the reshape would copy the cache into another tiling, so the TPU seam reads blocks as they are."""
     if not flat_rows:
         return cache[layer, blocks]
     layers, num_blocks, *block = cache.shape
