@@ -45,12 +45,7 @@ MAX_SIZES = 64
 def remembered_size(key: str) -> int | None:
     """The size a previous start stored under `key` beside the compilation cache (None: none, or no cache)."""
     path = _sizes_path()
-    if path is None:
-        return None
-    try:
-        value = json.loads(path.read_text()).get(key)
-    except (OSError, ValueError, AttributeError):
-        return None
+    value = None if path is None else _stored_sizes(path).get(key)
     return value if isinstance(value, int) else None
 
 
@@ -60,11 +55,7 @@ def remember_size(key: str, value: int) -> None:
     path = _sizes_path()
     if path is None:
         return
-    try:
-        sizes = json.loads(path.read_text())
-        sizes = sizes if isinstance(sizes, dict) else {}
-    except (OSError, ValueError):
-        sizes = {}
+    sizes = _stored_sizes(path)
     sizes.pop(key, None)
     sizes[key] = int(value)  # last: the file keeps the MAX_SIZES most recently stored
     sizes = dict(list(sizes.items())[-MAX_SIZES:])
@@ -82,3 +73,12 @@ def _sizes_path() -> Path | None:
 
     folder = jax.config.jax_compilation_cache_dir
     return Path(folder) / SIZES_FILE if folder else None
+
+
+def _stored_sizes(path: Path) -> dict:
+    """The sizes file's entries ({}: none, unreadable, or not a JSON object)."""
+    try:
+        sizes = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return sizes if isinstance(sizes, dict) else {}

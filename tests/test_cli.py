@@ -17,12 +17,19 @@ from pdserve.testing.launch import ENGINE_ARGS, TEST_ENGINE
 pytestmark = pytest.mark.daemon
 
 
-def run_cli(*args: str, model_path) -> subprocess.CompletedProcess:
-    """`pdserve ARGS --model model_path`, with the tests' engine sizes (what they compile is shared)."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+def run_cli(
+    *args: str,
+    model_path,
+    engine_args=ENGINE_ARGS,
+    env: dict[str, str] | None = None,
+    entry: tuple[str, ...] = ("-m", "pdserve.cli"),
+) -> subprocess.CompletedProcess:
+    """`pdserve ARGS --model model_path`, with the tests' engine sizes (what they compile is shared) or
+    `engine_args`, `env` over this process's environment, and `entry` (Python's arguments that run main)."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})}
     env.pop("XLA_FLAGS", None)
     return subprocess.run(
-        [sys.executable, "-m", "pdserve.cli", *args, "--model", str(model_path), *ENGINE_ARGS],
+        [sys.executable, *entry, *args, "--model", str(model_path), *engine_args],
         capture_output=True,
         text=True,
         env=env,
@@ -107,20 +114,14 @@ def test_a_second_one_shot_generate_compiles_nothing(model_path, tmp_path):
     )
     misses, texts = [], []
     for _ in range(2):
-        env = {
-            **os.environ,
-            "JAX_PLATFORMS": "cpu",
-            "PDSERVE_CACHE_DIR": str(tmp_path),  # a compilation cache of its own: the first run fills it
-            memory.AVAILABLE_RAM_ENV: str(4 * 2**30),
-        }
-        env.pop("XLA_FLAGS", None)
-        args = ["generate", "--json", "--max-tokens", "16", "--speculative-config", spec, quote]
-        done = subprocess.run(
-            [sys.executable, "-c", watched, *args, "--model", str(model_path), *sized_from_memory],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=300,
+        done = run_cli(
+            "generate",
+            *("--json", "--max-tokens", "16", "--speculative-config", spec, quote),
+            model_path=model_path,
+            engine_args=sized_from_memory,
+            # a compilation cache of its own (the first run fills it); the RAM reading pinned
+            env={"PDSERVE_CACHE_DIR": str(tmp_path), memory.AVAILABLE_RAM_ENV: str(4 * 2**30)},
+            entry=("-c", watched),
         )
         assert done.returncode == 0, done.stderr[-3000:]
         record, last = done.stdout.strip().splitlines()[-2:]

@@ -49,6 +49,10 @@ class Padding:
     def tokens(self, num_tokens: int) -> int:
         return next((b for b in self.token_buckets if b >= num_tokens), num_tokens)
 
+    def bucket(self, rows: Iterable[RowShape]) -> int:
+        """The token bucket a step of `rows` runs in."""
+        return self.tokens(sum(r.num_tokens for r in rows))
+
     def rows(self, num_tokens: int, num_rows: int) -> int:
         return min(self.tokens(num_tokens), self.max_num_seqs) if self.max_num_seqs else num_rows
 
@@ -82,8 +86,7 @@ class StepCosts:
         linear = float(work_of(rows, self.padding) @ self.vector())
         if not self.bucket_factors:
             return linear
-        bucket = self.padding.tokens(sum(r.num_tokens for r in rows))
-        return linear * dict(self.bucket_factors).get(bucket, 1.0)
+        return linear * dict(self.bucket_factors).get(self.padding.bucket(rows), 1.0)
 
     def vector(self) -> np.ndarray:
         return np.array([getattr(self, term) for term in TERMS])
@@ -112,8 +115,7 @@ class StepCosts:
         # (a lone row runs another kernel), which no linear term in the rows gives
         ratios: dict[int, list[float]] = {}
         for rows, measured in steps:
-            bucket = padding.tokens(sum(r.num_tokens for r in rows))
-            ratios.setdefault(bucket, []).append(measured / linear.seconds(rows))
+            ratios.setdefault(padding.bucket(rows), []).append(measured / linear.seconds(rows))
         factors = tuple(
             (b, float(np.median(r))) for b, r in sorted(ratios.items()) if len(r) >= MIN_BUCKET_STEPS
         )
