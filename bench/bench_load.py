@@ -15,7 +15,8 @@ Reported against references measured in the same run:
   <= 1.1). The second includes what XLA keeps of the compiled step and the step's temporaries, which
   are reported too (XLA's memory analysis of the largest step);
 - load GB/s against reading the same shard files from disk in the same run (the page cache warm for
-  both: the loader's own cost over the bytes it must read).
+  both: the loader's own cost over the bytes it must read), at a first start (the loader's writes
+  compiled) and at a restart (read back from pdserve's compilation cache, a folder of the run's own).
 
 --smoke: a 2-layer random Llama of hidden size 64 (the figures mean nothing; the script runs).
 """
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -66,13 +68,18 @@ def main(argv: list[str] | None = None) -> None:
         stored = write_random_llama(folder, shards=4, layers=args.layers, **sizes)
         print(f"wrote {stored / 1e9:.2f} GB in {time.perf_counter() - start:.0f} s", file=sys.stderr)
         disk = max(read_files(folder) for _ in range(2))  # the second read: page cache warm, as the load's
-        probe = subprocess.run(
-            [sys.executable, "-m", "pdserve.testing.load_probe", str(folder), "--dtype", args.dtype],
-            capture_output=True,
-            text=True,
-            check=True,
+        # pdserve's compilation cache, in a folder of the run's own: the first start compiles the loader's
+        # writes, a restart (the second probe) reads them back, as a daemon's restart does
+        env = {**os.environ, "PDSERVE_CACHE_DIR": str(Path(tmp) / "cache")}
+        command = [sys.executable, "-m", "pdserve.testing.load_probe", str(folder), "--dtype", args.dtype]
+        cost, restart = (
+            json.loads(
+                subprocess.run(
+                    [*command, "--compile-cache"], capture_output=True, text=True, check=True, env=env
+                ).stdout.splitlines()[-1]
+            )
+            for _ in range(2)
         )
-    cost = json.loads(probe.stdout.strip().splitlines()[-1])
     ckpt = cost["checkpoint_bytes"]
     growth = lambda key: (cost[key] - cost["rss_before"] - cost["kv_bytes"]) / ckpt  # noqa: E731
     result = {
@@ -87,9 +94,12 @@ def main(argv: list[str] | None = None) -> None:
         "traced_after_load_mb": cost["traced_after"] / 1e6,
         "load_seconds": cost["load_seconds"],
         "load_gb_per_s": ckpt / 1e9 / cost["load_seconds"],
+        "restart_load_seconds": restart["load_seconds"],
+        "restart_load_gb_per_s": ckpt / 1e9 / restart["load_seconds"],
         "read_files_gb_per_s": disk,
     }
     result["load_over_read_speed"] = ratio(result["load_gb_per_s"], disk)
+    result["restart_load_over_read_speed"] = ratio(result["restart_load_gb_per_s"], disk)
     for key, value in result.items():
         print(f"{key:45s} {value:.3f}" if isinstance(value, float) else f"{key:45s} {value}")
     write_json(result, args.json)

@@ -14,6 +14,7 @@ import hashlib
 import json
 import logging
 import math
+import struct
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
@@ -129,7 +130,7 @@ class CheckpointError(FileNotFoundError):
 
 
 # Tensor dtypes pdserve reads from safetensors files (anything else is a quantized or foreign checkpoint)
-_SAFETENSORS_DTYPES = ("F32", "F16", "BF16")
+_SAFETENSORS_DTYPES = {"F32": "<f4", "F16": "<f2", "BF16": "bfloat16"}  # the stored dtypes read, as numpy's
 GLOBAL_TENSORS = ("embed", "final_norm", "lm_head")  # the arrays outside the layers
 
 
@@ -328,12 +329,13 @@ class SafetensorsCheckpoint(Checkpoint):
             files = sorted(p.name for p in path.glob("*.safetensors"))
         if not files:
             raise CheckpointError(f"{path} has no *.safetensors files")
-        self.where: dict[str, Path] = {}
+        self.where: dict[str, _Stored] = {}
         self.nbytes = self.num_params = 0
         entries = []
         for file in files:
             if not (path / file).is_file():
                 raise CheckpointError(f"{path / file} (named in the index) is missing")
+            offsets = _data_offsets(path / file)
             with safe_open(str(path / file), framework="numpy") as f:
                 for key in f.keys():  # noqa: SIM118 - safe_open has no __iter__
                     tensor = f.get_slice(key)
@@ -343,8 +345,8 @@ class SafetensorsCheckpoint(Checkpoint):
                             f"{path / file}: tensor {key} is {dtype}: pdserve reads {_SAFETENSORS_DTYPES} "
                             "tensors only (a quantized checkpoint? serve its bf16 original)"
                         )
-                    self.where[key] = path / file
                     shape = tuple(tensor.get_shape())
+                    self.where[key] = _Stored(path / file, offsets[key], _SAFETENSORS_DTYPES[dtype], shape)
                     self.num_params += math.prod(shape)
                     if shape and shape[0]:
                         sample = edge_rows(tensor[0:1]) + edge_rows(tensor[shape[0] - 1 : shape[0]])
@@ -359,8 +361,38 @@ class SafetensorsCheckpoint(Checkpoint):
         yield _SafetensorsReader(self.config, self.path, self.where)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Stored:
+    """Where a safetensors tensor's bytes are: its file, their offset in it, its numpy dtype and shape."""
+
+    file: Path
+    offset: int
+    dtype: str
+    shape: tuple[int, ...]
+
+    def mapped(self) -> np.ndarray:
+        """The tensor as a read-only view of the file's pages (mapped for this tensor only: the mapping, and
+        the pages it made resident, end when the array and its views are dropped)."""
+        if math.prod(self.shape) == 0:
+            return np.zeros(self.shape, self.dtype)
+        return np.asarray(np.memmap(self.file, self.dtype, mode="r", offset=self.offset, shape=self.shape))
+
+
+def _data_offsets(file: Path) -> dict[str, int]:
+    """Where each tensor's bytes start in a safetensors file. The format: an 8-byte little-endian length,
+    a JSON header of that length naming each tensor's `data_offsets` from the end of the header. (The
+    safetensors package reads a tensor by copying it out of its own map; a view of the pages lets the
+    devices' copy be the only one.)"""
+    with file.open("rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+    return {
+        key: 8 + length + entry["data_offsets"][0] for key, entry in header.items() if key != "__metadata__"
+    }
+
+
 class _SafetensorsReader(_FileReader):
-    def __init__(self, cfg: ModelConfig, path: Path, where: Mapping[str, Path]):
+    def __init__(self, cfg: ModelConfig, path: Path, where: Mapping[str, _Stored]):
         super().__init__(cfg, path, self._fetch)
         self.where = where
         self.names = {w: hf for w, (_, hf) in _LAYER_TENSORS.items()}
@@ -376,20 +408,13 @@ class _SafetensorsReader(_FileReader):
     }
 
     def rows(self, key: str) -> int:
-        from safetensors import safe_open
-
-        with safe_open(str(self.where[key]), framework="numpy") as f:
-            return f.get_slice(key).get_shape()[0]
+        return self.where[key].shape[0]
 
     def tensor(self, key: str, rows: slice = slice(None)) -> np.ndarray | None:
-        from safetensors import safe_open
-
-        file = self.where.get(key)
-        if file is None:
+        stored = self.where.get(key)
+        if stored is None:
             return None
-        # opened for each tensor: the file's memory map (resident pages) ends with the read
-        with safe_open(str(file), framework="numpy") as f:
-            w = f.get_tensor(key) if rows == slice(None) else f.get_slice(key)[rows]
+        w = stored.mapped()[rows]
         self.bytes_read += w.nbytes
         return w
 

@@ -7,10 +7,14 @@ group. Padded query heads have zero output projections, so they add nothing to t
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import dataclasses
 import functools
 import logging
+import os
 import time
+from collections.abc import Callable, Iterable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +22,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from pdserve.engine.config import ModelConfig
-from pdserve.engine.loading.checkpoints import GLOBAL_TENSORS, Checkpoint
+from pdserve.engine.loading.checkpoints import Checkpoint
 from pdserve.engine.model.quantized import QUANTIZED, Int8Weight, quantize, scale_axes
 from pdserve.engine.model.sharding import named
 
@@ -155,13 +159,22 @@ def _mla(cfg: ModelConfig, host: dict[str, np.ndarray], tp: int) -> dict[str, np
     }
 
 
+def stack_in_place(arrays: list[np.ndarray], axis: int) -> np.ndarray:
+    """`np.stack(arrays, axis)` as a view of a copy in which each array keeps its own memory order (the new
+    axis outermost): one contiguous copy per array where they are transposed views of stored tensors, which
+    np.stack would interleave element by element. The devices' copy (`_put`) puts it in their layout."""
+    order = sorted(range(arrays[0].ndim), key=lambda a: -arrays[0].strides[a])  # outermost in memory first
+    in_memory = np.stack([a.transpose(order) for a in arrays])
+    return np.moveaxis(in_memory.transpose(0, *(np.argsort(order) + 1)), 0, axis)
+
+
 def _mlp(host: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The MLP's stacked arrays, gate and up fused: dense ones over the layers that have them, experts
     (and shared experts) over theirs (engine.loading.checkpoints._layers_with)."""
     out = {"w_router": host.get("w_router")}
     for prefix in ("w", "experts", "shared"):
         if f"{prefix}_gate" in host:
-            out[f"{prefix}_gate_up"] = np.stack([host[f"{prefix}_gate"], host[f"{prefix}_up"]], axis=-2)
+            out[f"{prefix}_gate_up"] = stack_in_place([host[f"{prefix}_gate"], host[f"{prefix}_up"]], axis=-2)
             out[f"{prefix}_down"] = host[f"{prefix}_down"]
     return out
 
@@ -202,38 +215,93 @@ def _put(host: np.ndarray, sharding: NamedSharding) -> jax.Array:
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2))
-def _zeros(shape: tuple[int, ...], dtype: np.dtype, sharding: NamedSharding) -> jax.Array:
-    return jax.lax.with_sharding_constraint(jnp.zeros(shape, dtype), sharding)
+@functools.partial(jax.jit, static_argnums=0)
+def _zeros(specs: tuple[tuple[str, tuple[int, ...], np.dtype, NamedSharding], ...]) -> dict[str, jax.Array]:
+    """Zeroed arrays by name, each of its (name, shape, dtype, sharding) in `specs`."""
+    return {
+        name: jax.lax.with_sharding_constraint(jnp.zeros(shape, dtype), sharding)
+        for name, shape, dtype, sharding in specs
+    }
 
 
 @functools.partial(jax.jit, donate_argnums=0, static_argnames="axis")
-def _write_at(target: jax.Array, piece: jax.Array, index: jax.Array, axis: int = 0) -> jax.Array:
-    """`target` with `piece` written from `index` of `axis` on, in place (donated)."""
-    return jax.lax.dynamic_update_slice_in_dim(target, piece, index, axis=axis)
+def _write_at(targets: dict, pieces: dict, index: jax.Array, axis: int = 0) -> dict:
+    """Each of `targets` with its piece (cast to its dtype) written from `index` of `axis` on, in place
+    (donated): one call, one compiled program, for all of a layer's arrays."""
+    return {
+        name: jax.lax.dynamic_update_slice_in_dim(target, pieces[name].astype(target.dtype), index, axis=axis)
+        for name, target in targets.items()
+    }
 
 
 _VOCAB_PIECE_BYTES = 64 * 2**20  # the embeddings and the head are read and placed in pieces of this size
+LOAD_THREADS = min(4, os.cpu_count() or 1)  # threads that read and copy weights ahead of their writes
 
 
-def _read_outside(cfg: ModelConfig, reader, name: str, mesh: Mesh, dtype: np.dtype, bar) -> jax.Array | None:
-    """One of the arrays outside the layers onto the mesh; the embeddings and the head (a vocabulary axis,
-    each the size of several layers) a piece of the vocabulary at a time."""
-    sharding = named(mesh, *_AXES[name])
-    if name == "final_norm":
-        return _put(reader.global_tensor(name).astype(dtype, copy=False), sharding)
+@dataclasses.dataclass
+class _Placed:
+    """Pieces of weights on the devices, by name, bound for `index` of `axis` of the stacked arrays of the
+    same names, each of its (name, shape, dtype, sharding) in `targets`: a layer's part of each stacked
+    weight, or a piece of the vocabulary."""
+
+    pieces: dict[str, jax.Array]
+    targets: tuple[tuple[str, tuple[int, ...], np.dtype, NamedSharding], ...]
+    index: int
+    axis: int = 0
+
+
+def _layer_pieces(
+    cfg: ModelConfig, reader, i: int, segment: range, mesh: Mesh, dtype, quantization
+) -> _Placed:
+    """Layer i's arrays read, fused and padded (layer_arrays), quantized with `quantization` "int8" and put
+    on the devices in their stored dtype (cast to `dtype` as they are written into the stacked arrays of
+    the layers of `segment`)."""
+    pieces, targets = {}, []
+    for name, w in layer_arrays(cfg, reader.layer(i), mesh.shape["model"]).items():
+        if w is None:
+            continue
+        axes = _LAYER_AXES[name]
+        parts = [(name, w, axes, dtype)]
+        if quantization == "int8" and name in QUANTIZED:
+            values, scale = quantize(w)
+            parts = [(name, values, axes, values.dtype), (f"{name}/scale", scale, scale_axes(axes), dtype)]
+        for key, array, part_axes, target_dtype in parts:
+            sharding = named(mesh, *part_axes)
+            pieces[key] = _put(array, sharding)
+            targets.append((key, (len(segment), *array.shape[1:]), np.dtype(target_dtype), sharding))
+    return _Placed(pieces, tuple(targets), i - segment.start)
+
+
+def _vocab_pieces(cfg: ModelConfig, reader, name: str, mesh: Mesh, dtype) -> list[Callable[[], _Placed]]:
+    """The embeddings' or the head's reads (each the size of several layers: a piece of the vocabulary at a
+    time), each a task giving the piece on the devices, replicated (its rows need not divide over the mesh;
+    each device keeps its part when it is written into the array)."""
     if name == "lm_head" and cfg.tie_word_embeddings:
-        return None
+        return []
     vocab, axis = reader.vocab_size(name), 0 if name == "embed" else 1
     shape = (vocab, cfg.hidden_size) if axis == 0 else (cfg.hidden_size, vocab)
-    target = _zeros(shape, dtype, sharding)
     step = max(1, _VOCAB_PIECE_BYTES // (4 * cfg.hidden_size))  # (float32 where dequantized)
-    for start in range(0, vocab, step):
-        piece = reader.global_tensor(name, slice(start, min(start + step, vocab))).astype(dtype, copy=False)
-        # (a piece is replicated: its rows need not divide over the mesh; each device keeps its part)
-        target = _write_at(target, _put(piece, named(mesh)), start, axis=axis)
-        bar.update(reader.bytes_read - bar.n)
-    return target
+
+    def piece(start: int) -> _Placed:
+        host = reader.global_tensor(name, slice(start, min(start + step, vocab)))
+        target = (name, shape, dtype, named(mesh, *_AXES[name]))
+        return _Placed({name: _put(host, named(mesh))}, (target,), start, axis)
+
+    return [functools.partial(piece, start) for start in range(0, vocab, step)]
+
+
+def _in_order(tasks: Iterable[Callable[[], _Placed]], workers: int) -> Iterator[_Placed]:
+    """Each task's result, in order, computed on `workers` threads that run at most `workers` tasks ahead of
+    the caller (so the host holds that many layers' arrays at once). Reading a file, numpy's copies and
+    the devices' copies (which transpose a stored tensor into its layout) release the GIL."""
+    with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="weights") as pool:
+        pending: collections.deque = collections.deque()
+        for task in tasks:
+            pending.append(pool.submit(task))
+            if len(pending) > workers:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
 
 
 def _return_freed_memory() -> None:
@@ -267,13 +335,14 @@ def build_weights(
     quantization: str = "none",
 ) -> Weights:
     """Streams `checkpoint`'s weights onto `mesh`, a layer at a time: each layer's arrays are read, fused
-    and padded for the mesh's TP size, cast to `dtype` (`quantization` "int8": the projections quantized,
-    engine.model.quantized) and written into their layer of the stacked device arrays (created zeroed in
-    their sharding). The host holds one layer at a time; each device receives only its own shard.
-    `progress`: a bar of the stored bytes read."""
+    and padded for the mesh's TP size (`quantization` "int8": the projections quantized,
+    engine.model.quantized), put on the devices as they are stored (each device receives only its own
+    shard; the devices' copy transposes a stored [out, in] tensor into its layout) and written, cast to
+    `dtype`, into their layer of the stacked device arrays (created zeroed in their sharding). Reads and
+    copies run on LOAD_THREADS threads a few layers ahead of the writes: the host holds that many layers at
+    once. `progress`: a bar of the stored bytes read."""
     from tqdm import tqdm
 
-    tp = mesh.shape["model"]
     dtype = np.dtype(dtype)
     start_time = time.perf_counter()
     with (
@@ -282,31 +351,26 @@ def build_weights(
     ):
         segments = []
         for start, end in cfg.layer_segments():
-            stacked: dict[str, jax.Array] = {}  # name (and "name/scale" of a quantized one) -> stacked
-            for i in range(start, end):
-                for name, w in layer_arrays(cfg, reader.layer(i), tp).items():
-                    if w is None:
-                        continue
-                    axes = _LAYER_AXES[name]
-                    if quantization == "int8" and name in QUANTIZED:
-                        values, scale = quantize(w)
-                        scale_part = (f"{name}/scale", scale.astype(dtype), scale_axes(axes))
-                        parts = [(name, values, axes), scale_part]
-                    else:
-                        parts = [(name, w.astype(dtype, copy=False), axes)]
-                    for key, array, part_axes in parts:
-                        sharding = named(mesh, *part_axes)
-                        if key not in stacked:
-                            stacked[key] = _zeros((end - start, *array.shape[1:]), array.dtype, sharding)
-                        stacked[key] = _write_at(stacked[key], _put(array, sharding), i - start)
-                bar.update(reader.bytes_read - bar.n)
-                _return_freed_memory()
-            for name in QUANTIZED:
-                if f"{name}/scale" in stacked:
-                    stacked[name] = Int8Weight(stacked[name], stacked.pop(f"{name}/scale"))
-            segments.append(LayerWeights(**{name: stacked.get(name) for name in _LAYER_AXES}))
-        outside = {name: _read_outside(cfg, reader, name, mesh, dtype, bar) for name in GLOBAL_TENSORS}
-        weights = Weights(layers=tuple(segments), **outside)
+            segment = range(start, end)
+            tasks = [
+                functools.partial(_layer_pieces, cfg, reader, i, segment, mesh, dtype, quantization)
+                for i in segment
+            ]
+            segments.append(_layer_weights(_write_stacked(tasks, bar, reader)))
+        vocab = [
+            task for name in ("embed", "lm_head") for task in _vocab_pieces(cfg, reader, name, mesh, dtype)
+        ]
+        outside = _write_stacked(vocab, bar, reader)
+        # (a copy: a device array on a CPU may alias its host array, here the file's pages)
+        final_norm = _put(
+            np.array(reader.global_tensor("final_norm"), dtype), named(mesh, *_AXES["final_norm"])
+        )
+        weights = Weights(
+            embed=outside["embed"],
+            layers=tuple(segments),
+            final_norm=final_norm,
+            lm_head=outside.get("lm_head"),
+        )
     jax.block_until_ready(weights)
     _return_freed_memory()
     seconds = time.perf_counter() - start_time
@@ -318,6 +382,29 @@ def build_weights(
         checkpoint.nbytes / 1e9 / max(seconds, 1e-9),
     )
     return weights
+
+
+def _write_stacked(tasks: list, bar, reader) -> dict[str, jax.Array]:
+    """The stacked arrays that `tasks`' pieces (each task's _Placed) are written into, each created zeroed
+    with its first piece; the tasks run ahead on LOAD_THREADS threads (_in_order)."""
+    stacked: dict[str, jax.Array] = {}
+    for placed in _in_order(tasks, LOAD_THREADS):
+        new = tuple(target for target in placed.targets if target[0] not in stacked)
+        if new:
+            stacked.update(_zeros(new))
+        targets = {name: stacked[name] for name in placed.pieces}
+        stacked.update(_write_at(targets, placed.pieces, placed.index, axis=placed.axis))
+        bar.update(reader.bytes_read - bar.n)
+        _return_freed_memory()
+    return stacked
+
+
+def _layer_weights(stacked: dict[str, jax.Array]) -> LayerWeights:
+    """A segment's LayerWeights from its stacked arrays, a quantized projection's values and scale paired."""
+    for name in QUANTIZED:
+        if f"{name}/scale" in stacked:
+            stacked[name] = Int8Weight(stacked[name], stacked.pop(f"{name}/scale"))
+    return LayerWeights(**{name: stacked.get(name) for name in _LAYER_AXES})
 
 
 def weight_bytes(weights: Weights) -> int:

@@ -161,7 +161,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("folder", type=Path)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--num-blocks", type=int, default=64)
+    parser.add_argument("--compile-cache", action="store_true", help="pdserve's, as its daemons use it")
     args = parser.parse_args(argv)
+    if args.compile_cache:
+        from pdserve.engine.compile_cache import configure_jax
+
+        configure_jax()
     print(json.dumps(probe(args.folder, args.dtype, args.num_blocks)), file=sys.stdout, flush=True)
 
 

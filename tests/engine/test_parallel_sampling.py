@@ -28,7 +28,8 @@ def test_sequence_i_is_the_request_with_seed_plus_i(make_engine, loaded_model):
     assert [s.token_ids for s in forked] == [s.token_ids for s in singles]
     assert len({tuple(s.token_ids) for s in forked}) > 1  # they are not copies of one another
     for f, s in zip(forked, singles, strict=True):
-        assert [lp.logprob for lp in f.logprobs] == pytest.approx([lp.logprob for lp in s.logprobs], abs=1e-5)
+        # (float32 sums over a batch of 4 and of 1 differ in their last bits by CPU: 1.7e-5 seen on a Xeon)
+        assert [lp.logprob for lp in f.logprobs] == pytest.approx([lp.logprob for lp in s.logprobs], abs=1e-4)
         assert f.prompt_logprobs == forked[0].prompt_logprobs and len(f.prompt_logprobs) == len(prompt)
     engine.scheduler.kv.pool.check()
     assert engine.scheduler.kv.pool.num_used == 0
