@@ -5,7 +5,9 @@
 Prints absolute figures and the ratios the serving-core issue sets targets for:
   prefill of 512 tokens vs HF (>= 1.3x), decode batch 1 vs HF batch 1 (>= 2x), decode batch 32 tokens/s
   vs HF batch 1 (>= 20x); prefill FLOP/s vs a large float32 matmul (aim >= 80%); decode batch-1 weight
-  bytes/s vs measured memory bandwidth (aim >= 70%); start-up time and peak memory. --smoke: the test
+  bytes/s vs measured memory bandwidth (aim >= 70%); start-up time and peak memory; and each batch's decode
+  step against its matrix products alone, in XLA and in torch on the same weights (where XLA:CPU is the
+  wall: step_products). --smoke: the test
 model, no transformers, no warmup, batches 1 and 2, 2 steps, a 64-token prompt, small machine probes.
 """
 
@@ -55,6 +57,37 @@ def hf_figures(gguf, prompt_len: int, decode_steps: int) -> dict:
             past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
         decode = (time.perf_counter() - t0) / decode_steps
     return {"prefill_s": prefill, "decode_step_s": decode}
+
+
+def step_products(engine, decode: dict[int, float], rounds: int) -> dict:
+    """Each batch's decode step against its matrix products alone, in XLA (as the step computes them) and
+    in torch (oneDNN: vLLM's CPU kernels) on the same weights and dtype: the products' share of the step,
+    XLA's time over torch's, and the step as it would be with torch's products (pdserve.bench.products)."""
+    import importlib.util
+    import os
+
+    from pdserve.bench.products import torch_products, xla_products
+    from pdserve.engine.config import bucket_for
+    from pdserve.engine.model.quantized import Int8Weight
+
+    weights, cfg = engine.runner.weights, engine.model.config
+    if isinstance(weights.layers[0].wo, Int8Weight) or importlib.util.find_spec("torch") is None:
+        return {"skipped": "int8 weights, or torch (the reference extra) not installed"}
+    out = {}
+    for b, step in decode.items():
+        rows = bucket_for(b, engine.config.token_buckets)  # the step's rows: its batch padded to a bucket
+        xla = xla_products(weights, cfg, rows, rounds)
+        torch_s = torch_products(weights, cfg, rows, rounds, threads=os.cpu_count() or 1)
+        out[str(b)] = {
+            "rows": rows,
+            "step_s": step,
+            "xla_products_s": xla,
+            "torch_products_s": torch_s,
+            "xla_products_share_of_step": ratio(xla, step),
+            "xla_over_torch": ratio(xla, torch_s),
+            "step_with_torch_products_s": step - xla + torch_s,
+        }
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -127,6 +160,7 @@ def main(argv: list[str] | None = None) -> None:
             ratios["decode_b1_speedup_vs_hf_b1"] = ratio(hf["decode_step_s"], decode[1])
         for b in batches:
             ratios[f"decode_b{b}_tokens_s_vs_hf_b1"] = ratio(b / decode[b], 1 / hf["decode_step_s"])
+    result["products"] = step_products(engine, decode, 1 if args.smoke else 5)
     result["ratios"] = ratios
     result["peak_rss_gib"] = peak_rss_gib()
     report(result, args.json)

