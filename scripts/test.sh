@@ -56,16 +56,15 @@ if [ "${#tiers[@]}" -eq 1 ]; then
   run "${tiers[0]}" "${tiers[0]}" "$@"
 else
   # The model tier spends much of its time compiling, which leaves part of the second core idle: beside
-  # it run the fast tier, compat, then the benchmark smokes (daemon tests marked standalone: they start
-  # every process they use); the other standalone daemon tests follow the model tier, so that the two
-  # sides take about as long. Their output follows the model tier's. The rest of the daemon tier runs
+  # it run the fast tier, then the benchmark smokes (daemon tests marked standalone: they start every
+  # process they use); the other standalone daemon tests and compat follow the model tier, so that the
+  # two sides take about as long. Their output follows the model tier's. The rest of the daemon tier runs
   # alone afterwards, on the session's shared daemons, loading what the others compiled.
   smokes=tests/test_bench_smoke.py
-  echo "=== tier: model, then daemon (standalone); fast, compat and bench smokes beside (XLA cache: $(cache_state))" >&2
+  echo "=== tier: model, daemon (standalone), compat; fast and bench smokes beside (XLA cache: $(cache_state))" >&2
   (
     rc=0
     run fast fast "$@" >"$logs/fast" 2>&1 || rc=1
-    step compat bash scripts/compat.sh >"$logs/compat" 2>&1 || rc=1
     run bench-smokes "daemon and standalone" "$smokes" "$@" >"$logs/bench-smokes" 2>&1 || rc=1
     exit "$rc"
   ) &
@@ -73,8 +72,9 @@ else
   rc=0
   run model model "$@" || rc=1
   run daemon-standalone "daemon and standalone" --ignore="$smokes" "$@" || rc=1
+  step compat bash scripts/compat.sh || rc=1
   wait "$beside" || rc=1
-  for name in fast compat bench-smokes; do
+  for name in fast bench-smokes; do
     if [ -f "$logs/$name" ]; then
       echo "=== tier: $name (ran beside model)" >&2
       cat "$logs/$name"

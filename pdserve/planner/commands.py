@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+import time
 
 from pdserve.bench.common import report
 from pdserve.bench.stats import compute_stats, format_summary
@@ -53,7 +54,13 @@ def add_planner_parsers(sub) -> None:
         metavar="LOG",
         help="with --from-step-log: a decode server's log, to fit the KV transfer's time to its requests",
     )
-    profile.set_defaults(func=cmd_profile, warmup=False)  # (its first round compiles what it runs)
+    profile.add_argument(
+        "--warmup",
+        action="store_true",
+        help="compile every shape first, and record how long that took (a replica's time to ready: load + "
+        "warmup); without it the first round compiles what it runs",
+    )
+    profile.set_defaults(func=cmd_profile)
 
     simulate = sub.add_parser(
         "simulate", help="replay a workload against the real scheduler with a profile's step costs"
@@ -79,7 +86,7 @@ def add_planner_parsers(sub) -> None:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from pdserve.planner.profile import profile_engine, profile_from_step_log
+    from pdserve.planner.profile import profile_from_step_log
 
     if args.project:
         profile = _projected(args)
@@ -96,9 +103,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
                 raise SystemExit(f"profile: --request-log: {args.request_log}: too few transferred requests")
             profile = dataclasses.replace(profile, transfer=transfer)
     else:
-        from pdserve.bench.offline import engine_of
-
-        profile = profile_engine(engine_of(args), rounds=args.rounds)
+        profile = _measured(args)
     with open(args.out, "w") as f:
         f.write(profile.to_json())
     fit = profile.fit
@@ -112,6 +117,23 @@ def cmd_profile(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     return 0
+
+
+def _measured(args: argparse.Namespace):
+    """A profile of the engine of args' flags, measured here, with its start-up: the engine built (load)
+    and, with --warmup, every shape compiled (warmup) before the measured rounds."""
+    from pdserve.bench.offline import engine_of
+    from pdserve.planner.profile import profile_engine
+
+    warmup, args.warmup = args.warmup, False
+    start = time.perf_counter()
+    engine = engine_of(args)
+    startup = {"load_s": time.perf_counter() - start}
+    if warmup:
+        start = time.perf_counter()
+        startup["compiled_variants"] = engine.runner.warmup(progress=False)
+        startup["warmup_s"] = time.perf_counter() - start
+    return dataclasses.replace(profile_engine(engine, rounds=args.rounds), startup=startup)
 
 
 def _projected(args: argparse.Namespace):
@@ -282,6 +304,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
         f"requests/s: TTFT p50/p90 {_pair(f['ttft_ms'])}, TPOT p50/p90 {_pair(f['tpot_ms'])}, "
         f"SLO attainment {f['slo_attainment']:.2f}"
     )
+    for path, profile in zip(args.profile, profiles, strict=True):
+        if profile.startup:  # what a replica takes before it serves: the lag of every scale-up
+            up = profile.startup
+            warm = f" + warmup {up['warmup_s']:.1f} s" if "warmup_s" in up else " (warmup not measured)"
+            print(f"a replica's start-up ({path}): load {up['load_s']:.1f} s{warm}")
+    result["startup"] = {path: profile.startup for path, profile in zip(args.profile, profiles, strict=True)}
     result["plan"] = {
         "configuration": chosen.best.candidate.label,
         "units": chosen.units,

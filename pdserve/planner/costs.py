@@ -131,7 +131,10 @@ class Profile:
     """A profile file: the step costs of one engine configuration and what it was measured on
     (`engine_info`: the engine's summary, e.g. model, dtype, TP, platform; `fit`: the fit's errors;
     `projection`: set when the costs were scaled from published chip figures, not measured; `transfer`:
-    the KV transfer's time fitted to a decode server's requests: profile.transfer_from_request_log)."""
+    the KV transfer's time fitted to a decode server's requests: profile.transfer_from_request_log;
+    `startup`: what a replica of this configuration took to start where it was measured, `load_s` (weights
+    read and placed, the cache allocated) and, when measured, `warmup_s` (every shape compiled, from the
+    persistent compilation cache where it held them) with `compiled_variants`)."""
 
     costs: StepCosts
     engine_info: dict = dataclasses.field(default_factory=dict)
@@ -139,6 +142,7 @@ class Profile:
     projection: str = ""
     steps: tuple = ()  # the measured steps: ((num_tokens, num_past) of each row, seconds), for a refit
     transfer: dict = dataclasses.field(default_factory=dict)  # the KV transfer's fit (latency_s, ...)
+    startup: dict = dataclasses.field(default_factory=dict)  # load_s, warmup_s, compiled_variants
 
     def to_json(self) -> str:
         return json.dumps(
@@ -152,6 +156,7 @@ class Profile:
                 "projection": self.projection,
                 "steps": [[[[r.num_tokens, r.num_past] for r in rows], s] for rows, s in self.steps],
                 "transfer": self.transfer,
+                "startup": self.startup,
             },
             indent=1,
         )
@@ -177,6 +182,7 @@ class Profile:
             data.get("projection", ""),
             steps,
             data.get("transfer", {}),
+            data.get("startup", {}),
         )
 
     @classmethod

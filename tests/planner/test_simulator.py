@@ -5,6 +5,7 @@ n-forks appear in the trace as the scheduler makes them; the cost model's fit re
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
@@ -111,8 +112,14 @@ def test_the_fit_recovers_known_costs_and_the_profile_round_trips():
     assert np.abs(fitted.relative_errors(steps)).max() < 1e-6
     assert fitted.vector() == pytest.approx(truth.vector(), rel=1e-4)
     steps = tuple((tuple(rows), seconds) for rows, seconds in steps)
-    profile = Profile(fitted, engine_info={"model": "m", "tp": 1}, fit={"max_rel_error": 0.0}, steps=steps)
+    startup = {"load_s": 3.0, "warmup_s": 41.5, "compiled_variants": 112}  # (pdserve profile --warmup)
+    profile = Profile(
+        fitted, engine_info={"model": "m", "tp": 1}, fit={"max_rel_error": 0.0}, steps=steps, startup=startup
+    )
     assert Profile.from_json(profile.to_json()) == profile
+    older = json.loads(profile.to_json())
+    del older["startup"]  # a profile written before start-ups were recorded reads with none
+    assert Profile.from_json(json.dumps(older)) == dataclasses.replace(profile, startup={})
     with pytest.raises(ValueError, match="version"):
         Profile.from_json(profile.to_json().replace('"version": 1', '"version": 99'))
 
