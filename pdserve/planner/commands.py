@@ -131,7 +131,7 @@ def _measured(args: argparse.Namespace):
     startup = {"load_s": time.perf_counter() - start}
     if warmup:
         start = time.perf_counter()
-        startup["compiled_variants"] = engine.runner.warmup(progress=False)
+        startup["compiled_variants"] = engine.warmup(progress=False)
         startup["warmup_s"] = time.perf_counter() - start
     return dataclasses.replace(profile_engine(engine, rounds=args.rounds), startup=startup)
 
