@@ -18,6 +18,7 @@ import struct
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 
 from pdserve.engine.config import GEMMA, ModelConfig, UnsupportedModelError
@@ -129,8 +130,9 @@ class CheckpointError(FileNotFoundError):
     """A checkpoint file or tensor is missing."""
 
 
-# Tensor dtypes pdserve reads from safetensors files (anything else is a quantized or foreign checkpoint)
-_SAFETENSORS_DTYPES = {"F32": "<f4", "F16": "<f2", "BF16": "bfloat16"}  # the stored dtypes read, as numpy's
+# Tensor dtypes pdserve reads from safetensors files (anything else is a quantized or foreign checkpoint),
+# each with the numpy dtype its tensors are read as (_Stored)
+_SAFETENSORS_DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype(ml_dtypes.bfloat16)}
 GLOBAL_TENSORS = ("embed", "final_norm", "lm_head")  # the arrays outside the layers
 
 
@@ -342,8 +344,9 @@ class SafetensorsCheckpoint(Checkpoint):
                     dtype = tensor.get_dtype()
                     if dtype not in _SAFETENSORS_DTYPES:
                         raise UnsupportedModelError(
-                            f"{path / file}: tensor {key} is {dtype}: pdserve reads {_SAFETENSORS_DTYPES} "
-                            "tensors only (a quantized checkpoint? serve its bf16 original)"
+                            f"{path / file}: tensor {key} is {dtype}: pdserve reads "
+                            f"{tuple(_SAFETENSORS_DTYPES)} tensors only (a quantized checkpoint? serve its "
+                            "bf16 original)"
                         )
                     shape = tuple(tensor.get_shape())
                     self.where[key] = _Stored(path / file, offsets[key], _SAFETENSORS_DTYPES[dtype], shape)
@@ -367,7 +370,7 @@ class _Stored:
 
     file: Path
     offset: int
-    dtype: str
+    dtype: np.dtype
     shape: tuple[int, ...]
 
     def mapped(self) -> np.ndarray:

@@ -125,11 +125,10 @@ def _measured(args: argparse.Namespace):
     from pdserve.bench.offline import engine_of
     from pdserve.planner.profile import profile_engine
 
-    warmup, args.warmup = args.warmup, False
     start = time.perf_counter()
-    engine = engine_of(args)
+    engine = engine_of(argparse.Namespace(**{**vars(args), "warmup": False}))  # (timed apart below)
     startup = {"load_s": time.perf_counter() - start}
-    if warmup:
+    if args.warmup:
         start = time.perf_counter()
         startup["compiled_variants"] = engine.warmup(progress=False)
         startup["warmup_s"] = time.perf_counter() - start
@@ -304,12 +303,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
         f"requests/s: TTFT p50/p90 {_pair(f['ttft_ms'])}, TPOT p50/p90 {_pair(f['tpot_ms'])}, "
         f"SLO attainment {f['slo_attainment']:.2f}"
     )
-    for path, profile in zip(args.profile, profiles, strict=True):
-        if profile.startup:  # what a replica takes before it serves: the lag of every scale-up
-            up = profile.startup
+    result["startup"] = {path: profile.startup for path, profile in zip(args.profile, profiles, strict=True)}
+    for path, up in result["startup"].items():
+        if up:  # what a replica takes before it serves: the lag of every scale-up
             warm = f" + warmup {up['warmup_s']:.1f} s" if "warmup_s" in up else " (warmup not measured)"
             print(f"a replica's start-up ({path}): load {up['load_s']:.1f} s{warm}")
-    result["startup"] = {path: profile.startup for path, profile in zip(args.profile, profiles, strict=True)}
     result["plan"] = {
         "configuration": chosen.best.candidate.label,
         "units": chosen.units,
