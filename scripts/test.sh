@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Quick start, command 2: set up with the dev + reference + plots extras, lint, check generated code and
 # import layering, fetch the default model, then run the tests in three tiers, each in its own pytest
-# process (fast: model-free units; model: real weights in the test process; daemon: real processes): fast
-# beside model, then daemon. Beside the model tier it also runs scripts/compat.sh (pdserve on Python 3.11
-# and the oldest JAX it supports). It prints the XLA cache's size before each tier and every tier's time.
+# process (fast: model-free units; model: real weights in the test process; daemon: real processes), in two
+# lanes (see below), and scripts/compat.sh (pdserve on Python 3.11 and the oldest JAX it supports). It
+# prints the XLA cache's size before the tiers and every tier's time.
 #   bash scripts/test.sh                  # everything (what CI runs)
 #   bash scripts/test.sh fast [ARGS...]   # one tier (fast, model or daemon); ARGS go to pytest
 # The fast tier alone sets up with the dev extra only and fetches no model (it uses neither): no torch.
@@ -55,32 +55,33 @@ if [ "${#tiers[@]}" -eq 1 ]; then
   echo "=== tier: ${tiers[0]} (XLA cache: $(cache_state))" >&2
   run "${tiers[0]}" "${tiers[0]}" "$@"
 else
-  # The model tier spends much of its time compiling, which leaves part of the second core idle: beside
-  # it run the fast tier, then the benchmark smokes (daemon tests marked standalone: they start every
-  # process they use); the other standalone daemon tests and compat follow the model tier, so that the
-  # two sides take about as long. Their output follows the model tier's. The rest of the daemon tier runs
-  # alone afterwards, on the session's shared daemons, loading what the others compiled.
+  # Two lanes, so that both cores stay busy (each tier alone leaves part of the second one idle, compiling
+  # or waiting on its daemons): the model tier, then the rest of the daemon tier (on the session's shared
+  # daemons, loading what the model tier compiled), then compat; beside them the fast tier, the benchmark
+  # smokes and the other standalone daemon tests (daemon tests marked standalone start every process they
+  # use). The second lane's output follows the first's.
   smokes=tests/test_bench_smoke.py
-  echo "=== tier: model, daemon (standalone), compat; fast and bench smokes beside (XLA cache: $(cache_state))" >&2
+  beside_tiers=(fast bench-smokes daemon-standalone)
+  echo "=== tiers: model, daemon (the rest), compat; beside them ${beside_tiers[*]} (XLA cache: $(cache_state))" >&2
   (
     rc=0
     run fast fast "$@" >"$logs/fast" 2>&1 || rc=1
     run bench-smokes "daemon and standalone" "$smokes" "$@" >"$logs/bench-smokes" 2>&1 || rc=1
+    run daemon-standalone "daemon and standalone" --ignore="$smokes" "$@" >"$logs/daemon-standalone" 2>&1 || rc=1
     exit "$rc"
   ) &
   beside=$!
   rc=0
   run model model "$@" || rc=1
-  run daemon-standalone "daemon and standalone" --ignore="$smokes" "$@" || rc=1
+  echo "=== tier: daemon, the rest (XLA cache: $(cache_state))" >&2
+  run daemon "daemon and not standalone" "$@" || rc=1
   step compat bash scripts/compat.sh || rc=1
   wait "$beside" || rc=1
-  for name in fast bench-smokes; do
+  for name in "${beside_tiers[@]}"; do
     if [ -f "$logs/$name" ]; then
-      echo "=== tier: $name (ran beside model)" >&2
+      echo "=== tier: $name (ran beside the others)" >&2
       cat "$logs/$name"
     fi
   done
   [ "$rc" -eq 0 ]
-  echo "=== tier: daemon, the rest (XLA cache: $(cache_state))" >&2
-  run daemon "daemon and not standalone" "$@"
 fi

@@ -94,13 +94,23 @@ def test_model_free_smoke(name, tmp_path):
 
 
 def run_script(name: str, tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
-    """`python bench/NAME.py --smoke ARGS` in a process of its own (the tests' JAX settings inherited)."""
+    """`python bench/NAME.py --smoke ARGS` in a process of its own (the tests' JAX settings inherited).
+
+    It shares the tests' persistent XLA cache (JAX reads its config from JAX_* variables): most of a smoke's
+    time is compiling the test model's steps, and the smokes build many of the same engines."""
+    import jax
+
+    config = jax.config
+    cache = {
+        "JAX_COMPILATION_CACHE_DIR": config.jax_compilation_cache_dir,
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": str(config.jax_persistent_cache_min_compile_time_secs),
+    }
     return subprocess.run(
         [sys.executable, str(BENCH / f"{name}.py"), "--smoke", *args],
         capture_output=True,
         text=True,
         timeout=600,
-        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        env={**os.environ, "JAX_PLATFORMS": "cpu", **cache},
     )
 
 
