@@ -46,9 +46,8 @@ from pdserve.bench.serve import bench
 from pdserve.bench.stats import compute_stats
 from pdserve.bench.workload import LengthDist, SharedPrefix
 from pdserve.engine.step_log import read_step_log
-from pdserve.planner.costs import RowShape
 from pdserve.planner.plan import Workload, candidates, goodput, pool
-from pdserve.planner.profile import TRANSFER_FIELDS, fit_profile, fit_transfer
+from pdserve.planner.profile import TRANSFER_FIELDS, fit_profile, fit_transfer, measured_steps_of
 from pdserve.planner.replay import ended_requests
 from pdserve.planner.roofline import CHIPS, MODELS, host_roofline, measured_efficiencies, project, retarget
 from pdserve.planner.simulator import Fleet, Transfer, poisson_workload
@@ -158,7 +157,7 @@ def serve_mode(args, gguf: Path, mode: str, workloads: list[str]) -> tuple[list[
     served = {}
     for role, path in step_logs.items():
         info, steps = read_step_log(path)
-        served[role] = (info, [([RowShape(t, p) for t, p in rows], s) for rows, s in steps])
+        served[role] = (info, measured_steps_of(steps))
     return runs, served
 
 
@@ -181,7 +180,8 @@ def predict(args, runs: list[dict], served: dict) -> list[dict]:
         budget = {role: int(p.engine_info["max_num_batched_tokens"]) for role, p in profiles.items()}
         decode = pool(profiles["decode"], budget["decode"], 1)
         if "prefill" in profiles:
-            transfer = Transfer.fitted(fit_transfer([t for r in others for t in r["transfers"]]))
+            sent = [t for r in others for t in r["transfers"]]
+            transfer = Transfer.fitted(fit_transfer(sent, budget["prefill"]))
             fleet = Fleet(decode, pool(profiles["prefill"], budget["prefill"], 1), transfer)
         else:
             fleet = Fleet(decode)

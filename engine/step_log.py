@@ -5,9 +5,10 @@ engine itself, under its real traffic, rather than from a workload run for the p
 
 The first line describes the engine (`{"engine": {...}}`: engine_description's keys); every other line is
 one step: `{"at": unix seconds at its end, "rows": [[tokens fed, tokens of KV before them], ...],
-"seconds": its wall time}`, from the scheduler's decision to its sampled tokens on the host. Only steps
-that sampled and followed a step that sampled are written: a step that only computes a prompt chunk is not
-waited for, so its time shows up in the next one's.
+"seconds": its wall time}`, from the scheduler's decision to its sampled tokens on the host. A step that
+only computes prompt chunks samples nothing and is not waited for: its time shows up in the next one's, so
+it is written with the step that sampled after it, whose line lists it (in order, if several) under
+`"before"` and whose seconds are theirs together.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 Row = tuple[int, int]  # (tokens fed, tokens of KV before them)
+Logged = tuple[list[list[Row]], float]  # steps timed together (the last one sampled), their seconds
 # the model's sizes a roofline projection computes FLOPs from (pdserve.planner.roofline)
 MODEL_DIMS = (
     "vocab_size",
@@ -60,8 +62,13 @@ class StepLogWriter:
         self._lock = threading.Lock()
         self._file.write(json.dumps({"engine": engine_info}) + "\n")
 
-    def write(self, rows: Iterable[Row], seconds: float) -> None:
-        line = json.dumps({"at": round(time.time(), 3), "rows": [list(r) for r in rows], "seconds": seconds})
+    def write(self, rows: Iterable[Row], seconds: float, before: Iterable[Iterable[Row]] = ()) -> None:
+        """A step that sampled; `before`: the rows of the steps timed with it (none waited for)."""
+        item = {"at": round(time.time(), 3), "rows": [list(r) for r in rows], "seconds": seconds}
+        before = [[list(r) for r in step] for step in before]
+        if before:
+            item["before"] = before
+        line = json.dumps(item)
         with self._lock:
             self._file.write(line + "\n")
 
@@ -70,12 +77,13 @@ class StepLogWriter:
             self._file.close()
 
 
-def read_step_log(path: str | Path) -> tuple[dict, list[tuple[list[Row], float]]]:
-    """The engine description and the (rows, seconds) of each step of a step log; ValueError naming the line
-    of a malformed one. A log appended to by several runs must be of one engine: the descriptions (but for
-    the compile cache's state) must agree."""
+def read_step_log(path: str | Path) -> tuple[dict, list[Logged]]:
+    """The engine description and each line's steps of a step log: (the rows of each step timed together,
+    the last the one that sampled; their seconds); ValueError naming the line of a malformed one. A log
+    appended to by several runs must be of one engine: the descriptions (but for the compile cache's
+    state) must agree."""
     engine: dict | None = None
-    steps: list[tuple[list[Row], float]] = []
+    steps: list[Logged] = []
     for number, item in _lines(path):
         if "engine" in item:
             described = {k: v for k, v in item["engine"].items() if k != "compile_cache"}
@@ -84,7 +92,8 @@ def read_step_log(path: str | Path) -> tuple[dict, list[tuple[list[Row], float]]
             engine = described
             continue
         try:
-            rows = [(int(t), int(p)) for t, p in item["rows"]]
+            timed = [*item.get("before", ()), item["rows"]]
+            rows = [[(int(t), int(p)) for t, p in step] for step in timed]
             seconds = float(item["seconds"])
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"{path}:{number}: not a step ({e})") from None

@@ -71,7 +71,8 @@ class EngineLoop:
         self.stats: EngineStats = engine.stats()  # after the last step (replaced whole, read by any thread)
         self.engine_info: dict[str, str] = engine.summary()  # what the engine runs on (fixed at start)
         self._step_log: StepLogWriter | None = None  # log_steps' writer
-        self._last_step_sampled = True  # (so the device had finished every earlier step when this began)
+        self._unwaited: list[list[tuple[int, int]]] = []  # steps since the last that sampled: their rows
+        self._unwaited_s = 0.0  # and their seconds
 
     def publish_kv_events(self, sink: Callable[[list], None]) -> None:
         """The engine's KV cache events go to `sink` from the next step on (called on the engine thread
@@ -256,12 +257,15 @@ class EngineLoop:
         return outputs
 
     def _log_step(self, scheduled, seconds: float) -> None:
-        """A step that sampled, after one that sampled (engine.step_log: a chunk-only step is not waited
-        for, its time is in the next one's), goes to the step log."""
-        sampled = any(row.samples for row in scheduled.rows)
-        if sampled and self._last_step_sampled:
-            self._step_log.write(((len(row.tokens), row.num_past) for row in scheduled.rows), seconds)
-        self._last_step_sampled = sampled
+        """A step that sampled goes to the step log with the chunk-only steps before it (engine.step_log:
+        those are not waited for, their time is in its own)."""
+        rows = [(len(row.tokens), row.num_past) for row in scheduled.rows]
+        if not any(row.samples for row in scheduled.rows):
+            self._unwaited.append(rows)
+            self._unwaited_s += seconds
+            return
+        self._step_log.write(rows, self._unwaited_s + seconds, self._unwaited)
+        self._unwaited, self._unwaited_s = [], 0.0
 
     def publish(self, outputs: EngineOutputs) -> None:
         """Hands a step's outputs to their streams, its stats to `stats`, its KV events to their sink

@@ -98,7 +98,9 @@ def cmd_profile(args: argparse.Namespace) -> int:
         if args.request_log:
             from pdserve.planner.profile import transfer_from_request_log
 
-            transfer = transfer_from_request_log(args.request_log)
+            # (the prefill server's chunk: this profile's own budget, the same by default)
+            chunk = profile.engine_info.get("max_num_batched_tokens")
+            transfer = transfer_from_request_log(args.request_log, chunk and int(chunk))
             if not transfer:
                 raise SystemExit(f"profile: --request-log: {args.request_log}: too few transferred requests")
             profile = dataclasses.replace(profile, transfer=transfer)

@@ -14,7 +14,9 @@ A step's time is linear in five kinds of work, each a column of the fit:
 Non-negative least squares over measured (rows -> seconds) points gives the coefficients; then each
 compiled token bucket with enough steps gets a factor of its own (the median of measured over predicted
 among its steps): a shape's cost is not always linear in its rows (on a CPU, a step of 2 rows costs far
-more than a lone row's, which runs another kernel).
+more than a lone row's, which runs another kernel). A measured point can also be a Chain of steps timed
+together (a served engine does not wait for a step that only computes prompt chunks: engine.step_log):
+its work is theirs summed.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2  # 2: each measured point's steps (a Chain's several); 1: one step's rows
 TERMS = ("fixed_s", "per_token_s", "per_row_s", "per_kv_read_s", "per_pair_s")
 MIN_BUCKET_STEPS = 3  # steps of a token bucket that give it a factor of its own
 
@@ -57,8 +59,21 @@ class Padding:
         return min(self.tokens(num_tokens), self.max_num_seqs) if self.max_num_seqs else num_rows
 
 
-def work_of(rows: Iterable[RowShape], padding: Padding = Padding()) -> np.ndarray:
-    """The step's work in TERMS' order (the fit's columns)."""
+class Chain(tuple):
+    """Steps timed together, each a tuple of its RowShapes: a measured point's rows when one time covers
+    several steps (StepCosts gives it their seconds summed)."""
+
+
+def logged_rows(steps: Sequence[Sequence[tuple[int, int]]]) -> tuple[RowShape, ...] | Chain:
+    """A step log entry's steps (engine.step_log.read_step_log) as a measured point's rows."""
+    shaped = [tuple(RowShape(t, p) for t, p in step) for step in steps]
+    return shaped[0] if len(shaped) == 1 else Chain(shaped)
+
+
+def work_of(rows: Iterable[RowShape] | Chain, padding: Padding = Padding()) -> np.ndarray:
+    """The step's work in TERMS' order (the fit's columns); a Chain's, its steps' summed."""
+    if isinstance(rows, Chain):
+        return sum((work_of(step, padding) for step in rows), np.zeros(len(TERMS)))
     rows = list(rows)
     tokens = sum(r.num_tokens for r in rows)
     kv_read = sum(r.num_past + r.num_tokens for r in rows)
@@ -80,8 +95,10 @@ class StepCosts:
     # of measured / predicted over its steps); a bucket not listed: 1
     bucket_factors: tuple[tuple[int, float], ...] = ()
 
-    def seconds(self, rows: Iterable[RowShape]) -> float:
-        """The predicted seconds of a step of `rows`."""
+    def seconds(self, rows: Iterable[RowShape] | Chain) -> float:
+        """The predicted seconds of a step of `rows` (a Chain: of its steps together)."""
+        if isinstance(rows, Chain):
+            return sum(self.seconds(step) for step in rows)
         rows = list(rows)
         linear = float(work_of(rows, self.padding) @ self.vector())
         if not self.bucket_factors:
@@ -115,7 +132,8 @@ class StepCosts:
         # (a lone row runs another kernel), which no linear term in the rows gives
         ratios: dict[int, list[float]] = {}
         for rows, measured in steps:
-            ratios.setdefault(padding.bucket(rows), []).append(measured / linear.seconds(rows))
+            if not isinstance(rows, Chain):  # (a chain's time is several buckets')
+                ratios.setdefault(padding.bucket(rows), []).append(measured / linear.seconds(rows))
         factors = tuple(
             (b, float(np.median(r))) for b, r in sorted(ratios.items()) if len(r) >= MIN_BUCKET_STEPS
         )
@@ -154,7 +172,7 @@ class Profile:
                 "engine": self.engine_info,
                 "fit": self.fit,
                 "projection": self.projection,
-                "steps": [[[[r.num_tokens, r.num_past] for r in rows], s] for rows, s in self.steps],
+                "steps": [[_steps_json(rows), s] for rows, s in self.steps],
                 "transfer": self.transfer,
                 "startup": self.startup,
             },
@@ -164,15 +182,16 @@ class Profile:
     @classmethod
     def from_json(cls, text: str) -> Profile:
         data = json.loads(text)
-        if data.get("version") != PROFILE_VERSION:
-            raise ValueError(f"profile version {data.get('version')!r}; this pdserve reads {PROFILE_VERSION}")
+        version = data.get("version")
+        if version not in (1, PROFILE_VERSION):
+            raise ValueError(f"profile version {version!r}; this pdserve reads 1 to {PROFILE_VERSION}")
         unknown = set(data["step_costs"]) - set(TERMS)
         if unknown:
             raise ValueError(f"step_costs: unknown terms {sorted(unknown)}")
         padding = data.get("padding", {})
         padding = Padding(tuple(padding.get("token_buckets", ())), int(padding.get("max_num_seqs", 0)))
         steps = tuple(
-            (tuple(RowShape(int(t), int(p)) for t, p in rows), float(s)) for rows, s in data.get("steps", ())
+            (logged_rows(timed if version > 1 else [timed]), float(s)) for timed, s in data.get("steps", ())
         )
         factors = tuple((int(b), float(f)) for b, f in data.get("bucket_factors", ()))
         return cls(
@@ -188,3 +207,9 @@ class Profile:
     @classmethod
     def read(cls, path: str | Path) -> Profile:
         return cls.from_json(Path(path).read_text())
+
+
+def _steps_json(rows: Sequence[RowShape] | Chain) -> list:
+    """A measured point's rows as a step log entry's steps: [[[tokens, past], ...], ...]."""
+    steps = rows if isinstance(rows, Chain) else [rows]
+    return [[[r.num_tokens, r.num_past] for r in step] for step in steps]

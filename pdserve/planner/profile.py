@@ -10,8 +10,8 @@ import time
 
 import numpy as np
 
-from pdserve.engine.step_log import engine_description, read_step_log
-from pdserve.planner.costs import Padding, Profile, RowShape, StepCosts
+from pdserve.engine.step_log import Logged, engine_description, read_step_log
+from pdserve.planner.costs import Chain, Padding, Profile, RowShape, StepCosts, logged_rows
 
 PROMPT_LENGTHS = (16, 64, 200, 480)
 BATCHES = (1, 4, 16, 32)
@@ -78,33 +78,50 @@ def fit_profile(engine_info: dict, steps: list[tuple[list[RowShape], float]]) ->
     return Profile(costs, engine_info=engine_info, fit=fit, steps=steps)
 
 
+def measured_steps_of(logged: list[Logged]) -> list[tuple[tuple[RowShape, ...] | Chain, float]]:
+    """A step log's entries (engine.step_log.read_step_log) as measured points for a fit (a Chain where
+    one time covers several steps)."""
+    return [(logged_rows(steps), seconds) for steps, seconds in logged if steps[-1]]
+
+
 def profile_from_step_log(path: str) -> Profile:
     """A profile fitted to a daemon's step log (`--step-log`): the served engine's own steps."""
     engine_info, logged = read_step_log(path)
-    steps = [([RowShape(t, p) for t, p in rows], seconds) for rows, seconds in logged if rows]
-    return fit_profile({**engine_info, "step_log": str(path)}, steps)
+    return fit_profile({**engine_info, "step_log": str(path)}, measured_steps_of(logged))
 
 
-def transfer_from_request_log(path: str) -> dict:
+def transfer_from_request_log(path: str, chunk_tokens: int | None = None) -> dict:
     """The KV transfer's time fitted to a decode server's requests (their `request ended` lines:
-    planner/replay.py): `kv_s` (first KV chunk to the first token) = latency_s + seconds_per_token x the
-    prompt tokens sent (those not cached there), non-negative least squares. {} when the log has fewer
-    than 4 transferred requests."""
+    planner/replay.py): fit_transfer of their kv_s, prompt tokens and cached prompt tokens. {} when the log
+    has too few transferred requests."""
     from pdserve.planner.replay import ended_requests
 
-    return fit_transfer(ended_requests(path, TRANSFER_FIELDS))
+    return fit_transfer(ended_requests(path, TRANSFER_FIELDS), chunk_tokens)
 
 
 TRANSFER_FIELDS = ("kv_s", "prompt_tokens", "cached_prompt_tokens")  # of a `request ended` line
+MIN_TRANSFERS = 4  # requests a transfer's fit needs
 
 
-def fit_transfer(rows: list[dict]) -> dict:
-    """transfer_from_request_log's fit over `rows` (dicts of TRANSFER_FIELDS)."""
+def fit_transfer(rows: list[dict], chunk_tokens: int | None = None) -> dict:
+    """The KV transfer's time over `rows` (dicts of TRANSFER_FIELDS): `kv_s` (the first KV chunk to the
+    first token) = latency_s + seconds_per_token x the prompt tokens sent (those not cached on the decode
+    server), non-negative least squares. The prefill server streams each prefill chunk's KV as it is
+    computed, so a prompt of more than one chunk's tokens (`chunk_tokens`: the prefill server's
+    max_num_batched_tokens) has its later chunks' compute in kv_s too: with `chunk_tokens`, only prompts
+    of one chunk are fitted (all of them when fewer than MIN_TRANSFERS are). {}: fewer than MIN_TRANSFERS
+    rows."""
     from scipy.optimize import nnls
 
-    if len(rows) < 4:
+    def sent(r):
+        return r["prompt_tokens"] - r["cached_prompt_tokens"]
+
+    if chunk_tokens is not None:
+        one_chunk = [r for r in rows if sent(r) <= chunk_tokens]
+        rows = one_chunk if len(one_chunk) >= MIN_TRANSFERS else rows
+    if len(rows) < MIN_TRANSFERS:
         return {}
-    sent = np.array([r["prompt_tokens"] - r["cached_prompt_tokens"] for r in rows])
+    tokens = np.array([sent(r) for r in rows])
     seconds = np.array([r["kv_s"] for r in rows])
-    (latency, per_token), _ = nnls(np.stack([np.ones_like(sent), sent], axis=1), seconds)
+    (latency, per_token), _ = nnls(np.stack([np.ones_like(tokens), tokens], axis=1), seconds)
     return {"latency_s": float(latency), "seconds_per_token": float(per_token), "requests": len(rows)}

@@ -9,8 +9,11 @@ A configuration is a fleet of such replicas on one clock (Fleet):
   ReceiveKV (engine.core.kv_connector.DecodeConnector: blocks for the prompt, or computed there when
   shorter than `local_prefill_below`, as `--local-prefill-below`); once admitted, its prompt goes to the
   prefill replica with the fewest prompt tokens queued, which computes it (a one-token request, as the
-  prefill server's), the KV travels for Transfer.seconds, and at the decode replica's next step boundary
-  the request decodes on from the prefill's first token, as a decode server's RemoteKVDone does.
+  prefill server's). Its KV streams as the prefill server's does: each prefill chunk's tokens leave when
+  the step that computed them ends, one after another on the request's stream (Transfer's seconds per
+  token), and once the last has arrived (plus Transfer's latency) the request decodes on from the
+  prefill's first token at the decode replica's next step boundary, as a decode server's RemoteKVDone
+  does.
 Commands (arrivals, arrived KV) reach a busy replica at its next step boundary, an idle one at once, as
 services.engine_loop runs them. Admission, chunked prefill under the token budget, preemption under
 block pressure, prefix-cache hits and n-forks are the scheduler's own decisions; the simulator only
@@ -147,6 +150,19 @@ class _Replica:
         return self.running is not None
 
 
+@dataclasses.dataclass
+class _Prompt:
+    """A prompt on a prefill replica for a decode replica: the request there, the prompt's tokens the
+    decode replica lacks (its last `num_tokens`), how far the KV computed so far has been sent and when the
+    stream is free to send more."""
+
+    decode: _Replica
+    request_id: str
+    num_tokens: int
+    sent_upto: int = 0
+    stream_free_s: float = 0.0
+
+
 class Fleet:
     """A configuration to simulate: a `decode` pool (colocated when `prefill` is None) and a `prefill`
     pool, the KV's `transfer` between them and `local_prefill_below` (see the module)."""
@@ -178,7 +194,7 @@ class Fleet:
         self._order = itertools.count()
         self._arrivals: dict[str, Arrival] = {}
         self._tokens: dict[str, list[float]] = {}
-        self._prompts: dict[str, tuple[_Replica, str, int]] = {}  # prefill request -> (decode, rid, tokens)
+        self._prompts: dict[str, _Prompt] = {}  # by the prefill replica's request id
         self.records: list[RequestRecord] = []
         self.steps: list[Step] = []
 
@@ -237,6 +253,7 @@ class Fleet:
         sampled = {r.request_id: [_sample(scheduler, r.request_id)] for r in output.rows if r.samples}
         appended = scheduler.update_from_output(output, sampled)
         scheduler.take_block_copies()  # (the device copies a fork asks for: nothing to copy here)
+        self._stream_kv(output.rows)
         self._tokens_out(replica, appended)
         self.steps.append(
             Step(
@@ -270,7 +287,7 @@ class Fleet:
         prefill = min(self.prefills, key=lambda r: r.queued_tokens)
         prompt = self._arrivals[rid].prompt_ids
         pid = f"prefill:{rid}"
-        self._prompts[pid] = (decode, rid, num_tokens)
+        self._prompts[pid] = _Prompt(decode, rid, num_tokens, sent_upto=len(prompt) - num_tokens)
         prefill.queued_tokens += len(prompt)
         request = Request(pid, list(prompt), SamplingParams(max_tokens=1, ignore_eos=True), int(rid))
         self._command(prefill, lambda: prefill.scheduler.add(request))
@@ -278,17 +295,30 @@ class Fleet:
     def _tokens_out(self, replica: _Replica, appended) -> None:
         for request, run in appended:
             rid = request.request_id
-            if rid in self._prompts:  # a prefill replica's one token: the KV goes to the decode replica
-                decode, target, num_tokens = self._prompts.pop(rid)
+            if rid in self._prompts:  # a prefill replica's one token: the decode replica has the KV then
+                sent = self._prompts.pop(rid)
                 replica.queued_tokens -= len(request.prompt_ids)
                 self._at(
-                    self.now + self.transfer.seconds(num_tokens),
-                    lambda d=decode, t=target: self._command(d, lambda: self._kv_arrived(d, t)),
+                    sent.stream_free_s + self.transfer.latency_s,
+                    lambda d=sent.decode, t=sent.request_id: self._command(d, lambda: self._kv_arrived(d, t)),
                 )
                 continue
             self._tokens.setdefault(rid, []).extend([self.now] * len(run))
             if request.finish_reason is not None:
                 self.records.append(self._record(request, self._tokens.pop(rid)))
+
+    def _stream_kv(self, rows) -> None:
+        """A prefill step's rows just computed: the KV of their prompt tokens goes on its way (the tokens
+        the decode replica lacks, after what the stream is still sending)."""
+        for row in rows:
+            sent = self._prompts.get(row.request_id)
+            if sent is None:
+                continue
+            computed = row.num_past + len(row.tokens)
+            if computed > sent.sent_upto:
+                start = max(sent.stream_free_s, self.now)
+                sent.stream_free_s = start + (computed - sent.sent_upto) * self.transfer.seconds_per_token
+                sent.sent_upto = computed
 
     def _kv_arrived(self, decode: _Replica, rid: str) -> None:
         scheduler = decode.scheduler

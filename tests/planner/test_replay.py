@@ -72,7 +72,7 @@ def test_ttft_phases_are_the_gaps_between_the_moments_passed():
 
 def test_the_kv_transfer_fits_to_the_requests_of_a_log(tmp_path):
     """kv_s = 20 ms + 0.1 ms a prompt token sent (not cached): the fit gives both back, and the profile
-    carries it through its file."""
+    carries it through its file; given the prefill's chunk, prompts of more than one are left out."""
     lines = [
         json.dumps(
             {
@@ -91,5 +91,15 @@ def test_the_kv_transfer_fits_to_the_requests_of_a_log(tmp_path):
     assert fit["requests"] == 5
     profile = Profile(StepCosts(fixed_s=0.01), transfer=fit)
     assert Profile.from_json(profile.to_json()).transfer == fit
+    # prompts over a prefill chunk (500, 800 tokens) have their later chunks' compute in kv_s too: 1 s more
+    chunked = [
+        {**json.loads(line), "kv_s": json.loads(line)["kv_s"] + (p > 400)}
+        for line, p in zip(lines, (100, 300, 500, 800, 50), strict=True)
+    ]
+    chunked.append({**chunked[0], "kv_s": 0.02 + 1e-4 * 200, "prompt_tokens": 200})
+    log.write_text("\n".join(json.dumps(r) for r in chunked) + "\n")
+    fit = transfer_from_request_log(str(log), chunk_tokens=400)
+    assert fit["seconds_per_token"] == pytest.approx(1e-4) and fit["requests"] == 4
+    assert transfer_from_request_log(str(log))["seconds_per_token"] > 1e-3  # (all of them: the compute too)
     log.write_text("\n".join(lines[:3]) + "\n")
     assert transfer_from_request_log(str(log)) == {}  # (too few to fit)

@@ -17,9 +17,8 @@ from pdserve.bench.serve import bench
 from pdserve.bench.stats import compute_stats
 from pdserve.bench.workload import LengthDist
 from pdserve.engine.step_log import read_step_log
-from pdserve.planner.costs import RowShape
 from pdserve.planner.plan import pool
-from pdserve.planner.profile import fit_profile
+from pdserve.planner.profile import fit_profile, measured_steps_of
 from pdserve.planner.replay import ended_requests, replay_workload
 from pdserve.planner.simulator import Fleet, Transfer, poisson_workload
 from pdserve.testing.launch import scrape
@@ -58,7 +57,7 @@ def test_a_disaggregated_simulation_of_the_served_steps_agrees_with_the_daemons(
     profiles = {}
     for role, path in logs.items():
         engine_info, steps = read_step_log(path)
-        served = [([RowShape(t, p) for t, p in rows], s) for rows, s in steps[before[role] :] if rows]
+        served = measured_steps_of(steps[before[role] :])
         profiles[role] = fit_profile(engine_info, served)
     budget = {role: int(p.engine_info["max_num_batched_tokens"]) for role, p in profiles.items()}
     fleet = Fleet(

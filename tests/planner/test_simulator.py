@@ -12,7 +12,7 @@ import pytest
 
 from pdserve.bench.stats import compute_stats
 from pdserve.engine.config import EngineConfig
-from pdserve.planner.costs import Padding, Profile, RowShape, StepCosts
+from pdserve.planner.costs import PROFILE_VERSION, Chain, Padding, Profile, RowShape, StepCosts
 from pdserve.planner.simulator import Arrival, Fleet, Pool, Transfer, simulate
 
 pytestmark = pytest.mark.fast
@@ -107,11 +107,15 @@ def test_the_fit_recovers_known_costs_and_the_profile_round_trips():
         rows = [
             RowShape(int(rng.integers(1, 64)), int(rng.integers(0, 512))) for _ in range(rng.integers(1, 9))
         ]
-        steps.append((rows, truth.seconds(rows)))
+        steps.append((tuple(rows), truth.seconds(rows)))
+    # steps timed together (a chunk-only step is not waited for): their seconds summed
+    chain = Chain([(RowShape(300, 0),), steps[0][0]])
+    assert truth.seconds(chain) == pytest.approx(truth.seconds([RowShape(300, 0)]) + steps[0][1])
+    steps.append((chain, truth.seconds(chain)))
     fitted = StepCosts.fit(steps)
     assert np.abs(fitted.relative_errors(steps)).max() < 1e-6
     assert fitted.vector() == pytest.approx(truth.vector(), rel=1e-4)
-    steps = tuple((tuple(rows), seconds) for rows, seconds in steps)
+    steps = tuple(steps)
     startup = {"load_s": 3.0, "warmup_s": 41.5, "compiled_variants": 112}  # (pdserve profile --warmup)
     profile = Profile(
         fitted, engine_info={"model": "m", "tp": 1}, fit={"max_rel_error": 0.0}, steps=steps, startup=startup
@@ -120,8 +124,11 @@ def test_the_fit_recovers_known_costs_and_the_profile_round_trips():
     older = json.loads(profile.to_json())
     del older["startup"]  # a profile written before start-ups were recorded reads with none
     assert Profile.from_json(json.dumps(older)) == dataclasses.replace(profile, startup={})
+    first = [[[r.num_tokens, r.num_past] for r in steps[0][0]], steps[0][1]]
+    version1 = {**older, "version": 1, "steps": [first]}  # (a step's rows, without the steps around them)
+    assert Profile.from_json(json.dumps(version1)).steps == (steps[0],)
     with pytest.raises(ValueError, match="version"):
-        Profile.from_json(profile.to_json().replace('"version": 1', '"version": 99'))
+        Profile.from_json(profile.to_json().replace(f'"version": {PROFILE_VERSION}', '"version": 99'))
 
 
 def test_a_step_costs_what_the_engine_pads_it_to():
@@ -154,6 +161,19 @@ def test_disaggregated_transfer_time_follows_the_kv_bytes():
     transfer = Transfer.over_link(bytes_per_token=1000, bytes_per_s=1e6, latency_s=0.01)
     fleet = Fleet(Pool(CONFIG, TENTH), Pool(CONFIG, TENTH), transfer)
     assert fleet.run([Arrival(0.0, prompt(16), 2)]).records[0].ttft_s == pytest.approx(0.126)
+
+
+def test_a_chunked_prompts_kv_streams_as_each_chunk_is_computed():
+    """A 40-token prompt in chunks of 16, 16 and 8 (0.1 s each): each chunk's KV leaves when its step
+    ends, after the chunk before it. At 10 ms a token the stream is the bottleneck: 0.1 -> 0.26, 0.26 ->
+    0.42, 0.42 -> 0.50, + 50 ms latency; at 1 ms a token it hides behind the compute but for the last
+    chunk's 8 ms."""
+    for per_token, ttft in ((0.01, 0.55), (0.001, 0.358)):
+        fleet = Fleet(Pool(CONFIG, TENTH), Pool(CONFIG, TENTH), Transfer(0.05, per_token))
+        result = fleet.run([Arrival(0.0, prompt(40), 2)])
+        chunks = [rows for s in result.steps if s.replica == "prefill-0" for rows in s.rows]
+        assert chunks == [("prefill:0", 16, 0), ("prefill:0", 16, 16), ("prefill:0", 8, 32)]
+        assert result.records[0].ttft_s == pytest.approx(ttft)
 
 
 def test_short_prompts_are_computed_on_the_decode_replica():

@@ -31,13 +31,17 @@ def test_a_log_written_with_known_costs_fits_them_back(tmp_path):
     rng = np.random.default_rng(1)
     path = tmp_path / "steps.jsonl"
     writer = StepLogWriter(path, ENGINE)
-    for _ in range(60):
+    for i in range(60):
         rows = [(int(rng.integers(1, 8)), int(rng.integers(0, 400))) for _ in range(rng.integers(1, 9))]
-        writer.write(rows, truth.seconds(RowShape(*r) for r in rows))
+        # every third: a chunk-only step (a prompt's first 64 tokens) timed with the one that sampled
+        before = [[(64, 0)]] if i % 3 == 0 else []
+        seconds = sum(truth.seconds(RowShape(*r) for r in step) for step in [*before, rows])
+        writer.write(rows, seconds, before)
     writer.close()
     StepLogWriter(path, {**ENGINE, "compile_cache": "cold"}).close()  # a restart appending: the same engine
     engine, steps = read_step_log(path)
     assert len(steps) == 60 and engine["token_buckets"] == [8, 16, 32, 64]
+    assert steps[0][0][0] == [(64, 0)] and len(steps[0][0]) == 2 and len(steps[1][0]) == 1
     profile = profile_from_step_log(path)
     assert profile.costs.padding == padding and profile.engine_info["step_log"] == str(path)
     assert profile.fit["held_out"]["steps"] == 12 and profile.fit["held_out"]["p90"] < 1e-6
