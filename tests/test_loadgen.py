@@ -4,6 +4,7 @@ end-to-end run against a real decode-server."""
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import math
 import os
@@ -17,7 +18,7 @@ import pytest
 
 from pdserve.bench.clients import run_load
 from pdserve.bench.stats import RequestRecord, compute_stats, distribution, meets_slo, throughput_timeline
-from pdserve.bench.workload import LengthDist, SharedPrefix, load_dataset, make_workload
+from pdserve.bench.workload import LengthDist, SharedPrefix, arrival_times, load_dataset, make_workload
 from pdserve.v1 import generation_pb2 as pb
 
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
@@ -215,6 +216,20 @@ def test_run_load_poisson_rate_and_failures():
 
 
 @pytest.mark.fast
+def test_bursty_arrivals_keep_the_rate_and_clump():
+    """Gamma gaps of shape b (as vLLM's --burstiness): the same mean rate; a coefficient of variation of
+    1 / sqrt(b); b = 1 is the Poisson stream as before (the same times for the same seed)."""
+    poisson = list(itertools.islice(arrival_times(4.0, seed=3), 4000))
+    assert poisson == list(itertools.islice(arrival_times(4.0, seed=3, burstiness=1.0), 4000))
+    for burstiness in (0.25, 1.0, 4.0):
+        gaps = np.diff(list(itertools.islice(arrival_times(4.0, seed=3, burstiness=burstiness), 4000)))
+        assert gaps.mean() == pytest.approx(0.25, rel=0.1)
+        assert gaps.std() / gaps.mean() == pytest.approx(burstiness**-0.5, rel=0.1)
+    with pytest.raises(ValueError, match="burstiness"):
+        next(arrival_times(1.0, burstiness=0.0))
+
+
+@pytest.mark.fast
 def test_run_load_duration_without_count():
     client = FakeClient(ttft=0.0, gap=0.0)
     workload = make_workload(LengthDist(4, 4), LengthDist(1, 1))
@@ -239,6 +254,7 @@ def test_cli_bad_arguments():
 
     assert main(["bench", "--server", "127.0.0.1:1", "--prompt-len", "normal:3"]) == 2
     assert main(["bench", "--server", "127.0.0.1:1", "--rate", "0"]) == 2
+    assert main(["bench", "--server", "127.0.0.1:1", "--rate", "1", "--burstiness", "0"]) == 2
     with pytest.raises(SystemExit):
         main(["bench", "--server", "x", "--rate", "1", "--concurrency", "2"])
 

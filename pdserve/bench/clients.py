@@ -57,12 +57,14 @@ def run_load(
     timeout_s: float | None = None,
     on_done: Callable[[RequestRecord], None] | None = None,
     max_threads: int = 512,
+    burstiness: float = 1.0,
 ) -> tuple[list[RequestRecord], float]:
     """Sends requests from `workload` until `num_requests` are sent or `duration_s` has passed.
 
-    `rate`: Poisson arrivals at this many requests/s (open loop; inf: all at once), capped at `max_threads`
-    in flight; `concurrency`: that many requests in flight at all times (closed loop). Returns the records
-    (in send order) and the wall time from the first send to the last finish.
+    `rate`: Poisson arrivals at this many requests/s (open loop; inf: all at once; `burstiness`: the
+    gaps' gamma shape, workload.arrival_times), capped at `max_threads` in flight; `concurrency`: that
+    many requests in flight at all times (closed loop). Returns the records (in send order) and the wall
+    time from the first send to the last finish.
     """
     if (rate is None) == (concurrency is None):
         raise ValueError("give exactly one of rate and concurrency")
@@ -97,7 +99,7 @@ def run_load(
         for thread in threads:
             thread.join()
     else:
-        times = arrival_times(rate, seed) if math.isfinite(rate) else itertools.repeat(0.0)
+        times = arrival_times(rate, seed, burstiness) if math.isfinite(rate) else itertools.repeat(0.0)
         workers = max_threads if num_requests is None else max(1, min(num_requests, max_threads))
         with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="bench") as pool:
             for spec, at in zip(specs, times, strict=False):

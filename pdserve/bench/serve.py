@@ -20,7 +20,7 @@ from pdserve.bench.clients import run_load
 from pdserve.bench.common import write_json
 from pdserve.bench.plots import plot_latency_cdfs, plot_throughput, pyplot
 from pdserve.bench.stats import RequestRecord, compute_stats, format_summary, throughput_timeline
-from pdserve.bench.workload import LengthDist, SharedPrefix, load_dataset, make_workload
+from pdserve.bench.workload import LengthDist, SharedPrefix, add_burstiness_flag, load_dataset, make_workload
 from pdserve.services.client import add_client_flags, client_from_flags
 
 
@@ -28,6 +28,7 @@ def bench(
     server: str,
     *,
     rate: float | None = None,
+    burstiness: float = 1.0,
     concurrency: int | None = None,
     num_requests: int | None = 100,
     duration_s: float | None = None,
@@ -88,6 +89,7 @@ def bench(
             ignore_eos=ignore_eos,
             timeout_s=timeout_s,
             on_done=on_done,
+            burstiness=burstiness,
         )
     finally:
         bar.close()
@@ -99,6 +101,7 @@ def bench(
             "server": server,
             "rate": None if rate is None or math.isinf(rate) else rate,
             "burst": rate is not None and math.isinf(rate),
+            "burstiness": burstiness,
             "concurrency": concurrency,
             "num_requests": num_requests,
             "duration_s": duration_s,
@@ -134,6 +137,7 @@ def add_bench_args(parser: argparse.ArgumentParser, required: bool = True) -> No
     load = parser.add_mutually_exclusive_group()
     load.add_argument("--rate", type=float, help="Poisson arrivals, requests/s (default: all at once)")
     load.add_argument("--concurrency", type=int, help="this many requests in flight (closed loop)")
+    add_burstiness_flag(parser)
     parser.add_argument("--num-requests", type=int, default=None, help="default 100 (without --duration)")
     parser.add_argument("--duration", type=float, default=None, help="stop sending after S seconds")
     parser.add_argument("--prompt-len", default="fixed:128", help="fixed:N or uniform:A:B (token ids)")
@@ -179,6 +183,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.concurrency is not None and args.concurrency < 1:
         print("error: --concurrency must be >= 1", file=sys.stderr)
         return 2
+    if not args.burstiness > 0:
+        print("error: --burstiness must be > 0", file=sys.stderr)
+        return 2
     num_requests = args.num_requests
     if num_requests is None and args.duration is None:
         num_requests = 100
@@ -199,6 +206,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         result = bench(
             args.server,
             rate=args.rate,
+            burstiness=args.burstiness,
             concurrency=args.concurrency,
             num_requests=num_requests,
             duration_s=args.duration,

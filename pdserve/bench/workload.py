@@ -3,6 +3,7 @@ datasets, and the endless, seeded stream of `RequestSpec`s made from them."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import itertools
 import json
@@ -127,11 +128,31 @@ def make_workload(
         yield RequestSpec(index, prompt, max_tokens, adapter)
 
 
-def arrival_times(rate: float, seed: int = 0) -> Iterator[float]:
-    """Poisson arrivals at `rate` requests/s, seconds since the start: the first at 0 (the load
-    generator's open loop sends at these times; the simulator replays the same ones for the same seed)."""
+def arrival_times(rate: float, seed: int = 0, burstiness: float = 1.0) -> Iterator[float]:
+    """Arrivals at `rate` requests/s on average, seconds since the start: the first at 0 (the load
+    generator's open loop sends at these times; the simulator replays the same ones for the same seed).
+    The gaps between them are gamma-distributed with shape `burstiness` (as vLLM's `bench serve`): 1 is a
+    Poisson process, below 1 burstier (arrivals in clumps with long quiet gaps: a coefficient of variation
+    of 1 / sqrt(burstiness)), above 1 more even."""
+    if not burstiness > 0:
+        raise ValueError(f"burstiness must be > 0, got {burstiness}")
     rng = np.random.default_rng(seed + 1_000_003)
     at = 0.0
     while True:
         yield at
-        at += rng.exponential(1.0 / rate)
+        if burstiness == 1.0:
+            at += rng.exponential(1.0 / rate)
+        else:
+            at += rng.gamma(burstiness, 1.0 / (rate * burstiness))
+
+
+def add_burstiness_flag(parser: argparse.ArgumentParser) -> None:
+    """--burstiness: the arrivals' gamma shape (workload.arrival_times), for the load generator and the
+    planner's simulations alike."""
+    parser.add_argument(
+        "--burstiness",
+        type=float,
+        default=1.0,
+        help="with --rate: the gaps between arrivals are gamma-distributed with this shape: 1 is Poisson, "
+        "below 1 burstier (clumps and quiet gaps), above 1 more even",
+    )

@@ -11,7 +11,7 @@ import time
 
 from pdserve.bench.common import report
 from pdserve.bench.stats import compute_stats, format_summary
-from pdserve.bench.workload import LengthDist
+from pdserve.bench.workload import LengthDist, SharedPrefix, add_burstiness_flag
 from pdserve.flags import add_engine_args, engine_config
 from pdserve.planner.roofline import CHIPS, MODELS
 
@@ -77,6 +77,14 @@ def add_planner_parsers(sub) -> None:
     simulate.add_argument("--num-requests", type=int, default=200)
     simulate.add_argument("--prompt-len", type=LengthDist.parse, default=LengthDist(256, 256))
     simulate.add_argument("--output-len", type=LengthDist.parse, default=LengthDist(128, 128))
+    simulate.add_argument(
+        "--shared-prefix",
+        type=SharedPrefix.parse,
+        default=None,
+        metavar="TOKENS:COUNT",
+        help="each prompt after one of COUNT shared prefixes of TOKENS tokens (as `pdserve bench serve`)",
+    )
+    add_burstiness_flag(simulate)
     simulate.add_argument("--seed", type=int, default=0)
     simulate.add_argument("--slo-ttft-ms", type=float)
     simulate.add_argument("--slo-tpot-ms", type=float)
@@ -183,11 +191,19 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         except (OSError, ValueError) as e:
             raise SystemExit(f"simulate: --replay: {e}") from None
     else:
-        workload = poisson_workload(args.rate, args.num_requests, args.prompt_len, args.output_len, args.seed)
+        workload = poisson_workload(
+            args.rate,
+            args.num_requests,
+            args.prompt_len,
+            args.output_len,
+            args.seed,
+            args.shared_prefix,
+            args.burstiness,
+        )
     result = simulate(config, profile.costs, workload)
     stats = compute_stats(result.records, None, args.slo_ttft_ms, args.slo_tpot_ms)
     print(format_summary(stats), file=sys.stderr)
-    source = {"replay": args.replay} if args.replay else {"rate": args.rate}
+    source = {"replay": args.replay} if args.replay else {"rate": args.rate, "burstiness": args.burstiness}
     report({"simulated": True, "profile": args.profile, **source, **stats}, args.json_path)
     return 0
 
@@ -212,6 +228,7 @@ def add_plan_parser(sub) -> None:
     plan.add_argument("--prompt-len", type=LengthDist.parse, default=LengthDist(256, 256))
     plan.add_argument("--output-len", type=LengthDist.parse, default=LengthDist(128, 128))
     plan.add_argument("--num-requests", type=int, default=100, help="per simulated run")
+    add_burstiness_flag(plan)
     plan.add_argument("--seed", type=int, default=0)
     plan.add_argument(
         "--budgets", default="", help="token budgets to try, comma-separated (default: each profile's own)"
@@ -274,6 +291,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         args.attainment,
         args.num_requests,
         args.seed,
+        args.burstiness,
     )
     try:
         scored = [

@@ -34,7 +34,8 @@ MAX_DOUBLINGS = 16  # of the rate, from the start: past it the workload is too s
 
 @dataclasses.dataclass(frozen=True)
 class Workload:
-    """Poisson arrivals of random prompts (as `pdserve bench serve` sends) and the SLO they are held to."""
+    """Poisson arrivals of random prompts (as `pdserve bench serve` sends; `burstiness`: the gaps' gamma
+    shape) and the SLO they are held to."""
 
     prompt_len: LengthDist
     output_len: LengthDist
@@ -43,10 +44,18 @@ class Workload:
     attainment: float = 0.9  # the fraction of requests that must meet both targets
     num_requests: int = 100
     seed: int = 0
+    burstiness: float = 1.0
 
     def run(self, fleet: Fleet, rate: float) -> tuple[dict, SimulationResult]:
         """The load generator's figures (with slo_attainment) of `fleet` simulated at `rate`."""
-        arrivals = poisson_workload(rate, self.num_requests, self.prompt_len, self.output_len, self.seed)
+        arrivals = poisson_workload(
+            rate,
+            self.num_requests,
+            self.prompt_len,
+            self.output_len,
+            self.seed,
+            burstiness=self.burstiness,
+        )
         result = fleet.run(arrivals)
         return compute_stats(result.records, None, self.slo_ttft_ms, self.slo_tpot_ms), result
 

@@ -117,11 +117,13 @@ def poisson_workload(
     output_len: LengthDist,
     seed: int = 0,
     shared_prefix: SharedPrefix | None = None,
+    burstiness: float = 1.0,
 ) -> list[Arrival]:
-    """`num_requests` Poisson arrivals at `rate` requests/s: the arrivals and prompts `pdserve bench serve`
-    sends for the same lengths, shared prefixes and seed."""
+    """`num_requests` Poisson arrivals at `rate` requests/s (`burstiness`: the gaps' gamma shape, as the
+    load generator's): the arrivals and prompts `pdserve bench serve` sends for the same lengths, shared
+    prefixes, burstiness and seed."""
     specs = make_workload(prompt_len, output_len, seed, shared_prefix=shared_prefix)
-    times = arrival_times(rate, seed)
+    times = arrival_times(rate, seed, burstiness)
     return [
         Arrival(at, tuple(spec.prompt), spec.max_tokens)
         for at, spec in itertools.islice(zip(times, specs, strict=False), num_requests)

@@ -87,3 +87,15 @@ def test_short_prompts_computed_on_decode_replicas_are_candidates_too():
     )
     assert "prompts < 32 on decode" in local.label
     assert goodput(local, workload, transfer).goodput > 0
+
+
+def test_bursty_arrivals_need_more_headroom_than_poisson():
+    """The same mean rate in clumps (burstiness 0.25, as `pdserve bench serve --burstiness`): the queue
+    builds in each clump, so one colocated replica carries less within a TTFT target than under Poisson
+    arrivals."""
+    colocated = Candidate(PROFILE, 1, 512)
+    poisson = Workload(LengthDist(256, 256), LengthDist(16, 16), 1000, 100, num_requests=80)
+    bursty = Workload(LengthDist(256, 256), LengthDist(16, 16), 1000, 100, num_requests=80, burstiness=0.25)
+    assert (
+        0 < goodput(colocated, bursty, Transfer()).goodput < goodput(colocated, poisson, Transfer()).goodput
+    )
