@@ -1,5 +1,5 @@
 """Plots of load runs (matplotlib, optional: the `plots` extra): latency CDFs and throughput over time,
-one line per labelled run."""
+one line per labelled run; and the planner's goodput-vs-rate curves, one per configuration."""
 
 from __future__ import annotations
 
@@ -72,4 +72,31 @@ def plot_throughput(
     for ax in (top, bottom):
         ax.grid(alpha=0.3)
     top.legend(fontsize=8)
+    return save(plt, fig, path, title)
+
+
+def plot_goodput_curves(
+    curves: dict[str, tuple[int, Sequence[tuple[float, float]]]],
+    attainment: float,
+    path: str | Path,
+    title: str = "",
+) -> Path:
+    """Per labelled configuration (its chips, its (rate, SLO attainment) points): the attainment and the
+    goodput (requests/s within the SLO, rate x attainment), both against the offered rate per chip, with
+    the attainment target dashed."""
+    plt = pyplot()
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), dpi=80, sharex=True)
+    for label, (chips, points) in curves.items():
+        rate, met = (np.array(v, dtype=np.float64) for v in zip(*points, strict=True))
+        top.plot(rate / chips, met, marker=".", label=label)
+        bottom.plot(rate / chips, rate * met / chips, marker=".", label=label)
+    top.axhline(attainment, color="grey", linestyle="--", linewidth=1)
+    top.set_ylabel("SLO attainment")
+    top.set_ylim(0, 1.02)
+    bottom.set_ylabel("goodput per chip (requests/s)")
+    bottom.set_xlabel("offered rate per chip (requests/s)")
+    for ax in (top, bottom):
+        ax.set_xscale("log")
+        ax.grid(alpha=0.3)
+    top.legend(fontsize=7)
     return save(plt, fig, path, title)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import time
 
@@ -255,18 +256,29 @@ def add_plan_parser(sub) -> None:
         default="deploy/overlays/gke-tpu",
         help="the overlay --emit builds on (a path from here; it needs deploy/base's decode HPA)",
     )
-    plan.add_argument("--top", type=int, default=10, help="configurations printed")
+    plan.add_argument("--top", type=int, default=10, help="configurations printed (and plotted)")
+    plan.add_argument(
+        "--plots",
+        metavar="DIR",
+        help="write goodput_vs_rate.png: SLO attainment and goodput per chip against the offered rate, a "
+        "curve per configuration (matplotlib: the plots extra)",
+    )
     plan.add_argument("--json", dest="json_path", metavar="OUT", help="write the ranking and plan as JSON")
     plan.set_defaults(func=cmd_plan)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    import os
-
     from pdserve.planner import plan as planning
     from pdserve.planner.costs import Profile
     from pdserve.planner.simulator import Transfer
 
+    if args.plots:  # (before the search: a missing extra said at once)
+        from pdserve.bench.plots import pyplot
+
+        try:
+            pyplot()
+        except RuntimeError as e:
+            raise SystemExit(f"plan: --plots: {e}") from None
     profiles = [Profile.read(path) for path in args.profile]
     budgets = [int(b) for b in args.budgets.split(",") if b] or sorted(
         {int(p.engine_info.get("max_num_batched_tokens", 512)) for p in profiles}
@@ -301,6 +313,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise SystemExit(f"plan: {e}") from None
     ranked = sorted(scored, key=lambda s: (-s.per_chip, s.candidate.chips))
+    if args.plots:
+        _plot_curves(ranked[: args.top], workload.attainment, args.plots)
     print(
         f"{'configuration':<58} {'chips':>5} {'goodput/s':>9} {'per chip':>8} {'TTFT p90':>9} {'TPOT p90':>9}"
     )
@@ -373,6 +387,16 @@ def _kustomize(directory: str) -> list[dict] | None:
 
 def _pair(distribution: dict) -> str:
     return f"{_ms(distribution.get('p50'))} / {_ms(distribution.get('p90'))}"
+
+
+def _plot_curves(ranked, attainment: float, folder: str) -> None:
+    """--plots: goodput_vs_rate.png in `folder`, a curve per configuration ranked."""
+    from pdserve.bench.plots import plot_goodput_curves
+
+    os.makedirs(folder, exist_ok=True)
+    curves = {s.candidate.label: (s.candidate.chips, s.curve) for s in ranked if s.curve}
+    path = plot_goodput_curves(curves, attainment, os.path.join(folder, "goodput_vs_rate.png"))
+    print(f"wrote {path}", file=sys.stderr)
 
 
 def _ms(value) -> str:

@@ -142,6 +142,7 @@ class Scored:
     goodput: float  # requests/s within the SLO (0: not even the lowest rate tried)
     figures: dict  # the load generator's figures at that rate
     queues: dict  # mean queue depth per replica of each role at that rate (the HPA's target)
+    curve: tuple[tuple[float, float], ...] = ()  # (rate, SLO attainment) of each rate simulated, by rate
 
     @property
     def per_chip(self) -> float:
@@ -152,8 +153,11 @@ def goodput(candidate: Candidate, workload: Workload, transfer: Transfer, start:
     """The highest rate (requests/s) at which `candidate` meets the workload's SLO: doubled from
     `start` until it fails (halved first, down to start / 64, when `start` fails), then bisected."""
 
+    curve: dict[float, float] = {}
+
     def meets(rate: float):
         stats, result = workload.run(candidate.fleet(transfer), rate)
+        curve[rate] = stats["slo_attainment"]
         return stats["slo_attainment"] >= workload.attainment, stats, result
 
     good, bad, best = 0.0, None, None
@@ -183,9 +187,10 @@ def goodput(candidate: Candidate, workload: Workload, transfer: Transfer, start:
                 good, best = rate, (stats, result)
             else:
                 bad = rate
+    points = tuple(sorted(curve.items()))
     if best is None:
-        return Scored(candidate, 0.0, stats, {})
-    return Scored(candidate, good, best[0], queue_depths(best[1]))
+        return Scored(candidate, 0.0, stats, {}, points)
+    return Scored(candidate, good, best[0], queue_depths(best[1]), points)
 
 
 def queue_depths(result: SimulationResult) -> dict[str, float]:

@@ -5,14 +5,14 @@ replicates the best unit to the requested rate within the chip budget."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from pdserve.bench.workload import LengthDist
 from pdserve.planner.costs import Padding, Profile, StepCosts
 from pdserve.planner.plan import RATIOS, Candidate, Workload, candidates, goodput, plan
 from pdserve.planner.simulator import Transfer
-
-pytestmark = pytest.mark.fast
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 ENGINE = {
@@ -34,6 +34,7 @@ def ranked(workload: Workload, transfer: Transfer) -> list:
     return sorted(scored, key=lambda s: -s.per_chip)
 
 
+@pytest.mark.fast
 def test_prefill_heavy_traffic_under_a_tight_tpot_is_disaggregated():
     workload = Workload(LengthDist(512, 512), LengthDist(32, 32), 3000, 20, num_requests=40)
     transfer = Transfer(latency_s=0.01)
@@ -50,6 +51,7 @@ def test_prefill_heavy_traffic_under_a_tight_tpot_is_disaggregated():
     assert fewer is None or fewer.best is not best
 
 
+@pytest.mark.fast
 def test_short_prompts_under_a_tight_ttft_stay_colocated():
     workload = Workload(LengthDist(16, 16), LengthDist(64, 64), 60, 50, num_requests=40)
     transfer = Transfer(latency_s=0.05)
@@ -60,6 +62,7 @@ def test_short_prompts_under_a_tight_ttft_stay_colocated():
     assert chosen.best is scores[0] and chosen.prefill_replicas == 0 and chosen.decode_replicas >= 2
 
 
+@pytest.mark.fast
 def test_a_unit_that_never_meets_the_slo_has_no_goodput_and_no_plan():
     workload = Workload(LengthDist(512, 512), LengthDist(8, 8), 100, 20, num_requests=10)
     scored = goodput(Candidate(PROFILE, 1, 512), workload, Transfer())
@@ -67,6 +70,7 @@ def test_a_unit_that_never_meets_the_slo_has_no_goodput_and_no_plan():
     assert plan([scored], 1.0, 8, workload, Transfer()) is None
 
 
+@pytest.mark.fast
 def test_a_workload_too_small_to_load_a_unit_is_said_so():
     """Two short requests meet the SLO however fast they come: no goodput can be told from them."""
     workload = Workload(LengthDist(16, 16), LengthDist(2, 2), 10_000, 1_000, num_requests=2)
@@ -74,6 +78,7 @@ def test_a_workload_too_small_to_load_a_unit_is_said_so():
         goodput(Candidate(PROFILE, 1, 512), workload, Transfer())
 
 
+@pytest.mark.fast
 def test_short_prompts_computed_on_decode_replicas_are_candidates_too():
     """With local_prefill_below 32, a disaggregated unit computes 16-token prompts on its decode replica:
     no transfer, so the 50 ms link no longer rules it out (its goodput is the colocated replica's, on
@@ -89,6 +94,7 @@ def test_short_prompts_computed_on_decode_replicas_are_candidates_too():
     assert goodput(local, workload, transfer).goodput > 0
 
 
+@pytest.mark.fast
 def test_bursty_arrivals_need_more_headroom_than_poisson():
     """The same mean rate in clumps (burstiness 0.25, as `pdserve bench serve --burstiness`): the queue
     builds in each clump, so one colocated replica carries less within a TTFT target than under Poisson
@@ -99,3 +105,47 @@ def test_bursty_arrivals_need_more_headroom_than_poisson():
     assert (
         0 < goodput(colocated, bursty, Transfer()).goodput < goodput(colocated, poisson, Transfer()).goodput
     )
+
+
+@pytest.mark.fast
+def test_the_command_line_ranks_plans_and_simulates_bursty_shared_prefix_arrivals(tmp_path):
+    """`pdserve plan` ranks the configurations (each one's rates simulated, by rate: its goodput the last
+    that meets the target, the next one above it misses it); `pdserve simulate` takes the arrivals'
+    burstiness and shared prefixes."""
+    from pdserve.cli import main
+
+    out = tmp_path / "plan.json"
+    assert main([*plan_argv(tmp_path), "--json", str(out)]) == 0
+    ranking = json.loads(out.read_text())["ranking"]
+    assert ranking and ranking[0]["configuration"].startswith("colocated")
+    workload = Workload(LengthDist(256, 256), LengthDist(16, 16), 1000, 100, num_requests=40)
+    scored = goodput(Candidate(PROFILE, 1, 512), workload, Transfer())
+    rates = [rate for rate, _ in scored.curve]
+    assert rates == sorted(rates) and scored.goodput in rates
+    met = dict(scored.curve)
+    assert met[scored.goodput] >= 0.9 > met[min(r for r in rates if r > scored.goodput)]
+    sim = tmp_path / "sim.json"
+    argv = ["simulate", *COMMON, *SLO, "--profile", str(tmp_path / "profile.json"), "--rate", "1"]
+    argv += ["--burstiness", "0.5", "--shared-prefix", "128:2", "--num-requests", "20", "--json", str(sim)]
+    assert main(argv) == 0
+    assert json.loads(sim.read_text())["burstiness"] == 0.5
+
+
+@pytest.mark.model  # (matplotlib: the plots extra, which the fast tier does not install)
+def test_plan_plots_a_goodput_curve_per_configuration(tmp_path):
+    from pdserve.cli import main
+
+    assert main([*plan_argv(tmp_path), "--plots", str(tmp_path / "plots")]) == 0
+    assert (tmp_path / "plots" / "goodput_vs_rate.png").stat().st_size > 0
+
+
+COMMON = ["--prompt-len", "fixed:256", "--output-len", "fixed:16"]
+SLO = ["--slo-ttft-ms", "1000", "--slo-tpot-ms", "100"]
+
+
+def plan_argv(tmp_path) -> list[str]:
+    """`pdserve plan` of PROFILE (written to tmp_path), colocated only."""
+    profile = tmp_path / "profile.json"
+    profile.write_text(PROFILE.to_json())
+    argv = ["plan", "--profile", str(profile), *COMMON, *SLO, "--rate", "2", "--chips", "4"]
+    return [*argv, "--num-requests", "40", "--top", "3", "--no-disaggregated"]
