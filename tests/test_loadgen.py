@@ -16,9 +16,16 @@ import time
 import numpy as np
 import pytest
 
-from pdserve.bench.clients import run_load
+from pdserve.bench.clients import run_chats, run_load
 from pdserve.bench.stats import RequestRecord, compute_stats, distribution, meets_slo, throughput_timeline
-from pdserve.bench.workload import LengthDist, SharedPrefix, arrival_times, load_dataset, make_workload
+from pdserve.bench.workload import (
+    LengthDist,
+    SharedPrefix,
+    arrival_times,
+    load_dataset,
+    make_chats,
+    make_workload,
+)
 from pdserve.v1 import generation_pb2 as pb
 
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
@@ -189,6 +196,19 @@ class FakeClient:
                 self.in_flight -= 1
 
 
+class RecordingClient(FakeClient):
+    """FakeClient that keeps each prompt it was sent (its token ids)."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.prompts: list[list[int]] = []
+
+    def stream(self, request, timeout=None):
+        with self.lock:
+            self.prompts.append(list(request.token_ids.ids))
+        yield from super().stream(request, timeout)
+
+
 @pytest.mark.fast
 def test_run_load_concurrency():
     client = FakeClient()
@@ -227,6 +247,27 @@ def test_bursty_arrivals_keep_the_rate_and_clump():
         assert gaps.std() / gaps.mean() == pytest.approx(burstiness**-0.5, rel=0.1)
     with pytest.raises(ValueError, match="burstiness"):
         next(arrival_times(1.0, burstiness=0.0))
+
+
+@pytest.mark.fast
+def test_a_conversations_turns_carry_the_conversation_so_far():
+    """run_chats: each turn's prompt is every prompt and answer before it and its own new tokens, sent after
+    the answer before it; turn 1 of each conversation is make_workload's request of the same index."""
+    client = RecordingClient(ttft=0.0, gap=0.0)
+    chats = make_chats(LengthDist(4, 4), LengthDist(2, 2), turns=3, think_s=0.01, seed=5)
+    records, _ = run_chats(client, chats, num_chats=2, rate=1000.0, seed=5)
+    assert sorted(r.index for r in records) == list(range(6)) and all(r.ok for r in records)
+    firsts = list(itertools.islice(make_workload(LengthDist(4, 4), LengthDist(2, 2), seed=5), 2))
+    by_chat = {}
+    for prompt in client.prompts:
+        by_chat.setdefault(tuple(prompt[:4]), []).append(prompt)
+    assert sorted(by_chat) == sorted(tuple(f.prompt) for f in firsts)
+    for turns in by_chat.values():
+        assert [len(p) for p in turns] == [4, 4 + 2 + 4, 4 + 2 + 4 + 2 + 4]
+        for before, after in itertools.pairwise(turns):
+            assert after[: len(before) + 2] == [*before, 100, 101]  # (the answer: FakeClient's ids)
+    with pytest.raises(ValueError, match="turn"):
+        next(make_chats(LengthDist(4, 4), LengthDist(2, 2), turns=0))
 
 
 @pytest.mark.fast

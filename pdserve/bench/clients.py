@@ -1,5 +1,6 @@
 """Sending a workload to a decode-server's Generation API and recording each request as the client saw it:
-open loop (Poisson arrivals at a rate, or all at once) or closed loop (a fixed number in flight)."""
+open loop (Poisson arrivals at a rate, or all at once) or closed loop (a fixed number in flight); and
+conversations of several turns arriving at a rate (run_chats)."""
 
 from __future__ import annotations
 
@@ -11,10 +12,18 @@ import time
 from collections.abc import Callable, Iterator
 
 from pdserve.bench.stats import RequestRecord
-from pdserve.bench.workload import RequestSpec, arrival_times
+from pdserve.bench.workload import Chat, RequestSpec, arrival_times
 
 
-def one_request(client, spec: RequestSpec, t0: float, ignore_eos: bool, timeout: float | None):
+def one_request(
+    client,
+    spec: RequestSpec,
+    t0: float,
+    ignore_eos: bool,
+    timeout: float | None,
+    answer: list[int] | None = None,
+) -> RequestRecord:
+    """`spec` sent and streamed to its end, as the client saw it; the token ids received go to `answer`."""
     import grpc
 
     from pdserve.services.client import build_request
@@ -34,6 +43,8 @@ def one_request(client, spec: RequestSpec, t0: float, ignore_eos: bool, timeout:
         for response in client.stream(request, timeout=timeout):
             now = time.perf_counter() - start
             record.token_times_s += [now] * len(response.token_ids)
+            if answer is not None:
+                answer += response.token_ids
             if response.finish_reason:
                 record.finish_reason = FINISH_NAMES[response.finish_reason]
                 record.prompt_tokens = response.usage.prompt_tokens or record.prompt_tokens
@@ -113,3 +124,53 @@ def run_load(
     wall = time.perf_counter() - t0
     records.sort(key=lambda r: r.start_s)
     return records, wall
+
+
+def run_chats(
+    client,
+    chats: Iterator[Chat],
+    num_chats: int,
+    rate: float,
+    seed: int = 0,
+    ignore_eos: bool = True,
+    timeout_s: float | None = None,
+    on_done: Callable[[RequestRecord], None] | None = None,
+    burstiness: float = 1.0,
+    max_threads: int = 512,
+) -> tuple[list[RequestRecord], float]:
+    """`num_chats` conversations, arriving as run_load's requests do at `rate` (arrival_times); each sends
+    its turns one after another, a turn's prompt the conversation so far (every prompt and answer before
+    it) and its own tokens, `think_s` after the answer before it ended. A turn that fails ends its
+    conversation. Returns a record per turn sent (its index: conversation x turns + turn) and the wall time
+    from the first send to the last finish."""
+    lock = threading.Lock()
+    records: list[RequestRecord] = []
+    t0 = time.perf_counter()
+
+    def converse(chat: Chat) -> None:
+        history: list[int] = []
+        for turn, spec in enumerate(chat.turns):
+            if turn:
+                time.sleep(chat.think_s)
+            prompt = [*history, *spec.prompt]
+            index = chat.index * len(chat.turns) + turn
+            sent = RequestSpec(index, prompt, spec.max_tokens, spec.lora_adapter)
+            answer: list[int] = []
+            record = one_request(client, sent, t0, ignore_eos, timeout_s, answer)
+            with lock:
+                records.append(record)
+            if on_done:
+                on_done(record)
+            if not record.ok:
+                return
+            history = prompt + answer
+
+    times = arrival_times(rate, seed, burstiness) if math.isfinite(rate) else itertools.repeat(0.0)
+    workers = max(1, min(num_chats, max_threads))  # (conversations in flight)
+    with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="chat") as pool:
+        for chat, at in zip(itertools.islice(chats, num_chats), times, strict=False):
+            delay = t0 + at - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+            pool.submit(converse, chat)
+    return records, time.perf_counter() - t0

@@ -16,11 +16,19 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from pdserve.bench.clients import run_load
+from pdserve.bench.clients import run_chats, run_load
 from pdserve.bench.common import write_json
 from pdserve.bench.plots import plot_latency_cdfs, plot_throughput, pyplot
 from pdserve.bench.stats import RequestRecord, compute_stats, format_summary, throughput_timeline
-from pdserve.bench.workload import LengthDist, SharedPrefix, add_burstiness_flag, load_dataset, make_workload
+from pdserve.bench.workload import (
+    LengthDist,
+    SharedPrefix,
+    add_burstiness_flag,
+    add_chat_flags,
+    load_dataset,
+    make_chats,
+    make_workload,
+)
 from pdserve.services.client import add_client_flags, client_from_flags
 
 
@@ -47,16 +55,22 @@ def bench(
     progress: bool = True,
     client=None,
     keep_records: bool = False,
+    turns: int = 1,
+    think_time_s: float = 0.0,
 ) -> dict:
     """Runs one benchmark against `server` (a decode-server's ADDR) and returns its result dict
     (`config`, `stats`, `timeline`, `requests`; with `keep_records`, also `records`: the RequestRecords).
-    `client`: a services.client.Client to use instead of a new plaintext one (TLS, tokens)."""
+    `client`: a services.client.Client to use instead of a new plaintext one (TLS, tokens). With `turns` > 1
+    each of the `num_requests` is a conversation of that many turns (clients.run_chats: a turn's prompt
+    the conversation so far, sent `think_time_s` after the answer before it), open loop at `rate`."""
     from tqdm import tqdm
 
     from pdserve.services.client import Client
 
     if rate is None and concurrency is None:
         rate = math.inf
+    if turns > 1 and (concurrency is not None or dataset or lora_adapters or num_requests is None):
+        raise ValueError("conversations (turns > 1) take a rate and a number of them, random prompts only")
     workload = make_workload(
         LengthDist.parse(prompt_len),
         LengthDist.parse(output_len),
@@ -67,7 +81,8 @@ def bench(
     )
     own_client = client is None
     client = client or Client(server)
-    bar = tqdm(total=num_requests, desc="bench", unit="req", disable=not progress, file=sys.stderr)
+    sent = num_requests * turns if num_requests is not None else None
+    bar = tqdm(total=sent, desc="bench", unit="req", disable=not progress, file=sys.stderr)
     failures = 0
 
     def on_done(record: RequestRecord) -> None:
@@ -78,19 +93,40 @@ def bench(
             bar.set_postfix(failed=failures, refresh=False)
 
     try:
-        records, wall = run_load(
-            client,
-            workload,
-            num_requests=num_requests,
-            rate=rate,
-            concurrency=concurrency,
-            duration_s=duration_s,
-            seed=seed,
-            ignore_eos=ignore_eos,
-            timeout_s=timeout_s,
-            on_done=on_done,
-            burstiness=burstiness,
-        )
+        if turns > 1:
+            chats = make_chats(
+                LengthDist.parse(prompt_len),
+                LengthDist.parse(output_len),
+                turns,
+                think_time_s,
+                seed,
+                SharedPrefix.parse(shared_prefix),
+            )
+            records, wall = run_chats(
+                client,
+                chats,
+                num_requests,
+                rate,
+                seed=seed,
+                ignore_eos=ignore_eos,
+                timeout_s=timeout_s,
+                on_done=on_done,
+                burstiness=burstiness,
+            )
+        else:
+            records, wall = run_load(
+                client,
+                workload,
+                num_requests=num_requests,
+                rate=rate,
+                concurrency=concurrency,
+                duration_s=duration_s,
+                seed=seed,
+                ignore_eos=ignore_eos,
+                timeout_s=timeout_s,
+                on_done=on_done,
+                burstiness=burstiness,
+            )
     finally:
         bar.close()
         if own_client:
@@ -102,6 +138,8 @@ def bench(
             "rate": None if rate is None or math.isinf(rate) else rate,
             "burst": rate is not None and math.isinf(rate),
             "burstiness": burstiness,
+            "turns": turns,
+            "think_time_s": think_time_s,
             "concurrency": concurrency,
             "num_requests": num_requests,
             "duration_s": duration_s,
@@ -138,6 +176,7 @@ def add_bench_args(parser: argparse.ArgumentParser, required: bool = True) -> No
     load.add_argument("--rate", type=float, help="Poisson arrivals, requests/s (default: all at once)")
     load.add_argument("--concurrency", type=int, help="this many requests in flight (closed loop)")
     add_burstiness_flag(parser)
+    add_chat_flags(parser)
     parser.add_argument("--num-requests", type=int, default=None, help="default 100 (without --duration)")
     parser.add_argument("--duration", type=float, default=None, help="stop sending after S seconds")
     parser.add_argument("--prompt-len", default="fixed:128", help="fixed:N or uniform:A:B (token ids)")
@@ -186,6 +225,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if not args.burstiness > 0:
         print("error: --burstiness must be > 0", file=sys.stderr)
         return 2
+    if args.turns < 1 or args.think_time < 0:
+        print("error: --turns must be >= 1 and --think-time >= 0", file=sys.stderr)
+        return 2
+    if args.turns > 1 and (args.rate is None or args.dataset or args.lora_adapters or args.duration):
+        print(
+            "error: --turns takes --rate and random prompts (no --dataset, --lora-adapters, --duration)",
+            file=sys.stderr,
+        )
+        return 2
     num_requests = args.num_requests
     if num_requests is None and args.duration is None:
         num_requests = 100
@@ -207,6 +255,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             args.server,
             rate=args.rate,
             burstiness=args.burstiness,
+            turns=args.turns,
+            think_time_s=args.think_time,
             concurrency=args.concurrency,
             num_requests=num_requests,
             duration_s=args.duration,

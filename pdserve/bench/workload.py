@@ -1,5 +1,6 @@
 """What a load run sends: prompt and output length distributions (`fixed:N`, `uniform:A:B`), JSONL
-datasets, and the endless, seeded stream of `RequestSpec`s made from them."""
+datasets, and the endless, seeded stream of `RequestSpec`s made from them (or of `Chat`s: conversations of
+several turns)."""
 
 from __future__ import annotations
 
@@ -128,6 +129,37 @@ def make_workload(
         yield RequestSpec(index, prompt, max_tokens, adapter)
 
 
+@dataclasses.dataclass
+class Chat:
+    """A conversation to send, a turn at a time: turn 1's request as it is; each later turn's prompt is the
+    conversation so far (the prompts and answers before) followed by that turn's own tokens, its `prompt`
+    here. A turn is sent once the answer before it has ended, `think_s` later."""
+
+    index: int
+    turns: list[RequestSpec]
+    think_s: float = 0.0
+
+
+def make_chats(
+    prompt_len: LengthDist,
+    output_len: LengthDist,
+    turns: int,
+    think_s: float = 0.0,
+    seed: int = 0,
+    shared_prefix: SharedPrefix | None = None,
+) -> Iterator[Chat]:
+    """An endless, reproducible stream of conversations of `turns` turns: turn 1 as make_workload's
+    request (after a shared prefix, if given), each later turn `prompt_len` new tokens of its own (from a
+    stream of their own, so turn 1 of every conversation is make_workload's request of the same index)."""
+    if turns < 1:
+        raise ValueError(f"a conversation has at least 1 turn, got {turns}")
+    firsts = make_workload(prompt_len, output_len, seed, shared_prefix=shared_prefix)
+    laters = make_workload(prompt_len, output_len, seed + 7_000_003)
+    for first in firsts:
+        follow = [next(laters) for _ in range(turns - 1)]
+        yield Chat(first.index, [first, *follow], think_s)
+
+
 def arrival_times(rate: float, seed: int = 0, burstiness: float = 1.0) -> Iterator[float]:
     """Arrivals at `rate` requests/s on average, seconds since the start: the first at 0 (the load
     generator's open loop sends at these times; the simulator replays the same ones for the same seed).
@@ -155,4 +187,18 @@ def add_burstiness_flag(parser: argparse.ArgumentParser) -> None:
         default=1.0,
         help="with --rate: the gaps between arrivals are gamma-distributed with this shape: 1 is Poisson, "
         "below 1 burstier (clumps and quiet gaps), above 1 more even",
+    )
+
+
+def add_chat_flags(parser: argparse.ArgumentParser) -> None:
+    """--turns and --think-time: conversations (make_chats), for the load generator and the simulator."""
+    parser.add_argument(
+        "--turns",
+        type=int,
+        default=1,
+        help="each request a conversation of this many turns (with --rate: conversations/s): each turn's "
+        "prompt is the conversation so far and --prompt-len new tokens",
+    )
+    parser.add_argument(
+        "--think-time", type=float, default=0.0, help="seconds from an answer's end to the next turn"
     )

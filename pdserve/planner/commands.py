@@ -12,7 +12,7 @@ import time
 
 from pdserve.bench.common import report
 from pdserve.bench.stats import compute_stats, format_summary
-from pdserve.bench.workload import LengthDist, SharedPrefix, add_burstiness_flag
+from pdserve.bench.workload import LengthDist, SharedPrefix, add_burstiness_flag, add_chat_flags
 from pdserve.flags import add_engine_args, engine_config
 from pdserve.planner.roofline import CHIPS, MODELS
 
@@ -86,6 +86,7 @@ def add_planner_parsers(sub) -> None:
         help="each prompt after one of COUNT shared prefixes of TOKENS tokens (as `pdserve bench serve`)",
     )
     add_burstiness_flag(simulate)
+    add_chat_flags(simulate)
     simulate.add_argument("--seed", type=int, default=0)
     simulate.add_argument("--slo-ttft-ms", type=float)
     simulate.add_argument("--slo-tpot-ms", type=float)
@@ -173,7 +174,7 @@ def _projected(args: argparse.Namespace):
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     from pdserve.planner.costs import Profile
-    from pdserve.planner.simulator import poisson_workload, simulate
+    from pdserve.planner.simulator import chat_workload, poisson_workload, simulate
 
     profile = Profile.read(args.profile)
     config, profiled = engine_config(args), profile.engine_info
@@ -191,6 +192,18 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             workload = replay_workload(args.replay, args.seed)
         except (OSError, ValueError) as e:
             raise SystemExit(f"simulate: --replay: {e}") from None
+    elif args.turns > 1:
+        workload = chat_workload(
+            args.rate,
+            args.num_requests,
+            args.prompt_len,
+            args.output_len,
+            args.turns,
+            args.think_time,
+            args.seed,
+            args.shared_prefix,
+            args.burstiness,
+        )
     else:
         workload = poisson_workload(
             args.rate,
@@ -204,7 +217,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     result = simulate(config, profile.costs, workload)
     stats = compute_stats(result.records, None, args.slo_ttft_ms, args.slo_tpot_ms)
     print(format_summary(stats), file=sys.stderr)
-    source = {"replay": args.replay} if args.replay else {"rate": args.rate, "burstiness": args.burstiness}
+    source = {"rate": args.rate, "burstiness": args.burstiness, "turns": args.turns}
+    source = {"replay": args.replay} if args.replay else source
     report({"simulated": True, "profile": args.profile, **source, **stats}, args.json_path)
     return 0
 
@@ -230,6 +244,7 @@ def add_plan_parser(sub) -> None:
     plan.add_argument("--output-len", type=LengthDist.parse, default=LengthDist(128, 128))
     plan.add_argument("--num-requests", type=int, default=100, help="per simulated run")
     add_burstiness_flag(plan)
+    add_chat_flags(plan)
     plan.add_argument("--seed", type=int, default=0)
     plan.add_argument(
         "--budgets", default="", help="token budgets to try, comma-separated (default: each profile's own)"
@@ -304,6 +319,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         args.num_requests,
         args.seed,
         args.burstiness,
+        args.turns,
+        args.think_time,
     )
     try:
         scored = [

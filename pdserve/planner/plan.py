@@ -25,7 +25,14 @@ from pdserve.bench.stats import compute_stats
 from pdserve.bench.workload import LengthDist
 from pdserve.engine.config import EngineConfig
 from pdserve.planner.costs import Padding, Profile
-from pdserve.planner.simulator import Fleet, Pool, SimulationResult, Transfer, poisson_workload
+from pdserve.planner.simulator import (
+    Fleet,
+    Pool,
+    SimulationResult,
+    Transfer,
+    chat_workload,
+    poisson_workload,
+)
 
 RATIOS = ((1, 1), (1, 2), (1, 3), (2, 1), (2, 3))  # (prefill, decode) replicas of a disaggregated unit
 BISECTIONS = 6  # halvings of the bracket around a candidate's goodput
@@ -35,27 +42,42 @@ MAX_DOUBLINGS = 16  # of the rate, from the start: past it the workload is too s
 @dataclasses.dataclass(frozen=True)
 class Workload:
     """Poisson arrivals of random prompts (as `pdserve bench serve` sends; `burstiness`: the gaps' gamma
-    shape) and the SLO they are held to."""
+    shape; with `turns` > 1, of conversations: a rate then counts conversations/s) and the SLO they are held
+    to."""
 
     prompt_len: LengthDist
     output_len: LengthDist
     slo_ttft_ms: float
     slo_tpot_ms: float
     attainment: float = 0.9  # the fraction of requests that must meet both targets
-    num_requests: int = 100
+    num_requests: int = 100  # (with turns > 1: conversations)
     seed: int = 0
     burstiness: float = 1.0
+    turns: int = 1  # > 1: each request a conversation of this many turns (simulator.chat_workload)
+    think_s: float = 0.0
 
     def run(self, fleet: Fleet, rate: float) -> tuple[dict, SimulationResult]:
         """The load generator's figures (with slo_attainment) of `fleet` simulated at `rate`."""
-        arrivals = poisson_workload(
-            rate,
-            self.num_requests,
-            self.prompt_len,
-            self.output_len,
-            self.seed,
-            burstiness=self.burstiness,
-        )
+        if self.turns > 1:
+            arrivals = chat_workload(
+                rate,
+                self.num_requests,
+                self.prompt_len,
+                self.output_len,
+                self.turns,
+                self.think_s,
+                self.seed,
+                burstiness=self.burstiness,
+            )
+        else:
+            arrivals = poisson_workload(
+                rate,
+                self.num_requests,
+                self.prompt_len,
+                self.output_len,
+                self.seed,
+                burstiness=self.burstiness,
+            )
         result = fleet.run(arrivals)
         return compute_stats(result.records, None, self.slo_ttft_ms, self.slo_tpot_ms), result
 

@@ -31,7 +31,7 @@ import itertools
 from collections.abc import Callable, Sequence
 
 from pdserve.bench.stats import RequestRecord
-from pdserve.bench.workload import LengthDist, SharedPrefix, arrival_times, make_workload
+from pdserve.bench.workload import LengthDist, SharedPrefix, arrival_times, make_chats, make_workload
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.core.kv_connector import DecodeConnector, ReceiveKV
 from pdserve.engine.core.request import Request
@@ -45,12 +45,16 @@ SAMPLED_TOKEN = 500  # what every sampling row "samples" (an ordinary id; no req
 @dataclasses.dataclass(frozen=True)
 class Arrival:
     """A request of the workload: when it arrives (seconds since the start), its prompt token ids (shared
-    prefixes hit the prefix cache as they would), how many tokens it generates, and its n."""
+    prefixes hit the prefix cache as they would), how many tokens it generates, and its n. A conversation's
+    first turn also carries the turns after it (`then`: each one's own token ids and max_tokens), each
+    arriving `think_s` after the answer before it ended with the conversation so far as its prompt."""
 
     at_s: float
     prompt_ids: tuple[int, ...]
     max_tokens: int
     n: int = 1
+    then: tuple[tuple[tuple[int, ...], int], ...] = ()
+    think_s: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,6 +134,33 @@ def poisson_workload(
     ]
 
 
+def chat_workload(
+    rate: float,
+    num_chats: int,
+    prompt_len: LengthDist,
+    output_len: LengthDist,
+    turns: int,
+    think_s: float = 0.0,
+    seed: int = 0,
+    shared_prefix: SharedPrefix | None = None,
+    burstiness: float = 1.0,
+) -> list[Arrival]:
+    """`num_chats` conversations of `turns` turns arriving at `rate` conversations/s: those `pdserve bench
+    serve --turns` sends for the same lengths, think time, shared prefixes, burstiness and seed."""
+    chats = make_chats(prompt_len, output_len, turns, think_s, seed, shared_prefix)
+    times = arrival_times(rate, seed, burstiness)
+    return [
+        Arrival(
+            at,
+            tuple(chat.turns[0].prompt),
+            chat.turns[0].max_tokens,
+            then=tuple((tuple(t.prompt), t.max_tokens) for t in chat.turns[1:]),
+            think_s=think_s,
+        )
+        for at, chat in itertools.islice(zip(times, chats, strict=False), num_chats)
+    ]
+
+
 def simulate(config: EngineConfig, costs: StepCosts, workload: Sequence[Arrival]) -> SimulationResult:
     """Runs `workload` through one colocated replica of `config` until every request has finished."""
     return Fleet(Pool(config, costs)).run(workload)
@@ -197,12 +228,14 @@ class Fleet:
         self._arrivals: dict[str, Arrival] = {}
         self._tokens: dict[str, list[float]] = {}
         self._prompts: dict[str, _Prompt] = {}  # by the prefill replica's request id
+        self._ids = itertools.count()  # request ids (run: after the workload's own)
         self.records: list[RequestRecord] = []
         self.steps: list[Step] = []
 
     # ---- the event loop ---------------------------------------------------------------------------------
     def run(self, workload: Sequence[Arrival]) -> SimulationResult:
         """Every request of `workload` through the fleet until each has finished."""
+        self._ids = itertools.count(len(workload))  # (a later turn's: after the workload's own)
         for index, arrival in enumerate(workload):
             self._at(arrival.at_s, lambda i=index, a=arrival: self._arrive(str(i), a))
         while self._events:
@@ -307,7 +340,23 @@ class Fleet:
                 continue
             self._tokens.setdefault(rid, []).extend([self.now] * len(run))
             if request.finish_reason is not None:
-                self.records.append(self._record(request, self._tokens.pop(rid)))
+                record = self._record(request, self._tokens.pop(rid))
+                self.records.append(record)
+                if request.parent_id is None:  # (a conversation's turn: its n is 1)
+                    self._next_turn(rid, record.output_tokens)
+
+    def _next_turn(self, rid: str, answered: int) -> None:
+        """A conversation's next turn, `think_s` after this one's answer: its prompt the conversation so far
+        (the answer as the simulator samples it) and its own tokens."""
+        arrival = self._arrivals[rid]
+        if not arrival.then:
+            return
+        (own, max_tokens), *rest = arrival.then
+        prompt = (*arrival.prompt_ids, *[SAMPLED_TOKEN] * answered, *own)
+        at = self.now + arrival.think_s
+        turn = Arrival(at, prompt, max_tokens, then=tuple(rest), think_s=arrival.think_s)
+        rid = str(next(self._ids))
+        self._at(at, lambda: self._arrive(rid, turn))
 
     def _stream_kv(self, rows) -> None:
         """A prefill step's rows just computed: the KV of their prompt tokens goes on its way (the tokens

@@ -11,9 +11,18 @@ import numpy as np
 import pytest
 
 from pdserve.bench.stats import compute_stats
+from pdserve.bench.workload import LengthDist
 from pdserve.engine.config import EngineConfig
 from pdserve.planner.costs import PROFILE_VERSION, Chain, Padding, Profile, RowShape, StepCosts
-from pdserve.planner.simulator import Arrival, Fleet, Pool, Transfer, simulate
+from pdserve.planner.simulator import (
+    Arrival,
+    Fleet,
+    Pool,
+    Transfer,
+    chat_workload,
+    poisson_workload,
+    simulate,
+)
 
 pytestmark = pytest.mark.fast
 
@@ -89,6 +98,24 @@ def test_block_pressure_preempts_and_every_request_still_finishes():
     result = simulate(tight, TENTH, work)
     assert result.steps[-1].num_preemptions > 0
     assert [r.output_tokens for r in result.records] == [24] * 8
+
+
+def test_a_conversations_next_turn_follows_its_answer_and_hits_the_cache():
+    """Two turns, 0.5 s of thinking: turn 1 (8 tokens, 3 out) ends at 0.3 s; turn 2 arrives at 0.8 s with
+    the conversation so far (8 + 3 answered + its own 8 = 19 tokens), of which the 8 in whole blocks of
+    computed KV are found in the prefix cache (the answer's KV is in a block not yet full): 11 computed.
+    Turn 1 of a chat workload is the Poisson workload's request of the same seed, at the same time."""
+    work = chat_workload(1.0, 1, LengthDist(8, 8), LengthDist(3, 3), turns=2, think_s=0.5, seed=3)
+    (arrival,) = work
+    assert arrival.prompt_ids == poisson_workload(1.0, 1, LengthDist(8, 8), LengthDist(3, 3), 3)[0].prompt_ids
+    ((own, max_tokens),) = arrival.then
+    result = simulate(CONFIG, TENTH, work)
+    first, second = result.records
+    assert first.e2e_s == pytest.approx(0.3) and second.start_s == pytest.approx(0.8)
+    assert second.prompt_tokens == 19 and len(own) == 8 and max_tokens == 3
+    assert second.ttft_s == pytest.approx(0.1)
+    turn2 = [rows for step in result.steps for rows in step.rows if rows[0] == "1"]
+    assert turn2[0] == ("1", 11, 8)
 
 
 def test_a_request_that_cannot_fit_is_an_error_not_a_hang():
