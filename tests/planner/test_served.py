@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
+import jax
 import pytest
 
 from pdserve.bench.serve import bench
@@ -25,34 +27,34 @@ from pdserve.testing.launch import scrape
 
 pytestmark = pytest.mark.daemon
 
-RATE, NUM_REQUESTS, SEED = 4.0, 24, 52  # (a seed no other test sends: no prompt is cached)
+RATE, NUM_REQUESTS, SEED, MAX_RUNS = 4.0, 24, 52, 6  # (seeds no other test sends: no prompt is cached)
 PROMPTS, OUTPUTS = "uniform:24:96", "fixed:16"
 
 
 def test_a_disaggregated_simulation_of_the_served_steps_agrees_with_the_daemons(prefill, decode, log_dir):
     logs = {role: log_dir / f"{role}-steps.jsonl" for role in ("prefill", "decode")}
-    # the shapes this workload's steps take, compiled first (the session's daemons compile lazily)
-    bench(
-        decode.address,
-        rate=RATE,
-        num_requests=NUM_REQUESTS,
-        prompt_len=PROMPTS,
-        output_len=OUTPUTS,
-        seed=SEED + 1,
-        progress=False,
-    )
-    before = {role: len(read_step_log(path)[1]) for role, path in logs.items()}
-    phase_counts = _phase_counts(decode)
-    sent_at = time.time()
-    measured = bench(
-        decode.address,
-        rate=RATE,
-        num_requests=NUM_REQUESTS,
-        prompt_len=PROMPTS,
-        output_len=OUTPUTS,
-        seed=SEED,
-        progress=False,
-    )["stats"]
+    # the session's daemons compile each shape on first use, outside the steps a profile is fitted to: the
+    # measured run is the first of up to MAX_RUNS (each with new prompts: none is cached) during which
+    # neither daemon compiled, i.e. the persistent compilation cache took no new executable (from an empty
+    # cache, alone: the fourth; a compiling run's TTFT p50 was 2.5-5.9 s against 0.1 s)
+    for seed in range(SEED, SEED + MAX_RUNS):
+        compiled = _executables()
+        before = {role: len(read_step_log(path)[1]) for role, path in logs.items()}
+        phase_counts = _phase_counts(decode)
+        sent_at = time.time()
+        measured = bench(
+            decode.address,
+            rate=RATE,
+            num_requests=NUM_REQUESTS,
+            prompt_len=PROMPTS,
+            output_len=OUTPUTS,
+            seed=seed,
+            progress=False,
+        )["stats"]
+        if _executables() == compiled:
+            break
+    else:
+        pytest.fail(f"the daemons still compiled during each of {MAX_RUNS} runs of the workload")
     assert measured["completed"] == NUM_REQUESTS
     profiles = {}
     for role, path in logs.items():
@@ -65,7 +67,7 @@ def test_a_disaggregated_simulation_of_the_served_steps_agrees_with_the_daemons(
         pool(profiles["prefill"], budget["prefill"], 1),
         Transfer(latency_s=0.0),
     )
-    work = poisson_workload(RATE, NUM_REQUESTS, LengthDist.parse(PROMPTS), LengthDist.parse(OUTPUTS), SEED)
+    work = poisson_workload(RATE, NUM_REQUESTS, LengthDist.parse(PROMPTS), LengthDist.parse(OUTPUTS), seed)
     predicted = compute_stats(fleet.run(work).records)
     figures = {
         f"{name}_{p}": (measured[f"{name}_ms"][p], predicted[f"{name}_ms"][p])
@@ -93,6 +95,13 @@ def test_a_disaggregated_simulation_of_the_served_steps_agrees_with_the_daemons(
     # and in its metrics: every phase of a transfer counted once for each of them
     counted = [a - b for a, b in zip(_phase_counts(decode), phase_counts, strict=True)]
     assert all(n >= NUM_REQUESTS for n in counted), counted
+
+
+def _executables() -> int:
+    """How many executables the daemons' persistent compilation cache holds (the tests share it; every
+    compile is stored, however fast: engine/compile_cache.py)."""
+    folder = jax.config.jax_compilation_cache_dir
+    return sum(1 for _ in Path(folder).iterdir()) if folder and Path(folder).is_dir() else 0
 
 
 def _phase_counts(decode) -> list[float]:
