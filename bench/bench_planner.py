@@ -2,15 +2,17 @@
 a TPU v5e fleet from a roofline projection.
 
     .venv/bin/python bench/bench_planner.py [--num-requests 30] [--modes colocated,disaggregated]
-        [--workloads short,long,shared] [--no-runs] [--json OUT] [--smoke]
+        [--workloads short,long,shared,chat] [--no-runs] [--json OUT] [--smoke]
 
 Runs: for each mode, servers of the default model (float32, 1,024 blocks, 32 sequences; their shapes
 compiled at start-up) writing their step logs (--step-log) and JSON request logs:
 - colocated: a decode server computing its own prompts (`--prefill local`) on both cores;
 - disaggregated: a prefill server pinned to core 0 and a decode server to core 1 (taskset), 1P+1D;
 and each workload at two Poisson rates (RATES): `short` (64-256-token prompts), `long` (512-768), `shared`
-(one of 4 prefixes of 192 tokens, then 32-128 of its own: the prefix cache serves most of each prompt);
-64 output tokens; every run a seed of its own (no run's prompts cached from another). Each run is then
+(one of 4 prefixes of 192 tokens, then 32-128 of its own: the prefix cache serves most of each prompt),
+`chat` (conversations of 3 turns of 64-128 new tokens each, the next turn 1 s after an answer, its prompt
+the conversation so far; rates in conversations/s, a third as many as the others' requests); 64 output
+tokens; every run a seed of its own (no run's prompts cached from another). Each run is then
 predicted by the simulator (planner.simulator.Fleet) with profiles fitted to the step logs of the same
 servers' *other* runs, and the KV transfer fitted to the other runs' request lines: what an operator has
 from yesterday's logs. Printed: each run's figures measured / predicted / error; and over all runs, for
@@ -26,7 +28,7 @@ ms at 90%) gives each unit's goodput, the best configuration and the rate it car
 and the break-even: the lowest rate at which the best disaggregated fleet needs no more chips than the
 best colocated one.
 
---smoke: the test model, colocated only, one workload at two rates of 4 requests; the projection on a
+--smoke: the test model, colocated only, short and chat at two rates of 4 requests; the projection on a
 small chat workload.
 """
 
@@ -50,7 +52,7 @@ from pdserve.planner.plan import Workload, candidates, goodput, pool
 from pdserve.planner.profile import TRANSFER_FIELDS, fit_profile, fit_transfer, measured_steps_of
 from pdserve.planner.replay import ended_requests
 from pdserve.planner.roofline import CHIPS, MODELS, host_roofline, measured_efficiencies, project, retarget
-from pdserve.planner.simulator import Fleet, Transfer, poisson_workload
+from pdserve.planner.simulator import Fleet, Transfer, chat_workload, poisson_workload
 from pdserve.testing.launch import ENGINE_ARGS as TEST_ENGINE_ARGS
 from pdserve.testing.launch import decode_server, prefill_server
 from pdserve.testing.models import bench_model
@@ -65,18 +67,22 @@ ENGINE_ARGS = [
     "--max-num-seqs",
     "32",
 ]
-WORKLOADS = {  # name -> (prompt lengths, shared prefix)
-    "short": ("uniform:64:256", ""),
-    "long": ("uniform:512:768", ""),
-    "shared": ("uniform:32:128", "192:4"),
+CHAT_TURNS, THINK_S = 3, 1.0  # `chat`: conversations of 3 turns, 1 s from an answer to the next turn
+WORKLOADS = {  # name -> (prompt lengths, shared prefix, turns of a conversation)
+    "short": ("uniform:64:256", "", 1),
+    "long": ("uniform:512:768", "", 1),
+    "shared": ("uniform:32:128", "192:4", 1),
+    "chat": ("uniform:64:128", "", CHAT_TURNS),
 }
-RATES = {  # (mode, workload) -> two rates (requests/s): one light, one loading this box
+RATES = {  # (mode, workload) -> two rates (requests/s; chat: conversations/s), one light, one loading the box
     ("colocated", "short"): (0.5, 1.0),
     ("colocated", "long"): (0.3, 0.6),
     ("colocated", "shared"): (0.5, 1.0),
     ("disaggregated", "short"): (0.3, 0.6),
     ("disaggregated", "long"): (0.2, 0.4),
     ("disaggregated", "shared"): (0.3, 0.6),
+    ("colocated", "chat"): (0.15, 0.3),
+    ("disaggregated", "chat"): (0.1, 0.2),
 }
 OUTPUT_LEN = "fixed:64"
 FIGURES = (("ttft_ms", "p50"), ("ttft_ms", "p90"), ("tpot_ms", "p50"), ("tpot_ms", "p90"), ("goodput", None))
@@ -119,16 +125,20 @@ def serve_mode(args, gguf: Path, mode: str, workloads: list[str]) -> tuple[list[
             progress=False,
         )
         for name in workloads:
-            prompt_len, shared = WORKLOADS[name]
+            prompt_len, shared, turns = WORKLOADS[name]
             for rate in (1.0, 2.0) if args.smoke else RATES[(mode, name)]:
                 kw = dict(
-                    prompt_len=prompt_len, output_len=OUTPUT_LEN, shared_prefix=shared, seed=1 + len(runs)
+                    prompt_len=prompt_len,
+                    output_len=OUTPUT_LEN,
+                    shared_prefix=shared,
+                    seed=1 + len(runs),
+                    turns=turns,
+                    think_time_s=THINK_S if turns > 1 else 0.0,
+                    num_requests=max(1, args.num_requests // turns),  # (conversations: about as many turns)
                 )
                 first = {role: len(read_step_log(path)[1]) for role, path in step_logs.items()}
                 sent_at = time.time()
-                measured = bench(
-                    decode.address, rate=rate, num_requests=args.num_requests, progress=False, **kw, **slo
-                )["stats"]
+                measured = bench(decode.address, rate=rate, progress=False, **kw, **slo)["stats"]
                 spans = {role: (first[role], len(read_step_log(path)[1])) for role, path in step_logs.items()}
                 transfers = (
                     [
@@ -186,14 +196,15 @@ def predict(args, runs: list[dict], served: dict) -> list[dict]:
         else:
             fleet = Fleet(decode)
         kw = run["kw"]
-        work = poisson_workload(
-            run["rate"],
-            args.num_requests,
-            LengthDist.parse(kw["prompt_len"]),
-            LengthDist.parse(kw["output_len"]),
-            kw["seed"],
-            SharedPrefix.parse(kw["shared_prefix"]),
-        )
+        lengths = LengthDist.parse(kw["prompt_len"]), LengthDist.parse(kw["output_len"])
+        if kw["turns"] > 1:
+            work = chat_workload(
+                run["rate"], kw["num_requests"], *lengths, kw["turns"], kw["think_time_s"], kw["seed"]
+            )
+        else:
+            work = poisson_workload(
+                run["rate"], kw["num_requests"], *lengths, kw["seed"], SharedPrefix.parse(kw["shared_prefix"])
+            )
         predicted = compute_stats(fleet.run(work).records, None, **slo)
         errors = {}
         for name, p in FIGURES:
@@ -331,7 +342,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--num-requests", type=int, default=30)
     parser.add_argument("--modes", default="colocated,disaggregated")
-    parser.add_argument("--workloads", default="short,long,shared")
+    parser.add_argument("--workloads", default="short,long,shared,chat")
     parser.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     parser.add_argument("--slo-tpot-ms", type=float, default=200.0)
     parser.add_argument("--projection-requests", type=int, default=150)
@@ -343,7 +354,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     modes, workloads = args.modes.split(","), args.workloads.split(",")
     if args.smoke:
-        modes, workloads, args.num_requests, args.projection_requests = ["colocated"], ["short"], 4, 20
+        modes, workloads, args.num_requests, args.projection_requests = (
+            ["colocated"],
+            ["short", "chat"],
+            4,
+            20,
+        )
     gguf = bench_model(args.smoke)
     result, predictions, served_by_mode = {}, [], {}
     for mode in modes:
