@@ -14,10 +14,13 @@ and each workload at two Poisson rates (RATES): `short` (64-256-token prompts), 
 the conversation so far; rates in conversations/s, a third as many as the others' requests); 64 output
 tokens; every run a seed of its own (no run's prompts cached from another). Each run is then
 predicted by the simulator (planner.simulator.Fleet) with profiles fitted to the step logs of the same
-servers' *other* runs, and the KV transfer fitted to the other runs' request lines: what an operator has
-from yesterday's logs. Printed: each run's figures measured / predicted / error; and over all runs, for
-each figure on its own (never averaged across figures), the mean absolute percentage error: TTFT p50 and
-p90, TPOT p50 and p90, goodput (requests/s meeting TTFT <= --slo-ttft-ms and TPOT <= --slo-tpot-ms).
+servers' *other* runs, and the KV transfer fitted to the other runs' request lines (planner/validate.py,
+what `pdserve simulate --validate` runs): what an operator has from yesterday's logs. Printed: each run's
+figures measured / predicted / error; and over all runs, for each figure on its own (never averaged
+across figures), the mean absolute percentage error: TTFT p50 and p90, TPOT p50 and p90, goodput
+(requests/s meeting TTFT <= --slo-ttft-ms and TPOT <= --slo-tpot-ms). The rates (RATES) and the SLO were
+set on a 2-core EPYC Zen 4; on a box whose steps take twice as long, `--speed 0.5` halves every rate and
+doubles both targets, for the same load and margins (a uniform scale: the set stays the set).
 Goal: TPOT <= 10%, TTFT <= 15%, goodput <= 10%.
 
 Projection (no device needed, labelled as such): the colocated runs' profile gives the efficiencies this
@@ -35,26 +38,18 @@ small chat workload.
 from __future__ import annotations
 
 import argparse
-import json
+import functools
 import math
-import tempfile
-import time
 from pathlib import Path
 
-import numpy as np
-
 from pdserve.bench.common import report
-from pdserve.bench.serve import bench
-from pdserve.bench.stats import compute_stats
-from pdserve.bench.workload import LengthDist, SharedPrefix
-from pdserve.engine.step_log import read_step_log
-from pdserve.planner.plan import Workload, candidates, goodput, pool
-from pdserve.planner.profile import TRANSFER_FIELDS, fit_profile, fit_transfer, measured_steps_of
-from pdserve.planner.replay import ended_requests
+from pdserve.bench.workload import LengthDist
+from pdserve.planner import validate
+from pdserve.planner.plan import Workload, candidates, goodput
+from pdserve.planner.profile import fit_profile
 from pdserve.planner.roofline import CHIPS, MODELS, host_roofline, measured_efficiencies, project, retarget
-from pdserve.planner.simulator import Fleet, Transfer, chat_workload, poisson_workload
+from pdserve.planner.simulator import Transfer
 from pdserve.testing.launch import ENGINE_ARGS as TEST_ENGINE_ARGS
-from pdserve.testing.launch import decode_server, prefill_server
 from pdserve.testing.models import bench_model
 
 ENGINE_ARGS = [
@@ -85,164 +80,43 @@ RATES = {  # (mode, workload) -> two rates (requests/s; chat: conversations/s), 
     ("disaggregated", "chat"): (0.1, 0.2),
 }
 OUTPUT_LEN = "fixed:64"
-FIGURES = (("ttft_ms", "p50"), ("ttft_ms", "p90"), ("tpot_ms", "p50"), ("tpot_ms", "p90"), ("goodput", None))
-GOALS = {"ttft_ms": 0.15, "tpot_ms": 0.10, "goodput": 0.10}
 
 
-def serve_mode(args, gguf: Path, mode: str, workloads: list[str]) -> tuple[list[dict], dict]:
-    """`mode`'s servers, each workload at its two rates: the runs (measured figures and where their steps and
-    request lines are) and the step logs (role -> (engine description, steps))."""
-    logs = Path(tempfile.mkdtemp())
-    step_logs = {"decode": logs / "decode-steps.jsonl"}
-    warm, slo = not args.smoke, dict(slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms)
-    engine_args = TEST_ENGINE_ARGS if args.smoke else ENGINE_ARGS
-    servers, runs = [], []
-    try:
-        if mode == "disaggregated":
-            step_logs["prefill"] = logs / "prefill-steps.jsonl"
-            extra = ["--step-log", str(step_logs["prefill"])]
-            servers.append(
-                prefill_server(gguf, logs, extra=extra, engine_args=engine_args, cpus="0", warmup=warm)
+def serve_mode(args, gguf: Path, mode: str, workloads: list[str]) -> validate.Served:
+    """`mode`'s servers (planner/validate.py), each workload at its two rates."""
+    runs = []
+    for name in workloads:
+        prompt_len, shared, turns = WORKLOADS[name]
+        for rate in (1.0, 2.0) if args.smoke else [r * args.speed for r in RATES[(mode, name)]]:
+            load = validate.Load(
+                prompt_len,
+                OUTPUT_LEN,
+                max(1, args.num_requests // turns),  # (conversations: about as many turns)
+                seed=1 + len(runs),  # (every run's own: no run's prompts cached from another)
+                shared_prefix=shared,
+                turns=turns,
+                think_time_s=THINK_S if turns > 1 else 0.0,
             )
-        decode = decode_server(
-            gguf,
-            servers[0].address if servers else "local",
-            logs,
-            name=f"{mode}-decode",
-            engine_args=engine_args,
-            extra=["--step-log", str(step_logs["decode"]), "--log-format", "json"],
-            cpus="1" if servers else None,
-            warmup=warm,
-        )
-        servers.append(decode)
-        # a first pass, not measured: a server's first requests pay one-off costs (allocation, caches)
-        bench(
-            decode.address,
-            num_requests=8,
-            prompt_len="uniform:64:256",
-            output_len="fixed:8",
-            seed=1000,
-            progress=False,
-        )
-        for name in workloads:
-            prompt_len, shared, turns = WORKLOADS[name]
-            for rate in (1.0, 2.0) if args.smoke else RATES[(mode, name)]:
-                kw = dict(
-                    prompt_len=prompt_len,
-                    output_len=OUTPUT_LEN,
-                    shared_prefix=shared,
-                    seed=1 + len(runs),
-                    turns=turns,
-                    think_time_s=THINK_S if turns > 1 else 0.0,
-                    num_requests=max(1, args.num_requests // turns),  # (conversations: about as many turns)
-                )
-                first = {role: len(read_step_log(path)[1]) for role, path in step_logs.items()}
-                sent_at = time.time()
-                measured = bench(decode.address, rate=rate, progress=False, **kw, **slo)["stats"]
-                spans = {role: (first[role], len(read_step_log(path)[1])) for role, path in step_logs.items()}
-                transfers = (
-                    [
-                        r
-                        for r in ended_requests(decode.log_path, (*TRANSFER_FIELDS, "arrival"))
-                        if r["arrival"] >= sent_at
-                    ]
-                    if mode == "disaggregated"
-                    else []
-                )
-                runs.append(
-                    dict(
-                        mode=mode,
-                        workload=name,
-                        rate=rate,
-                        kw=kw,
-                        measured=measured,
-                        spans=spans,
-                        transfers=transfers,
-                    )
-                )
-                print(f"{mode} {name} {rate:g}/s: measured", _figures(measured), flush=True)
-    finally:
-        for server in reversed(servers):
-            server.terminate()
-    served = {}
-    for role, path in step_logs.items():
-        info, steps = read_step_log(path)
-        served[role] = (info, measured_steps_of(steps))
-    return runs, served
+            runs.append(validate.Run(name, rate, load))
+    return validate.serve(
+        gguf,
+        mode,
+        runs,
+        TEST_ENGINE_ARGS if args.smoke else ENGINE_ARGS,
+        {"prefill": "0", "decode": "1"},
+        _slo(args),
+        warmup=not args.smoke,
+        echo=functools.partial(print, flush=True),
+    )
 
 
-def predict(args, runs: list[dict], served: dict) -> list[dict]:
-    """Each run predicted from the other runs' steps and request lines (leave one out)."""
-    slo = dict(slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms)
-    out = []
-    for i, run in enumerate(runs):
-        others = [r for j, r in enumerate(runs) if j != i]
-        profiles = {}
-        for role, (info, steps) in served.items():
-            mine = [
-                step for r in others for step in steps[r["spans"][role][0] : r["spans"][role][1]] if step[0]
-            ]
-            if len(mine) < 10:
-                break
-            profiles[role] = fit_profile(info, mine)
-        if len(profiles) < len(served):  # (a smoke run: too few steps to fit)
-            continue
-        budget = {role: int(p.engine_info["max_num_batched_tokens"]) for role, p in profiles.items()}
-        decode = pool(profiles["decode"], budget["decode"], 1)
-        if "prefill" in profiles:
-            sent = [t for r in others for t in r["transfers"]]
-            transfer = Transfer.fitted(fit_transfer(sent, budget["prefill"]))
-            fleet = Fleet(decode, pool(profiles["prefill"], budget["prefill"], 1), transfer)
-        else:
-            fleet = Fleet(decode)
-        kw = run["kw"]
-        lengths = LengthDist.parse(kw["prompt_len"]), LengthDist.parse(kw["output_len"])
-        if kw["turns"] > 1:
-            work = chat_workload(
-                run["rate"], kw["num_requests"], *lengths, kw["turns"], kw["think_time_s"], kw["seed"]
-            )
-        else:
-            work = poisson_workload(
-                run["rate"], kw["num_requests"], *lengths, kw["seed"], SharedPrefix.parse(kw["shared_prefix"])
-            )
-        predicted = compute_stats(fleet.run(work).records, None, **slo)
-        errors = {}
-        for name, p in FIGURES:
-            m, s = _figure(run["measured"], name, p), _figure(predicted, name, p)
-            errors[_key(name, p)] = {"measured": m, "predicted": s, "error": (s - m) / m if m else None}
-        out.append({k: run[k] for k in ("mode", "workload", "rate")} | {"figures": errors})
-        print(
-            f"{run['mode']} {run['workload']} {run['rate']:g}/s: measured/predicted",
-            _line(errors),
-            flush=True,
-        )
-    return out
+def _slo(args) -> dict:
+    return {"slo_ttft_ms": args.slo_ttft_ms / args.speed, "slo_tpot_ms": args.slo_tpot_ms / args.speed}
 
 
-def mape(predictions: list[dict]) -> dict:
-    """Each figure's mean absolute percentage error over the runs (runs where it was measured as 0 left
-    out), with the goal it is held to."""
-    out = {}
-    for name, p in FIGURES:
-        errors = [
-            abs(r["figures"][_key(name, p)]["error"])
-            for r in predictions
-            if r["figures"][_key(name, p)]["error"] is not None
-        ]
-        if errors:
-            value = float(np.mean(errors))
-            out[_key(name, p)] = {
-                "mape": value,
-                "runs": len(errors),
-                "goal": GOALS[name],
-                "met": value <= GOALS[name],
-            }
-    return out
-
-
-def projection(args, served: dict) -> dict:
+def projection(args, served: validate.Served) -> dict:
     """The TPU v5e plan for Llama-3.1-8B's sizes (see the module)."""
-    info, steps = served["decode"]
+    info, steps = served.steps["decode"]
     measured = fit_profile(info, [s for s in steps if s[0]])
     efficiencies = measured_efficiencies(measured, host_roofline())
     big = retarget(measured, "llama-3.1-8b", MODELS["llama-3.1-8b"])
@@ -322,22 +196,6 @@ def projection(args, served: dict) -> dict:
     }
 
 
-def _figure(stats: dict, name: str, p: str | None) -> float:
-    return float(stats[name][p] if p else stats.get(name) or 0.0)
-
-
-def _key(name: str, p: str | None) -> str:
-    return f"{name}_{p}" if p else name
-
-
-def _figures(stats: dict) -> str:
-    return ", ".join(f"{_key(n, p)} {_figure(stats, n, p):.3g}" for n, p in FIGURES)
-
-
-def _line(errors: dict) -> str:
-    return ", ".join(f"{k} {v['measured']:.3g}/{v['predicted']:.3g}" for k, v in errors.items())
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--num-requests", type=int, default=30)
@@ -345,6 +203,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workloads", default="short,long,shared,chat")
     parser.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     parser.add_argument("--slo-tpot-ms", type=float, default=200.0)
+    parser.add_argument(
+        "--speed",
+        type=float,
+        default=1.0,
+        help="this box's speed against the EPYC the rates and SLO were set on: every rate times it, both SLO "
+        "targets divided by it (0.5 where steps take twice as long: the same load, the same margins)",
+    )
     parser.add_argument("--projection-requests", type=int, default=150)
     parser.add_argument(
         "--no-runs", action="store_true", help="the projection only (on a short run's profile)"
@@ -363,14 +228,15 @@ def main(argv: list[str] | None = None) -> None:
     gguf = bench_model(args.smoke)
     result, predictions, served_by_mode = {}, [], {}
     for mode in modes:
-        runs, served = serve_mode(args, gguf, mode, workloads[:1] if args.no_runs else workloads)
+        served = serve_mode(args, gguf, mode, workloads[:1] if args.no_runs else workloads)
         served_by_mode[mode] = served
         if not args.no_runs:
-            predictions += predict(args, runs, served)
+            predictions += validate.predict(served, _slo(args), echo=functools.partial(print, flush=True))
     if predictions:
+        result["speed"], result["slo"] = args.speed, _slo(args)
         result["runs"] = predictions
-        result["mape"] = mape(predictions)
-        print(json.dumps(result["mape"]), flush=True)
+        result["mape"] = validate.mean_errors(predictions)
+        print(validate.format_errors(result["mape"]), flush=True)
     result["tpu_v5e_plan"] = projection(
         args, served_by_mode.get("colocated") or next(iter(served_by_mode.values()))
     )

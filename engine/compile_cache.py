@@ -12,6 +12,10 @@ from pdserve.engine.loading.sources import cache_dir
 
 log = logging.getLogger(__name__)
 
+# jax.monitoring's duration event around every compile-or-load of an XLA program: an executable loaded
+# from the persistent compilation cache counts too (a new executable in this process all the same)
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
 
 def configure_jax() -> None:
     """Persistent XLA compilation cache under the cache folder: later start-ups load every executable

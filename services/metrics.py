@@ -17,8 +17,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
+import weakref
 
+import jax
 from aiohttp import web
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -30,6 +33,7 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from pdserve.engine.compile_cache import COMPILE_EVENT
 from pdserve.engine.core.speculation import SpeculationStats
 from pdserve.services.admin import Counters, read_load
 from pdserve.services.engine_loop import EngineLoop
@@ -322,6 +326,29 @@ _COUNTERS = (
 )
 
 
+# The Metrics whose compilation counters jax.monitoring's events go to (weakly held: a process's listeners
+# are never removed, and a Metrics holds its engine)
+_COUNTING: weakref.WeakSet = weakref.WeakSet()
+_listener_lock = threading.Lock()
+_listener_registered = False
+
+
+def _count_compilations(metrics: Metrics) -> None:
+    global _listener_registered
+    with _listener_lock:
+        if not _listener_registered:
+            jax.monitoring.register_event_duration_secs_listener(_on_jax_event)
+            _listener_registered = True
+        _COUNTING.add(metrics)
+
+
+def _on_jax_event(event: str, duration: float, **_) -> None:
+    if event == COMPILE_EVENT:
+        for metrics in list(_COUNTING):
+            metrics.compilations.inc()
+            metrics.compile_seconds.inc(duration)
+
+
 class Metrics:
     """The registry of one daemon; `observe_*` are called from request handlers."""
 
@@ -352,6 +379,18 @@ class Metrics:
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
+        self.compilations = Counter(
+            "pdserve_xla_compilations",
+            "XLA programs compiled (or loaded from the persistent compilation cache) since the metrics port "
+            "opened: after warmup, a shape met for the first time while serving, and a stall",
+            registry=self.registry,
+        )
+        self.compile_seconds = Counter(
+            "pdserve_xla_compile_seconds",
+            "seconds spent in those compilations",
+            registry=self.registry,
+        )
+        _count_compilations(self)
         self.refused_connections = Counter(
             "pdserve_metrics_connections_refused",
             "connections to the metrics port closed on arrival: as many as it serves at once were open",

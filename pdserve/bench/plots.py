@@ -1,5 +1,6 @@
 """Plots of load runs (matplotlib, optional: the `plots` extra): latency CDFs and throughput over time,
-one line per labelled run; and the planner's goodput-vs-rate curves, one per configuration."""
+one line per labelled run; and the planner's goodput-vs-rate curves, one per configuration, and a
+simulated run's queues and KV use, one line per replica."""
 
 from __future__ import annotations
 
@@ -97,6 +98,32 @@ def plot_goodput_curves(
     bottom.set_xlabel("offered rate per chip (requests/s)")
     for ax in (top, bottom):
         ax.set_xscale("log")
+        ax.grid(alpha=0.3)
+    top.legend(fontsize=7)
+    return save(plt, fig, path, title)
+
+
+def plot_queue_series(series: dict[str, dict[str, Sequence]], path: str | Path, title: str = "") -> Path:
+    """Per replica (planner.simulator.queue_series): sequences running and waiting, and the share of the KV
+    cache in use, over time."""
+    plt = pyplot()
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 5), dpi=80, sharex=True)
+    for replica, s in series.items():
+        (line,) = top.step(s["t_s"], s["running"], where="post", label=f"{replica} running")
+        top.step(
+            s["t_s"],
+            s["waiting"],
+            where="post",
+            linestyle="--",
+            color=line.get_color(),
+            label=f"{replica} waiting",
+        )
+        bottom.step(s["t_s"], s["kv_use"], where="post", label=replica)
+    top.set_ylabel("sequences")
+    bottom.set_ylabel("KV cache in use")
+    bottom.set_ylim(0, 1.02)
+    bottom.set_xlabel("time since start (s)")
+    for ax in (top, bottom):
         ax.grid(alpha=0.3)
     top.legend(fontsize=7)
     return save(plt, fig, path, title)

@@ -44,6 +44,11 @@ class LengthDist:
     def sample(self, rng: np.random.Generator) -> int:
         return int(rng.integers(self.low, self.high + 1))
 
+    @property
+    def spec(self) -> str:
+        """The flag's value that parses to this distribution."""
+        return f"fixed:{self.low}" if self.low == self.high else f"uniform:{self.low}:{self.high}"
+
 
 @dataclasses.dataclass(frozen=True)
 class SharedPrefix:
@@ -64,6 +69,11 @@ class SharedPrefix:
         if tokens < 1 or count < 1:
             raise ValueError(f"bad shared prefix {spec!r}: want TOKENS >= 1 and COUNT >= 1")
         return cls(tokens, count)
+
+    @property
+    def spec(self) -> str:
+        """The flag's value that parses to these prefixes."""
+        return f"{self.tokens}:{self.count}"
 
 
 @dataclasses.dataclass

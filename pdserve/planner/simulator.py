@@ -114,7 +114,20 @@ class SimulationResult:
         return max((s.end_s for s in self.steps), default=0.0)
 
 
-def poisson_workload(
+def queue_series(steps: Sequence[Step], num_blocks: int) -> dict[str, dict[str, list]]:
+    """Per replica, after each of its steps: the time (s), the sequences running and waiting, and the
+    share of its KV cache's `num_blocks` in use: the queue and KV-use series a run is judged by."""
+    out: dict[str, dict[str, list]] = {}
+    for step in steps:
+        series = out.setdefault(step.replica, {"t_s": [], "running": [], "waiting": [], "kv_use": []})
+        series["t_s"].append(round(step.end_s, 6))
+        series["running"].append(step.num_running)
+        series["waiting"].append(step.num_waiting)
+        series["kv_use"].append(round(step.num_used_blocks / num_blocks, 6) if num_blocks else 0.0)
+    return out
+
+
+def synthetic_workload(
     rate: float,
     num_requests: int,
     prompt_len: LengthDist,
@@ -122,33 +135,21 @@ def poisson_workload(
     seed: int = 0,
     shared_prefix: SharedPrefix | None = None,
     burstiness: float = 1.0,
-) -> list[Arrival]:
-    """`num_requests` Poisson arrivals at `rate` requests/s (`burstiness`: the gaps' gamma shape, as the
-    load generator's): the arrivals and prompts `pdserve bench serve` sends for the same lengths, shared
-    prefixes, burstiness and seed."""
-    specs = make_workload(prompt_len, output_len, seed, shared_prefix=shared_prefix)
-    times = arrival_times(rate, seed, burstiness)
-    return [
-        Arrival(at, tuple(spec.prompt), spec.max_tokens)
-        for at, spec in itertools.islice(zip(times, specs, strict=False), num_requests)
-    ]
-
-
-def chat_workload(
-    rate: float,
-    num_chats: int,
-    prompt_len: LengthDist,
-    output_len: LengthDist,
-    turns: int,
+    turns: int = 1,
     think_s: float = 0.0,
-    seed: int = 0,
-    shared_prefix: SharedPrefix | None = None,
-    burstiness: float = 1.0,
 ) -> list[Arrival]:
-    """`num_chats` conversations of `turns` turns arriving at `rate` conversations/s: those `pdserve bench
-    serve --turns` sends for the same lengths, think time, shared prefixes, burstiness and seed."""
-    chats = make_chats(prompt_len, output_len, turns, think_s, seed, shared_prefix)
+    """The arrivals and prompts `pdserve bench serve` sends for the same flags and seed: `num_requests`
+    Poisson arrivals at `rate` requests/s (`burstiness`: the gaps' gamma shape, as the load generator's),
+    or with `turns` > 1 `num_requests` conversations of that many turns arriving at `rate` conversations/s,
+    each later turn `think_s` after the answer before it."""
     times = arrival_times(rate, seed, burstiness)
+    if turns <= 1:
+        specs = make_workload(prompt_len, output_len, seed, shared_prefix=shared_prefix)
+        return [
+            Arrival(at, tuple(spec.prompt), spec.max_tokens)
+            for at, spec in itertools.islice(zip(times, specs, strict=False), num_requests)
+        ]
+    chats = make_chats(prompt_len, output_len, turns, think_s, seed, shared_prefix)
     return [
         Arrival(
             at,
@@ -157,7 +158,7 @@ def chat_workload(
             then=tuple((tuple(t.prompt), t.max_tokens) for t in chat.turns[1:]),
             think_s=think_s,
         )
-        for at, chat in itertools.islice(zip(times, chats, strict=False), num_chats)
+        for at, chat in itertools.islice(zip(times, chats, strict=False), num_requests)
     ]
 
 

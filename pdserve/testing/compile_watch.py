@@ -11,7 +11,8 @@ import threading
 
 import jax
 
-_EVENT = "/jax/core/compile/backend_compile_duration"
+from pdserve.engine.compile_cache import COMPILE_EVENT
+
 _CACHE_WRITE = "/jax/compilation_cache/cache_misses"  # recorded as a compiled executable is stored
 _lock = threading.Lock()
 _count = 0
@@ -20,7 +21,7 @@ _cache_writes = 0
 
 def _on_event(event: str, duration: float, **_) -> None:
     global _count
-    if event == _EVENT:
+    if event == COMPILE_EVENT:
         with _lock:
             _count += 1
 

@@ -128,15 +128,24 @@ def test_the_command_line_ranks_plans_and_simulates_bursty_shared_prefix_arrival
     argv = ["simulate", *COMMON, *SLO, "--profile", str(tmp_path / "profile.json"), "--rate", "1"]
     argv += ["--burstiness", "0.5", "--shared-prefix", "128:2", "--num-requests", "20", "--json", str(sim)]
     assert main(argv) == 0
-    assert json.loads(sim.read_text())["burstiness"] == 0.5
+    simulated = json.loads(sim.read_text())
+    assert simulated["burstiness"] == 0.5 and simulated["completed"] == 20
+    series = simulated["series"]["decode-0"]
+    assert len(series["t_s"]) == len(series["running"]) == len(series["kv_use"]) > 20
+    assert max(series["running"]) > 1 and 0 < max(series["kv_use"]) <= 1 and series["running"][-1] == 0
+    assert sum(simulated["timeline"]["requests_per_s"]) == pytest.approx(20)
 
 
 @pytest.mark.model  # (matplotlib: the plots extra, which the fast tier does not install)
-def test_plan_plots_a_goodput_curve_per_configuration(tmp_path):
+def test_plan_and_simulate_plot_where_people_would_rather_look(tmp_path):
     from pdserve.cli import main
 
     assert main([*plan_argv(tmp_path), "--plots", str(tmp_path / "plots")]) == 0
     assert (tmp_path / "plots" / "goodput_vs_rate.png").stat().st_size > 0
+    argv = ["simulate", *COMMON, "--profile", str(tmp_path / "profile.json"), "--rate", "1"]
+    assert main([*argv, "--num-requests", "10", "--plots", str(tmp_path / "sim")]) == 0
+    for name in ("latency_cdf.png", "throughput.png", "queue_kv.png"):
+        assert (tmp_path / "sim" / name).stat().st_size > 0
 
 
 COMMON = ["--prompt-len", "fixed:256", "--output-len", "fixed:16"]

@@ -19,9 +19,9 @@ from pdserve.planner.simulator import (
     Fleet,
     Pool,
     Transfer,
-    chat_workload,
-    poisson_workload,
+    queue_series,
     simulate,
+    synthetic_workload,
 )
 
 pytestmark = pytest.mark.fast
@@ -56,6 +56,20 @@ def test_fixed_costs_give_the_figures_by_hand():
     assert stats["good_requests"] == 2 and stats["e2e_ms"]["max"] == pytest.approx(450)
     assert result.steps[0].rows == (("0", 8, 0), ("1", 8, 0))
     assert result.steps[2].rows == (("0", 1, 9), ("1", 1, 9), ("2", 8, 0))  # decodes first, then the prompt
+
+
+def test_the_queue_and_kv_use_series_follow_the_steps():
+    """With two sequence slots, the third prompt waits while the first two decode (its arrival taken at the
+    next step boundary), then runs alone; the cache (64 blocks of 4) holds 2 blocks a prompt, a third once
+    its 9th token is written, and empties as the last request finishes."""
+    work = [Arrival(0.0, prompt(8), 4), Arrival(0.0, prompt(8, 2000), 4), Arrival(0.15, prompt(8, 3000), 4)]
+    result = simulate(dataclasses.replace(CONFIG, max_num_seqs=2), TENTH, work)
+    series = queue_series(result.steps, CONFIG.num_blocks)
+    assert list(series) == ["decode-0"]
+    s = series["decode-0"]
+    assert s["t_s"] == pytest.approx([0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8])
+    assert s["running"] == [2, 2, 2, 0, 1, 1, 1, 0] and s["waiting"] == [0, 0, 1, 1, 0, 0, 0, 0]
+    assert [round(u * 64) for u in s["kv_use"]] == [4, 6, 6, 0, 2, 3, 3, 0]
 
 
 def test_a_prompt_over_the_budget_is_computed_in_chunks_beside_running_decodes():
@@ -105,9 +119,11 @@ def test_a_conversations_next_turn_follows_its_answer_and_hits_the_cache():
     the conversation so far (8 + 3 answered + its own 8 = 19 tokens), of which the 8 in whole blocks of
     computed KV are found in the prefix cache (the answer's KV is in a block not yet full): 11 computed.
     Turn 1 of a chat workload is the Poisson workload's request of the same seed, at the same time."""
-    work = chat_workload(1.0, 1, LengthDist(8, 8), LengthDist(3, 3), turns=2, think_s=0.5, seed=3)
+    work = synthetic_workload(1.0, 1, LengthDist(8, 8), LengthDist(3, 3), seed=3, turns=2, think_s=0.5)
     (arrival,) = work
-    assert arrival.prompt_ids == poisson_workload(1.0, 1, LengthDist(8, 8), LengthDist(3, 3), 3)[0].prompt_ids
+    assert (
+        arrival.prompt_ids == synthetic_workload(1.0, 1, LengthDist(8, 8), LengthDist(3, 3), 3)[0].prompt_ids
+    )
     ((own, max_tokens),) = arrival.then
     result = simulate(CONFIG, TENTH, work)
     first, second = result.records
