@@ -200,6 +200,18 @@ def add_burstiness_flag(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_shared_prefix_flag(parser: argparse.ArgumentParser) -> None:
+    """--shared-prefix TOKENS:COUNT as a SharedPrefix (None when not given), for the planner's simulations
+    of what `pdserve bench serve --shared-prefix` sends."""
+    parser.add_argument(
+        "--shared-prefix",
+        type=SharedPrefix.parse,
+        default=None,
+        metavar="TOKENS:COUNT",
+        help="each prompt after one of COUNT shared prefixes of TOKENS tokens (as `pdserve bench serve`)",
+    )
+
+
 def add_chat_flags(parser: argparse.ArgumentParser) -> None:
     """--turns and --think-time: conversations (make_chats), for the load generator and the simulator."""
     parser.add_argument(

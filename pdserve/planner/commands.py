@@ -15,7 +15,7 @@ import time
 
 from pdserve.bench.common import report, write_json
 from pdserve.bench.stats import compute_stats, format_summary, throughput_timeline
-from pdserve.bench.workload import LengthDist, SharedPrefix, add_burstiness_flag, add_chat_flags
+from pdserve.bench.workload import LengthDist, add_burstiness_flag, add_chat_flags, add_shared_prefix_flag
 from pdserve.flags import add_engine_args, engine_config
 from pdserve.planner.plan_command import add_plan_parser, check_plots
 from pdserve.planner.roofline import CHIPS, MODELS
@@ -84,13 +84,7 @@ def add_planner_parsers(sub) -> None:
     simulate.add_argument("--num-requests", type=int, default=200)
     simulate.add_argument("--prompt-len", type=LengthDist.parse, default=LengthDist(256, 256))
     simulate.add_argument("--output-len", type=LengthDist.parse, default=LengthDist(128, 128))
-    simulate.add_argument(
-        "--shared-prefix",
-        type=SharedPrefix.parse,
-        default=None,
-        metavar="TOKENS:COUNT",
-        help="each prompt after one of COUNT shared prefixes of TOKENS tokens (as `pdserve bench serve`)",
-    )
+    add_shared_prefix_flag(simulate)
     add_burstiness_flag(simulate)
     add_chat_flags(simulate)
     simulate.add_argument("--seed", type=int, default=0)

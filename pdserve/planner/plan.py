@@ -22,7 +22,7 @@ import numpy as np
 import yaml
 
 from pdserve.bench.stats import compute_stats
-from pdserve.bench.workload import LengthDist
+from pdserve.bench.workload import LengthDist, SharedPrefix
 from pdserve.engine.config import EngineConfig
 from pdserve.planner.costs import Padding, Profile
 from pdserve.planner.simulator import (
@@ -54,6 +54,7 @@ class Workload:
     burstiness: float = 1.0
     turns: int = 1  # > 1: each request a conversation of this many turns (simulator.synthetic_workload)
     think_s: float = 0.0
+    shared_prefix: SharedPrefix | None = None  # each prompt after one of these (as `pdserve bench`'s)
 
     def run(self, fleet: Fleet, rate: float) -> tuple[dict, SimulationResult]:
         """The load generator's figures (with slo_attainment) of `fleet` simulated at `rate`."""
@@ -63,6 +64,7 @@ class Workload:
             self.prompt_len,
             self.output_len,
             self.seed,
+            self.shared_prefix,
             burstiness=self.burstiness,
             turns=self.turns,
             think_s=self.think_s,
@@ -82,6 +84,7 @@ class Candidate:
     prefill: Profile | None = None
     prefill_replicas: int = 0
     local_prefill_below: int = 0
+    prefix_routing: bool = True  # the decode servers' --prefill-routing: prefix (else least-outstanding)
 
     @property
     def chips(self) -> int:
@@ -95,7 +98,8 @@ class Candidate:
             return f"colocated {decode}, budget {self.budget}"
         prefill = f"{self.prefill_replicas}x prefill TP{tp_of(self.prefill)}"
         local = f", prompts < {self.local_prefill_below} on decode" if self.local_prefill_below else ""
-        return f"disaggregated {prefill} + {decode}, budget {self.budget}{local}"
+        routing = "" if self.prefix_routing else ", least-outstanding routing"
+        return f"disaggregated {prefill} + {decode}, budget {self.budget}{local}{routing}"
 
     def fleet(self, transfer: Transfer, units: int = 1) -> Fleet:
         """`units` copies of this unit as one fleet on one clock."""
@@ -103,7 +107,7 @@ class Candidate:
         if self.prefill is None:
             return Fleet(decode)
         prefill = pool(self.prefill, self.budget, self.prefill_replicas * units)
-        return Fleet(decode, prefill, transfer, self.local_prefill_below)
+        return Fleet(decode, prefill, transfer, self.local_prefill_below, self.prefix_routing)
 
 
 def tp_of(profile: Profile) -> int:
@@ -131,18 +135,21 @@ def candidates(
     budgets: Sequence[int],
     disaggregated: bool = True,
     local_prefill_below: Sequence[int] = (0,),
+    prefix_routing: Sequence[bool] = (True,),
 ) -> list[Candidate]:
     """Colocated single replicas and the RATIOS' disaggregated units, over every profile (for either
-    role), budget and `--local-prefill-below` of the decode replicas."""
+    role), budget and `--local-prefill-below` of the decode replicas, and, where a unit has more than one
+    prefill replica to choose from, every `prefix_routing` (True: --prefill-routing prefix)."""
     out = [Candidate(p, 1, b) for p in profiles for b in budgets]
     if disaggregated:
         out += [
-            Candidate(d, nd, b, prefill=p, prefill_replicas=np_, local_prefill_below=below)
+            Candidate(d, nd, b, p, np_, below, routing)
             for p in profiles
             for d in profiles
             for np_, nd in RATIOS
             for b in budgets
             for below in local_prefill_below
+            for routing in (prefix_routing if np_ > 1 else prefix_routing[:1])
         ]
     return out
 
@@ -274,6 +281,7 @@ def overlay(chosen: Plan, base: str, max_scale: float = 2.0) -> dict[str, str]:
     decode_literals = [  # (not the TP: the base's pods have the chips of theirs; check_rendered)
         f"PDSERVE_MAX_NUM_BATCHED_TOKENS={candidate.budget}",
         f"PDSERVE_LOCAL_PREFILL_BELOW={candidate.local_prefill_below}",
+        f"PDSERVE_PREFILL_ROUTING={'prefix' if candidate.prefix_routing else 'least-outstanding'}",
     ]
     config_maps = []
     if colocated:

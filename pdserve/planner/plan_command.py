@@ -8,7 +8,8 @@ import os
 import sys
 
 from pdserve.bench.common import report
-from pdserve.bench.workload import LengthDist, add_burstiness_flag, add_chat_flags
+from pdserve.bench.workload import LengthDist, add_burstiness_flag, add_chat_flags, add_shared_prefix_flag
+from pdserve.services.decode.config import ROUTING_POLICIES
 
 
 def add_plan_parser(sub) -> None:
@@ -44,6 +45,14 @@ def add_plan_parser(sub) -> None:
         metavar="N[,N...]",
         help="decode servers' --local-prefill-below values to try in disaggregated units (default: 0)",
     )
+    plan.add_argument(
+        "--prefill-routing",
+        default="prefix",
+        metavar="POLICY[,POLICY...]",
+        help="decode servers' --prefill-routing to try where a unit has several prefill replicas: prefix, "
+        "least-outstanding (default: prefix)",
+    )
+    add_shared_prefix_flag(plan)
     plan.add_argument(
         "--kv-transfer-gbps",
         type=float,
@@ -85,6 +94,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         local_below = [int(x) for x in args.local_prefill_below.split(",") if x]
     except ValueError:
         raise SystemExit(f"plan: --local-prefill-below {args.local_prefill_below!r}: integers") from None
+    policies = [p for p in args.prefill_routing.split(",") if p]
+    if not policies or any(p not in ROUTING_POLICIES for p in policies):
+        known = ", ".join(ROUTING_POLICIES)
+        raise SystemExit(f"plan: --prefill-routing {args.prefill_routing!r}: of {known}")
     fitted = profiles[0].transfer
     if fitted and args.kv_transfer_gbps is None:
         transfer = Transfer.fitted(fitted)
@@ -104,24 +117,26 @@ def cmd_plan(args: argparse.Namespace) -> int:
         args.burstiness,
         args.turns,
         args.think_time,
+        args.shared_prefix,
     )
+    routings = [p == "prefix" for p in policies]
     try:
         scored = [
             planning.goodput(c, workload, transfer)
-            for c in planning.candidates(profiles, budgets, not args.no_disaggregated, local_below)
+            for c in planning.candidates(profiles, budgets, not args.no_disaggregated, local_below, routings)
         ]
     except ValueError as e:
         raise SystemExit(f"plan: {e}") from None
     ranked = sorted(scored, key=lambda s: (-s.per_chip, s.candidate.chips))
     if args.plots:
         _plot_curves(ranked[: args.top], workload.attainment, args.plots)
-    print(
-        f"{'configuration':<58} {'chips':>5} {'goodput/s':>9} {'per chip':>8} {'TTFT p90':>9} {'TPOT p90':>9}"
-    )
+    width = max([58, *(len(s.candidate.label) for s in ranked[: args.top])])
+    header = f"{'chips':>5} {'goodput/s':>9} {'per chip':>8} {'TTFT p90':>9} {'TPOT p90':>9}"
+    print(f"{'configuration':<{width}} {header}")
     for s in ranked[: args.top]:
         ttft, tpot = s.figures["ttft_ms"].get("p90"), s.figures["tpot_ms"].get("p90")
         print(
-            f"{s.candidate.label:<58} {s.candidate.chips:>5} {s.goodput:>9.3g} {s.per_chip:>8.3g} "
+            f"{s.candidate.label:<{width}} {s.candidate.chips:>5} {s.goodput:>9.3g} {s.per_chip:>8.3g} "
             f"{_ms(ttft):>9} {_ms(tpot):>9}"
         )
     chosen = planning.plan(ranked, args.rate, args.chips, workload, transfer)

@@ -25,6 +25,7 @@ every replica's steps.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import heapq
 import itertools
@@ -33,6 +34,7 @@ from collections.abc import Callable, Sequence
 from pdserve.bench.stats import RequestRecord
 from pdserve.bench.workload import LengthDist, SharedPrefix, arrival_times, make_chats, make_workload
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.core.kv_cache_manager import hash_blocks
 from pdserve.engine.core.kv_connector import DecodeConnector, ReceiveKV
 from pdserve.engine.core.request import Request
 from pdserve.engine.core.scheduler import SampledToken, Scheduler
@@ -178,6 +180,7 @@ class _Replica:
         self.running = None  # the SchedulerOutput of the step under way
         self.start_s = self.busy_until = 0.0
         self.queued_tokens = 0  # prompt tokens sent here and not yet computed (prefill routing)
+        self.expected: collections.Counter = collections.Counter()  # block hashes its prompts will cache
 
     @property
     def busy(self) -> bool:
@@ -195,6 +198,7 @@ class _Prompt:
     num_tokens: int
     sent_upto: int = 0
     stream_free_s: float = 0.0
+    hashes: tuple[int, ...] = ()  # its blocks' hashes, expected on its prefill replica (prefix routing)
 
 
 class Fleet:
@@ -207,8 +211,14 @@ class Fleet:
         prefill: Pool | None = None,
         transfer: Transfer = Transfer(),
         local_prefill_below: int = 0,
+        prefix_routing: bool = False,
+        routing_load_weight: float = 1.0,
     ):
         self.now = 0.0
+        # a prompt's prefill replica: by the blocks of it each holds against its queued work, as the decode
+        # server's --prefill-routing prefix (services/decode/routing.py); else the least work queued
+        self.prefix_routing, self.routing_load_weight = prefix_routing, routing_load_weight
+        self._turn = 0
         clock = lambda: self.now  # noqa: E731 - the schedulers' admission stamps
         disaggregated = prefill is not None
         self.decodes = [
@@ -319,14 +329,47 @@ class Fleet:
         self._command(decode, add)
 
     def _prefill(self, decode: _Replica, rid: str, num_tokens: int) -> None:
-        """The prompt of `rid`, admitted on `decode`, to the prefill replica with the least work queued."""
-        prefill = min(self.prefills, key=lambda r: r.queued_tokens)
+        """The prompt of `rid`, admitted on `decode`, to a prefill replica (_route)."""
         prompt = self._arrivals[rid].prompt_ids
+        prefill, hashes = self._route(prompt)
         pid = f"prefill:{rid}"
-        self._prompts[pid] = _Prompt(decode, rid, num_tokens, sent_upto=len(prompt) - num_tokens)
+        self._prompts[pid] = _Prompt(decode, rid, num_tokens, len(prompt) - num_tokens, hashes=hashes)
         prefill.queued_tokens += len(prompt)
+        prefill.expected.update(hashes)
         request = Request(pid, list(prompt), SamplingParams(max_tokens=1, ignore_eos=True), int(rid))
         self._command(prefill, lambda: prefill.scheduler.add(request))
+
+    def _route(self, prompt: tuple[int, ...]) -> tuple[_Replica, tuple[int, ...]]:
+        """The prefill replica for `prompt`, and its blocks' hashes when routing by prefix. By prefix: the
+        cost of a replica is the prompt tokens it lacks (those past the leading blocks its cache holds or
+        a prompt in flight there will) plus routing_load_weight times its queued prompt tokens, the
+        cheapest winning; when none holds any block (or not by prefix), the least work queued, in turns
+        among equals."""
+        fewest = min(r.queued_tokens for r in self.prefills)
+        tied = [r for r in self.prefills if r.queued_tokens == fewest]
+        self._turn += 1  # (in turns among equals, as the decode server: new prefixes spread out)
+        least_queued = tied[self._turn % len(tied)]
+        if not self.prefix_routing:
+            return least_queued, ()
+        block_size = least_queued.scheduler.kv.block_size
+        hashes = tuple(hash_blocks(prompt[: len(prompt) - 1], block_size))  # (as its lookup: not the last)
+
+        def held(replica: _Replica) -> int:
+            kv, expected = replica.scheduler.kv, replica.expected
+            return block_size * next(
+                (i for i, h in enumerate(hashes) if not expected[h] and not kv.lookup_hashes([h])),
+                len(hashes),
+            )
+
+        hits = {r.name: held(r) for r in self.prefills}
+        if not any(hits.values()):
+            return least_queued, hashes
+        weight = self.routing_load_weight
+        best = min(
+            self.prefills,
+            key=lambda r: (len(prompt) - hits[r.name] + weight * r.queued_tokens, r.queued_tokens),
+        )
+        return best, hashes
 
     def _tokens_out(self, replica: _Replica, appended) -> None:
         for request, run in appended:
@@ -334,6 +377,7 @@ class Fleet:
             if rid in self._prompts:  # a prefill replica's one token: the decode replica has the KV then
                 sent = self._prompts.pop(rid)
                 replica.queued_tokens -= len(request.prompt_ids)
+                replica.expected.subtract(sent.hashes)  # (its blocks are in the replica's cache now)
                 self._at(
                     sent.stream_free_s + self.transfer.latency_s,
                     lambda d=sent.decode, t=sent.request_id: self._command(d, lambda: self._kv_arrived(d, t)),

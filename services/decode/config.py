@@ -13,6 +13,7 @@ from pdserve.services.sampling import Limits
 # HOST:PORT of that pod. Honoured with DecodeConfig.accept_prefill_hint (`--accept-prefill-hint`) when it
 # names one of this server's own prefill replicas (PrefillPool.pick), ignored otherwise.
 PREFILL_HINT_HEADER = "x-prefiller-host-port"
+ROUTING_POLICIES = ("prefix", "least-outstanding")  # --prefill-routing (Routing.policy)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +56,7 @@ class Routing:
         "prefix: by the prompt blocks each replica holds (its KV events) against its queued work; "
         "least-outstanding: the replica with the fewest requests in flight",
         flag="--prefill-routing",
-        choices=("prefix", "least-outstanding"),
+        choices=ROUTING_POLICIES,
     )
     load_weight: float = flag(
         1.0,

@@ -649,8 +649,8 @@ def test_crd_validation_catches_mistakes():
 def test_a_plan_renders_as_an_overlay_that_validates(tmp_path, mode):
     """The overlay of a plan (2 units of 1 prefill TP 8 + 3 decode TP 4, or of 2 colocated TP 4) on
     gke-tpu renders, validates, and carries the plan: replica counts, the budget, colocated decode
-    computing its own prompts, an HPA per role on its queue from the planned count to twice it; a plan
-    whose TP is not the base's is caught."""
+    computing its own prompts (disaggregated: the plan's prefill routing), an HPA per role on its queue from
+    the planned count to twice it; a plan whose TP is not the base's is caught."""
     from pdserve.daemons import decode_parser
     from pdserve.planner.costs import Profile, StepCosts
     from pdserve.planner.plan import Candidate, Plan, Scored, check_rendered, overlay, write_overlay
@@ -663,7 +663,7 @@ def test_a_plan_renders_as_an_overlay_that_validates(tmp_path, mode):
     if colocated:
         candidate = Candidate(profile(4), 2, 1024)
     else:
-        candidate = Candidate(profile(4), 3, 1024, prefill=profile(8), prefill_replicas=1)
+        candidate = Candidate(profile(4), 3, 1024, profile(8), 1, prefix_routing=False)
     chosen = Plan(Scored(candidate, 1.5, {}, {"decode": 3.2, "prefill": 0.4}), 2, {}, 3.0)
     base = os.path.relpath(DEPLOY / "overlays" / "gke-tpu", tmp_path)
     write_overlay(overlay(chosen, base), tmp_path)
@@ -688,5 +688,6 @@ def test_a_plan_renders_as_an_overlay_that_validates(tmp_path, mode):
     args = decode_parser().parse_args([expand(a, env) for a in decode["spec"]["containers"][0]["args"]])
     assert args.max_num_batched_tokens == 1024
     assert (args.prefill == "local") == colocated
+    assert args.policy == ("prefix" if colocated else "least-outstanding")  # (--prefill-routing)
     wrong = Plan(Scored(dataclasses.replace(candidate, decode=profile(2)), 1.5, {}, {}), 2, {}, 3.0)
     assert "decode: the base runs TP 4" in check_rendered(docs, wrong)[0]

@@ -108,6 +108,17 @@ def test_bursty_arrivals_need_more_headroom_than_poisson():
 
 
 @pytest.mark.fast
+def test_prefill_routing_is_searched_where_a_unit_has_prefill_replicas_to_choose_from():
+    both = candidates([PROFILE], [512], prefix_routing=(True, False))
+    several = [c for c in both if c.prefill is not None and c.prefill_replicas > 1]
+    assert several and {c.prefix_routing for c in several} == {True, False}
+    assert all(c.prefix_routing for c in both if c.prefill is None or c.prefill_replicas == 1)
+    assert len({c.label for c in both}) == len(both)  # (a routing is in its label)
+    off = next(c for c in several if not c.prefix_routing)
+    assert off.label.endswith("least-outstanding routing") and not off.fleet(Transfer()).prefix_routing
+
+
+@pytest.mark.fast
 def test_the_command_line_ranks_plans_and_simulates_bursty_shared_prefix_arrivals(tmp_path):
     """`pdserve plan` ranks the configurations (each one's rates simulated, by rate: its goodput the last
     that meets the target, the next one above it misses it); `pdserve simulate` takes the arrivals'

@@ -246,6 +246,30 @@ def test_replicas_share_the_load():
     assert all(r.ttft_s == pytest.approx(0.1) for r in result.records)
 
 
+@pytest.mark.parametrize("prefix_routing", [True, False])
+def test_prefix_routing_sends_a_shared_prefix_where_it_is_cached(prefix_routing):
+    """Four prompts of a shared 40-token prefix and 12 tokens of their own (more than a block: the decode
+    replica, which caches the prefix too, has them computed remotely), each after the one before has
+    finished, to two prefill replicas: by prefix, the three after the first go where the prefix is cached
+    and compute only their own 12 tokens; by the least work queued (in turns on a tie), each replica
+    computes the prefix once."""
+    shared = prompt(40)
+    work = [Arrival(3.0 * i, shared + prompt(12, 5000 + 20 * i), 2) for i in range(4)]
+    fleet = Fleet(
+        Pool(CONFIG, TENTH), Pool(CONFIG, TENTH, replicas=2), Transfer(), prefix_routing=prefix_routing
+    )
+    result = fleet.run(work)
+    computed = {}
+    for step in result.steps:
+        if step.replica.startswith("prefill"):
+            computed[step.replica] = computed.get(step.replica, 0) + sum(t for _, t, _ in step.rows)
+    if prefix_routing:
+        assert len(computed) == 1 and sum(computed.values()) == 52 + 3 * 12
+    else:
+        assert sorted(computed.values()) == [52 + 12, 52 + 12]
+    assert all(r.output_tokens == 2 for r in result.records)
+
+
 def test_n_forks_on_a_disaggregated_fleet():
     """n = 2 through the prefill pool: the decode replica forks at the prefill's first token."""
     result = Fleet(Pool(CONFIG, TENTH), Pool(CONFIG, TENTH)).run([Arrival(0.0, prompt(8), 3, n=2)])
