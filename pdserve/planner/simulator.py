@@ -345,6 +345,8 @@ class Fleet:
         a prompt in flight there will) plus routing_load_weight times its queued prompt tokens, the
         cheapest winning; when none holds any block (or not by prefix), the least work queued, in turns
         among equals."""
+        if len(self.prefills) == 1:  # (no choice to make)
+            return self.prefills[0], ()
         fewest = min(r.queued_tokens for r in self.prefills)
         tied = [r for r in self.prefills if r.queued_tokens == fewest]
         self._turn += 1  # (in turns among equals, as the decode server: new prefixes spread out)
