@@ -141,19 +141,20 @@ def serve(
             seed=first.seed + 1000,
             progress=False,
         )
+        # (each run's start is the previous one's end: nothing runs between them)
+        logged = {role: len(read_step_log(path)[1]) for role, path in step_logs.items()}
+        compiled = _compilations(servers)
         for run in runs:
-            compiled = _compilations(servers)
-            before = {role: len(read_step_log(path)[1]) for role, path in step_logs.items()}
             sent_at = time.time()
             load = dataclasses.asdict(run.load)
             run.measured = bench(decode.address, rate=run.rate, progress=False, **load, **slo)["stats"]
-            run.spans = {
-                role: (before[role], len(read_step_log(path)[1])) for role, path in step_logs.items()
-            }
+            before, logged = logged, {role: len(read_step_log(path)[1]) for role, path in step_logs.items()}
+            run.spans = {role: (before[role], logged[role]) for role in step_logs}
             if mode == "disaggregated":
                 lines = ended_requests(decode.log_path, (*TRANSFER_FIELDS, "arrival"))
                 run.transfers = [r for r in lines if r["arrival"] >= sent_at]
-            run.compilations = _compilations(servers) - compiled
+            before_compiled, compiled = compiled, _compilations(servers)
+            run.compilations = compiled - before_compiled
             stalled = (
                 f" (the servers compiled {run.compilations:g} XLA program(s) during it)"
                 if run.compilations
