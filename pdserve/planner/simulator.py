@@ -40,6 +40,7 @@ from pdserve.engine.core.request import Request
 from pdserve.engine.core.scheduler import SampledToken, Scheduler
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.planner.costs import RowShape, StepCosts
+from pdserve.services.decode.config import Routing
 
 SAMPLED_TOKEN = 500  # what every sampling row "samples" (an ordinary id; no request stops on it)
 
@@ -217,7 +218,7 @@ class Fleet:
         self.now = 0.0
         # a prompt's prefill replica: by the blocks of it each holds against its queued work, as the decode
         # server's --prefill-routing prefix (services/decode/routing.py); else the least work queued
-        self.prefix_routing, self.routing_load_weight = prefix_routing, routing_load_weight
+        self.routing = Routing("prefix" if prefix_routing else "least-outstanding", routing_load_weight)
         self._turn = 0
         clock = lambda: self.now  # noqa: E731 - the schedulers' admission stamps
         disaggregated = prefill is not None
@@ -341,37 +342,37 @@ class Fleet:
 
     def _route(self, prompt: tuple[int, ...]) -> tuple[_Replica, tuple[int, ...]]:
         """The prefill replica for `prompt`, and its blocks' hashes when routing by prefix. By prefix: the
-        cost of a replica is the prompt tokens it lacks (those past the leading blocks its cache holds or
-        a prompt in flight there will) plus routing_load_weight times its queued prompt tokens, the
-        cheapest winning; when none holds any block (or not by prefix), the least work queued, in turns
-        among equals."""
+        cheapest by Routing.cost (the decode server's), a replica holding the leading blocks its cache holds
+        or a prompt in flight there will; when none holds any block (or not by prefix), the least work
+        queued, in turns among equals (as the decode server: new prefixes spread out)."""
         if len(self.prefills) == 1:  # (no choice to make)
             return self.prefills[0], ()
+        hashes: tuple[int, ...] = ()
+        if self.routing.policy == "prefix":
+            block_size = self.prefills[0].scheduler.kv.block_size
+            hashes = tuple(
+                hash_blocks(prompt[: len(prompt) - 1], block_size)
+            )  # (as its lookup: not the last)
+
+            def held(replica: _Replica) -> int:
+                kv, expected = replica.scheduler.kv, replica.expected
+                return block_size * next(
+                    (i for i, h in enumerate(hashes) if not expected[h] and not kv.lookup_hashes([h])),
+                    len(hashes),
+                )
+
+            hits = {r.name: held(r) for r in self.prefills}
+            if any(hits.values()):
+                cost = self.routing.cost
+                best = min(
+                    self.prefills,
+                    key=lambda r: (cost(len(prompt), hits[r.name], r.queued_tokens), r.queued_tokens),
+                )
+                return best, hashes
         fewest = min(r.queued_tokens for r in self.prefills)
         tied = [r for r in self.prefills if r.queued_tokens == fewest]
-        self._turn += 1  # (in turns among equals, as the decode server: new prefixes spread out)
-        least_queued = tied[self._turn % len(tied)]
-        if not self.prefix_routing:
-            return least_queued, ()
-        block_size = least_queued.scheduler.kv.block_size
-        hashes = tuple(hash_blocks(prompt[: len(prompt) - 1], block_size))  # (as its lookup: not the last)
-
-        def held(replica: _Replica) -> int:
-            kv, expected = replica.scheduler.kv, replica.expected
-            return block_size * next(
-                (i for i, h in enumerate(hashes) if not expected[h] and not kv.lookup_hashes([h])),
-                len(hashes),
-            )
-
-        hits = {r.name: held(r) for r in self.prefills}
-        if not any(hits.values()):
-            return least_queued, hashes
-        weight = self.routing_load_weight
-        best = min(
-            self.prefills,
-            key=lambda r: (len(prompt) - hits[r.name] + weight * r.queued_tokens, r.queued_tokens),
-        )
-        return best, hashes
+        self._turn += 1
+        return tied[self._turn % len(tied)], hashes
 
     def _tokens_out(self, replica: _Replica, appended) -> None:
         for request, run in appended:

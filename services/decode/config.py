@@ -65,6 +65,11 @@ class Routing:
     )
     events_resync_s: float = 2.0  # a quiet event stream is checked against the replay socket this often
 
+    def cost(self, num_tokens: int, hit_tokens: int, pending_tokens: float) -> float:
+        """ "prefix": a replica's cost for a prompt of `num_tokens` tokens of which it holds the leading
+        `hit_tokens`, with `pending_tokens` prompt tokens already queued on it (the cheapest wins)."""
+        return num_tokens - hit_tokens + self.load_weight * pending_tokens
+
     def __post_init__(self):
         if self.policy not in ("prefix", "least-outstanding"):
             raise ValueError(f"prefill routing {self.policy!r}: prefix or least-outstanding")

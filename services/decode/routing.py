@@ -131,10 +131,9 @@ class PrefillPool:
             tied = [r for r in candidates if r.outstanding == least]
             self._turn += 1
             return Route(tied[self._turn % len(tied)], 0, "load")
-        weight = self.routing.load_weight
+        cost = self.routing.cost
         best = min(
-            candidates,
-            key=lambda r: (num_tokens - hits[r.name] + weight * r.pending_tokens, r.outstanding),
+            candidates, key=lambda r: (cost(num_tokens, hits[r.name], r.pending_tokens), r.outstanding)
         )
         return Route(best, hits[best.name], "prefix" if hits[best.name] else "load")
 

@@ -115,7 +115,8 @@ def test_prefill_routing_is_searched_where_a_unit_has_prefill_replicas_to_choose
     assert all(c.prefix_routing for c in both if c.prefill is None or c.prefill_replicas == 1)
     assert len({c.label for c in both}) == len(both)  # (a routing is in its label)
     off = next(c for c in several if not c.prefix_routing)
-    assert off.label.endswith("least-outstanding routing") and not off.fleet(Transfer()).prefix_routing
+    assert off.label.endswith("least-outstanding routing")
+    assert off.fleet(Transfer()).routing.policy == "least-outstanding"
 
 
 @pytest.mark.fast
