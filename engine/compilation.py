@@ -124,8 +124,10 @@ class RunnerCompilation:
             + len(draft_shapes)
         )
         bar = tqdm(total=total, desc="compiling", disable=not progress, unit="shape")
+        logits_shardings = {}  # a step's logits rows -> the sharding XLA gave them (TP: split over vocab)
         for shape in shapes:
-            self._compile_step(shape[0])
+            compiled = self._compile_step(shape[0])
+            logits_shardings[self.config.logits_bucket(shape[0])] = compiled.output_shardings[0]
             bar.update()
         for num_tokens in draft_shapes:
             self._compile_draft(num_tokens)
@@ -144,7 +146,7 @@ class RunnerCompilation:
         vocab = self.model.vocab_size
         for b, penalties in sampler_shapes:
             params = SamplingParams(temperature=1.0, repetition_penalty=1.1 if penalties else 1.0)
-            logits = jax.device_put(np.zeros((b, vocab), np.float32), named(self.mesh))
+            logits = jax.device_put(np.zeros((b, vocab), np.float32), logits_shardings[b])
             self.sample(logits, [SampleRow(params, 0, 0, [1], [])])
             bar.update()
         for size in self.copy_shapes():
@@ -156,10 +158,10 @@ class RunnerCompilation:
         bar.close()
         return total
 
-    def _compile_step(self, num_tokens: int) -> None:
+    def _compile_step(self, num_tokens: int) -> jax.stages.Compiled:
         """Compiles (or loads from the persistent cache) the step of this shape ahead of time: nothing
         runs, the cache is untouched, and a later step of that shape finds the executable."""
-        lower_step(
+        return lower_step(
             self.model,
             self.config,
             self.weights,

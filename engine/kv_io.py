@@ -14,7 +14,7 @@ from pdserve import kvtransfer
 from pdserve.engine import multihost
 from pdserve.engine.core.kv_groups import BlockTables
 from pdserve.kvtransfer import HeadMap, KVChunk, KVLayout
-from pdserve.kvtransfer.plan import FramePlan
+from pdserve.kvtransfer.plan import FramePlan, cdiv
 
 
 class RunnerKVIO:
@@ -72,6 +72,35 @@ class RunnerKVIO:
         ]
         data = parts[0] if len(parts) == 1 else jax.numpy.concatenate(parts)
         return KVChunk(p.layer_start, p.token_start, p.num_tokens, data)
+
+    def warmup_kv_io(
+        self,
+        layout: KVLayout,
+        max_tokens: int,
+        max_frame_bytes: int,
+        head_map: HeadMap | None = None,
+        receiver: RunnerKVIO | None = None,
+    ) -> int:
+        """Runs every gather and insert kernel a transfer in this frame plan can reach (requests of up to
+        `max_tokens` tokens), so that serving compiles none: each distinct frame read from a
+        contiguous run and from scattered blocks, sent through host memory as the wire does, and written
+        into `receiver` (default this runner) at the blocks it was read from. Without a head map the
+        cache is written with what it held; a receiver other than this runner gets this cache's bytes in
+        its blocks, so warm it before it holds any request. Returns the number of transfers run."""
+        receiver = self if receiver is None else receiver
+        num_blocks = min(jax.tree.leaves(c)[0].shape[-4] for c in (self.cache, receiver.cache))
+        runs = 0
+        for frame in kvtransfer.distinct_frames(layout, cdiv(max_tokens, layout.block_size), max_frame_bytes):
+            if frame.num_blocks > num_blocks:
+                continue  # no request this long fits the cache
+            ids = list(range(frame.num_blocks))
+            for order in (ids, ids[::-1]) if len(ids) > 1 else (ids,):  # a run (sliced), scattered (taken)
+                tables = BlockTables(tuple(order for _ in range(self.groups.num_groups)))
+                args = dict(max_frame_bytes=max_frame_bytes, head_map=head_map, frames=[frame])
+                (chunk,) = self.gather_kv(layout, tables, frame.num_tokens, **args)
+                receiver.insert_kv(dataclasses.replace(chunk, data=np.asarray(chunk.data)), tables)
+                runs += 1
+        return runs
 
     def insert_kv(self, chunk: KVChunk, block_ids: BlockTables | Sequence[int]) -> None:
         """Writes an arriving chunk (heads in this cache's layout; on the mesh already, or a host array put

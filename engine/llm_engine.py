@@ -163,6 +163,22 @@ class LLMEngine(OfflineAPI):
             variants += self.host_tier.warmup()
         return variants
 
+    def warmup_transfers(
+        self,
+        max_frame_bytes: int = kvtransfer.MAX_FRAME_BYTES,
+        head_map: kvtransfer.HeadMap | None = None,
+        receiver: LLMEngine | None = None,
+    ) -> int:
+        """Compiles the KV transfers a daemon runs (engine.kv_io.warmup_kv_io): every chunk shape of requests
+        up to max_model_len in frames of `max_frame_bytes` (the wire's; a prefill's sent, a migration's
+        either way), gathered here with `head_map` (heads converted to another layout) and inserted into
+        `receiver` (default: this engine, which gets back what it held). Before serving only. Returns the
+        number of transfers run."""
+        to = None if receiver is None else receiver.runner
+        return self.runner.warmup_kv_io(
+            self.kv_layout, self.config.max_model_len, max_frame_bytes, head_map, to
+        )
+
     def summary(self) -> dict[str, str]:
         """What this engine runs on, in one place (the start-up line, Admin stats, /metrics' engine info):
         the model, platform, devices and mesh, dtype, weights per device, KV blocks and tokens, the maximum

@@ -25,6 +25,7 @@ The API (everything else is internal):
     encode_request(request_id, layout, num_tokens, chunks, lead=None) -> Iterator[bytes]   # the sender
     aprefetch(iterable, depth=1) -> AsyncIterator     # frames produced on a thread ahead of the sender
     move_chunk(chunk, dst_sharding) -> KVChunk        # device to device (one process), CPU memory aliased
+    distinct_frames(layout, max_request_blocks) -> FramePlans   # one per compiled kernel shape (warmup)
 
 Who calls what: the engine's KV connectors (engine/core/kv_connector.py) gather on the prefill side and
 insert on the decode side, on the engine thread; the daemons own the streams (docs/architecture.md tells
@@ -57,7 +58,7 @@ from pdserve.kvtransfer.layout import (
     scale_scheme,
 )
 from pdserve.kvtransfer.pipeline import aprefetch
-from pdserve.kvtransfer.plan import MAX_FRAME_BYTES, KVChunk, plan_frames
+from pdserve.kvtransfer.plan import MAX_FRAME_BYTES, KVChunk, distinct_frames, plan_frames
 from pdserve.kvtransfer.reshard import cache_sharding, chunk_sharding, on_pathways, reshard
 from pdserve.kvtransfer.transport import LOCAL_CHUNK_BYTES, encode_request, move_chunk
 
@@ -80,6 +81,7 @@ __all__ = [
     "aprefetch",
     "chunk_sharding",
     "deserialize_frame",
+    "distinct_frames",
     "encode_request",
     "gather",
     "gather_request",

@@ -8,6 +8,7 @@ bucketed to a power of two), which bounds compilation.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -165,14 +166,32 @@ def plan_frames(
     )
 
 
+def distinct_frames(
+    layout: KVLayout, max_request_blocks: int, max_frame_bytes: int = MAX_FRAME_BYTES
+) -> tuple[FramePlan, ...]:
+    """One frame of each (layer_start, num_layers, bucket) the plans of requests of 1..max_request_blocks
+    blocks hold (what decides a gather or insert kernel's compiled shape), moved to the request's first
+    block and token: the transfers a warmup runs so that serving compiles none."""
+    budget = max_frame_bytes - HEADER_RESERVE_BYTES
+    bs = layout.block_size
+    frames: dict[tuple[int, int, int], FramePlan] = {}
+    for total_blocks in range(1, max_request_blocks + 1):  # as plan_frames cuts each, without the frames
+        for layer_start, layer_end, first_block in _layer_segments(layout, total_blocks * bs):
+            group, full = chunk_geometry(layout, layer_end - layer_start, budget)
+            span = total_blocks - first_block  # a run of full chunks, then the rest
+            sizes = ([full] if span >= full else []) + ([span % full] if span % full else [])
+            for layer, nblocks in itertools.product(range(layer_start, layer_end, group), sizes):
+                nlayers, bucket = min(group, layer_end - layer), bucket_blocks(nblocks, full)
+                if (layer, nlayers, bucket) not in frames:
+                    frame = FramePlan(len(frames), layer, nlayers, 0, nblocks, 0, nblocks * bs, bucket)
+                    frames[layer, nlayers, bucket] = frame
+    return tuple(frames.values())
+
+
 def chunk_shapes(layout: KVLayout, max_request_blocks: int, max_frame_bytes: int = MAX_FRAME_BYTES) -> set:
     """Distinct (num_layers, bucket) chunk shapes over requests of 1..max_request_blocks full blocks:
     what bounds the number of compiled gather/insert variants."""
-    shapes = set()
-    for num_blocks in range(1, max_request_blocks + 1):
-        for plan in plan_frames(layout, num_blocks * layout.block_size, max_frame_bytes):
-            shapes.add((plan.num_layers, plan.bucket))
-    return shapes
+    return {(p.num_layers, p.bucket) for p in distinct_frames(layout, max_request_blocks, max_frame_bytes)}
 
 
 @dataclass(frozen=True)

@@ -267,6 +267,8 @@ def build_engine(
             raise SystemExit(f"error: --tp {config.tp} must span the group's {jax.device_count()} devices")
     with refusing_unloadable_models():
         engine = (engine_class or LLMEngine).from_model(args.model, config, warmup=not args.no_warmup)
+    if not args.no_warmup:  # the KV frames it sends or receives (a prefill's, a migration's), every shape
+        engine.warmup_transfers()
     leader = None
     if group is not None:
         from pdserve.services.group import follow, lead
@@ -540,6 +542,7 @@ def serve_main(args: argparse.Namespace) -> int:
 
     import jax
 
+    from pdserve import kvtransfer
     from pdserve.engine.llm_engine import LLMEngine
     from pdserve.engine.loading.sources import load_model
     from pdserve.services.decode.core import GenerationCore
@@ -562,6 +565,9 @@ def serve_main(args: argparse.Namespace) -> int:
     if not args.no_warmup:
         prefill_engine.warmup(progress=True)
         decode_engine.warmup(progress=True)
+        decode_engine.warmup_transfers()  # a migration's frames
+        to_decode = kvtransfer.head_map(prefill_engine.kv_layout, decode_engine.kv_layout)
+        prefill_engine.warmup_transfers(kvtransfer.LOCAL_CHUNK_BYTES, to_decode, receiver=decode_engine)
     for role, engine in (("prefill", prefill_engine), ("decode", decode_engine)):
         engine.log_summary(role=role)
     for engine in (prefill_engine, decode_engine):

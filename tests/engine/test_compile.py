@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
+import jax
+import numpy as np
 import pytest
 
+from pdserve.engine.boundary import AddRequest, SendKV
+from pdserve.engine.core.kv_connector import PrefillConnector
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.testing.compile_watch import count_compilations
 from pdserve.testing.eagle3 import write_random_head
@@ -45,6 +50,21 @@ def test_warmup_covers_a_mixed_workload(make_engine):
     assert all(r.finish_reason in ("stop", "length") for r in results)
 
 
+def test_warmup_covers_a_tensor_parallel_engine(make_engine):
+    """At TP 2 a step's logits come split over the vocabulary: the sampler is warmed on that sharding (a
+    replicated warmup would leave every sampler shape to compile on first use)."""
+    engine = make_engine(jax.devices()[:2], **WARMUP_CONFIG, tp=2)
+    engine.runner.warmup(progress=False)
+    params = [
+        SamplingParams(temperature=0, max_tokens=6),
+        SamplingParams(temperature=0.8, seed=1, max_tokens=5, n=2, repetition_penalty=1.1, logprobs=1),
+    ]
+    with count_compilations() as counted:
+        engine.generate(["Hi", "Tell me a story about a dragon " * 2], params)
+        engine.generate(["Once"], SamplingParams(temperature=0, max_tokens=3))
+    assert counted() == 0
+
+
 @pytest.mark.parametrize("method", ["ngram", "eagle3"])
 def test_warmup_covers_speculative_decoding(make_engine, loaded_model, tmp_path, method):
     """With speculation the steps return more logits rows (EngineConfig.logits_bucket) and the sampler
@@ -69,3 +89,34 @@ def test_warmup_covers_speculative_decoding(make_engine, loaded_model, tmp_path,
     with count_compilations() as counted:
         engine.generate(prompts, params)
     assert counted() == 0 and engine.scheduler.drafts.stats.num_drafts > before
+
+
+def test_warmup_covers_kv_transfers(make_engine):
+    """A daemon's engine also runs its KV transfers at start (LLMEngine.warmup_transfers): a prefill's
+    frames of any prompt length, with or without a held prefix, and their insert into a decode cache from
+    host memory (as the wire delivers them) compile nothing new; the warmup leaves the cache as it was."""
+    engine = make_engine(**WARMUP_CONFIG)
+    engine.runner.warmup(progress=False)
+    rng = np.random.default_rng(3)
+    engine.generate([rng.integers(100, 30000, 250).tolist()], SamplingParams(temperature=0, max_tokens=4))
+    held = [np.asarray(leaf) for leaf in jax.tree.leaves(engine.runner.cache)]
+    assert engine.warmup_transfers() > 0
+    after = [np.asarray(leaf) for leaf in jax.tree.leaves(engine.runner.cache)]
+    assert all(np.array_equal(a, b) for a, b in zip(held, after, strict=True)) and held[0].any()
+    connector, original = PrefillConnector(engine.kv_layout), engine.kv_connector
+    engine.set_kv_connector(connector)
+    try:
+        with count_compilations() as counted:
+            for i, (length, first_block) in enumerate([(3, 0), (40, 0), (100, 2), (181, 0), (250, 5)]):
+                prompt = rng.integers(100, 30000, length).tolist()
+                request = engine.make_request(prompt, SamplingParams(temperature=0, max_tokens=1), f"r{i}")
+                engine.apply(AddRequest(request, SendKV(first_block=first_block)))
+                chunks = []
+                while engine.has_unfinished:
+                    chunks += [c for ready in engine.step().kv for c in ready.chunks]
+                blocks = list(range(63, 47, -1))  # the receiver's (16 hold max_model_len's 256 tokens)
+                for chunk in chunks:  # received: host bytes, each into the decode side's blocks
+                    engine.runner.insert_kv(dataclasses.replace(chunk, data=np.asarray(chunk.data)), blocks)
+        assert chunks and counted() == 0
+    finally:
+        engine.set_kv_connector(original)

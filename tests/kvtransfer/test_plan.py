@@ -14,6 +14,7 @@ from pdserve.kvtransfer.plan import (
     bucket_blocks,
     cdiv,
     chunk_shapes,
+    distinct_frames,
     frame_payload_bytes,
     layer_spans,
     plan_frames,
@@ -34,15 +35,14 @@ def test_block_runs_split_mixed_lists():
     assert block_runs([1, 2, 4, 5]) == [Run(0, 1, 2), Run(2, 4, 2)]
 
 
+# the layouts and frame budgets the plans are checked over (the smallest fits less than a block of all layers)
+LAYOUT_KINDS = st.sampled_from(["full", "sliding", "mla"])
+DTYPES = st.sampled_from(["float32", "bfloat16"])
+FRAME_BYTES = st.sampled_from([HEADER_RESERVE_BYTES + 512, HEADER_RESERVE_BYTES + 3000, MAX_FRAME_BYTES])
+
+
 @settings(max_examples=200, deadline=None)
-@given(
-    kind=st.sampled_from(["full", "sliding", "mla"]),
-    dtype=st.sampled_from(["float32", "bfloat16"]),
-    num_tokens=st.integers(0, 200),
-    max_frame_bytes=st.sampled_from(
-        [HEADER_RESERVE_BYTES + 512, HEADER_RESERVE_BYTES + 3000, MAX_FRAME_BYTES]
-    ),
-)
+@given(kind=LAYOUT_KINDS, dtype=DTYPES, num_tokens=st.integers(0, 200), max_frame_bytes=FRAME_BYTES)
 def test_plan_tiles_exactly_the_needed_blocks_in_order_within_the_budget(
     kind, dtype, num_tokens, max_frame_bytes
 ):
@@ -87,6 +87,28 @@ def test_layers_too_big_for_one_block_per_frame_go_in_groups_of_one_block():
     assert [(p.layer_start, p.num_layers, p.block_start, p.bucket) for p in plan] == [
         (layer, n, b, 1) for b in range(5) for layer, n in ((0, 3), (3, 1))
     ]
+
+
+@settings(max_examples=60, deadline=None)
+@given(kind=LAYOUT_KINDS, dtype=DTYPES, max_blocks=st.integers(1, 40), max_frame_bytes=FRAME_BYTES)
+def test_distinct_frames_are_the_kernel_shapes_of_every_plan(kind, dtype, max_blocks, max_frame_bytes):
+    """What a warmup transfers (one frame per compiled gather/insert shape) is exactly the shapes the plans
+    of requests of 1..max_blocks blocks hold, each moved to the request's first block."""
+    layout = make_layout(kind, dtype)
+    if layout.block_bytes > max_frame_bytes - HEADER_RESERVE_BYTES:
+        return
+    bs = layout.block_size
+    planned = {
+        (p.layer_start, p.num_layers, p.bucket)
+        for n in range(1, max_blocks + 1)
+        for p in plan_frames(layout, n * bs, max_frame_bytes)
+    }
+    frames = distinct_frames(layout, max_blocks, max_frame_bytes)
+    assert {(p.layer_start, p.num_layers, p.bucket) for p in frames} == planned
+    assert len(frames) == len(planned)  # one each
+    for seq, p in enumerate(frames):
+        assert (p.seq, p.block_start, p.token_start, p.num_tokens) == (seq, 0, 0, p.num_blocks * bs)
+        assert p.num_blocks <= p.bucket <= bucket_blocks(p.num_blocks)
 
 
 def test_chunk_shapes_stay_few_for_1_to_512_blocks():
