@@ -57,17 +57,18 @@ if [ "${#tiers[@]}" -eq 1 ]; then
 else
   # Two lanes, so that both cores stay busy (each tier alone leaves part of the second one idle, compiling
   # or waiting on its daemons): the model tier, then the rest of the daemon tier (on the session's shared
-  # daemons, loading what the model tier compiled), then compat; beside them the fast tier, the benchmark
-  # smokes and the other standalone daemon tests (daemon tests marked standalone start every process they
-  # use). The second lane's output follows the first's.
+  # daemons, loading what the model tier compiled); beside them the fast tier, the benchmark smokes, the
+  # other standalone daemon tests (daemon tests marked standalone start every process they use) and compat.
+  # The second lane's output follows the first's.
   smokes=tests/test_bench_smoke.py
-  beside_tiers=(fast bench-smokes daemon-standalone)
-  echo "=== tiers: model, daemon (the rest), compat; beside them ${beside_tiers[*]} (XLA cache: $(cache_state))" >&2
+  beside_tiers=(fast bench-smokes daemon-standalone compat)
+  echo "=== tiers: model, daemon (the rest); beside them ${beside_tiers[*]} (XLA cache: $(cache_state))" >&2
   (
     rc=0
     run fast fast "$@" >"$logs/fast" 2>&1 || rc=1
     run bench-smokes "daemon and standalone" "$smokes" "$@" >"$logs/bench-smokes" 2>&1 || rc=1
     run daemon-standalone "daemon and standalone" --ignore="$smokes" "$@" >"$logs/daemon-standalone" 2>&1 || rc=1
+    step compat bash scripts/compat.sh >"$logs/compat" 2>&1 || rc=1
     exit "$rc"
   ) &
   beside=$!
@@ -75,7 +76,6 @@ else
   run model model "$@" || rc=1
   echo "=== tier: daemon, the rest (XLA cache: $(cache_state))" >&2
   run daemon "daemon and not standalone" "$@" || rc=1
-  step compat bash scripts/compat.sh || rc=1
   wait "$beside" || rc=1
   for name in "${beside_tiers[@]}"; do
     if [ -f "$logs/$name" ]; then
