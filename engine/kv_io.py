@@ -5,7 +5,7 @@ kvtransfer chunks, and arriving chunks written into blocks, each layer through i
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import jax
 import numpy as np
@@ -95,7 +95,7 @@ class RunnerKVIO:
                 continue  # no request this long fits the cache
             ids = list(range(frame.num_blocks))
             for order in (ids, ids[::-1]) if len(ids) > 1 else (ids,):  # a run (sliced), scattered (taken)
-                tables = BlockTables(tuple(order for _ in range(self.groups.num_groups)))
+                tables = BlockTables((tuple(order),) * self.groups.num_groups)
                 args = dict(max_frame_bytes=max_frame_bytes, head_map=head_map, frames=[frame])
                 (chunk,) = self.gather_kv(layout, tables, frame.num_tokens, **args)
                 receiver.insert_kv(dataclasses.replace(chunk, data=np.asarray(chunk.data)), tables)
@@ -114,11 +114,45 @@ class RunnerKVIO:
             chunk = dataclasses.replace(chunk, data=data)
         elif self.publish is not None:
             raise ValueError("a multi-process engine inserts host chunks only")
+        for piece, table in self._insert_pieces(chunk, tables):
+            self.cache = kvtransfer.insert(self.cache, piece, table)
+
+    def _insert_pieces(self, chunk: KVChunk, tables: BlockTables) -> Iterator[tuple[KVChunk, Sequence[int]]]:
+        """The inserts of a chunk: each run of its layers with the block table of their group (at its row)."""
         if self.groups.is_identity:
-            self.cache = kvtransfer.insert(self.cache, chunk, tables.groups[0])
+            yield chunk, tables.groups[0]
             return
         done = 0
         for group, row, count in self.groups.pieces(chunk.layer_start, chunk.num_layers):
-            piece = dataclasses.replace(chunk, layer_start=row, data=chunk.data[done : done + count])
-            self.cache = kvtransfer.insert(self.cache, piece, tables.groups[group])
+            yield (
+                dataclasses.replace(chunk, layer_start=row, data=chunk.data[done : done + count]),
+                tables.groups[group],
+            )
             done += count
+
+    def compile_inserts(self, src: KVLayout, max_tokens: int, max_frame_bytes: int) -> int:
+        """Compiles, without running them, the inserts of the chunks a peer of layout `src` sends from the
+        wire (its frame plan for requests of up to `max_tokens` tokens; heads converted to this layout, on
+        this mesh). Safe off the engine thread: the cache is only described (its shapes and shardings),
+        never read. Returns how many chunk shapes."""
+        frames = kvtransfer.distinct_frames(src, cdiv(max_tokens, src.block_size), max_frame_bytes)
+        leaf = jax.tree.leaves(self.cache)[0]
+        cache = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self.cache
+        )
+        sharding = kvtransfer.chunk_sharding(self.mesh, self.layout)
+        num_blocks, block_size = leaf.shape[-4], leaf.shape[-3]
+        compiled = 0
+        for frame in frames:
+            if frame.num_blocks > num_blocks:
+                continue  # no request this long fits the cache
+            shape = (frame.num_layers, frame.bucket * block_size, *leaf.shape[-2:])
+            data = jax.device_put(
+                np.zeros(shape, leaf.dtype), sharding
+            )  # (a real array: hybrid pieces slice it)
+            chunk = KVChunk(frame.layer_start, 0, frame.num_tokens, data)
+            tables = BlockTables((tuple(range(frame.num_blocks)),) * self.groups.num_groups)
+            for piece, table in self._insert_pieces(chunk, tables):
+                kvtransfer.compile_insert(cache, piece, table)
+            compiled += 1
+        return compiled

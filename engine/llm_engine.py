@@ -129,6 +129,9 @@ class LLMEngine(OfflineAPI):
         self._stepping: dict[str, Request] = {}  # the requests of the step under way (fail_step ends them)
         self._step_outputs = 0  # where the step under way's outputs start in the streams' (fail_step)
         self._outputs = EngineOutputs()  # what commands and the step under way produced, for step()
+        # the peer layouts whose KV frames this engine's inserts are compiled for (compile_inserts_from);
+        # None until warmup_transfers: an engine that compiles on first use keeps doing so
+        self._insert_layouts: set[tuple[str, int]] | None = None
         self._utilities = {
             "add_adapter": self.loras.add,
             "remove_adapter": self.loras.remove,
@@ -169,15 +172,36 @@ class LLMEngine(OfflineAPI):
         head_map: kvtransfer.HeadMap | None = None,
         receiver: LLMEngine | None = None,
     ) -> int:
-        """Compiles the KV transfers a daemon runs (engine.kv_io.warmup_kv_io): every chunk shape of requests
-        up to max_model_len in frames of `max_frame_bytes` (the wire's; a prefill's sent, a migration's
-        either way), gathered here with `head_map` (heads converted to another layout) and inserted into
-        `receiver` (default: this engine, which gets back what it held). Before serving only. Returns the
-        number of transfers run."""
+        """Compiles the KV transfers a daemon runs (engine.kv_io.RunnerKVIO.warmup_kv_io): every chunk shape
+        of requests up to max_model_len in frames of `max_frame_bytes` (the wire's; a prefill's sent, a
+        migration's either way), gathered here with `head_map` (heads converted to another layout) and
+        inserted into `receiver` (default: this engine, which gets back what it held). Before serving only.
+        Returns the number of transfers run."""
         to = None if receiver is None else receiver.runner
-        return self.runner.warmup_kv_io(
+        runs = self.runner.warmup_kv_io(
             self.kv_layout, self.config.max_model_len, max_frame_bytes, head_map, to
         )
+        inserted = receiver or self  # now compiled for this layout's frames
+        inserted._insert_layouts = {
+            *(inserted._insert_layouts or ()),
+            (self.kv_layout.to_json(), max_frame_bytes),
+        }
+        return runs
+
+    def compile_inserts_from(
+        self, src: kvtransfer.KVLayout, max_frame_bytes: int = kvtransfer.MAX_FRAME_BYTES
+    ) -> int:
+        """Compiles, without running them, the inserts of the KV a peer of layout `src` sends in frames of
+        `max_frame_bytes` (a prefill replica, a draining decode server): its frame plan cuts chunks of its
+        own sizes (at another TP, its padded heads change the blocks a frame holds), which warmup_transfers
+        did not compile here. Once per layout, and only once warmup_transfers ran (an engine that compiles
+        on first use keeps doing so). Safe off the engine thread: nothing runs. Returns the number of
+        chunk shapes compiled (0: a layout met before, or no warmup)."""
+        key = (src.to_json(), max_frame_bytes)
+        if self._insert_layouts is None or key in self._insert_layouts:
+            return 0
+        self._insert_layouts.add(key)
+        return self.runner.compile_inserts(src, self.config.max_model_len, max_frame_bytes)
 
     def summary(self) -> dict[str, str]:
         """What this engine runs on, in one place (the start-up line, Admin stats, /metrics' engine info):

@@ -15,6 +15,7 @@ The API (everything else is internal):
         -> KVChunk(layer_start, token_start, num_tokens, data [layers, padded_tokens, slots, dim])
     insert(cache, chunk, block_ids) -> cache          # cache donated, updated in place; use the result
     insert_stream(cache, chunks, block_ids) -> cache
+    compile_insert(cache, chunk, block_ids) -> Compiled   # insert's kernel compiled, nothing run
     reshard(arrays, dst_sharding)                     # device_put, or pathwaysutils under JAX_PLATFORMS=proxy
     chunk_sharding(mesh, layout), cache_sharding(mesh, layout)
 
@@ -45,7 +46,7 @@ from pdserve.kvtransfer.codec import (
     serialize_frame,
 )
 from pdserve.kvtransfer.gather import gather, gather_request
-from pdserve.kvtransfer.insert import insert, insert_stream
+from pdserve.kvtransfer.insert import compile_insert, insert, insert_stream
 from pdserve.kvtransfer.layout import (
     SCALE_BYTES,
     SCALE_DTYPE,
@@ -80,6 +81,7 @@ __all__ = [
     "cache_sharding",
     "aprefetch",
     "chunk_sharding",
+    "compile_insert",
     "deserialize_frame",
     "distinct_frames",
     "encode_request",

@@ -102,11 +102,18 @@ def insert(cache, chunk: KVChunk, block_ids: Sequence[int]):
     return jax.tree.unflatten(treedef, leaves)
 
 
+def compile_insert(cache, chunk: KVChunk, block_ids: Sequence[int]) -> jax.stages.Compiled:
+    """Compiles (or loads from the persistent cache) the kernel `insert(cache, chunk, block_ids)` runs,
+    without running it: a later insert of that shape finds it. `cache` and `chunk.data` may be
+    jax.ShapeDtypeStructs (with the shardings the real arrays will have)."""
+    _, _, _, args, kwargs = _kernel_call(cache, chunk, block_ids)
+    return insert_kernel.lower(*args, **kwargs).compile()
+
+
 def insert_scratch_bytes(cache, chunk: KVChunk, block_ids: Sequence[int]) -> int:
     """Scratch memory XLA allocates to insert this chunk (the cache itself is updated in place): the
     extra memory of an insert beyond the chunk. Compiles, does not run."""
-    _, _, _, args, kwargs = _kernel_call(cache, chunk, block_ids)
-    return insert_kernel.lower(*args, **kwargs).compile().memory_analysis().temp_size_in_bytes
+    return compile_insert(cache, chunk, block_ids).memory_analysis().temp_size_in_bytes
 
 
 def insert_stream(cache, chunks: Iterable[KVChunk], block_ids: Sequence[int]):

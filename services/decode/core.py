@@ -27,6 +27,7 @@ from pdserve.engine.core.kv_connector import DecodeConnector
 from pdserve.engine.core.request import FinishReason, Request
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import InvalidRequestError
+from pdserve.kvtransfer import KVLayout
 from pdserve.services.admin import Counters
 from pdserve.services.decode.config import PREFILL_HINT_HEADER, DecodeConfig, Routing
 from pdserve.services.decode.errors import ServiceError, checked
@@ -79,6 +80,8 @@ class GenerationCore:
         self.counters = counters or Counters()
         self.metrics = Metrics("decode", loop, self.counters)
         self.transfers = None if pool is None else KVTransfers(loop, pool, config, self.counters)
+        if pool is not None:
+            pool.on_layout = self.meet_layout
         self.draining = False
         self.preparer = Preparer(max_waiting=config.max_preparing, name="decode-prepare")
         self.server_id = uuid.uuid4().hex  # (a draining server never moves a request to itself)
@@ -106,6 +109,14 @@ class GenerationCore:
         elif prefill_targets:
             pool = PrefillPool(prefill_targets, layout, prefill_security, routing or Routing())
         return cls(EngineLoop(engine, name="decode-engine"), pool, config)
+
+    async def meet_layout(self, src: KVLayout) -> None:
+        """A peer's KV will arrive in its own frame plan (a prefill replica greeted, a draining decode
+        server's hello): the inserts of its chunk shapes are compiled on a thread, off the event loop and
+        the engine thread, before its first frame (LLMEngine.compile_inserts_from; once per layout)."""
+        compiled = await asyncio.to_thread(self.engine.compile_inserts_from, src)
+        if compiled:
+            log.info("compiled the inserts of %d chunk shapes for peers at TP %d", compiled, src.tp_size)
 
     @property
     def prefill_mode(self) -> str:

@@ -112,11 +112,14 @@ class MigrationService(pb_grpc.MigrationServicer):
 
     async def Hello(self, request: pb.MigrationHello, context) -> pb.MigrationHelloReply:
         try:
-            kvtransfer.head_map(KVLayout.from_json(request.layout_json), self.layout)
+            src = KVLayout.from_json(request.layout_json)
+            kvtransfer.head_map(src, self.layout)
         except kvtransfer.LayoutMismatchError as e:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except (ValueError, KeyError, TypeError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"layout_json: {e}")
+        if not self.core.draining:  # its sequences may come here: their frames' inserts compiled first
+            await self.core.meet_layout(src)
         return pb.MigrationHelloReply(
             layout_json=self.layout.to_json(), server_id=self.core.server_id, accepting=not self.core.draining
         )

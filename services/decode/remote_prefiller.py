@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 
@@ -58,9 +58,11 @@ class RemotePrefiller(Prefiller):
         deadline_s: float = 120.0,
         security: ChannelSecurity = PLAINTEXT,
         events_resync_s: float = 2.0,
+        on_layout: Callable[[KVLayout], Awaitable[None]] | None = None,
     ):
         self.name = target
         self.dst = dst
+        self.on_layout = on_layout  # awaited with the replica's layout at each handshake, before its use
         self.deadline_s = deadline_s
         self.events_resync_s = events_resync_s
         self._follower: asyncio.Task | None = None
@@ -117,6 +119,8 @@ class RemotePrefiller(Prefiller):
             kvtransfer.head_map(src, self.dst)  # raises LayoutMismatchError when it cannot convert
         except kvtransfer.LayoutMismatchError as e:
             raise PrefillError(f"{self.name}: {e}") from e
+        if self.on_layout is not None:
+            await self.on_layout(src)
         self.src = src
         self.features = frozenset(reply.features)
         if reply.kv_events_port:

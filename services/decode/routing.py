@@ -72,6 +72,7 @@ class PrefillPool:
         self.routing = routing
         self.replicas: dict[str, Prefiller] = {}
         self._turn = 0
+        self.on_layout = None  # given to each remote replica (RemotePrefiller.on_layout)
 
     @classmethod
     def of(cls, replica: Prefiller, dst: KVLayout) -> PrefillPool:
@@ -93,7 +94,11 @@ class PrefillPool:
         wanted = {addr for target in self.targets for addr in self.resolve(target)}
         for addr in wanted - self.replicas.keys():
             self.replicas[addr] = RemotePrefiller(
-                addr, self.dst, security=self.security, events_resync_s=self.routing.events_resync_s
+                addr,
+                self.dst,
+                security=self.security,
+                events_resync_s=self.routing.events_resync_s,
+                on_layout=self.on_layout,
             )
         for addr in self.replicas.keys() - wanted:
             await self.replicas.pop(addr).close()

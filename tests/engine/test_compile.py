@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 
@@ -9,6 +10,7 @@ import jax
 import numpy as np
 import pytest
 
+from pdserve import kvtransfer
 from pdserve.engine.boundary import AddRequest, SendKV
 from pdserve.engine.core.kv_connector import PrefillConnector
 from pdserve.engine.sampling_params import SamplingParams
@@ -99,24 +101,72 @@ def test_warmup_covers_kv_transfers(make_engine):
     engine.runner.warmup(progress=False)
     rng = np.random.default_rng(3)
     engine.generate([rng.integers(100, 30000, 250).tolist()], SamplingParams(temperature=0, max_tokens=4))
-    held = [np.asarray(leaf) for leaf in jax.tree.leaves(engine.runner.cache)]
+    held = [np.array(leaf) for leaf in jax.tree.leaves(engine.runner.cache)]  # copies: the cache is donated
     assert engine.warmup_transfers() > 0
-    after = [np.asarray(leaf) for leaf in jax.tree.leaves(engine.runner.cache)]
+    after = [np.array(leaf) for leaf in jax.tree.leaves(engine.runner.cache)]
     assert all(np.array_equal(a, b) for a, b in zip(held, after, strict=True)) and held[0].any()
-    connector, original = PrefillConnector(engine.kv_layout), engine.kv_connector
-    engine.set_kv_connector(connector)
+    with sending(engine), count_compilations() as counted:
+        for length, first_block in [(3, 0), (40, 0), (100, 2), (181, 0), (250, 5)]:
+            chunks = sent_chunks(
+                engine, rng.integers(100, 30000, length).tolist(), SendKV(first_block=first_block)
+            )
+            for chunk in chunks:  # received: host bytes, each into the decode side's blocks
+                engine.runner.insert_kv(
+                    dataclasses.replace(chunk, data=np.asarray(chunk.data)), RECEIVER_BLOCKS
+                )
+    assert chunks and counted() == 0
+
+
+def test_inserts_compile_ahead_for_a_peer_of_another_tp(make_engine):
+    """A sender at TP 2 pads its KV heads otherwise than a receiver at TP 1, so its frames hold other
+    numbers of blocks: the receiver's warmup did not compile those inserts. compile_inserts_from (what a
+    decode server runs as it greets such a replica, on a thread) compiles them, once per layout; the
+    sender's frames, encoded, decoded and converted as the daemons do, then insert with no compilation."""
+    receiver = make_engine(**WARMUP_CONFIG)
+    sender = make_engine(jax.devices()[:2], **WARMUP_CONFIG, tp=2)
+    frame_bytes = kvtransfer.plan.HEADER_RESERVE_BYTES + 4 * sender.kv_layout.block_bytes * 3  # 3 blocks
+    for engine in (sender, receiver):
+        engine.runner.warmup(progress=False)
+        engine.warmup_transfers(frame_bytes)
+    sizes = {p.bucket for p in kvtransfer.distinct_frames(sender.kv_layout, 16, frame_bytes)}
+    assert sizes != {p.bucket for p in kvtransfer.distinct_frames(receiver.kv_layout, 16, frame_bytes)}
+    assert receiver.compile_inserts_from(sender.kv_layout, frame_bytes) > 0
+    assert receiver.compile_inserts_from(sender.kv_layout, frame_bytes) == 0  # once per layout
+    rng = np.random.default_rng(5)
+    sharding = kvtransfer.chunk_sharding(receiver.mesh, receiver.kv_layout)
+    with sending(sender), count_compilations() as counted:
+        for length in (20, 100, 250):
+            chunks = sent_chunks(
+                sender, rng.integers(100, 30000, length).tolist(), SendKV(max_frame_bytes=frame_bytes)
+            )
+            frames = kvtransfer.encode_request("r", sender.kv_layout, length, chunks, frame_bytes)
+            received = kvtransfer.FrameAssembler("r", length, sender.kv_layout, receiver.kv_layout, sharding)
+            for data in frames:
+                receiver.runner.insert_kv(received.add(kvtransfer.deserialize_frame(data)), RECEIVER_BLOCKS)
+    assert counted() == 0
+
+
+RECEIVER_BLOCKS = list(
+    range(63, 47, -1)
+)  # a receiver's blocks for a request (16 hold max_model_len's 256 tokens)
+
+
+@contextlib.contextmanager
+def sending(engine):
+    """The engine as a prefill server's: requests added with SendKV hand their KV over (KVReady)."""
+    original = engine.kv_connector
+    engine.set_kv_connector(PrefillConnector(engine.kv_layout))
     try:
-        with count_compilations() as counted:
-            for i, (length, first_block) in enumerate([(3, 0), (40, 0), (100, 2), (181, 0), (250, 5)]):
-                prompt = rng.integers(100, 30000, length).tolist()
-                request = engine.make_request(prompt, SamplingParams(temperature=0, max_tokens=1), f"r{i}")
-                engine.apply(AddRequest(request, SendKV(first_block=first_block)))
-                chunks = []
-                while engine.has_unfinished:
-                    chunks += [c for ready in engine.step().kv for c in ready.chunks]
-                blocks = list(range(63, 47, -1))  # the receiver's (16 hold max_model_len's 256 tokens)
-                for chunk in chunks:  # received: host bytes, each into the decode side's blocks
-                    engine.runner.insert_kv(dataclasses.replace(chunk, data=np.asarray(chunk.data)), blocks)
-        assert chunks and counted() == 0
+        yield
     finally:
         engine.set_kv_connector(original)
+
+
+def sent_chunks(engine, prompt: list[int], send: SendKV) -> list:
+    """The KV chunks a prefill of `prompt` hands over, in plan order (its whole computation)."""
+    request = engine.make_request(prompt, SamplingParams(temperature=0, max_tokens=1), "r")
+    engine.apply(AddRequest(request, send))
+    chunks = []
+    while engine.has_unfinished:
+        chunks += [c for ready in engine.step().kv for c in ready.chunks]
+    return chunks
