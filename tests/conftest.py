@@ -235,6 +235,12 @@ def _free_module_engines():
             _engines.pop(key, None)
         _module_engines.clear()
         gc.collect()
+    if "jax" in sys.modules:
+        # Every executable a process has loaded keeps its code mapped: the model tier loads thousands, and
+        # past vm.max_map_count (65,530 by default) XLA:CPU's loader crashed the process (a segfault in
+        # deserialize_executable). A module's executables go with it; the next module's load from the
+        # persistent compilation cache.
+        sys.modules["jax"].clear_caches()
 
 
 @pytest.fixture(scope="session")
