@@ -28,8 +28,13 @@ def _median_seconds(fn, rounds: int, calls: int = 5) -> float:
     return statistics.median(times)
 
 
-def xla_products(weights, cfg, batch: int, rounds: int) -> float:
-    """Median seconds of one step's products in XLA at `batch` rows (dense, unquantized layers only)."""
+def xla_products(weights, cfg, batch: int, rounds: int, per_layer: bool = False) -> float:
+    """Median seconds of one step's products in XLA at `batch` rows (dense, unquantized layers only).
+
+    per_layer: each layer's matrices as arrays of their own, the layers unrolled, instead of the step's
+    lax.scan over the stacked layers: XLA:CPU copies each layer's slice of a stacked matrix out before
+    its dot (a dynamic-slice fusion per matrix and layer in the compiled step), so the difference is what
+    those copies cost."""
     import jax
     import jax.numpy as jnp
 
@@ -38,20 +43,33 @@ def xla_products(weights, cfg, batch: int, rounds: int) -> float:
 
     width = weights.layers[0].wo.shape[1]  # the attention output's width (heads x head_dim, padded)
 
-    @jax.jit
-    def products(weights, x):
-        def layer(h, w):
-            qkv = project("td,dkx->tkx", h, w.w_qkv).reshape(h.shape[0], -1)[:, :width]
-            h = h + project("ti,id->td", qkv, w.wo)
-            gate_up = project("td,dci->tci", h, w.w_gate_up)
-            return h + project("ti,id->td", jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1], w.w_down), None
+    def layer(h, w):
+        qkv = project("td,dkx->tkx", h, w.w_qkv).reshape(h.shape[0], -1)[:, :width]
+        h = h + project("ti,id->td", qkv, w.wo)
+        gate_up = project("td,dci->tci", h, w.w_gate_up)
+        return h + project("ti,id->td", jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1], w.w_down)
 
+    @jax.jit
+    def stacked(weights, x):
         for segment in weights.layers:
-            x, _ = jax.lax.scan(layer, x, segment)
+            x, _ = jax.lax.scan(lambda h, w: (layer(h, w), None), x, segment)
+        return output_logits(weights, x, cfg)
+
+    @jax.jit
+    def unrolled(layers, weights, x):
+        for w in layers:
+            x = layer(x, w)
         return output_logits(weights, x, cfg)
 
     x = jnp.asarray(np.random.default_rng(0).standard_normal((batch, cfg.hidden_size)), weights.embed.dtype)
-    return _median_seconds(lambda: products(weights, x).block_until_ready(), rounds)
+    if not per_layer:
+        return _median_seconds(lambda: stacked(weights, x).block_until_ready(), rounds)
+    layers = [  # each layer's matrices copied once into buffers of their own
+        jax.tree.map(lambda a, i=i: jnp.array(a[i]), segment)
+        for segment in weights.layers
+        for i in range(jax.tree.leaves(segment)[0].shape[0])
+    ]
+    return _median_seconds(lambda: unrolled(layers, weights, x).block_until_ready(), rounds)
 
 
 def torch_products(weights, cfg, batch: int, rounds: int, threads: int) -> float:
