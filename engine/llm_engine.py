@@ -62,7 +62,7 @@ from pdserve.engine.loading.sources import LoadedModel, load_model
 from pdserve.engine.lora import AdapterRegistry, LoraAdapter
 from pdserve.engine.model.attention import AttentionFn
 from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.multihost import Publish
+from pdserve.engine.multihost import Publish, is_multi_process
 from pdserve.engine.offline import OfflineAPI
 from pdserve.engine.sampling_params import InvalidRequestError, SamplingParams
 from pdserve.engine.token_masks import TokenMasks
@@ -195,11 +195,12 @@ class LLMEngine(OfflineAPI):
         `max_frame_bytes` (a prefill replica, a draining decode server): its frame plan cuts chunks of its
         own sizes (at another TP, its padded heads change the blocks a frame holds), which warmup_transfers
         did not compile here. Once per layout, and only once warmup_transfers ran (an engine that compiles
-        on first use keeps doing so). Safe off the engine thread: nothing runs. Returns the number of
-        chunk shapes compiled (0: a layout met before, or no warmup)."""
+        on first use keeps doing so), in one process (a group's workers compile their inserts on first
+        use). Safe off the engine thread: nothing runs. Returns the number of chunk shapes compiled (0: a
+        layout met before, no warmup, or a process group)."""
         key = (src.to_json(), max_frame_bytes)
-        if self._insert_layouts is None or key in self._insert_layouts:
-            return 0
+        if self._insert_layouts is None or key in self._insert_layouts or is_multi_process():
+            return 0  # (a process group's workers insert too: they compile on first use)
         self._insert_layouts.add(key)
         return self.runner.compile_inserts(src, self.config.max_model_len, max_frame_bytes)
 
