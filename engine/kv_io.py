@@ -80,13 +80,15 @@ class RunnerKVIO:
         max_frame_bytes: int,
         head_map: HeadMap | None = None,
         receiver: RunnerKVIO | None = None,
+        insert: bool = True,
     ) -> int:
         """Runs every gather and insert kernel a transfer in this frame plan can reach (requests of up to
         `max_tokens` tokens), so that serving compiles none: each distinct frame read from a
         contiguous run and from scattered blocks, sent through host memory as the wire does, and written
         into `receiver` (default this runner) at the blocks it was read from. Without a head map the
         cache is written with what it held; a receiver other than this runner gets this cache's bytes in
-        its blocks, so warm it before it holds any request. Returns the number of transfers run."""
+        its blocks, so warm it before it holds any request. `insert` False: the gathers only (a sender
+        that never receives). Returns the number of transfers run."""
         receiver = self if receiver is None else receiver
         num_blocks = min(jax.tree.leaves(c)[0].shape[-4] for c in (self.cache, receiver.cache))
         runs = 0
@@ -98,7 +100,8 @@ class RunnerKVIO:
                 tables = BlockTables((tuple(order),) * self.groups.num_groups)
                 args = dict(max_frame_bytes=max_frame_bytes, head_map=head_map, frames=[frame])
                 (chunk,) = self.gather_kv(layout, tables, frame.num_tokens, **args)
-                receiver.insert_kv(dataclasses.replace(chunk, data=np.asarray(chunk.data)), tables)
+                if insert:
+                    receiver.insert_kv(dataclasses.replace(chunk, data=np.asarray(chunk.data)), tables)
                 runs += 1
         return runs
 
@@ -147,9 +150,8 @@ class RunnerKVIO:
             if frame.num_blocks > num_blocks:
                 continue  # no request this long fits the cache
             shape = (frame.num_layers, frame.bucket * block_size, *leaf.shape[-2:])
-            data = jax.device_put(
-                np.zeros(shape, leaf.dtype), sharding
-            )  # (a real array: hybrid pieces slice it)
+            # a real array, not a ShapeDtypeStruct: a hybrid model's pieces slice it
+            data = jax.device_put(np.zeros(shape, leaf.dtype), sharding)
             chunk = KVChunk(frame.layer_start, 0, frame.num_tokens, data)
             tables = BlockTables((tuple(range(frame.num_blocks)),) * self.groups.num_groups)
             for piece, table in self._insert_pieces(chunk, tables):

@@ -171,16 +171,19 @@ class LLMEngine(OfflineAPI):
         max_frame_bytes: int = kvtransfer.MAX_FRAME_BYTES,
         head_map: kvtransfer.HeadMap | None = None,
         receiver: LLMEngine | None = None,
+        insert: bool = True,
     ) -> int:
         """Compiles the KV transfers a daemon runs (engine.kv_io.RunnerKVIO.warmup_kv_io): every chunk shape
         of requests up to max_model_len in frames of `max_frame_bytes` (the wire's; a prefill's sent, a
-        migration's either way), gathered here with `head_map` (heads converted to another layout) and
-        inserted into `receiver` (default: this engine, which gets back what it held). Before serving only.
-        Returns the number of transfers run."""
+        migration's either way), gathered here with `head_map` (heads converted to another layout) and,
+        unless `insert` is False (a prefill server receives none), inserted into `receiver` (default: this
+        engine, which gets back what it held). Before serving only. Returns the number of transfers run."""
         to = None if receiver is None else receiver.runner
         runs = self.runner.warmup_kv_io(
-            self.kv_layout, self.config.max_model_len, max_frame_bytes, head_map, to
+            self.kv_layout, self.config.max_model_len, max_frame_bytes, head_map, to, insert
         )
+        if not insert:
+            return runs
         inserted = receiver or self  # now compiled for this layout's frames
         inserted._insert_layouts = {
             *(inserted._insert_layouts or ()),

@@ -268,7 +268,7 @@ def build_engine(
     with refusing_unloadable_models():
         engine = (engine_class or LLMEngine).from_model(args.model, config, warmup=not args.no_warmup)
     if not args.no_warmup:  # the KV frames it sends or receives (a prefill's, a migration's), every shape
-        engine.warmup_transfers()
+        engine.warmup_transfers(insert=decodes)
     leader = None
     if group is not None:
         from pdserve.services.group import follow, lead
