@@ -11,7 +11,7 @@ weights: accuracy, decode speed, and what XLA makes of the int8 matmul on this m
 2. What XLA does: a stack of `--layers` MLP layers of TinyLlama-1.1B's shapes (hidden 2048, intermediate
    5632) scanned as engine.model.forward scans its layers, compiled three ways: float32 weights,
    bfloat16 weights (computed in float32, as on CPU), and int8 weights with their scales, dequantized in
-   the matmul (engine.model.quantized.project). For each: the weights' bytes, XLA's temporary bytes for a
+   the matmul (engine.model.projection.project). For each: the weights' bytes, XLA's temporary bytes for a
    step (its memory analysis), whether a convert of the whole stack appears in the compiled module, and
    steps per second at 1 and 32 tokens. Temporaries near one layer's expanded weights mean the int8 path
    expands a layer at a time inside the loop; near the whole stack, that XLA expands every layer at once.
@@ -98,7 +98,8 @@ def xla(layers: int, hidden: int = 2048, inter: int = 5632, seconds: float = 2.0
     import jax
     import jax.numpy as jnp
 
-    from pdserve.engine.model.quantized import Int8Weight, project, quantize
+    from pdserve.engine.model.projection import project
+    from pdserve.engine.model.quantized import Int8Weight, quantize
 
     rng = np.random.default_rng(0)
     gate_up = rng.standard_normal((layers, hidden, 2 * inter), np.float32) * 0.02

@@ -27,7 +27,7 @@ from pdserve.engine.loading.eagle3 import Eagle3Head
 from pdserve.engine.model.attention import AttentionFn, token_sequences
 from pdserve.engine.model.kv_cache import to_cache_dtype
 from pdserve.engine.model.layers import ACTIVATION_FNS, apply_rope, rms_norm, rope_inverse_frequencies
-from pdserve.engine.model.quantized import project
+from pdserve.engine.model.projection import project
 from pdserve.engine.model.sharding import named
 from pdserve.engine.model.weights import LayerWeights, layer_arrays, put_layer
 

@@ -3,13 +3,16 @@
 One function, `forward_step`, runs a ragged step: one flat axis of new tokens holding decode tokens and
 prefill chunks of any number of sequences, each attending to its own past through its block table
 (engine.model.attention). Every projection is one matmul over all the step's tokens. Layers run under
-`lax.scan` over the stacked weights (fast to compile, reads each weight once). The new tokens' K/V
-leave the scan as its per-layer output and are scattered into the cache once, after the last layer; the
-cache is donated, so the scatter updates it in place. With a kernel that reads them from the cache (the
-TPU's), the cache is carried through the scan instead and each layer writes its own before attending.
+`lax.scan` over the stacked weights (fast to compile, reads each weight once); projections held per layer
+(engine.model.projection.PerLayer, on a CPU) are not scanned: each layer's is chosen by a switch. The new
+tokens' K/V leave the scan as its per-layer output and are scattered into the cache once, after the last
+layer; the cache is donated, so the scatter updates it in place. With a kernel that reads them from the cache
+(the TPU's), the cache is carried through the scan instead and each layer writes its own before attending.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +32,7 @@ from pdserve.engine.model.attention import (
 from pdserve.engine.model.kv_cache import to_cache_dtype
 from pdserve.engine.model.layers import ACTIVATION_FNS, apply_rope, rms_norm, rope_inverse_frequencies
 from pdserve.engine.model.lora import LoraWeights
-from pdserve.engine.model.quantized import project
+from pdserve.engine.model.projection import at_layer, hold_apart, project
 from pdserve.engine.model.weights import Weights
 
 
@@ -96,9 +99,10 @@ def forward_step(
 
     aux_ids = jnp.asarray(aux_layers, jnp.int32)
 
-    def layer(carry, lw):
+    def layer(carry, lw, held: dict, start: int):  # held: the run's PerLayer projections
         (x, aux), cache_now = (carry[0], carry[1]) if first else (carry, cache)
         w, lo, row, table, window, rope_row, index = lw
+        w = at_layer(w, held, index - start)
         if aux_layers:  # the residual stream entering an aux layer, kept
             aux = jnp.where((aux_ids == index)[:, None, None], x[None], aux)
 
@@ -164,8 +168,11 @@ def forward_step(
     new_kv = []
     for (start, end), segment in zip(cfg.layer_segments(), weights.layers, strict=True):  # one run: LoRA ok
         state = (x, aux)
+        scanned, held = hold_apart(segment)  # (sliced by the scan, switched on: projection.PerLayer)
         carry, kv = jax.lax.scan(
-            layer, (state, cache) if first else state, (segment, lora, *(a[start:end] for a in indices))
+            functools.partial(layer, held=held, start=start),
+            (state, cache) if first else state,
+            (scanned, lora, *(a[start:end] for a in indices)),
         )
         (x, aux), cache = carry if first else (carry, cache)
         new_kv.append(kv)

@@ -3,9 +3,9 @@ per output channel (symmetric, round to nearest), about a quarter of float32's b
 bfloat16's; activations, the KV cache, embeddings and norms keep the serving dtype.
 
 A projection multiplies by the int8 values converted to the activations' dtype, then scales its output
-(`project`). Inside the layer scan XLA converts one layer's weights at a time: on CPU the step's
-temporaries hold one layer's expanded projections, never the whole stack (bench/bench_int8.py measures
-it). Mixture-of-experts and MLA models are not quantized (their expert and latent arrays would need
+(engine.model.projection.project). Inside the layer scan XLA converts one layer's weights at a time: on CPU
+the step's temporaries hold one layer's expanded projections, never the whole stack (bench/bench_int8.py
+measures it). Mixture-of-experts and MLA models are not quantized (their expert and latent arrays would need
 their own scales): engines refuse the flag for them.
 """
 
@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 QUANTIZED = ("w_qkv", "wo", "w_gate_up", "w_down")  # LayerWeights fields held as Int8Weight under int8
@@ -48,11 +47,3 @@ def dequantize(values: np.ndarray, scale: np.ndarray) -> np.ndarray:
 def scale_axes(axes: tuple[str | None, ...]) -> tuple[str | None, ...]:
     """The logical axes of a projection's scale: the projection's without its input axis."""
     return axes[:INPUT_AXIS] + axes[INPUT_AXIS + 1 :]
-
-
-def project(subscripts: str, x: jax.Array, w: jax.Array | Int8Weight) -> jax.Array:
-    """`jnp.einsum(subscripts, x, w)` for one layer's projection `w` (its layer axis scanned away), an
-    array or an Int8Weight, whose output axes come last in `subscripts`' result."""
-    if isinstance(w, Int8Weight):
-        return jnp.einsum(subscripts, x, w.values.astype(x.dtype)) * w.scale.astype(x.dtype)
-    return jnp.einsum(subscripts, x, w)

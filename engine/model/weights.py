@@ -1,4 +1,5 @@
-"""The model's weights as a registered dataclass pytree: layers stacked on a leading axis for `lax.scan`.
+"""The model's weights as a registered dataclass pytree: layers stacked on a leading axis for `lax.scan`
+(on a CPU the projections held one array per layer instead: engine.model.projection.PerLayer).
 
 Head padding for tensor parallelism lives here: KV heads are padded up to a multiple of the TP size by
 appending zero heads, and query heads are padded group by group so every padded KV head keeps a full
@@ -23,6 +24,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.loading.checkpoints import Checkpoint
+from pdserve.engine.model.projection import PerLayer, held_per_layer
 from pdserve.engine.model.quantized import QUANTIZED, Int8Weight, quantize, scale_axes
 from pdserve.engine.model.sharding import named
 
@@ -32,7 +34,8 @@ log = logging.getLogger(__name__)
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class LayerWeights:
-    """One decoder layer's weights, each stacked over layers (leading axis L)."""
+    """One decoder layer's weights, each stacked over layers (leading axis L); the projections of
+    QUANTIZED may be held as a PerLayer (engine.model.projection.held_per_layer)."""
 
     attn_norm: jax.Array  # [L, hidden]
     # Q, K and V fused per KV head: the last axis is (group * head_dim | head_dim | head_dim), so one
@@ -225,11 +228,13 @@ def _zeros(specs: tuple[tuple[str, tuple[int, ...], np.dtype, NamedSharding], ..
 
 
 @functools.partial(jax.jit, donate_argnums=0, static_argnames="axis")
-def _write_at(targets: dict, pieces: dict, index: jax.Array, axis: int = 0) -> dict:
-    """Each of `targets` with its piece (cast to its dtype) written from `index` of `axis` on, in place
+def _write_at(targets: dict, pieces: dict, index: dict, axis: int = 0) -> dict:
+    """Each of `targets` with its piece (cast to its dtype) written from its `index` of `axis` on, in place
     (donated): one call, one compiled program, for all of a layer's arrays."""
     return {
-        name: jax.lax.dynamic_update_slice_in_dim(target, pieces[name].astype(target.dtype), index, axis=axis)
+        name: jax.lax.dynamic_update_slice_in_dim(
+            target, pieces[name].astype(target.dtype), index[name], axis=axis
+        )
         for name, target in targets.items()
     }
 
@@ -240,13 +245,13 @@ LOAD_THREADS = min(4, os.cpu_count() or 1)  # threads that read and copy weights
 
 @dataclasses.dataclass
 class _Placed:
-    """Pieces of weights on the devices, by name, bound for `index` of `axis` of the stacked arrays of the
-    same names, each of its (name, shape, dtype, sharding) in `targets`: a layer's part of each stacked
-    weight, or a piece of the vocabulary."""
+    """Pieces of weights on the devices, by name, each bound for its `index` of `axis` of the stacked array
+    of the same name, each of its (name, shape, dtype, sharding) in `targets`: a layer's part of each
+    stacked weight (or the whole of a projection held per layer), or a piece of the vocabulary."""
 
     pieces: dict[str, jax.Array]
     targets: tuple[tuple[str, tuple[int, ...], np.dtype, NamedSharding], ...]
-    index: int
+    index: dict[str, int]
     axis: int = 0
 
 
@@ -255,8 +260,9 @@ def _layer_pieces(
 ) -> _Placed:
     """Layer i's arrays read, fused and padded (layer_arrays), quantized with `quantization` "int8" and put
     on the devices in their stored dtype (cast to `dtype` as they are written into the stacked arrays of
-    the layers of `segment`)."""
-    pieces, targets = {}, []
+    the layers of `segment`; a projection held per layer into an array of its own, named `key#layer`)."""
+    pieces, targets, index = {}, [], {}
+    per_layer = held_per_layer(mesh)
     for name, w in layer_arrays(cfg, reader.layer(i), mesh.shape["model"]).items():
         if w is None:
             continue
@@ -265,11 +271,14 @@ def _layer_pieces(
         if quantization == "int8" and name in QUANTIZED:
             values, scale = quantize(w)
             parts = [(name, values, axes, values.dtype), (f"{name}/scale", scale, scale_axes(axes), dtype)]
+        alone = per_layer and name in QUANTIZED
         for key, array, part_axes, target_dtype in parts:
+            key, layers = (f"{key}#{i - segment.start}", 1) if alone else (key, len(segment))
             sharding = named(mesh, *part_axes)
             pieces[key] = _put(array, sharding)
-            targets.append((key, (len(segment), *array.shape[1:]), np.dtype(target_dtype), sharding))
-    return _Placed(pieces, tuple(targets), i - segment.start)
+            index[key] = 0 if alone else i - segment.start
+            targets.append((key, (layers, *array.shape[1:]), np.dtype(target_dtype), sharding))
+    return _Placed(pieces, tuple(targets), index)
 
 
 def _vocab_pieces(cfg: ModelConfig, reader, name: str, mesh: Mesh, dtype) -> list[Callable[[], _Placed]]:
@@ -285,7 +294,7 @@ def _vocab_pieces(cfg: ModelConfig, reader, name: str, mesh: Mesh, dtype) -> lis
     def piece(start: int) -> _Placed:
         host = reader.global_tensor(name, slice(start, min(start + step, vocab)))
         target = (name, shape, dtype, named(mesh, *_AXES[name]))
-        return _Placed({name: _put(host, named(mesh))}, (target,), start, axis)
+        return _Placed({name: _put(host, named(mesh))}, (target,), {name: start}, axis)
 
     return [functools.partial(piece, start) for start in range(0, vocab, step)]
 
@@ -400,11 +409,21 @@ def _write_stacked(tasks: list, bar, reader) -> dict[str, jax.Array]:
 
 
 def _layer_weights(stacked: dict[str, jax.Array]) -> LayerWeights:
-    """A segment's LayerWeights from its stacked arrays, a quantized projection's values and scale paired."""
+    """A segment's LayerWeights from its stacked arrays (a projection held per layer: one per layer, named
+    `key#layer`), a quantized projection's values and scale paired."""
+
+    def weight(key: str):
+        layers = sum(name.startswith(f"{key}#") for name in stacked)  # held per layer: one array each
+        return PerLayer(tuple(stacked[f"{key}#{i}"] for i in range(layers))) if layers else stacked.get(key)
+
+    arrays = {name: weight(name) for name in _LAYER_AXES}
     for name in QUANTIZED:
-        if f"{name}/scale" in stacked:
-            stacked[name] = Int8Weight(stacked[name], stacked.pop(f"{name}/scale"))
-    return LayerWeights(**{name: stacked.get(name) for name in _LAYER_AXES})
+        values, scale = arrays[name], weight(f"{name}/scale")
+        if isinstance(values, PerLayer) and scale is not None:
+            arrays[name] = PerLayer(tuple(map(Int8Weight, values.arrays, scale.arrays)))
+        elif scale is not None:
+            arrays[name] = Int8Weight(values, scale)
+    return LayerWeights(**arrays)
 
 
 def weight_bytes(weights: Weights) -> int:

@@ -2,7 +2,7 @@
 
 The products are the model's (engine.model.forward's): per layer Q/K/V fused, the attention output, gate
 and up fused, down; then the logits. `xla_products` computes them as the engine's step does
-(engine.model.quantized.project in a lax.scan over the stacked layers, the logits by
+(engine.model.projection.project in a lax.scan over the layers, the logits by
 engine.model.forward.output_logits); `torch_products` the same products in torch (oneDNN on a CPU: what
 vLLM's CPU engine runs) on the same weights in the same dtype. Each takes a batch of rows and chains the
 products through a residual, so that neither can skip one. Attention, norms, rotary embeddings, sampling
@@ -11,6 +11,7 @@ and the cache are left out: the step's time less these products is theirs.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 
@@ -28,20 +29,22 @@ def _median_seconds(fn, rounds: int, calls: int = 5) -> float:
     return statistics.median(times)
 
 
-def xla_products(weights, cfg, batch: int, rounds: int, per_layer: bool = False) -> float:
-    """Median seconds of one step's products in XLA at `batch` rows (dense, unquantized layers only).
+def xla_products(weights, cfg, batch: int, rounds: int, stacked: bool = False) -> float:
+    """Median seconds of one step's products in XLA at `batch` rows (dense, unquantized layers only), as
+    the step computes them: in a lax.scan over the layers, each projection held as `weights` hold it
+    (engine.model.projection: per layer on a CPU).
 
-    per_layer: each layer's matrices as arrays of their own, the layers unrolled, instead of the step's
-    lax.scan over the stacked layers: XLA:CPU copies each layer's slice of a stacked matrix out before
-    its dot (a dynamic-slice fusion per matrix and layer in the compiled step), so the difference is what
-    those copies cost."""
+    stacked: every projection stacked over the layers first (the TPU's layout): on XLA:CPU the scan then
+    copies each layer's slice of each matrix before its dot, and the difference is what those copies
+    cost."""
     import jax
     import jax.numpy as jnp
 
     from pdserve.engine.model.forward import output_logits
-    from pdserve.engine.model.quantized import project
+    from pdserve.engine.model.projection import at_layer, hold_apart, project, stack_layers
 
     width = weights.layers[0].wo.shape[1]  # the attention output's width (heads x head_dim, padded)
+    names = ("w_qkv", "wo", "w_gate_up", "w_down")
 
     def layer(h, w):
         qkv = project("td,dkx->tkx", h, w.w_qkv).reshape(h.shape[0], -1)[:, :width]
@@ -49,27 +52,31 @@ def xla_products(weights, cfg, batch: int, rounds: int, per_layer: bool = False)
         gate_up = project("td,dci->tci", h, w.w_gate_up)
         return h + project("ti,id->td", jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1], w.w_down)
 
+    def run(segment, x):
+        scanned, held = hold_apart(segment)
+
+        def body(h, xs):
+            w, index = xs
+            return layer(h, at_layer(w, held, index)), None
+
+        return jax.lax.scan(body, x, (scanned, jnp.arange(segment.wo.shape[0])))[0]
+
     @jax.jit
-    def stacked(weights, x):
+    def products(weights, x):
         for segment in weights.layers:
-            x, _ = jax.lax.scan(lambda h, w: (layer(h, w), None), x, segment)
+            x = run(segment, x)
         return output_logits(weights, x, cfg)
 
-    @jax.jit
-    def unrolled(layers, weights, x):
-        for w in layers:
-            x = layer(x, w)
-        return output_logits(weights, x, cfg)
-
+    if stacked:
+        weights = dataclasses.replace(
+            weights,
+            layers=tuple(
+                dataclasses.replace(seg, **{n: stack_layers(getattr(seg, n)) for n in names})
+                for seg in weights.layers
+            ),
+        )
     x = jnp.asarray(np.random.default_rng(0).standard_normal((batch, cfg.hidden_size)), weights.embed.dtype)
-    if not per_layer:
-        return _median_seconds(lambda: stacked(weights, x).block_until_ready(), rounds)
-    layers = [  # each layer's matrices copied once into buffers of their own
-        jax.tree.map(lambda a, i=i: jnp.array(a[i]), segment)
-        for segment in weights.layers
-        for i in range(jax.tree.leaves(segment)[0].shape[0])
-    ]
-    return _median_seconds(lambda: unrolled(layers, weights, x).block_until_ready(), rounds)
+    return _median_seconds(lambda: products(weights, x).block_until_ready(), rounds)
 
 
 def torch_products(weights, cfg, batch: int, rounds: int, threads: int) -> float:
@@ -78,8 +85,10 @@ def torch_products(weights, cfg, batch: int, rounds: int, threads: int) -> float
     import ml_dtypes
     import torch
 
-    def matrices(stacked) -> list:  # [L, in, ...out] -> L matrices [in, out], in the weights' dtype
-        host = np.asarray(stacked)
+    from pdserve.engine.model.projection import stack_layers
+
+    def matrices(held) -> list:  # [L, in, ...out] -> L matrices [in, out], in the weights' dtype
+        host = np.asarray(stack_layers(held))
         wide = host.dtype == ml_dtypes.bfloat16
         flat = host.reshape(host.shape[0], host.shape[1], -1)
         tensor = torch.from_numpy(flat.astype(np.float32) if wide else flat)

@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pdserve.engine.model.quantized import Int8Weight, dequantize, project, quantize
+from pdserve.engine.model.projection import project, stack_layers
+from pdserve.engine.model.quantized import Int8Weight, dequantize, quantize
 
 
 @pytest.mark.fast
@@ -61,8 +62,11 @@ def test_an_int8_engine_serves_its_quantized_weights_on_any_tp(loaded_model, sma
         np.testing.assert_allclose(engine.prompt_logits(prompt), expected, atol=2e-4)
         layers = engine.runner.weights.layers[0]
         for name in QUANTIZED:
-            w = getattr(layers, name)
+            w = stack_layers(getattr(layers, name))  # held per layer on a CPU
             assert isinstance(w, Int8Weight) and w.values.dtype == jnp.int8, name
+        for layer in layers.w_gate_up.arrays:  # each layer's array split over the mesh as the stack would be
+            shard = layer.values.addressable_shards[0].data
+            assert shard.shape[-1] * engine.config.tp == layer.values.shape[-1]
         assert engine.kv_layout.model.endswith("+int8") and engine.summary()["quantization"] == "int8"
     assert reference.kv_layout.model + "+int8" == engines[0].kv_layout.model
 
