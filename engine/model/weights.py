@@ -246,13 +246,16 @@ LOAD_THREADS = min(4, os.cpu_count() or 1)  # threads that read and copy weights
 @dataclasses.dataclass
 class _Placed:
     """Pieces of weights on the devices, by name, each bound for its `index` of `axis` of the stacked array
-    of the same name, each of its (name, shape, dtype, sharding) in `targets`: a layer's part of each
-    stacked weight (or the whole of a projection held per layer), or a piece of the vocabulary."""
+    of the same name (or the one `held_as` names: a projection held per layer is its own array, `key#layer`),
+    each of its (name, shape, dtype, sharding) in `targets`: a layer's part of each stacked weight, or a
+    piece of the vocabulary. The names, shapes and shardings are the same for every layer of a run, so
+    its writes are one compiled program."""
 
     pieces: dict[str, jax.Array]
     targets: tuple[tuple[str, tuple[int, ...], np.dtype, NamedSharding], ...]
     index: dict[str, int]
     axis: int = 0
+    held_as: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 def _layer_pieces(
@@ -261,7 +264,7 @@ def _layer_pieces(
     """Layer i's arrays read, fused and padded (layer_arrays), quantized with `quantization` "int8" and put
     on the devices in their stored dtype (cast to `dtype` as they are written into the stacked arrays of
     the layers of `segment`; a projection held per layer into an array of its own, named `key#layer`)."""
-    pieces, targets, index = {}, [], {}
+    pieces, targets, index, held_as = {}, [], {}, {}
     per_layer = held_per_layer(mesh)
     for name, w in layer_arrays(cfg, reader.layer(i), mesh.shape["model"]).items():
         if w is None:
@@ -273,12 +276,15 @@ def _layer_pieces(
             parts = [(name, values, axes, values.dtype), (f"{name}/scale", scale, scale_axes(axes), dtype)]
         alone = per_layer and name in QUANTIZED
         for key, array, part_axes, target_dtype in parts:
-            key, layers = (f"{key}#{i - segment.start}", 1) if alone else (key, len(segment))
             sharding = named(mesh, *part_axes)
             pieces[key] = _put(array, sharding)
             index[key] = 0 if alone else i - segment.start
-            targets.append((key, (layers, *array.shape[1:]), np.dtype(target_dtype), sharding))
-    return _Placed(pieces, tuple(targets), index)
+            if alone:
+                held_as[key] = f"{key}#{i - segment.start}"
+            targets.append(
+                (key, (1 if alone else len(segment), *array.shape[1:]), np.dtype(target_dtype), sharding)
+            )
+    return _Placed(pieces, tuple(targets), index, held_as=held_as)
 
 
 def _vocab_pieces(cfg: ModelConfig, reader, name: str, mesh: Mesh, dtype) -> list[Callable[[], _Placed]]:
@@ -398,11 +404,13 @@ def _write_stacked(tasks: list, bar, reader) -> dict[str, jax.Array]:
     with its first piece; the tasks run ahead on LOAD_THREADS threads (_in_order)."""
     stacked: dict[str, jax.Array] = {}
     for placed in _in_order(tasks, LOAD_THREADS):
-        new = tuple(target for target in placed.targets if target[0] not in stacked)
+        array_of = {name: placed.held_as.get(name, name) for name in placed.pieces}  # where each piece goes
+        new = tuple(target for target in placed.targets if array_of[target[0]] not in stacked)
         if new:
-            stacked.update(_zeros(new))
-        targets = {name: stacked[name] for name in placed.pieces}
-        stacked.update(_write_at(targets, placed.pieces, placed.index, axis=placed.axis))
+            stacked.update({array_of[name]: zeros for name, zeros in _zeros(new).items()})
+        targets = {name: stacked[array_of[name]] for name in placed.pieces}
+        written = _write_at(targets, placed.pieces, placed.index, axis=placed.axis)
+        stacked.update({array_of[name]: array for name, array in written.items()})
         bar.update(reader.bytes_read - bar.n)
         _return_freed_memory()
     return stacked

@@ -87,3 +87,26 @@ def test_an_engine_on_a_cpu_serves_from_projections_held_per_layer(make_engine, 
     assert isinstance(stacked.runner.weights.layers[0].wo, jax.Array)
     prompt = loaded_model.tokenizer.encode("The three primary colours are red, yellow and")
     np.testing.assert_allclose(per_layer.prompt_logits(prompt), stacked.prompt_logits(prompt), atol=1e-4)
+
+
+@pytest.mark.model
+def test_the_loader_compiles_the_same_writes_for_any_number_of_layers():
+    """Each layer's projections held per layer are arrays of their own (`w_qkv#3`), yet written by the same
+    compiled programs as every other layer's: a 4-layer model's load compiles what a 2-layer one's does."""
+    from pdserve.engine.loading.sources import load_model
+    from pdserve.engine.model.sharding import make_mesh
+    from pdserve.engine.model.weights import build_weights
+    from pdserve.testing.compile_watch import count_compilations
+    from pdserve.testing.models import small_model
+
+    counts = []
+    for layers in (2, 4):
+        model = load_model(small_model(layers))
+        jax.clear_caches()  # (compile-or-load events: the persistent cache's loads count too)
+        with count_compilations() as counted:
+            weights = build_weights(model.config, model.checkpoint, make_mesh(1))
+        assert (
+            isinstance(weights.layers[0].w_down, PerLayer) and len(weights.layers[0].w_down.arrays) == layers
+        )
+        counts.append(counted())
+    assert counts[0] == counts[1], counts
