@@ -42,15 +42,18 @@ class PerLayer:
     arrays: tuple[jax.Array | Int8Weight, ...]
 
     @property
+    def _first(self) -> jax.Array:  # layer 0's array (its values, for int8)
+        first = self.arrays[0]
+        return first.values if isinstance(first, Int8Weight) else first
+
+    @property
     def shape(self) -> tuple[int, ...]:
         """The stacked array's shape: [layers, input, outputs...] (of the values, for int8)."""
-        first = self.arrays[0].values if isinstance(self.arrays[0], Int8Weight) else self.arrays[0]
-        return (len(self.arrays), *first.shape[1:])
+        return (len(self.arrays), *self._first.shape[1:])
 
     @property
     def dtype(self):
-        first = self.arrays[0].values if isinstance(self.arrays[0], Int8Weight) else self.arrays[0]
-        return first.dtype
+        return self._first.dtype
 
 
 def stack_layers(w: jax.Array | Int8Weight | PerLayer) -> jax.Array | Int8Weight:

@@ -274,16 +274,14 @@ def _layer_pieces(
         if quantization == "int8" and name in QUANTIZED:
             values, scale = quantize(w)
             parts = [(name, values, axes, values.dtype), (f"{name}/scale", scale, scale_axes(axes), dtype)]
-        alone = per_layer and name in QUANTIZED
+        alone = per_layer and name in QUANTIZED  # an array of one layer, written at 0
+        layers, at = (1, 0) if alone else (len(segment), i - segment.start)
         for key, array, part_axes, target_dtype in parts:
             sharding = named(mesh, *part_axes)
-            pieces[key] = _put(array, sharding)
-            index[key] = 0 if alone else i - segment.start
+            pieces[key], index[key] = _put(array, sharding), at
             if alone:
                 held_as[key] = f"{key}#{i - segment.start}"
-            targets.append(
-                (key, (1 if alone else len(segment), *array.shape[1:]), np.dtype(target_dtype), sharding)
-            )
+            targets.append((key, (layers, *array.shape[1:]), np.dtype(target_dtype), sharding))
     return _Placed(pieces, tuple(targets), index, held_as=held_as)
 
 

@@ -44,7 +44,6 @@ def xla_products(weights, cfg, batch: int, rounds: int, stacked: bool = False) -
     from pdserve.engine.model.projection import at_layer, hold_apart, project, stack_layers
 
     width = weights.layers[0].wo.shape[1]  # the attention output's width (heads x head_dim, padded)
-    names = ("w_qkv", "wo", "w_gate_up", "w_down")
 
     def layer(h, w):
         qkv = project("td,dkx->tkx", h, w.w_qkv).reshape(h.shape[0], -1)[:, :width]
@@ -71,7 +70,7 @@ def xla_products(weights, cfg, batch: int, rounds: int, stacked: bool = False) -
         weights = dataclasses.replace(
             weights,
             layers=tuple(
-                dataclasses.replace(seg, **{n: stack_layers(getattr(seg, n)) for n in names})
+                dataclasses.replace(seg, **{n: stack_layers(p) for n, p in hold_apart(seg)[1].items()})
                 for seg in weights.layers
             ),
         )

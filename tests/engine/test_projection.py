@@ -13,7 +13,7 @@ import pytest
 
 from pdserve.engine.model import projection
 from pdserve.engine.model.projection import LayerChoice, PerLayer, project, stack_layers
-from pdserve.engine.model.quantized import Int8Weight, quantize
+from pdserve.engine.model.quantized import QUANTIZED, Int8Weight, quantize
 
 LAYERS, IN, OUT = 3, 48, 48  # square: the products chain through a residual
 
@@ -79,7 +79,7 @@ def test_an_engine_on_a_cpu_serves_from_projections_held_per_layer(make_engine, 
 
     per_layer = make_engine()
     layers = per_layer.runner.weights.layers[0]
-    for name in ("w_qkv", "wo", "w_gate_up", "w_down"):
+    for name in QUANTIZED:  # the projections
         assert isinstance(getattr(layers, name), PerLayer), name
     monkeypatch.setattr(projection, "PER_LAYER_PLATFORMS", ())
     config = dataclasses.replace(per_layer.config, max_num_seqs=1)  # one step shape is enough
