@@ -22,8 +22,10 @@ far as the step's longest context:
     tile over the key tiles from its first sequence's start (or its window's) up to its own, as far as
     the step's tokens go: the upper half of the square and other sequences' tiles are skipped;
   * short sequences (decodes, and with `short_rows` = 1 + k the verification rows of speculative
-    decoding) over their past: all sequences at once, each with `short_rows` query rows, a tile of
-    their block tables per iteration (decode_tile_blocks), so a row's cost follows its tokens;
+    decoding) over their past, flash-decoding style: each one's past cut into tiles of PAIR_TILE_BLOCKS
+    blocks from the first its rows reach, the (sequence, tile) pairs of all of them laid end to end and
+    read PAIRS_PER_ITERATION at a time, each pair folded into its sequence's state; so the work follows the
+    tokens in the cache, not the step's sequence slots times its longest context;
   * longer sequences (prefill chunks after a cached or computed head) over their past: one window
     of Q_WINDOW queries at a time, CHUNK_TILE_BLOCKS of the sequence's past blocks per iteration.
 The prefill-window part is skipped at run time when the step has no such sequence.
@@ -49,11 +51,13 @@ from pdserve.engine.model.kv_cache import from_cache
 _NEG_INF = -1e30  # finite: a fully masked row stays finite (padding tokens), exp(-1e30 - m) == 0
 _NO_WINDOW = 1 << 30  # the reach of full attention: past any context
 # Cache blocks read per iteration of the past loops. Measured on CPU: an iteration costs about 14 us
-# besides its work, while a tile longer than the context is wasted reading. The decode loop reads up to
-# DECODE_TILE_BUDGET blocks per iteration over all its sequences, 2 to KV_TILE_BLOCKS each (one to four
-# sequences: 8 blocks each; 32: 2 each); the prefill windows' matmuls take 8-block tiles. Block tables
-# are padded to whole tiles of the largest size (KV_TILE_BLOCKS), which every tile size divides.
-DECODE_TILE_BUDGET = 32
+# besides its work, while a tile longer than the context is wasted reading. The decode loop reads
+# (sequence, tile) pairs of PAIR_TILE_BLOCKS blocks, PAIRS_PER_ITERATION of them an iteration (one pair a
+# sequence slot where there are more slots; at most KV_TILE_BLOCKS blocks a slot: one sequence reads 4
+# pairs, 8 blocks); the prefill windows' matmuls take 8-block tiles. Block tables are padded to whole tiles
+# of the largest size (KV_TILE_BLOCKS), which every tile size divides.
+PAIR_TILE_BLOCKS = 2
+PAIRS_PER_ITERATION = 16
 CHUNK_TILE_BLOCKS = 8
 KV_TILE_BLOCKS = 8
 
@@ -62,12 +66,6 @@ def block_table_width(config) -> int:
     """Columns of a step's block tables for an engine.config.EngineConfig: the longest sequence's blocks,
     in whole attention tiles."""
     return -(-config.max_blocks_per_seq // KV_TILE_BLOCKS) * KV_TILE_BLOCKS
-
-
-def decode_tile_blocks(num_seqs: int) -> int:
-    """Blocks of each sequence's past the decode loop reads per iteration (a power of two)."""
-    power_of_two = 1 << max(0, (DECODE_TILE_BUDGET // num_seqs).bit_length() - 1)  # divides the table
-    return min(KV_TILE_BLOCKS, max(2, power_of_two))
 
 
 Q_WINDOW = 128  # queries of a prefill chunk attended to its past together
@@ -122,12 +120,11 @@ def _gather_blocks(cache, layer, blocks, flat_rows):
     return jnp.take(rows, blocks + layer * num_blocks, axis=0, mode="clip").reshape(*blocks.shape, *block)
 
 
-def _past_tile(cache, layer, block_tables, j, tile_blocks, value_dim=None, flat_rows=True):
-    """Tile j of each listed sequence's past: K, V [..., kv_heads, tile tokens, head_dim] (a latent cache:
-    K is the one latent head, V its first value_dim dims)."""
-    blocks = jax.lax.dynamic_slice_in_dim(block_tables, j * tile_blocks, tile_blocks, axis=-1)
-    # [..., tile blocks, block_size, 2 kv_heads (latent: 1), head_dim]
-    kv = from_cache(_gather_blocks(cache, layer, blocks, flat_rows))
+def _split_kv(kv, value_dim=None):
+    """Gathered blocks [..., blocks, block_size, 2 kv_heads (latent: 1), head_dim] (as stored) -> K, V
+    [..., kv_heads, blocks * block_size, head_dim] (a latent cache: K is the one latent head, V its first
+    value_dim dims)."""
+    kv = from_cache(kv)
     *lead, nb, bs, h2, d = kv.shape
     if value_dim is not None:
         k = jnp.moveaxis(kv.reshape(*lead, nb * bs, 1, d), -2, -3)
@@ -135,6 +132,64 @@ def _past_tile(cache, layer, block_tables, j, tile_blocks, value_dim=None, flat_
     kv = kv.reshape(*lead, nb * bs, h2 // 2, 2, d)
     kv = jnp.moveaxis(kv, -4, -2)  # [..., kv_heads, 2, tile tokens, head_dim]
     return kv[..., 0, :, :], kv[..., 1, :, :]
+
+
+def _past_tile(cache, layer, block_tables, j, tile_blocks, value_dim=None, flat_rows=True):
+    """Tile j of each listed sequence's past: K, V [..., kv_heads, tile tokens, head_dim]."""
+    blocks = jax.lax.dynamic_slice_in_dim(block_tables, j * tile_blocks, tile_blocks, axis=-1)
+    return _split_kv(_gather_blocks(cache, layer, blocks, flat_rows), value_dim)
+
+
+def _short_over_past(q_rows, cache, layer, block_tables, past, row_from, attend, dv, latent, flat_rows):
+    """Short sequences' rows over their past as partial states [S, kv_heads, group * R] (flash-decoding
+    style): each sequence's past is cut into tiles of PAIR_TILE_BLOCKS blocks from the first one its rows
+    reach to its last, the (sequence, tile) pairs of all sequences are laid end to end, and each iteration
+    attends PAIRS_PER_ITERATION of them and folds them into their sequences' states. The work follows the
+    tokens in the cache: padding slots and sequences shorter than the longest read nothing.
+
+    q_rows [S, kv_heads, group * R, d] (group-major: row r of the head's query g at g * R + r); block_tables [S, P];
+    past [S] tokens each sequence's rows attend to in the cache (0: none); row_from [S, R] the first key
+    position each row sees; dv: the values' dims (`latent`: the first dv of the one latent head)."""
+    num_seqs, kvh, rows, _ = q_rows.shape
+    block_size = cache.shape[2]
+    tile = PAIR_TILE_BLOCKS * block_size
+    first = jnp.where(past > 0, row_from[:, 0] // tile, 0)  # row 0 reaches furthest back
+    count = jnp.maximum(-(-past // tile) - first, 0)  # [S] pairs of each sequence
+    ends = jnp.cumsum(count)
+    pairs = min(max(PAIRS_PER_ITERATION, num_seqs), num_seqs * (KV_TILE_BLOCKS // PAIR_TILE_BLOCKS))
+    flat_tables = block_tables.reshape(-1)
+    group = rows // row_from.shape[1]
+
+    def iteration(i, acc):
+        pair = i * pairs + jnp.arange(pairs)
+        seq = jnp.minimum(jnp.searchsorted(ends, pair, side="right"), num_seqs - 1)
+        real = pair < ends[-1]
+        j = first[seq] + pair - (ends[seq] - count[seq])  # the pair's tile of its sequence
+        columns = jnp.minimum(
+            j[:, None] * PAIR_TILE_BLOCKS + jnp.arange(PAIR_TILE_BLOCKS), block_tables.shape[1] - 1
+        )
+        blocks = jnp.where(real[:, None], flat_tables[seq[:, None] * block_tables.shape[1] + columns], 0)
+        kv = _gather_blocks(cache, layer, blocks, flat_rows)
+        k, v = _split_kv(kv, dv if latent else None)  # [W, kv_heads, tile, d]
+        pos = j[:, None] * tile + jnp.arange(tile)  # [W, tile]
+        seen = (
+            real[:, None, None]
+            & (pos[:, None] < past[seq, None, None])
+            & (pos[:, None] >= row_from[seq][:, :, None])
+        )
+        seen = jnp.broadcast_to(seen[:, None], (pairs, group, *seen.shape[1:])).reshape(pairs, 1, rows, tile)
+        m_p, l_p, o_p = attend(q_rows[seq], k, v, seen)  # [W, kv_heads, rows(, dims)]
+        m_p = jnp.where(real[:, None, None], m_p, _NEG_INF)  # a padding pair adds nothing
+        m_acc, l_acc, o_acc = acc
+        m = m_acc.at[seq].max(m_p)
+        scale_p = jnp.where(real[:, None, None], jnp.exp(m_p - m[seq]), 0.0)
+        scale_acc = jnp.exp(m_acc - m)
+        sums = l_acc * scale_acc + jnp.zeros_like(l_acc).at[seq].add(l_p * scale_p)
+        o = o_acc * scale_acc[..., None] + jnp.zeros_like(o_acc).at[seq].add(o_p * scale_p[..., None])
+        return m, sums, o
+
+    empty = _empty((num_seqs, kvh, rows), dv, jnp.float32)
+    return jax.lax.fori_loop(0, -(-ends[-1] // pairs), iteration, empty)
 
 
 def _new_over_new(q, k_new, v_new, seq, valid, cu_q_lens, reach, attend, tile):
@@ -206,8 +261,7 @@ def ragged_paged_attention_reference(
     out_dtype = q.dtype  # scores, softmax and sums in float32 whatever the weights' and cache's dtype
     q, k_new, v_new = (x.astype(jnp.float32) for x in (q, k_new, v_new))
     num_seqs = kv_lens.shape[0]
-    decode_blocks = decode_tile_blocks(num_seqs)
-    decode_tile, chunk_tile = decode_blocks * cache.shape[2], CHUNK_TILE_BLOCKS * cache.shape[2]
+    chunk_tile = CHUNK_TILE_BLOCKS * cache.shape[2]
     q = (q * (d**-0.5 if sm_scale is None else sm_scale)).transpose(1, 2, 0, 3)  # [kv_heads, group, T, d]
     q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
     past = kv_lens - q_lens
@@ -223,14 +277,9 @@ def ragged_paged_attention_reference(
     state = _new_over_new(q, k_new, v_new, seq, valid, cu_q_lens, reach, attend, new_tile)
 
     # short sequences (decodes; verification rows of 1 + k tokens, up to `short_rows`) over their past,
-    # all sequences at once, row r of a sequence at position past + r; the loop starts at the first tile
-    # any of their windows reaches
+    # row r of a sequence at position past + r; each sequence's tiles start at the first its window reaches
     short = (q_lens >= 1) & (q_lens <= short_rows) & (past > 0)
-    short_past = jnp.where(short, past, 0)
-    # the first key position a sequence's first row sees (beyond any: not a short sequence)
-    short_from = jnp.where(short, jnp.maximum(past + 1 - reach, 0), _NO_WINDOW)
-    num_tiles = -(-jnp.max(short_past) // decode_tile)
-    first_tile = jnp.minimum(jnp.min(short_from) // decode_tile, num_tiles)
+    short_past = jnp.where(short, past, 0)  # (0: not a short sequence, no tile of its past is read)
 
     def short_pass(rows_per_seq, state):  # every short sequence has at most rows_per_seq tokens
         rows = jnp.arange(rows_per_seq)
@@ -240,16 +289,9 @@ def ragged_paged_attention_reference(
         q_rows = jnp.take(q, jnp.minimum(row_at, t - 1), axis=2)  # [kv_heads, group, S * R, d]
         q_rows = q_rows.reshape(kvh, g, num_seqs, rows_per_seq, d).transpose(2, 0, 1, 3, 4)
         q_rows = q_rows.reshape(num_seqs, kvh, g * rows_per_seq, d)  # each sequence's rows, group-major
-
-        def tile(j, acc):
-            k, v = past_tile_of(cache, layer, block_tables, j, decode_blocks)  # [S, kv_heads, tile, d]
-            pos = j * decode_tile + jnp.arange(decode_tile)
-            seen = (pos < short_past[:, None, None]) & (pos >= row_from[:, :, None])  # [S, R, tile]
-            seen = jnp.broadcast_to(seen[:, None, None], (num_seqs, 1, g, rows_per_seq, decode_tile))
-            return _merge(acc, attend(q_rows, k, v, seen.reshape(num_seqs, 1, g * rows_per_seq, decode_tile)))
-
-        empty = _empty((num_seqs, kvh, g * rows_per_seq), dv, dtype)
-        m, s, o = jax.lax.fori_loop(first_tile, num_tiles, tile, empty)
+        m, s, o = _short_over_past(
+            q_rows, cache, layer, block_tables, short_past, row_from, attend, dv, latent, flat_rows
+        )
 
         def as_tokens(x):  # [S, kv_heads, group * R, ...] -> [kv_heads, group, S * R, ...]
             x = x.reshape(num_seqs, kvh, g, rows_per_seq, *x.shape[3:])
