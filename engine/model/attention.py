@@ -147,9 +147,10 @@ def _short_over_past(q_rows, cache, layer, block_tables, past, row_from, attend,
     attends PAIRS_PER_ITERATION of them and folds them into their sequences' states. The work follows the
     tokens in the cache: padding slots and sequences shorter than the longest read nothing.
 
-    q_rows [S, kv_heads, group * R, d] (group-major: row r of the head's query g at g * R + r); block_tables [S, P];
-    past [S] tokens each sequence's rows attend to in the cache (0: none); row_from [S, R] the first key
-    position each row sees; dv: the values' dims (`latent`: the first dv of the one latent head)."""
+    q_rows [S, kv_heads, group * R, d] (group-major: row r of the head's query g at g * R + r);
+    block_tables [S, P]; past [S] tokens each sequence's rows attend to in the cache (0: none); row_from
+    [S, R] the first key position each row sees; dv: the values' dims (`latent`: the first dv of the one
+    latent head)."""
     num_seqs, kvh, rows, _ = q_rows.shape
     block_size = cache.shape[2]
     tile = PAIR_TILE_BLOCKS * block_size
