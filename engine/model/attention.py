@@ -15,8 +15,8 @@ scores (Gemma 2), and with `latent` a multi-head-latent cache (MLA, engine.model
 that is the key and, its first dims, the value.
 
 The reference runs everywhere and is what the tests pin down. Its cost follows the work, not the static
-shape: three parts share one softmax (flash-attention style running max and sum), each looping only as
-far as the step's longest context:
+shape: three parts share one softmax (flash-attention style running max and sum), each looping only over
+the tokens the step's sequences hold:
   * new tokens over new tokens (causal, same sequence): one [T, T] masked product in a step of up to
     NEW_TILE tokens; in a longer one, tiles of NEW_TILE queries over tiles of as many keys, each query
     tile over the key tiles from its first sequence's start (or its window's) up to its own, as far as
