@@ -154,7 +154,7 @@ def _short_over_past(q_rows, cache, layer, block_tables, past, row_from, attend,
     num_seqs, kvh, rows, _ = q_rows.shape
     block_size = cache.shape[2]
     tile = PAIR_TILE_BLOCKS * block_size
-    first = jnp.where(past > 0, row_from[:, 0] // tile, 0)  # row 0 reaches furthest back
+    first = row_from[:, 0] // tile  # row 0 reaches furthest back (no past: no pairs whatever it is)
     count = jnp.maximum(-(-past // tile) - first, 0)  # [S] pairs of each sequence
     ends = jnp.cumsum(count)
     pairs = min(max(PAIRS_PER_ITERATION, num_seqs), num_seqs * (KV_TILE_BLOCKS // PAIR_TILE_BLOCKS))
@@ -169,18 +169,18 @@ def _short_over_past(q_rows, cache, layer, block_tables, past, row_from, attend,
         columns = jnp.minimum(
             j[:, None] * PAIR_TILE_BLOCKS + jnp.arange(PAIR_TILE_BLOCKS), block_tables.shape[1] - 1
         )
-        blocks = jnp.where(real[:, None], flat_tables[seq[:, None] * block_tables.shape[1] + columns], 0)
-        kv = _gather_blocks(cache, layer, blocks, flat_rows)
+        kv = _gather_blocks(
+            cache, layer, flat_tables[seq[:, None] * block_tables.shape[1] + columns], flat_rows
+        )
         k, v = _split_kv(kv, dv if latent else None)  # [W, kv_heads, tile, d]
         pos = j[:, None] * tile + jnp.arange(tile)  # [W, tile]
-        seen = (
+        seen = (  # a padding pair sees nothing: its m is -1e30 and its scale below 0
             real[:, None, None]
             & (pos[:, None] < past[seq, None, None])
             & (pos[:, None] >= row_from[seq][:, :, None])
         )
         seen = jnp.broadcast_to(seen[:, None], (pairs, group, *seen.shape[1:])).reshape(pairs, 1, rows, tile)
         m_p, l_p, o_p = attend(q_rows[seq], k, v, seen)  # [W, kv_heads, rows(, dims)]
-        m_p = jnp.where(real[:, None, None], m_p, _NEG_INF)  # a padding pair adds nothing
         m_acc, l_acc, o_acc = acc
         m = m_acc.at[seq].max(m_p)
         scale_p = jnp.where(real[:, None, None], jnp.exp(m_p - m[seq]), 0.0)
