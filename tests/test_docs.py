@@ -39,7 +39,7 @@ GENERATED = ("pdserve/v1/",)  # protoc output: its comments are the protos'
 # Flags of programs other than pdserve's that the docs name alone in backticks, each with whose it is.
 OTHER_TOOLS = {
     "--durations": "pytest",
-    "--xla_cpu_experimental_": "XLA's CPU flags (a prefix)",
+    "--xla_cpu_": "XLA's CPU flags (a prefix)",
     "--use-server-token-count": "aiperf",
     "--total-queued-requests-metric": "the gateway's endpoint picker",
     "--kv-cache-usage-percentage-metric": "the gateway's endpoint picker",
