@@ -323,6 +323,8 @@ def _validate(args: argparse.Namespace) -> int:
         )
         predictions += validate.predict(served, slo, echo=echo)
     errors = validate.mean_errors(predictions)
+    own = validate.mean_errors(predictions, "own_steps")  # the simulator's error alone
     print(validate.format_errors(errors), file=sys.stderr)
-    report({"validation": {"runs": predictions, "errors": errors}}, args.json_path)
+    print(validate.format_errors(own, "own steps: "), file=sys.stderr)
+    report({"validation": {"runs": predictions, "errors": errors, "errors_own_steps": own}}, args.json_path)
     return 0

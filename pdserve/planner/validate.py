@@ -4,7 +4,13 @@ prefill server and a decode server (each on its own CPUs where given), both logg
 (--step-log) and every request's TTFT phases; then each run simulated on a fleet of profiles fitted to the
 steps of the *other* runs of its servers (leave one out: what an operator has from yesterday's logs), with
 the KV transfer fitted to the other runs' request lines; and each figure's error, per run and as a mean
-absolute percentage error over the runs, never averaged across figures."""
+absolute percentage error over the runs, never averaged across figures. Each run is also simulated with
+profiles fitted to its *own* steps: that error is the simulator's alone (given the step costs the run had),
+and the difference between the two is how far one run's step costs carry to another's.
+
+Before the measured runs the servers serve a first pass that writes as many prompt tokens as the decode
+server's KV cache holds, so every run meets a cache in its steady state (full, evicting, its blocks spread
+over the cache) rather than the first one a fresh cache's contiguous blocks."""
 
 from __future__ import annotations
 
@@ -131,11 +137,13 @@ def serve(
             timeout=1800,
         )
         servers.append(decode)
-        # a first pass, not measured: a server's first requests pay one-off costs (allocation, caches)
+        # a first pass, not measured: a server's first requests pay one-off costs (allocation, caches),
+        # and its prompts fill the KV cache once: a fresh cache hands out contiguous blocks, a full one
+        # blocks spread by its evictions, and decode steps reading spread blocks took up to 1.2x as long
         first = runs[0].load
         bench(
             decode.address,
-            num_requests=8,
+            num_requests=_filling_requests(step_logs["decode"], first.prompt_len),
             prompt_len=first.prompt_len,
             output_len="fixed:8",
             seed=first.seed + 1000,
@@ -173,54 +181,68 @@ def serve(
 
 def predict(served: Served, slo: dict | None = None, echo=print) -> list[dict]:
     """Each run of `served` simulated with profiles fitted to its servers' steps during the *other* runs:
-    [{mode, workload, rate, figures: {figure: {measured, predicted, error}}}] (a run whose other runs left a
-    role fewer than MIN_STEPS steps is left out)."""
+    [{mode, workload, rate, figures: {figure: {measured, predicted, error}}, own_steps: the same figures
+    simulated with profiles fitted to the run's own steps}] (a run whose other runs left a role fewer than
+    MIN_STEPS steps is left out; `own_steps` is absent where its own steps were too few)."""
     slo = slo or {}
     out = []
     for i, run in enumerate(served.runs):
-        others = [r for j, r in enumerate(served.runs) if j != i]
-        profiles = {}
-        for role, (info, steps) in served.steps.items():
-            mine = [step for r in others for step in steps[slice(*r.spans[role])] if step[0]]
-            if len(mine) >= MIN_STEPS:
-                profiles[role] = fit_profile(info, mine)
-        if len(profiles) < len(served.steps):
+        others = _fleet(served, [r for j, r in enumerate(served.runs) if j != i])
+        if others is None:
             continue
-        budget = {role: int(p.engine_info["max_num_batched_tokens"]) for role, p in profiles.items()}
-        decode = pool(profiles["decode"], budget["decode"], 1)
-        if "prefill" in profiles:
-            sent = [t for r in others for t in r.transfers]
-            transfer = Transfer.fitted(fit_transfer(sent, budget["prefill"]))
-            fleet = Fleet(decode, pool(profiles["prefill"], budget["prefill"], 1), transfer)
-        else:
-            fleet = Fleet(decode)
-        predicted = compute_stats(fleet.run(run.load.arrivals(run.rate)).records, None, **slo)
-        errors = {}
-        for name, p in FIGURES:
-            m, s = figure(run.measured, name, p), figure(predicted, name, p)
-            errors[figure_key(name, p)] = {"measured": m, "predicted": s, "error": (s - m) / m if m else None}
-        out.append(
-            {
-                "mode": served.mode,
-                "workload": run.name,
-                "rate": run.rate,
-                "compilations": run.compilations,
-                "figures": errors,
-            }
-        )
-        echo(f"{served.mode} {run.name} {run.rate:g}/s: measured/predicted (error) {_line(errors)}")
+        figures = _errors(run, others, slo)
+        entry = {
+            "mode": served.mode,
+            "workload": run.name,
+            "rate": run.rate,
+            "compilations": run.compilations,
+            "figures": figures,
+        }
+        own = _fleet(served, [run])
+        if own is not None:
+            entry["own_steps"] = _errors(run, own, slo)
+        out.append(entry)
+        echo(f"{served.mode} {run.name} {run.rate:g}/s: measured/predicted (error) {_line(figures)}")
     return out
 
 
-def mean_errors(predictions: list[dict]) -> dict:
+def _fleet(served: Served, runs: Sequence[Run]) -> Fleet | None:
+    """A fleet of `served`'s mode (one replica a role) with profiles fitted to its servers' steps during
+    `runs` and the KV transfer to their request lines; None where a role has fewer than MIN_STEPS steps."""
+    profiles = {}
+    for role, (info, steps) in served.steps.items():
+        mine = [step for r in runs for step in steps[slice(*r.spans[role])] if step[0]]
+        if len(mine) < MIN_STEPS:
+            return None
+        profiles[role] = fit_profile(info, mine)
+    budget = {role: int(p.engine_info["max_num_batched_tokens"]) for role, p in profiles.items()}
+    decode = pool(profiles["decode"], budget["decode"], 1)
+    if "prefill" not in profiles:
+        return Fleet(decode)
+    transfer = Transfer.fitted(fit_transfer([t for r in runs for t in r.transfers], budget["prefill"]))
+    return Fleet(decode, pool(profiles["prefill"], budget["prefill"], 1), transfer)
+
+
+def _errors(run: Run, fleet: Fleet, slo: dict) -> dict:
+    """{figure: {measured, predicted, error}} of `run` simulated on `fleet`."""
+    predicted = compute_stats(fleet.run(run.load.arrivals(run.rate)).records, None, **slo)
+    errors = {}
+    for name, p in FIGURES:
+        m, s = figure(run.measured, name, p), figure(predicted, name, p)
+        errors[figure_key(name, p)] = {"measured": m, "predicted": s, "error": (s - m) / m if m else None}
+    return errors
+
+
+def mean_errors(predictions: list[dict], part: str = "figures") -> dict:
     """Each figure's mean absolute percentage error over the runs (those where it was measured as 0 left
     out), its worst run, the goal it is held to, and the mean absolute error in the figure's own unit over
     every run (ms, requests/s: a percentage of a figure near 0, goodput in an overloaded run, reads large
-    where the figure is off by little)."""
+    where the figure is off by little). `part`: "figures" (predicted from the other runs' steps) or
+    "own_steps" (from each run's own: the simulator's error alone)."""
     out = {}
     for name, p in FIGURES:
         key = figure_key(name, p)
-        figures = [r["figures"][key] for r in predictions]
+        figures = [r[part][key] for r in predictions if part in r]
         errors = [abs(f["error"]) for f in figures if f["error"] is not None]
         if errors:
             value = sum(errors) / len(errors)
@@ -235,13 +257,21 @@ def mean_errors(predictions: list[dict]) -> dict:
     return out
 
 
-def format_errors(errors: dict) -> str:
-    """mean_errors as lines: a figure's MAPE, worst run, goal and mean absolute error."""
+def format_errors(errors: dict, label: str = "") -> str:
+    """mean_errors as lines (each after `label`): a figure's MAPE, worst run, goal and mean absolute error."""
     return "\n".join(
-        f"{key:<12} MAPE {e['mape']:6.1%} over {e['runs']} runs (worst {e['worst']:.1%}); goal "
+        f"{label}{key:<12} MAPE {e['mape']:6.1%} over {e['runs']} runs (worst {e['worst']:.1%}); goal "
         f"{e['goal']:.0%} {'met' if e['met'] else 'NOT met'}; mean |error| {e['mean_abs']:.3g}"
         for key, e in errors.items()
     )
+
+
+def _filling_requests(step_log: Path, prompt_len: str) -> int:
+    """How many prompts of `prompt_len` write as many tokens as the KV cache of the engine that writes
+    `step_log` holds (its description's kv_tokens), at least 8."""
+    info, _ = read_step_log(step_log)
+    lengths = LengthDist.parse(prompt_len)
+    return max(8, -(-int(info["kv_tokens"]) * 2 // (lengths.low + lengths.high)))
 
 
 def _compilations(servers) -> float:

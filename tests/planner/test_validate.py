@@ -39,7 +39,7 @@ SLO = {"slo_ttft_ms": 300.0, "slo_tpot_ms": 50.0}
 def test_runs_served_by_steps_of_known_cost_are_predicted_exactly_from_the_others():
     """Each run's 'served' figures and steps are a simulation with COSTS; predict() fits a profile to the
     *other* runs' steps only (a run's own never leak into its prediction: the spans slice them apart),
-    recovers COSTS, and predicts every figure with no error."""
+    recovers COSTS, and predicts every figure with no error; and again from the run's own steps alone."""
     truth = pool(Profile(COSTS, engine_info=ENGINE), 256, 1)
     runs, steps = [], []
     for i, rate in enumerate((2.0, 4.0, 8.0)):
@@ -52,9 +52,22 @@ def test_runs_served_by_steps_of_known_cost_are_predicted_exactly_from_the_other
     predictions = predict(Served("colocated", runs, {"decode": (ENGINE, steps)}), SLO, echo=lambda _: None)
     assert [p["rate"] for p in predictions] == [2.0, 4.0, 8.0]
     for p in predictions:
-        for key, f in p["figures"].items():
-            assert f["measured"] > 0, (p["rate"], key)
-            assert f["predicted"] == pytest.approx(f["measured"], rel=1e-6), (p["rate"], key)
+        for part in ("figures", "own_steps"):
+            for key, f in p[part].items():
+                assert f["measured"] > 0, (p["rate"], key)
+                assert f["predicted"] == pytest.approx(f["measured"], rel=1e-6), (p["rate"], part, key)
+    # a run whose logged steps took 1.5x what its figures were served with: predicted from its own steps,
+    # its TPOT is at least 1.5x too long (slower steps also batch more); from the others', exact (its own
+    # steps never leak into that prediction)
+    slow = [
+        (rows, s * 1.5) if i in range(*runs[1].spans["decode"]) else (rows, s)
+        for i, (rows, s) in enumerate(steps)
+    ]
+    p = predict(Served("colocated", runs, {"decode": (ENGINE, slow)}), SLO, echo=lambda _: None)[1]
+    slowed = p["own_steps"]["tpot_ms_p50"]["error"]
+    assert 0.5 - 1e-6 <= slowed < 1.0
+    assert p["figures"]["tpot_ms_p50"]["error"] == pytest.approx(0.0, abs=1e-6)
+    assert mean_errors([p], "own_steps")["tpot_ms_p50"]["mape"] == pytest.approx(slowed)
     # a run whose other runs left too few steps to fit is not predicted
     few = [dataclasses.replace(r, spans={"decode": (0, 3)}) for r in runs[:2]]
     assert predict(Served("colocated", few, {"decode": (ENGINE, steps)}), SLO, echo=lambda _: None) == []
