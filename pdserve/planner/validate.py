@@ -10,7 +10,7 @@ and the difference between the two is how far one run's step costs carry to anot
 
 Before the measured runs the servers serve a first pass that writes as many prompt tokens as the decode
 server's KV cache holds, so every run meets a cache in its steady state (full, evicting, its blocks spread
-over the cache) rather than the first one a fresh cache's contiguous blocks."""
+over the cache), not only the runs after the first: a fresh cache hands out contiguous blocks."""
 
 from __future__ import annotations
 
