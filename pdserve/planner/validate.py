@@ -109,6 +109,7 @@ def serve(
     logs = Path(log_dir or tempfile.mkdtemp(prefix="pdserve-validate-"))
     cpus, slo = cpus or {}, slo or {}
     step_logs = {"decode": logs / f"{mode}-decode-steps.jsonl"}
+    echo(f"{mode}: the servers' logs and step logs go to {logs} (kept: `pdserve profile --from-step-log`)")
     servers = []
     try:
         if mode == "disaggregated":
