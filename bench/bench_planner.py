@@ -237,10 +237,9 @@ def main(argv: list[str] | None = None) -> None:
     if predictions:
         result["speed"], result["slo"] = args.speed, _slo(args)
         result["runs"] = predictions
-        result["mape"] = validate.mean_errors(predictions)
-        result["mape_own_steps"] = validate.mean_errors(predictions, "own_steps")
-        print(validate.format_errors(result["mape"]), flush=True)
-        print(validate.format_errors(result["mape_own_steps"], "own steps: "), flush=True)
+        result["mape"], result["mape_own_steps"] = validate.summarise(
+            predictions, functools.partial(print, flush=True)
+        )
     result["tpu_v5e_plan"] = projection(
         args, served_by_mode.get("colocated") or next(iter(served_by_mode.values()))
     )

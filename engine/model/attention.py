@@ -174,7 +174,7 @@ def _short_over_past(q_rows, cache, layer, block_tables, past, row_from, attend,
         )
         k, v = _split_kv(kv, dv if latent else None)  # [W, kv_heads, tile, d]
         pos = j[:, None] * tile + jnp.arange(tile)  # [W, tile]
-        seen = (  # a padding pair sees nothing: its m is -1e30 and its scale below 0
+        seen = (  # a padding pair sees nothing: its m is -1e30, its scale_p 0
             real[:, None, None]
             & (pos[:, None] < past[seq, None, None])
             & (pos[:, None] >= row_from[seq][:, :, None])

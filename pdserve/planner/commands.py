@@ -322,9 +322,6 @@ def _validate(args: argparse.Namespace) -> int:
             args.model, mode, runs, config_argv(engine_config(args)), cpus, slo, echo=echo
         )
         predictions += validate.predict(served, slo, echo=echo)
-    errors = validate.mean_errors(predictions)
-    own = validate.mean_errors(predictions, "own_steps")  # the simulator's error alone
-    print(validate.format_errors(errors), file=sys.stderr)
-    print(validate.format_errors(own, "own steps: "), file=sys.stderr)
+    errors, own = validate.summarise(predictions, echo)
     report({"validation": {"runs": predictions, "errors": errors, "errors_own_steps": own}}, args.json_path)
     return 0

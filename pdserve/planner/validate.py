@@ -267,6 +267,15 @@ def format_errors(errors: dict, label: str = "") -> str:
     )
 
 
+def summarise(predictions: list[dict], echo=print) -> tuple[dict, dict]:
+    """mean_errors of the predictions from the other runs' steps and of those from each run's own steps,
+    both echoed (format_errors, the second labelled "own steps")."""
+    errors, own = mean_errors(predictions), mean_errors(predictions, "own_steps")
+    echo(format_errors(errors))
+    echo(format_errors(own, "own steps: "))
+    return errors, own
+
+
 def _filling_requests(step_log: Path, prompt_len: str) -> int:
     """How many prompts of `prompt_len` write as many tokens as the KV cache of the engine that writes
     `step_log` holds (its description's kv_tokens), at least 8."""
